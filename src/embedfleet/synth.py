@@ -1,0 +1,100 @@
+"""Synthetic review-length texts and Amazon-review-format corpora.
+
+Benchmarks and GPU runs need realistic *lengths* (speed depends on tokens, not meaning), and the
+machines that run them have no internet. Lengths are lognormal with a median of 40 words, like
+product reviews; words come from a fixed vocabulary so the tokenizer sees ordinary English.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+
+_WORDS = (
+    "the a and it this is for with my was but not phone case battery screen charger great good "
+    "works well after week month day quality product price cheap fast slow broke broken return "
+    "refund love like hate recommend would buy again bought use used using cable fits fit perfect "
+    "perfectly color black white blue red size small large bigger smaller light heavy sturdy "
+    "flimsy plastic metal glass protector scratch scratches drop dropped dies died charge charging "
+    "hours minutes seconds time times received arrived shipping package box seller amazon star "
+    "stars five one two three four easy hard install installed button buttons sound volume "
+    "speaker headphones bluetooth wireless connection connect connected pair paired signal "
+    "really very so too much more less than then also just only even still already however "
+    "because since while when where what which who how why all any some every each no yes "
+    "excellent terrible awful amazing okay fine decent solid nice beautiful ugly cute happy sad "
+    "disappointed satisfied surprised impressed expected described advertised picture looks"
+).split()
+
+
+def review_lengths(n: int, seed: int = 0, median_words: int = 40, sigma: float = 0.8) -> np.ndarray:
+    """Word counts drawn lognormally (median `median_words`), clipped to [1, 2000]."""
+    rng = np.random.default_rng(seed)
+    return np.clip(rng.lognormal(np.log(median_words), sigma, n).astype(np.int64), 1, 2000)
+
+
+def review_texts(n: int, seed: int = 0, median_words: int = 40) -> list[str]:
+    """`n` review-length texts, deterministic for a seed."""
+    rng = np.random.default_rng(seed + 1)
+    lengths = review_lengths(n, seed, median_words)
+    words = np.array(_WORDS)
+    picks = rng.integers(0, len(words), int(lengths.sum()))
+    out, pos = [], 0
+    for k in lengths:
+        out.append(" ".join(words[picks[pos : pos + k]]).capitalize() + ".")
+        pos += k
+    return out
+
+
+def write_amazon_reviews(path: str | Path, n: int, seed: int = 0, products: int = 1000) -> Path:
+    """Write `n` reviews in the Amazon Reviews 2023 JSONL layout (one object a line)."""
+    path = Path(path)
+    rng = np.random.default_rng(seed + 2)
+    texts = review_texts(n, seed)
+    ratings = rng.integers(1, 6, n)
+    prods = rng.integers(0, products, n)
+    votes = rng.poisson(1.0, n)
+    with path.open("w", encoding="utf-8") as f:
+        for i, text in enumerate(texts):
+            title = " ".join(text.split()[:5]).rstrip(".")
+            rec = {
+                "rating": float(ratings[i]),
+                "title": title,
+                "text": text,
+                "images": [],
+                "asin": f"B{prods[i]:09d}",
+                "parent_asin": f"P{prods[i]:09d}",
+                "user_id": f"U{seed:03d}{i:010d}",
+                "timestamp": 1_600_000_000_000 + i * 1000,
+                "helpful_vote": int(votes[i]),
+                "verified_purchase": bool(i % 3),
+            }
+            f.write(json.dumps(rec) + "\n")
+    return path
+
+
+def write_amazon_meta(path: str | Path, products: int = 1000, seed: int = 0) -> Path:
+    """Product metadata for `write_amazon_reviews`' parent_asins, in the meta_*.jsonl layout."""
+    path = Path(path)
+    rng = np.random.default_rng(seed + 3)
+    with path.open("w", encoding="utf-8") as f:
+        for p in range(products):
+            rec = {
+                "main_category": "Cell Phones & Accessories",
+                "title": f"Product {p} " + " ".join(rng.choice(_WORDS, 6)),
+                "average_rating": round(float(rng.uniform(1, 5)), 1),
+                "rating_number": int(rng.integers(0, 5000)),
+                "features": [" ".join(rng.choice(_WORDS, 5)) for _ in range(2)],
+                "description": [],
+                "price": round(float(rng.uniform(3, 80)), 2) if p % 4 else None,
+                "images": [],
+                "videos": [],
+                "store": f"Store {p % 37}",
+                "categories": ["Cell Phones & Accessories", "Cases"],
+                "details": {"Brand": f"Brand{p % 11}"},
+                "parent_asin": f"P{p:09d}",
+                "bought_together": None,
+            }
+            f.write(json.dumps(rec) + "\n")
+    return path
