@@ -1,0 +1,106 @@
+"""What every reader yields, and the shared pieces: opening (de)compressed streams, parsing lines.
+
+Fault semantics, the same for every reader:
+- a UTF-8 BOM at the start of a file, CRLF line ends and a last line without a newline are normal;
+- blank and whitespace-only lines are skipped silently but still count for line numbers;
+- malformed JSON and a JSON value that is not an object are yielded with `error` set (they become
+  rejects; nothing stops);
+- invalid UTF-8 bytes are replaced with U+FFFD and the line is kept: one bad byte in a review
+  should not lose the review, and the replacement character makes the damage visible.
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+import zlib
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import IO
+
+import orjson
+import zstandard
+
+from embedfleet.errors import InputError
+
+BOM = b"\xef\xbb\xbf"
+_READ = 1 << 20
+# What a truncated or corrupt .gz/.zst stream raises while being read.
+STREAM_ERRORS = (OSError, EOFError, zlib.error, zstandard.ZstdError)
+_TYPE_NAMES = {list: "an array", str: "a string", int: "a number", float: "a number", bool: "a boolean"}
+
+
+@dataclass(slots=True)
+class RawRecord:
+    source: str
+    line: int
+    data: dict | None  # the parsed object, or None when `error` is set
+    raw: str  # the line's text (for rejects); a JSON rendering for Parquet/CSV rows
+    error: str | None  # why this line is a reject, e.g. "malformed JSON: Unexpected character at column 12"
+
+
+def open_binary(path: str) -> IO[bytes]:
+    """The file's bytes, decompressed by suffix (.gz: gzip, multi-member; .zst: zstd, multi-frame)."""
+    lower = path.lower()
+    if lower.endswith(".gz"):
+        return gzip.open(path, "rb")
+    if lower.endswith(".zst"):
+        fh = open(path, "rb")
+        return zstandard.ZstdDecompressor().stream_reader(fh, read_across_frames=True, closefd=True)
+    return open(path, "rb")
+
+
+def iter_lines(stream: IO[bytes], limit: int = -1) -> Iterator[bytes]:
+    """Lines of a byte stream without their "\\n", reading at most `limit` bytes (-1: all).
+
+    Reads fixed blocks, so memory is one block plus the longest line.
+    """
+    tail = b""
+    while limit:
+        block = stream.read(_READ if limit < 0 else min(_READ, limit))
+        if not block:
+            break
+        if limit > 0:
+            limit -= len(block)
+        lines = (tail + block).split(b"\n") if tail else block.split(b"\n")
+        tail = lines.pop()
+        yield from lines
+    if tail:
+        yield tail
+
+
+def parse_line(source: str, number: int, line: bytes) -> RawRecord | None:
+    """One JSONL line as a RawRecord; None for a blank line (skipped, but it was counted)."""
+    if line.endswith(b"\r"):
+        line = line[:-1]
+    if not line or line.isspace():
+        return None
+    try:
+        data = orjson.loads(line)
+    except orjson.JSONDecodeError as e:
+        data, err = _parse_lenient(line, e)
+        if err:
+            return RawRecord(source, number, None, line.decode("utf-8", "replace"), err)
+    raw = line.decode("utf-8", "replace")
+    if type(data) is not dict:
+        return RawRecord(source, number, None, raw, f"JSON value is {_type_name(data)}, not an object")
+    return RawRecord(source, number, data, raw, None)
+
+
+def _parse_lenient(line: bytes, orjson_error: orjson.JSONDecodeError) -> tuple[object, str | None]:
+    """The rare lines orjson refuses but that hold a usable object: invalid UTF-8 bytes (replaced),
+    lone surrogate escapes (sanitized later) and integers beyond 64 bits. Else orjson's reason."""
+    try:
+        return json.loads(line.decode("utf-8", "replace")), None
+    except (ValueError, RecursionError):
+        msg = orjson_error.msg
+        return None, f"malformed JSON: {msg[:1].upper()}{msg[1:]} at column {orjson_error.colno}"
+
+
+def _type_name(value: object) -> str:
+    return "null" if value is None else _TYPE_NAMES.get(type(value), type(value).__name__)
+
+
+def stream_error(path: str, line: int, err: Exception) -> InputError:
+    """A truncated or corrupt compressed stream: the chunk fails with a message naming where."""
+    return InputError(f"{path}: unreadable after line {line} (corrupt or truncated file?): {err}")

@@ -1,0 +1,150 @@
+"""Planning: turn input paths into chunks a worker can claim.
+
+Pure apart from reading files to find boundaries: the same files and `chunk_bytes` always give the
+same chunks, so a re-run of a job finds the ledger's chunks again. A plain JSONL file is cut at
+newline-aligned byte offsets in one streaming pass that also counts lines, so every chunk knows the
+physical number of its first line (rejects and resume cursors name real lines). Compressed streams
+and CSV cannot be entered mid-way and are one chunk each; Parquet is cut at row-group boundaries.
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import pyarrow.parquet as pq
+
+from embedfleet.errors import InputError
+
+_BLOCK = 4 << 20  # read size while counting lines: big blocks keep bytes.count in C
+_JSONL = (".jsonl", ".ndjson", ".jsonlines", ".json")
+_COMPRESSED = (".gz", ".zst")
+_PARQUET = (".parquet", ".pq")
+_CSV = (".csv",)
+SUPPORTED = ".jsonl .ndjson .jsonlines .json (each optionally .gz or .zst), .parquet .pq, .csv (optionally .gz or .zst)"
+
+
+@dataclass(frozen=True)
+class ChunkSpec:
+    source: str  # absolute path
+    kind: str  # "jsonl" | "stream" (compressed jsonl) | "parquet" | "csv"
+    start: int  # byte offset (jsonl) | first row group (parquet) | 0
+    end: int  # exclusive byte end (jsonl) | exclusive row-group end (parquet) | -1 = to end of stream
+    first_line: int  # 1-based line (jsonl/stream) or data row (parquet/csv) number of the chunk's first item
+
+
+def _split_suffixes(path: str | os.PathLike) -> tuple[str, str, str]:
+    """(stem, format suffix, compression suffix), matched case-insensitively; "" where absent."""
+    name = Path(path).name
+    lower = name.lower()
+    comp = next((c for c in _COMPRESSED if lower.endswith(c)), "")
+    rest = lower[: len(lower) - len(comp)]
+    fmt = next((f for f in _JSONL + _PARQUET + _CSV if rest.endswith(f)), "")
+    return name[: len(rest) - len(fmt)], fmt, comp
+
+
+def input_kind(path: str | os.PathLike) -> str:
+    """"jsonl", "stream", "parquet" or "csv", from the file name's suffixes."""
+    _, fmt, comp = _split_suffixes(path)
+    if fmt in _JSONL:
+        return "stream" if comp else "jsonl"
+    if fmt in _CSV:
+        return "csv"
+    if fmt in _PARQUET and not comp:
+        return "parquet"
+    raise InputError(f"unsupported input file type: {path} (supported: {SUPPORTED})")
+
+
+def table_name_for(path: str | os.PathLike) -> str:
+    """The file name without its known suffixes: "reviews.jsonl.gz" -> "reviews"."""
+    stem, fmt, comp = _split_suffixes(path)
+    return stem if fmt else Path(path).name[: len(Path(path).name) - len(comp)]
+
+
+def expand_inputs(inputs: list[str]) -> list[str]:
+    """Absolute, sorted, de-duplicated file paths; globs (with ** recursion) are expanded."""
+    found: set[str] = set()
+    for item in inputs:
+        if glob.has_magic(item):
+            files = [p for p in glob.glob(os.path.expanduser(item), recursive=True) if os.path.isfile(p)]
+            if not files:
+                raise InputError(f"input not found: {item} (the pattern matches no files)")
+            found.update(os.path.abspath(p) for p in files)
+        elif os.path.isdir(item):
+            raise InputError(f"input is a directory: {item} (pass its files, e.g. '{item}/*.jsonl')")
+        elif os.path.isfile(item):
+            found.add(os.path.abspath(item))
+        else:
+            raise InputError(f"input not found: {item}")
+    return sorted(found)
+
+
+def plan_chunks(paths: list[str], chunk_bytes: int = 8 << 20) -> list[ChunkSpec]:
+    """Chunks for every path, in path order; empty files give none."""
+    if chunk_bytes < 1:
+        raise InputError(f"chunk size must be at least 1 byte, got {chunk_bytes}")
+    chunks: list[ChunkSpec] = []
+    for path in paths:
+        path = os.path.abspath(path)
+        kind = input_kind(path)
+        try:
+            if os.path.getsize(path) == 0:
+                continue
+            if kind == "jsonl":
+                chunks.extend(_jsonl_chunks(path, chunk_bytes))
+            elif kind == "parquet":
+                chunks.extend(_parquet_chunks(path, chunk_bytes))
+            else:
+                chunks.append(ChunkSpec(path, kind, 0, -1, 1))
+        except OSError as e:
+            raise InputError(f"cannot read input {path}: {e.strerror or e}") from e
+    return chunks
+
+
+def _jsonl_chunks(path: str, chunk_bytes: int) -> list[ChunkSpec]:
+    """Cut after the first newline at or past each `chunk_bytes` mark, counting lines on the way.
+
+    Memory stays at one block however long the lines are; a chunk is never shorter than
+    `chunk_bytes` except the last, and a line longer than a chunk simply makes its chunk longer.
+    """
+    out: list[ChunkSpec] = []
+    start, first_line = 0, 1
+    newlines = 0  # newlines before `pos`
+    pos = 0  # file offset of block[0]
+    with open(path, "rb") as f:
+        while block := f.read(_BLOCK):
+            i = 0  # position in block up to which newlines are counted
+            while True:
+                j = block.find(b"\n", max(start + chunk_bytes - 1 - pos, i))
+                if j < 0:
+                    newlines += block.count(b"\n", i)
+                    break
+                newlines += block.count(b"\n", i, j + 1)
+                end = pos + j + 1
+                out.append(ChunkSpec(path, "jsonl", start, end, first_line))
+                start, first_line, i = end, newlines + 1, j + 1
+            pos += len(block)
+    if start < pos:
+        out.append(ChunkSpec(path, "jsonl", start, pos, first_line))
+    return out
+
+
+def _parquet_chunks(path: str, chunk_bytes: int) -> list[ChunkSpec]:
+    """Consecutive row groups whose uncompressed size adds up to about `chunk_bytes`."""
+    try:
+        meta = pq.ParquetFile(path).metadata
+    except Exception as e:  # pyarrow raises ArrowInvalid/OSError variants for non-parquet bytes
+        raise InputError(f"cannot read Parquet file {path}: {e}") from e
+    out: list[ChunkSpec] = []
+    group_start, size, row, first_row = 0, 0, 1, 1
+    for g in range(meta.num_row_groups):
+        rg = meta.row_group(g)
+        size += rg.total_byte_size
+        row += rg.num_rows
+        if size >= chunk_bytes or g == meta.num_row_groups - 1:
+            if row > first_row:  # skip runs of empty row groups
+                out.append(ChunkSpec(path, "parquet", group_start, g + 1, first_row))
+            group_start, size, first_row = g + 1, 0, row
+    return out
