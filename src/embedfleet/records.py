@@ -1,0 +1,325 @@
+"""Records: from parsed input lines to rows (id, content, typed values) or rejects with a reason.
+
+Everything here is pure. `to_records` handles one chunk's batch: it joins product metadata with a
+single lookup, renders the text that will be embedded, sanitizes every string for PostgreSQL and
+coerces values to their column types. A line that cannot become a row becomes a `Reject` naming
+why; it never stops the batch.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from datetime import date, datetime, timedelta, timezone
+from decimal import Decimal
+from functools import lru_cache
+from string import Formatter
+
+import orjson
+
+from embedfleet.errors import InputError
+
+PGTYPES = ("text", "real", "double precision", "integer", "bigint", "boolean", "timestamptz", "jsonb")
+RAW_LIMIT = 4000  # chars of a rejected line kept for the user to inspect
+_INT_RANGE = {"integer": 2**31, "bigint": 2**63}
+_SURROGATES = re.compile("[\ud800-\udfff]")
+_EPOCH = datetime(1970, 1, 1, tzinfo=timezone.utc)
+
+
+@dataclass(frozen=True)
+class Column:
+    name: str
+    pgtype: str  # one of PGTYPES
+
+
+@dataclass
+class Record:
+    id: str
+    content: str  # exactly the text that is embedded
+    values: dict[str, object]  # column name -> coerced value (None allowed), for every preset column
+    source: str
+    line: int
+
+
+@dataclass
+class Reject:
+    source: str
+    line: int
+    reason: str
+    raw: str  # sanitized, cut to RAW_LIMIT chars
+
+
+class RecordError(ValueError):
+    """A line that cannot become a row; the message is the reject reason."""
+
+
+class CoerceError(RecordError):
+    """A value that does not fit its typed column; the message names field, value and type."""
+
+
+# --- sanitizing -------------------------------------------------------------------------------
+
+
+def sanitize(s: str) -> str:
+    """Text PostgreSQL can store: NUL removed, lone surrogates replaced by U+FFFD."""
+    if "\x00" in s:
+        s = s.replace("\x00", "")
+    if s.isascii():
+        return s
+    return _SURROGATES.sub("\ufffd", s)
+
+
+def jsonable(value: object) -> object:
+    """A JSON-safe copy for a jsonb column: strings (keys too) sanitized, NaN/inf -> None,
+    dates as ISO text, tuples as lists, anything else Parquet may hand us as its text."""
+    if value is None or isinstance(value, (bool, int)):
+        return value
+    if isinstance(value, str):
+        return sanitize(value)
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {sanitize(str(k)): jsonable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [jsonable(v) for v in value]
+    if isinstance(value, (datetime, date)):
+        return value.isoformat()
+    if isinstance(value, Decimal):
+        return jsonable(float(value))
+    if isinstance(value, bytes):
+        return sanitize(value.decode("utf-8", "replace"))
+    return sanitize(str(value))
+
+
+# --- coercion ---------------------------------------------------------------------------------
+
+
+def coerce(value: object, pgtype: str, field: str) -> object:
+    """`value` as the Python value for a `pgtype` column; None (and "" for non-text) stays None.
+
+    Raises CoerceError("cannot coerce rating='five' to real") when it does not fit.
+    """
+    if value is None:
+        return None
+    if pgtype == "jsonb":
+        return jsonable(value)
+    if pgtype == "text":
+        if isinstance(value, (dict, list)):
+            raise _coerce_error(field, value, pgtype)
+        return sanitize(value if isinstance(value, str) else str(value))
+    if isinstance(value, str):
+        value = value.strip()
+        if not value:
+            return None
+    try:
+        out = _COERCE[pgtype](value)
+    except (ValueError, TypeError, OverflowError, ArithmeticError):
+        out = None
+    if out is None:
+        raise _coerce_error(field, value, pgtype)
+    return out
+
+
+def _coerce_error(field: str, value: object, pgtype: str) -> CoerceError:
+    shown = repr(value)
+    shown = shown if len(shown) <= 60 else shown[:57] + "..."
+    return CoerceError(f"cannot coerce {field}={shown} to {pgtype}")
+
+
+def _to_float(v: object) -> float | None:
+    if isinstance(v, bool) or not isinstance(v, (int, float, str, Decimal)):
+        return None
+    return float(v)
+
+
+def _to_int(v: object, bits_range: int) -> int | None:
+    if isinstance(v, bool):
+        return None
+    if isinstance(v, str):
+        v = int(v) if v.lstrip("+-").isdigit() else float(v)
+    if isinstance(v, (float, Decimal)):
+        if not v == int(v):  # integral only; int(nan/inf) raises, caught by coerce
+            return None
+        v = int(v)
+    if not isinstance(v, int) or not -bits_range <= v < bits_range:
+        return None
+    return v
+
+
+def _to_bool(v: object) -> bool | None:
+    if isinstance(v, bool):
+        return v
+    if isinstance(v, int) and v in (0, 1):
+        return bool(v)
+    if isinstance(v, str):
+        return {"true": True, "false": False, "1": True, "0": False}.get(v.lower())
+    return None
+
+
+def _to_timestamp(v: object) -> datetime | None:
+    """Epoch milliseconds (number or numeric string) or an ISO 8601 string; naive means UTC."""
+    if isinstance(v, bool):
+        return None
+    if isinstance(v, str):
+        try:
+            v = float(v)
+        except ValueError:
+            dt = datetime.fromisoformat(v)
+            return dt if dt.tzinfo else dt.replace(tzinfo=timezone.utc)
+    if isinstance(v, datetime):
+        return v if v.tzinfo else v.replace(tzinfo=timezone.utc)
+    if isinstance(v, (int, float)):
+        return _EPOCH + timedelta(milliseconds=v)
+    return None
+
+
+_COERCE: dict[str, Callable[[object], object]] = {
+    "real": _to_float,
+    "double precision": _to_float,
+    "integer": lambda v: _to_int(v, _INT_RANGE["integer"]),
+    "bigint": lambda v: _to_int(v, _INT_RANGE["bigint"]),
+    "boolean": _to_bool,
+    "timestamptz": _to_timestamp,
+}
+
+
+def epoch_millis(dt: datetime) -> int:
+    """The timestamp's epoch milliseconds: the canonical form used inside ids."""
+    return (dt - _EPOCH) // timedelta(milliseconds=1)
+
+
+# --- templating -------------------------------------------------------------------------------
+
+
+def validate_template(template: str) -> None:
+    """Raise InputError if `template` cannot be rendered (checked once, at job start)."""
+    _compile(template)
+
+
+@lru_cache(maxsize=64)
+def _compile(template: str) -> tuple[tuple[str, tuple[str, ...] | None], ...]:
+    """(literal text, field path or None) pairs; "{{" and "}}" are literal braces."""
+    parts = []
+    try:
+        parsed = list(Formatter().parse(template))
+    except ValueError as e:
+        raise InputError(f"bad text template {template!r}: {e} (write literal braces as {{{{ and }}}})") from None
+    for literal, field, spec, conversion in parsed:
+        if field is None:
+            parts.append((literal, None))
+            continue
+        if not field.strip() or "[" in field or spec or conversion:
+            raise InputError(
+                f"bad text template {template!r}: field {{{field}}} must be a plain name or dotted path "
+                "like {title} or {details.Brand} (no format specs, conversions or [index])"
+            )
+        parts.append((literal, tuple(field.strip().split("."))))
+    return tuple(parts)
+
+
+def lookup(fields: dict, path: tuple[str, ...] | str) -> object:
+    """The value at a dotted path ("details.Brand"), or None; a key that itself has dots wins."""
+    if isinstance(path, str):
+        if path in fields:
+            return fields[path]
+        path = tuple(path.split("."))
+    elif len(path) > 1 and ".".join(path) in fields:
+        return fields[".".join(path)]
+    value: object = fields
+    for key in path:
+        if isinstance(value, dict):
+            value = value.get(key)
+        elif isinstance(value, list) and key.isdigit() and int(key) < len(value):
+            value = value[int(key)]
+        else:
+            return None
+    return value
+
+
+def as_text(value: object) -> str:
+    """How a field reads inside text: None -> "", a list of scalars joined by ", ", objects as JSON."""
+    if value is None:
+        return ""
+    if isinstance(value, str):
+        return value
+    if isinstance(value, list) and all(not isinstance(v, (dict, list)) for v in value):
+        return ", ".join(as_text(v) for v in value)
+    if isinstance(value, (dict, list)):
+        return orjson.dumps(jsonable(value)).decode()
+    return str(value)
+
+
+def render_template(template: str, fields: dict) -> str:
+    """Fill "{title}\\n\\n{text}"-style templates; a missing or None field renders as ""."""
+    return "".join(lit + ("" if path is None else as_text(lookup(fields, path))) for lit, path in _compile(template))
+
+
+# --- records ----------------------------------------------------------------------------------
+
+
+def to_records(
+    raws: Iterable,
+    preset,
+    *,
+    template: str | None = None,
+    text_field: str | None = None,
+    id_field: str | None = None,
+    meta_lookup: Callable[[set[str]], dict[str, dict]] | None = None,
+) -> tuple[list[Record], list[Reject]]:
+    """One batch of RawRecords -> (records in input order, rejects). Duplicate ids are all kept."""
+    if template is not None and text_field is not None:
+        raise InputError("give a text field or a text template, not both")
+    if template is None and text_field is None:
+        template, text_field = preset.default_template, preset.default_text_field
+    records: list[Record] = []
+    rejects: list[Reject] = []
+    good = []
+    for raw in raws:
+        if raw.error is not None:
+            rejects.append(make_reject(raw, raw.error))
+        else:
+            good.append(raw)
+    products = _lookup_products(good, preset, meta_lookup)
+    for raw in good:
+        product = products.get(_meta_key(raw.data, preset), {}) if preset.meta_key else {}
+        try:
+            records.append(_to_record(raw, preset, product, template, text_field, id_field))
+        except RecordError as e:
+            rejects.append(make_reject(raw, str(e)))
+    return records, rejects
+
+
+def make_reject(raw, reason: str) -> Reject:
+    return Reject(raw.source, raw.line, reason, sanitize(raw.raw[:RAW_LIMIT]))
+
+
+def _meta_key(data: dict, preset) -> str | None:
+    key = data.get(preset.meta_key)
+    return None if key is None else str(key)
+
+
+def _lookup_products(raws: list, preset, meta_lookup) -> dict[str, dict]:
+    """One meta lookup for the whole batch (one round trip to the meta table, not one per line)."""
+    if not preset.meta_key or meta_lookup is None:
+        return {}
+    keys = {k for raw in raws if (k := _meta_key(raw.data, preset)) is not None}
+    return meta_lookup(keys) if keys else {}
+
+
+def _to_record(raw, preset, product: dict, template: str | None, text_field: str | None, id_field: str | None) -> Record:
+    data = raw.data
+    values = preset.values(data, text_field)
+    for col in preset.meta_columns:
+        values[col.name] = product.get(col.name)
+    if text_field is not None:
+        text = as_text(lookup(data, text_field))
+        empty_reason = f"field '{text_field}' has no text"
+    else:
+        text = render_template(template, {**data, **product})
+        empty_reason = "template renders no text"
+    content = preset.clean_text(sanitize(text)).strip()
+    if not content:
+        raise RecordError(empty_reason)
+    return Record(preset.record_id(data, values, raw.source, raw.line, id_field), content, values, raw.source, raw.line)

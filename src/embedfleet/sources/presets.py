@@ -1,0 +1,186 @@
+"""Presets: what a kind of input becomes as a table (typed columns, id, default text, meta join).
+
+- amazon-reviews (Amazon Reviews 2023): every review field as a typed column, unknown fields in
+  `extra`, product columns joined from the meta file by parent_asin, id "user_id|asin|timestamp"
+  (timestamp as epoch milliseconds, so the same review in another time format is the same row).
+- generic: every field except the text in one jsonb column `record`; id from --id-field, else
+  "<file name>:<line>" (the name only, so ids match across machines).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from functools import cached_property
+
+from embedfleet.errors import InputError
+from embedfleet.records import Column, RecordError, coerce, epoch_millis, jsonable, lookup, sanitize
+from embedfleet.sources import plan_chunks, read_chunk
+
+log = logging.getLogger(__name__)
+_BREAKS = re.compile(r"<br\s*/?>", re.IGNORECASE)
+_PRICE = re.compile(r"(?:US)?[$€£]?\s*(\d{1,3}(?:,\d{3})+|\d+)(\.\d+)?")
+_WHOLE_FILE = 1 << 62  # chunk size that makes a meta file one chunk
+
+
+@dataclass(frozen=True)
+class Preset:
+    name: str
+    columns: tuple[Column, ...]  # every typed column besides id, content, embedding (incl. meta_columns)
+    meta_key: str | None  # the field that joins a record to its meta row
+    meta_columns: tuple[Column, ...]  # the columns filled from the meta file
+    default_template: str | None
+    default_text_field: str | None = None  # used when neither template nor text field is given
+    fields: tuple[tuple[str, str], ...] = ()  # (input field, column) pairs with a typed column
+    rest_column: str | None = None  # jsonb column that keeps every other input field
+    id_fields: tuple[str, ...] = ()  # input fields joined by "|" into the id; () -> "<file>:<line>"
+    meta_fields: tuple[tuple[str, str], ...] = ()  # (meta field, column) pairs
+    html_breaks: bool = False  # the text uses <br /> for newlines
+
+    def values(self, data: dict, text_field: str | None = None) -> dict[str, object]:
+        """Coerced typed columns of one input object (meta columns are added by the caller)."""
+        types = self._types
+        values = {col: coerce(data.get(key), types[col], key) for key, col in self.fields}
+        if self.rest_column:
+            known = {key for key, _ in self.fields} | {text_field}
+            rest = {k: v for k, v in data.items() if k not in known}
+            values[self.rest_column] = jsonable(rest) if rest else None
+        return values
+
+    def record_id(self, data: dict, values: dict, source: str, line: int, id_field: str | None = None) -> str:
+        """The deterministic row id; raises RecordError when a field it needs is missing."""
+        if id_field:
+            return _field_id(data, id_field)
+        if not self.id_fields:
+            return f"{os.path.basename(source)}:{line}"
+        columns = dict(self.fields)
+        parts = []
+        for key in self.id_fields:
+            value = values.get(columns[key])
+            if value is None or value == "":
+                raise RecordError(f"missing field '{key}' needed for the id")
+            parts.append(str(epoch_millis(value)) if self._types[columns[key]] == "timestamptz" else str(value))
+        return "|".join(parts)
+
+    def clean_text(self, text: str) -> str:
+        return _BREAKS.sub("\n", text) if self.html_breaks else text
+
+    def meta_values(self, data: dict) -> dict[str, object]:
+        """A meta object's product columns; a value that does not fit its type becomes None."""
+        types = self._types
+        out: dict[str, object] = {}
+        for key, col in self.meta_fields:
+            value = data.get(key)
+            try:
+                out[col] = parse_price(value) if col == "price" else coerce(value, types[col], key)
+            except RecordError:
+                out[col] = None
+        return out
+
+    @cached_property
+    def _types(self) -> dict[str, str]:
+        return {c.name: c.pgtype for c in self.columns}
+
+
+def _field_id(data: dict, id_field: str) -> str:
+    value = lookup(data, id_field)
+    if value is None or value == "":
+        raise RecordError(f"missing field '{id_field}' needed for the id")
+    if isinstance(value, (dict, list)):
+        raise RecordError(f"field '{id_field}' for the id is not a single value")
+    return sanitize(str(value))
+
+
+def parse_price(value: object) -> float | None:
+    """A meta price: 12.99, "$12.99", "1,299.00"; None for null, "None", "—", ranges and the like."""
+    if isinstance(value, bool) or value is None:
+        return None
+    if isinstance(value, (int, float)):
+        return float(value)
+    if isinstance(value, str) and (m := _PRICE.fullmatch(value.strip())):
+        return float(m.group(1).replace(",", "") + (m.group(2) or ""))
+    return None
+
+
+_REVIEW = (
+    ("rating", Column("rating", "real")),
+    ("title", Column("title", "text")),
+    ("text", Column("text", "text")),
+    ("images", Column("images", "jsonb")),
+    ("asin", Column("asin", "text")),
+    ("parent_asin", Column("parent_asin", "text")),
+    ("user_id", Column("user_id", "text")),
+    ("timestamp", Column("ts", "timestamptz")),
+    ("helpful_vote", Column("helpful_vote", "integer")),
+    ("verified_purchase", Column("verified_purchase", "boolean")),
+)
+_PRODUCT = (
+    ("title", Column("product_title", "text")),
+    ("main_category", Column("main_category", "text")),
+    ("store", Column("store", "text")),
+    ("price", Column("price", "real")),
+    ("average_rating", Column("average_rating", "real")),
+    ("rating_number", Column("rating_number", "integer")),
+    ("features", Column("features", "jsonb")),
+    ("description", Column("description", "jsonb")),
+    ("categories", Column("categories", "jsonb")),
+    ("details", Column("details", "jsonb")),
+)
+
+PRESETS = {
+    "amazon-reviews": Preset(
+        name="amazon-reviews",
+        columns=tuple(c for _, c in _REVIEW) + (Column("extra", "jsonb"),) + tuple(c for _, c in _PRODUCT),
+        meta_key="parent_asin",
+        meta_columns=tuple(c for _, c in _PRODUCT),
+        default_template="{title}\n\n{text}",  # an empty title leaves just the text (content is stripped)
+        fields=tuple((key, c.name) for key, c in _REVIEW),
+        rest_column="extra",
+        id_fields=("user_id", "asin", "timestamp"),
+        meta_fields=tuple((key, c.name) for key, c in _PRODUCT),
+        html_breaks=True,
+    ),
+    "generic": Preset(
+        name="generic",
+        columns=(Column("record", "jsonb"),),
+        meta_key=None,
+        meta_columns=(),
+        default_template=None,
+        default_text_field="text",
+        rest_column="record",
+    ),
+}
+
+
+def get_preset(name: str) -> Preset:
+    try:
+        return PRESETS[name]
+    except KeyError:
+        raise InputError(f"unknown preset {name!r}; choose one of: {', '.join(PRESETS)}") from None
+
+
+def load_meta(path: str, preset: Preset, on_skip: Callable[[int, str], None] | None = None) -> Iterator[tuple[str, dict]]:
+    """Stream (key, {meta column: value}) from a meta file of any supported input kind.
+
+    Meta lines are never rejects: a malformed line or one without the key is skipped, reported to
+    `on_skip(line, reason)` and counted in one warning at the end. Repeated keys are all yielded.
+    """
+    if not preset.meta_key:
+        raise InputError(f"preset '{preset.name}' does not join a meta file")
+    skipped, first = 0, None
+    for spec in plan_chunks([path], _WHOLE_FILE):
+        for raw in read_chunk(spec):
+            key = None if raw.data is None else raw.data.get(preset.meta_key)
+            if key is None or key == "":
+                reason = raw.error or f"missing field '{preset.meta_key}'"
+                skipped += 1
+                first = first or (raw.line, reason)
+                if on_skip:
+                    on_skip(raw.line, reason)
+                continue
+            yield sanitize(str(key)), preset.meta_values(raw.data)
+    if skipped:
+        log.warning("meta file %s: skipped %d lines (first: line %d, %s)", path, skipped, *first)
