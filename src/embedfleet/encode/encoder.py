@@ -1,0 +1,173 @@
+"""The Encoder: texts in, L2-normalised float32 vectors out, in input order.
+
+tokenize() (any thread, CPU) -> Tokenized, packed and length-sorted
+embed() (one thread at a time, the device): one pinned host->device copy per call, token-budget
+batches of packed sequences through the packed (or generic) forward, pooling and normalisation
+on the device into one output buffer, one device->host copy at the end: no sync per batch.
+encode() pipelines the two over chunks so the device never waits for the tokenizer.
+"""
+
+from __future__ import annotations
+
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from embedfleet.encode import packed
+from embedfleet.encode.batching import cumulative, positions, segments
+from embedfleet.encode.budget import TokenBudget, activation_bytes_per_token, probe_batch_tokens, run_with_backoff
+from embedfleet.encode.models import _read_json, model_name, read_spec, resolve_model
+from embedfleet.encode.packed.attention import Packing
+from embedfleet.encode.pooling import finish, pool_packed
+from embedfleet.encode.tokenize import Tokenized, TextTokenizer
+from embedfleet.errors import ModelError
+
+CHUNK_TEXTS = 16384  # encode() tokenizes this many texts ahead while the device embeds
+_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+           "float16": torch.float16, "fp16": torch.float16}
+
+
+def _device(device: str) -> torch.device:
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    dev = torch.device(device)
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ModelError(f"device '{device}' asked for, but CUDA is not available here. Use --device cpu.")
+        dev = torch.device("cuda", dev.index if dev.index is not None else torch.cuda.current_device())
+    return dev
+
+
+def _tokenizer_json(spec) -> str:
+    for d in (spec.hf_dir, spec.path):
+        if (d / "tokenizer.json").exists():
+            return (d / "tokenizer.json").read_text(encoding="utf-8")
+    try:  # a slow-only tokenizer: let transformers convert it
+        from transformers import AutoTokenizer
+
+        return AutoTokenizer.from_pretrained(str(spec.hf_dir)).backend_tokenizer.to_str()
+    except Exception as err:
+        raise ModelError(f"model {spec.path} has no usable tokenizer: {err}".splitlines()[0]) from None
+
+
+@dataclass
+class _Pending:
+    host: torch.Tensor  # [n, dim] float32, sorted order (pinned on CUDA)
+    done: torch.cuda.Event | None
+    inverse: np.ndarray
+
+    def result(self) -> np.ndarray:
+        if self.done is not None:
+            self.done.synchronize()
+        return self.host.numpy()[self.inverse]
+
+
+class Encoder:
+    def __init__(self, model=None, device="auto", dtype=None, *, batch_tokens="auto", dim=None, prompt=None,
+                 tokenizer_workers=None):
+        self.spec = spec = read_spec(resolve_model(model))
+        self._dev = _device(device)
+        self.dtype = _DTYPES[dtype] if isinstance(dtype, str) else dtype
+        if self.dtype is None:
+            self.dtype = torch.bfloat16 if self._dev.type == "cuda" else torch.float32
+        self.model = packed.build(spec, self._dev, self.dtype)
+        self.path = "packed"
+        if self.model is None:
+            from embedfleet.encode.generic import GenericModel
+
+            self.model, self.path = GenericModel(spec, self._dev, self.dtype), "generic"
+        hidden = self.model.hidden
+        if dim is not None and not 0 < int(dim) <= hidden:
+            raise ModelError(f"--dim {dim} is out of range: {spec.path.name} makes {hidden}-dimensional vectors.")
+        self.dim = int(dim) if dim else hidden
+        self.max_seq_length = spec.max_seq_length
+        self.name = model_name(model, spec.path)
+        self.prompt = prompt
+        st = _read_json(spec.hf_dir / "sentence_bert_config.json") or {}
+        pad = spec.config.get("pad_token_id")
+        self._tok = TextTokenizer(_tokenizer_json(spec), self.max_seq_length, pad if isinstance(pad, int) else 0,
+                                  tokenizer_workers, lowercase=bool(st.get("do_lower_case")))
+        if batch_tokens == "auto":
+            per = activation_bytes_per_token(hidden, int(spec.config.get("intermediate_size", 4 * hidden)), self.dtype)
+            batch_tokens = probe_batch_tokens(self._dev, per, self.max_seq_length)
+        self.budget = TokenBudget(int(batch_tokens), self.max_seq_length)
+        self._lock = threading.Lock()
+
+    @property
+    def device(self) -> str:
+        return str(self._dev)
+
+    def describe(self) -> dict:
+        return {"model": str(self.spec.path), "name": self.name, "architecture": self.spec.architecture,
+                "path": self.path, "dtype": str(self.dtype).removeprefix("torch."), "device": self.device,
+                "batch_tokens": self.budget.tokens, "dim": self.dim, "max_seq_length": self.max_seq_length,
+                "pooling": self.spec.pooling, "tokenizer_workers": self._tok.workers}
+
+    def tokenize(self, texts: list[str], prompt: str | None = None) -> Tokenized:
+        return self._tok.tokenize(texts, self.spec.prompt_text(prompt if prompt is not None else self.prompt))
+
+    def embed(self, tok: Tokenized) -> np.ndarray:
+        return self._launch(tok).result()
+
+    def encode(self, texts: list[str], prompt: str | None = None) -> np.ndarray:
+        texts = list(texts)
+        if len(texts) <= CHUNK_TEXTS:
+            return self.embed(self.tokenize(texts, prompt))
+        chunks = [texts[i : i + CHUNK_TEXTS] for i in range(0, len(texts), CHUNK_TEXTS)]
+        out, pending = [], None
+        # Two chunks tokenize ahead (keeping the pool busy between them) while the device embeds;
+        # chunk k's result is read only after chunk k+1 has been queued on the device.
+        with ThreadPoolExecutor(2, thread_name_prefix="embedfleet-tok") as pool:
+            futures = [pool.submit(self.tokenize, c, prompt) for c in chunks[:2]]
+            for k in range(len(chunks)):
+                if k + 2 < len(chunks):
+                    futures.append(pool.submit(self.tokenize, chunks[k + 2], prompt))
+                nxt = self._launch(futures[k].result())
+                if pending is not None:
+                    out.append(pending.result())
+                pending = nxt
+        out.append(pending.result())
+        return np.concatenate(out)
+
+    def _launch(self, tok: Tokenized) -> _Pending:
+        n, dev, cuda = len(tok), self._dev, self._dev.type == "cuda"
+        if n == 0:
+            return _Pending(torch.zeros(0, self.dim), None, tok.inverse)
+        lengths = tok.lengths
+        cu = cumulative(lengths)
+        parts = [tok.ids, positions(lengths), segments(lengths), cu.astype(np.int32), lengths]
+        host = torch.empty(sum(len(p) for p in parts), dtype=torch.int32, pin_memory=cuda)
+        np.concatenate(parts, out=host.numpy())
+        with self._lock, torch.inference_mode():
+            buf = host.to(dev, non_blocking=True)
+            ids, pos, seg, cu_d, len_d = buf.split([len(p) for p in parts])
+            out = torch.empty(n, self.dim, dtype=torch.float32, device=dev)
+
+            def step(s: int, e: int) -> None:
+                t0, t1 = int(cu[s]), int(cu[e])
+                pk = Packing(cu=cu_d[s : e + 1] - t0, max_len=int(lengths[s:e].max()), seg=seg[t0:t1] - s,
+                             pos=pos[t0:t1], lengths=len_d[s:e])
+                hidden = self.model(ids[t0:t1], pk)
+                out[s:e] = finish(pool_packed(hidden, pk.cu, pk.seg, pk.lengths, self.spec.pooling), self.dim)
+
+            run_with_backoff(cu, self.budget, step, on_oom=torch.cuda.empty_cache if cuda else None)
+            res = torch.empty(n, self.dim, dtype=torch.float32, pin_memory=cuda)
+            res.copy_(out, non_blocking=cuda)
+            done = None
+            if cuda:
+                done = torch.cuda.Event()
+                done.record()
+        return _Pending(res, done, tok.inverse)
+
+    def close(self) -> None:
+        self._tok.close()
+        self.model = None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()

@@ -1,0 +1,43 @@
+"""Any other architecture, through transformers' AutoModel: pad the packed batch, run, unpad.
+
+Slower than the packed paths (it computes padding) but never refuses a model that
+sentence-transformers could load.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from embedfleet.encode.packed.attention import Packing
+from embedfleet.errors import ModelError
+
+
+class GenericModel:
+    causal = False
+
+    def __init__(self, spec, device: torch.device, dtype: torch.dtype):
+        from transformers import AutoModel
+
+        try:
+            try:
+                model = AutoModel.from_pretrained(str(spec.hf_dir), dtype=dtype)
+            except TypeError:  # transformers < 4.56 spells it torch_dtype
+                model = AutoModel.from_pretrained(str(spec.hf_dir), torch_dtype=dtype)
+        except Exception as err:
+            raise ModelError(f"cannot load model {spec.path} with transformers: {err}".splitlines()[0]) from None
+        self.model = model.to(device).eval()
+        self.hidden = int(spec.config.get("hidden_size") or spec.config.get("dim") or spec.config.get("d_model"))
+        self.params = sum(p.numel() for n, p in model.named_parameters() if "embed" not in n)
+
+    def flops_per_token(self, mean_len: float) -> float:
+        return 2 * self.params
+
+    @torch.inference_mode()
+    def __call__(self, ids: torch.Tensor, pk: Packing) -> torch.Tensor:
+        n, length = pk.lengths.shape[0], pk.max_len
+        seg, pos = pk.seg.long(), pk.pos.long()
+        padded = ids.new_zeros(n, length)
+        padded[seg, pos] = ids
+        mask = (torch.arange(length, device=ids.device)[None, :] < pk.lengths[:, None]).long()
+        hidden = self.model(input_ids=padded.long(), attention_mask=mask).last_hidden_state
+        return hidden[seg, pos]

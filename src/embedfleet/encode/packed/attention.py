@@ -1,0 +1,61 @@
+"""Variable-length attention over packed sequences.
+
+On CUDA in half precision, FlashAttention's varlen kernel reads the packed [T, heads, dim]
+tensors directly: no padding, GQA without repeating K/V. Elsewhere (CPU, float32, an older torch)
+a reference path scatters into a padded [N, L] layout and runs SDPA with a key mask; batches are
+length-sorted, so that padding is small.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+try:
+    from torch.nn.attention.varlen import varlen_attn
+except ImportError:  # torch < 2.10
+    varlen_attn = None
+
+
+@dataclass
+class Packing:
+    """Where each packed token sits: what every layer of one batch needs, built once per batch."""
+
+    cu: torch.Tensor  # int32 [N+1] offsets
+    max_len: int
+    seg: torch.Tensor  # int32 [T] sequence of each token
+    pos: torch.Tensor  # int32 [T] position inside its sequence
+    lengths: torch.Tensor  # int32 [N]
+
+    @property
+    def use_flash(self) -> bool:
+        return varlen_attn is not None and self.cu.is_cuda
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pk: Packing, causal: bool,
+              scale: float | None = None) -> torch.Tensor:
+    """q [T, Hq, D], k/v [T, Hkv, D] -> [T, Hq, D]."""
+    if pk.use_flash and q.dtype in (torch.float16, torch.bfloat16):
+        return varlen_attn(q, k, v, pk.cu, pk.cu, pk.max_len, pk.max_len, scale=scale,
+                           window_size=(-1, 0) if causal else (-1, -1), enable_gqa=k.shape[1] != q.shape[1])
+    return _padded_sdpa(q, k, v, pk, causal, scale)
+
+
+def _padded_sdpa(q, k, v, pk: Packing, causal: bool, scale: float | None) -> torch.Tensor:
+    n, length = pk.lengths.shape[0], pk.max_len
+    seg, pos = pk.seg.long(), pk.pos.long()
+
+    def pad(x):
+        out = x.new_zeros(n, length, x.shape[1], x.shape[2])
+        out[seg, pos] = x
+        return out.transpose(1, 2)  # [N, H, L, D]
+
+    keep = torch.arange(length, device=q.device)[None, :] < pk.lengths[:, None]  # [N, L]
+    mask = keep[:, None, None, :]
+    if causal:
+        mask = mask & torch.ones(length, length, dtype=torch.bool, device=q.device).tril()
+    out = F.scaled_dot_product_attention(pad(q), pad(k), pad(v), attn_mask=mask, scale=scale,
+                                         enable_gqa=k.shape[1] != q.shape[1])
+    return out.transpose(1, 2)[seg, pos]

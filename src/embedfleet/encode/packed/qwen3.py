@@ -1,0 +1,92 @@
+"""Qwen3 (and Qwen2 / Llama-shaped) decoders over packed sequences, causal varlen attention.
+
+Q, K, V are one matmul and gate/up another; grouped K/V heads go to the kernel as they are
+(no repeat); RoPE tables are built once for max_seq_length positions.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from embedfleet.encode.packed import strip_prefix
+from embedfleet.encode.packed.attention import Packing, attention
+
+
+def _rope_theta(cfg: dict) -> float | None:
+    params = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+    if params.get("rope_type", params.get("type", "default")) != "default":
+        return None  # scaled RoPE variants: leave them to the generic path
+    return float(params.get("rope_theta", cfg.get("rope_theta", 10000.0)))
+
+
+def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate-half RoPE as in transformers; x [T, H, D], cos/sin [T, 1, D/2]."""
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+
+
+class PackedDecoder:
+    causal = True
+
+    def __init__(self, weights, layers, heads, kv_heads, head_dim, eps, cos, sin):
+        self.w, self.layers, self.heads, self.kv_heads, self.head_dim, self.eps = (
+            weights, layers, heads, kv_heads, head_dim, eps)
+        self.cos, self.sin = cos, sin
+        self.hidden = weights["embed"].shape[1]
+
+    @classmethod
+    def create(cls, cfg: dict, state: dict, device, dtype, max_len: int):
+        theta = _rope_theta(cfg)
+        if theta is None or cfg.get("hidden_act", "silu") != "silu" or cfg.get("use_sliding_window"):
+            return None
+        sd = strip_prefix(state, "embed_tokens.weight")
+
+        def t(x):
+            return x.to(device=device, dtype=dtype).contiguous()
+
+        heads, kv = cfg["num_attention_heads"], cfg.get("num_key_value_heads", cfg["num_attention_heads"])
+        hd = cfg.get("head_dim") or cfg["hidden_size"] // heads
+        layers = []
+        for i in range(cfg["num_hidden_layers"]):
+            p = f"layers.{i}."
+            g = lambda n: sd[p + n]  # noqa: E731
+            qkv = ("q_proj", "k_proj", "v_proj")
+            L = {
+                "in_w": t(g("input_layernorm.weight")), "post_w": t(g("post_attention_layernorm.weight")),
+                "qkv_w": t(torch.cat([g(f"self_attn.{n}.weight") for n in qkv])),
+                "qkv_b": t(torch.cat([g(f"self_attn.{n}.bias") for n in qkv])) if p + "self_attn.q_proj.bias" in sd else None,
+                "o_w": t(g("self_attn.o_proj.weight")),
+                "gu_w": t(torch.cat([g("mlp.gate_proj.weight"), g("mlp.up_proj.weight")])),
+                "down_w": t(g("mlp.down_proj.weight")),
+                "qn_w": t(g("self_attn.q_norm.weight")) if p + "self_attn.q_norm.weight" in sd else None,
+                "kn_w": t(g("self_attn.k_norm.weight")) if p + "self_attn.k_norm.weight" in sd else None,
+            }
+            layers.append(L)
+        inv = 1.0 / (theta ** (torch.arange(0, hd, 2, dtype=torch.float32) / hd))
+        ang = torch.outer(torch.arange(max_len, dtype=torch.float32), inv)[:, None, :]
+        weights = {"embed": t(sd["embed_tokens.weight"]), "norm": t(sd["norm.weight"])}
+        return cls(weights, layers, heads, kv, hd, cfg.get("rms_norm_eps", 1e-6), t(ang.cos()), t(ang.sin()))
+
+    def flops_per_token(self, mean_len: float) -> float:
+        lin = sum(l[k].numel() for l in self.layers for k in ("qkv_w", "o_w", "gu_w", "down_w"))
+        # causal: each token attends to (L+1)/2 keys on average; QK^T and PV, 2 flops per MAC
+        return 2 * lin + 4 * len(self.layers) * self.heads * self.head_dim * (mean_len + 1) / 2
+
+    def __call__(self, ids: torch.Tensor, pk: Packing) -> torch.Tensor:
+        n, hd, eps, h = ids.shape[0], self.head_dim, self.eps, self.hidden
+        x = F.embedding(ids, self.w["embed"])
+        pos = pk.pos.long()
+        cos, sin = self.cos[pos], self.sin[pos]
+        sizes = [self.heads * hd, self.kv_heads * hd, self.kv_heads * hd]
+        for L in self.layers:
+            y = F.rms_norm(x, (h,), L["in_w"], eps)
+            q, k, v = F.linear(y, L["qkv_w"], L["qkv_b"]).split(sizes, dim=-1)
+            q, k, v = q.view(n, self.heads, hd), k.view(n, self.kv_heads, hd), v.view(n, self.kv_heads, hd)
+            if L["qn_w"] is not None:
+                q, k = F.rms_norm(q, (hd,), L["qn_w"], eps), F.rms_norm(k, (hd,), L["kn_w"], eps)
+            a = attention(rope(q, cos, sin), rope(k, cos, sin), v, pk, causal=True)
+            x = x + F.linear(a.reshape(n, -1), L["o_w"])
+            g, u = F.linear(F.rms_norm(x, (h,), L["post_w"], eps), L["gu_w"]).chunk(2, dim=-1)
+            x = x + F.linear(F.silu(g) * u, L["down_w"])
+        return F.rms_norm(x, (h,), self.w["norm"], eps)

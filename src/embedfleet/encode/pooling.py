@@ -1,0 +1,39 @@
+"""Pooling, Matryoshka truncation and normalisation of packed hidden states, on the device."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def pool_packed(hidden: torch.Tensor, cu: torch.Tensor, seg: torch.Tensor, lengths: torch.Tensor,
+                mode: str) -> torch.Tensor:
+    """hidden [T, H] of sequences packed at offsets `cu` -> [N, H] in float32.
+
+    Mean pooling sums in float32 with index_add_ (no padding, no cumsum drift over long batches).
+    """
+    if mode == "cls":
+        return hidden[cu[:-1].long()].float()
+    if mode == "lasttoken":
+        return hidden[cu[1:].long() - 1].float()
+    out = torch.zeros(lengths.shape[0], hidden.shape[1], dtype=torch.float32, device=hidden.device)
+    out.index_add_(0, seg.long(), hidden.float())
+    return out / lengths.unsqueeze(1).float()
+
+
+def pool_padded(hidden: torch.Tensor, mask: torch.Tensor, mode: str) -> torch.Tensor:
+    """hidden [B, L, H] with right padding (mask [B, L]) -> [B, H] float32."""
+    if mode == "cls":
+        return hidden[:, 0].float()
+    if mode == "lasttoken":
+        last = mask.sum(1).long() - 1
+        return hidden[torch.arange(hidden.shape[0], device=hidden.device), last].float()
+    m = mask.unsqueeze(-1).float()
+    return (hidden.float() * m).sum(1) / m.sum(1).clamp(min=1)
+
+
+def finish(emb: torch.Tensor, dim: int | None) -> torch.Tensor:
+    """Matryoshka truncation (slice, then re-normalise) and L2 normalisation."""
+    if dim is not None:
+        emb = emb[:, :dim]
+    return F.normalize(emb, p=2.0, dim=1)

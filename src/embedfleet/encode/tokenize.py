@@ -1,0 +1,134 @@
+"""Tokenisation into packed, length-sorted arrays, optionally on a pool of processes.
+
+One fast-tokenizer call is limited by building Python objects under the GIL (about 22k texts/s
+however many cores), so big inputs go to a pool of single-threaded processes instead. The pool
+uses `spawn`: forking after the tokenizers library has started its threads can deadlock. This
+module imports no torch so that pool processes start quickly.
+"""
+
+from __future__ import annotations
+
+import itertools
+import multiprocessing as mp
+import os
+import threading
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import dataclass
+
+import numpy as np
+
+from embedfleet.encode.batching import cumulative, length_order
+
+POOL_MIN_TEXTS = 2048  # below this the pool's pickling costs more than it saves
+
+
+@dataclass
+class Tokenized:
+    """Packed token ids of a list of texts, longest first.
+
+    `ids` holds every sequence back to back in sorted order; `order[i]` is the input index of
+    sorted sequence i, and `inverse[j]` is where input j went.
+    """
+
+    ids: np.ndarray  # int32 [num_tokens]
+    lengths: np.ndarray  # int32 [n], sorted order
+    order: np.ndarray  # int64 [n]
+    inverse: np.ndarray  # int64 [n]
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.ids.shape[0])
+
+    def __len__(self) -> int:
+        return int(self.lengths.shape[0])
+
+
+def pack_sorted(ids: np.ndarray, lengths: np.ndarray) -> Tokenized:
+    """Reorder packed ids (input order) into longest-first order, without a Python loop."""
+    lengths = lengths.astype(np.int32, copy=False)
+    order = length_order(lengths)
+    sorted_len = lengths[order].astype(np.int64)
+    src_start = cumulative(lengths)[:-1][order]
+    dst_start = cumulative(sorted_len)[:-1]
+    gather = np.arange(int(sorted_len.sum()), dtype=np.int64) + np.repeat(src_start - dst_start, sorted_len)
+    inverse = np.empty_like(order)
+    inverse[order] = np.arange(len(order))
+    return Tokenized(ids[gather], sorted_len.astype(np.int32), order, inverse)
+
+
+def _encode(tokenizer, texts: list[str], pad_id: int) -> tuple[np.ndarray, np.ndarray]:
+    seqs = [e.ids or [pad_id] for e in tokenizer.encode_batch_fast(texts, add_special_tokens=True)]
+    lengths = np.fromiter(map(len, seqs), dtype=np.int32, count=len(seqs))
+    ids = np.fromiter(itertools.chain.from_iterable(seqs), dtype=np.int32, count=int(lengths.sum()))
+    return ids, lengths
+
+
+def _load(tokenizer_json: str, max_length: int):
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_str(tokenizer_json)
+    tok.no_padding()
+    tok.enable_truncation(max_length)
+    return tok
+
+
+_WORKER: tuple | None = None
+
+
+def _worker_init(tokenizer_json: str, max_length: int, pad_id: int) -> None:
+    # One process per core already: threads inside each would oversubscribe the CPU.
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"
+    global _WORKER
+    _WORKER = (_load(tokenizer_json, max_length), pad_id)
+
+
+def _worker_encode(texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
+    return _encode(_WORKER[0], texts, _WORKER[1])
+
+
+def default_workers() -> int:
+    """Half the cores, at most 8 (measured best on a 32-core host), none on a small machine."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return 0 if cores < 4 else min(8, cores // 2)
+
+
+class TextTokenizer:
+    """Thread-safe: `tokenize` may run on a prefetch thread while the GPU thread embeds."""
+
+    def __init__(self, tokenizer_json: str, max_length: int, pad_id: int = 0, workers: int | None = None,
+                 lowercase: bool = False):
+        self._json, self.max_length, self.pad_id, self.lowercase = tokenizer_json, max_length, pad_id, lowercase
+        self._local = _load(tokenizer_json, max_length)
+        self.workers = default_workers() if workers is None else max(0, int(workers))
+        self._pool: ProcessPoolExecutor | None = None
+        self._lock = threading.Lock()
+
+    def _get_pool(self) -> ProcessPoolExecutor:
+        with self._lock:
+            if self._pool is None:
+                self._pool = ProcessPoolExecutor(
+                    self.workers, mp_context=mp.get_context("spawn"),
+                    initializer=_worker_init, initargs=(self._json, self.max_length, self.pad_id),
+                )
+            return self._pool
+
+    def encode_unsorted(self, texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
+        """Packed ids and lengths in input order."""
+        if self.lowercase:
+            texts = [t.lower() for t in texts]
+        if self.workers == 0 or len(texts) < POOL_MIN_TEXTS:
+            return _encode(self._local, texts, self.pad_id)
+        step = max(256, -(-len(texts) // (self.workers * 4)))
+        parts = list(self._get_pool().map(_worker_encode, [texts[i : i + step] for i in range(0, len(texts), step)]))
+        return np.concatenate([p[0] for p in parts]), np.concatenate([p[1] for p in parts])
+
+    def tokenize(self, texts: list[str], prefix: str = "") -> Tokenized:
+        if prefix:
+            texts = [prefix + t for t in texts]
+        return pack_sorted(*self.encode_unsorted(list(texts)))
+
+    def close(self) -> None:
+        with self._lock:
+            if self._pool is not None:
+                self._pool.shutdown(wait=True, cancel_futures=True)
+                self._pool = None
