@@ -1,0 +1,204 @@
+"""Readers: every input fault, compressed streams, CSV, Parquet, and resuming with after_line."""
+
+from __future__ import annotations
+
+import gzip
+import json
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import zstandard
+
+from embedfleet.errors import InputError
+from embedfleet.sources import ChunkSpec, plan_chunks, read_chunk
+
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
+
+
+def read_all(path, chunk_bytes=8 << 20, after_line=0):
+    return [r for c in plan_chunks([str(path)], chunk_bytes) for r in read_chunk(c, after_line)]
+
+
+FAULTY = (
+    b"\xef\xbb\xbf" + b'{"a": 1}\r\n'  # 1 BOM + CRLF
+    b"\r\n"  # 2 blank
+    b"  \t \n"  # 3 whitespace only
+    b'{"a": 2,,}\n'  # 4 malformed
+    b"[1, 2]\n"  # 5 array
+    b"42\n"  # 6 number
+    b"null\n"  # 7 null
+    b'{"a": "bad \xff byte"}\n'  # 8 invalid UTF-8
+    b'{"a": "lone \\ud800 surrogate"}\n'  # 9 lone surrogate escape
+    b'{"a": "nul \\u0000 here"}\n'  # 10 escaped NUL (sanitized later, in records)
+    b'{"a": "tail"}'  # 11 no final newline
+)
+
+
+@pytest.mark.parametrize("chunk_bytes", [1, 5, 30, 1 << 20])
+def test_faults(tmp_path, chunk_bytes):
+    path = tmp_path / "f.jsonl"
+    path.write_bytes(FAULTY)
+    recs = read_all(path, chunk_bytes)
+    assert [r.line for r in recs] == [1, 4, 5, 6, 7, 8, 9, 10, 11]
+    by_line = {r.line: r for r in recs}
+    assert by_line[1].data == {"a": 1} and by_line[1].raw == '{"a": 1}' and by_line[1].error is None
+    assert by_line[4].data is None and by_line[4].error == "malformed JSON: Unexpected character at column 9"
+    assert by_line[4].raw == '{"a": 2,,}'
+    assert by_line[5].error == "JSON value is an array, not an object"
+    assert by_line[6].error == "JSON value is a number, not an object"
+    assert by_line[7].error == "JSON value is null, not an object"
+    assert by_line[8].data == {"a": "bad \ufffd byte"} and by_line[8].error is None
+    assert by_line[9].data == {"a": "lone \ud800 surrogate"}  # records.sanitize replaces it
+    assert by_line[10].data == {"a": "nul \x00 here"}
+    assert by_line[11].data == {"a": "tail"}
+    assert all(r.source == str(path) for r in recs)
+
+
+def test_raw_nul_byte_is_malformed(tmp_path):
+    path = tmp_path / "f.jsonl"
+    path.write_bytes(b'{"a": "x\x00y"}\n')
+    (rec,) = read_all(path)
+    assert rec.error.startswith("malformed JSON: Unexpected control character")
+
+
+def test_bom_only_at_file_start(tmp_path):
+    path = tmp_path / "f.jsonl"
+    path.write_bytes(b'{"a": 1}\n\xef\xbb\xbf{"a": 2}\n')
+    recs = read_all(path, 1)
+    assert recs[0].data == {"a": 1} and recs[1].error and "BOM" in recs[1].error
+
+
+def test_lines_are_split_on_newline_only(tmp_path):
+    # str.splitlines would also split at U+2028 and U+0085, which are legal raw inside JSON strings.
+    path = tmp_path / "f.jsonl"
+    path.write_bytes('{"a": "x\u2028y\x85z"}\n'.encode())
+    (rec,) = read_all(path)
+    assert rec.data == {"a": "x\u2028y\x85z"}
+
+
+def test_long_line_across_read_blocks(tmp_path):
+    path = tmp_path / "f.jsonl"
+    long_text = "é" * 3_000_000  # 6 MB, longer than the 1 MiB read block
+    path.write_text(json.dumps({"t": long_text}, ensure_ascii=False) + "\n" + '{"t": "short"}\n', encoding="utf-8")
+    recs = read_all(path, 1)
+    assert [len(r.data["t"]) for r in recs] == [3_000_000, 5] and [r.line for r in recs] == [1, 2]
+
+
+def _write_lines(n: int) -> bytes:
+    return b"".join(b'{"n": %d}\r\n' % i if i % 7 else b"\n" for i in range(1, n + 1))
+
+
+def test_gzip_multi_member(tmp_path):
+    path = tmp_path / "f.jsonl.gz"
+    data = _write_lines(100)
+    path.write_bytes(gzip.compress(b"\xef\xbb\xbf" + data[:500]) + gzip.compress(data[500:]))
+    recs = read_all(path)
+    assert [r.data["n"] for r in recs] == [i for i in range(1, 101) if i % 7]
+    assert [r.line for r in recs] == [r.data["n"] for r in recs]
+
+
+def test_zstd_multi_frame(tmp_path):
+    path = tmp_path / "f.ndjson.zst"
+    data = _write_lines(1000)
+    cctx = zstandard.ZstdCompressor()
+    path.write_bytes(b"".join(cctx.compress(data[i : i + 777]) for i in range(0, len(data), 777)))
+    recs = read_all(path)
+    assert [r.line for r in recs] == [i for i in range(1, 1001) if i % 7]
+    assert all(r.data == {"n": r.line} for r in recs)
+
+
+def test_truncated_gzip_names_the_file(tmp_path):
+    path = tmp_path / "f.jsonl.gz"
+    path.write_bytes(gzip.compress(_write_lines(5000))[:-200])
+    with pytest.raises(InputError, match=r"f\.jsonl\.gz: unreadable after line \d+"):
+        read_all(path)
+
+
+@pytest.mark.parametrize("name", ["f.jsonl", "f.jsonl.gz", "f.jsonl.zst"])
+@pytest.mark.parametrize("after", [0, 1, 6, 7, 50, 99, 100, 500])
+def test_resume_after_line(tmp_path, name, after):
+    data = _write_lines(100)
+    path = tmp_path / name
+    path.write_bytes(gzip.compress(data) if name.endswith(".gz") else zstandard.ZstdCompressor().compress(data) if name.endswith(".zst") else data)
+    full = read_all(path, 64)
+    resumed = read_all(path, 64, after_line=after)
+    assert resumed == [r for r in full if r.line > after]
+
+
+def test_csv(tmp_path):
+    path = tmp_path / "f.csv"
+    path.write_bytes(
+        "\ufeffid,text,rating\r\n"
+        '1,"hello, world",5\r\n'
+        "\r\n"
+        '2,"two\nlines ""quoted""",4\r\n'
+        "3,too,many,fields\r\n"
+        "4,short\r\n"
+        "5,caf\xe9,3\r\n".encode("utf-8").replace(b"caf\xc3\xa9", b"caf\xe9")  # latin-1 byte: replaced
+    )
+    recs = read_all(path)
+    assert [r.line for r in recs] == [1, 3, 4, 5, 6]
+    assert recs[0].data == {"id": "1", "text": "hello, world", "rating": "5"}
+    assert json.loads(recs[0].raw) == recs[0].data
+    assert recs[1].data["text"] == 'two\nlines "quoted"'
+    assert recs[2].error == "CSV row has 4 fields, the header has 3" and recs[2].data is None
+    assert recs[3].error == "CSV row has 2 fields, the header has 3"
+    assert recs[4].data["text"] == "caf\ufffd"
+    assert [r.line for r in read_all(path, after_line=3)] == [4, 5, 6]
+
+
+def test_csv_gz_and_long_field(tmp_path):
+    path = tmp_path / "f.csv.gz"
+    path.write_bytes(gzip.compress(("text\n" + "x" * 300_000 + "\n").encode()))
+    (rec,) = read_all(path)
+    assert len(rec.data["text"]) == 300_000 and rec.line == 1
+
+
+def test_csv_header_only(tmp_path):
+    path = tmp_path / "f.csv"
+    path.write_text("a,b\n")
+    assert read_all(path) == []
+
+
+def test_parquet_rows_and_resume(tmp_path):
+    path = tmp_path / "f.parquet"
+    table = pa.table({"id": list(range(10_000)), "text": [f"t{i}" for i in range(10_000)], "tags": [["a", str(i)] for i in range(10_000)]})
+    pq.write_table(table, path, row_group_size=1000)
+    chunks = plan_chunks([str(path)], 1)
+    recs = [r for c in chunks for r in read_chunk(c)]
+    assert [r.line for r in recs] == list(range(1, 10_001))
+    assert recs[4320].data == {"id": 4320, "text": "t4320", "tags": ["a", "4320"]} and recs[4320].line == 4321
+    assert json.loads(recs[4320].raw) == recs[4320].data
+    c = chunks[3]  # rows 3001..4000
+    assert [r.line for r in read_chunk(c, after_line=3995)] == [3996, 3997, 3998, 3999, 4000]
+    assert list(read_chunk(c, after_line=4000)) == []
+
+
+def test_parquet_odd_types_render_as_json(tmp_path):
+    import datetime
+    import decimal
+
+    path = tmp_path / "f.parquet"
+    ts = datetime.datetime(2023, 1, 2, 3, 4, 5)
+    pq.write_table(pa.table({"ts": [ts], "price": pa.array([decimal.Decimal("1.50")], pa.decimal128(5, 2))}), path)
+    (rec,) = read_all(path)
+    assert rec.data == {"ts": ts, "price": decimal.Decimal("1.50")}
+    assert json.loads(rec.raw) == {"ts": "2023-01-02T03:04:05", "price": "1.50"}
+
+
+def test_missing_file_and_unknown_kind(tmp_path):
+    with pytest.raises(InputError, match="input not found"):
+        list(read_chunk(ChunkSpec(str(tmp_path / "gone.jsonl"), "jsonl", 0, 10, 1)))
+    with pytest.raises(InputError, match="input not found"):
+        list(read_chunk(ChunkSpec(str(tmp_path / "gone.jsonl.gz"), "stream", 0, -1, 1)))
+    with pytest.raises(InputError, match="unknown chunk kind"):
+        list(read_chunk(ChunkSpec(str(tmp_path / "x"), "xml", 0, -1, 1)))
+
+
+def test_example_faults_file():
+    recs = read_all(EXAMPLES / "faults.jsonl", 100)
+    errors = {r.line: r.error for r in recs if r.error}
+    assert sorted(errors) == [5, 6, 7]
+    assert [r.line for r in recs] == [1, 2] + list(range(5, 19))
