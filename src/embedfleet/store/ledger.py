@@ -261,19 +261,18 @@ class Ledger:
             totals = cur.execute(
                 "SELECT count(*) AS chunks_total, count(*) FILTER (WHERE state = 'done') AS chunks_done, "
                 "count(*) FILTER (WHERE state = 'failed') AS chunks_failed, "
-                "coalesce(sum(rows_written), 0) AS rows_written, coalesce(sum(rows_seen), 0) AS rows_seen, "
-                "coalesce(sum(rejected), 0) AS rejected, coalesce(sum(tokens), 0) AS tokens "
+                "coalesce(sum(rows_written), 0)::bigint AS rows_written, coalesce(sum(rows_seen), 0)::bigint AS rows_seen, "
+                "coalesce(sum(rejected), 0)::bigint AS rejected, coalesce(sum(tokens), 0)::bigint AS tokens "
                 "FROM embedfleet.chunks WHERE job = %s",
                 [job],
             ).fetchone()
             workers = cur.execute(
-                "SELECT worker, host, pid, device, state, rows, tokens, gpu_util, heartbeat, "
-                "extract(epoch FROM now() - heartbeat) AS age FROM embedfleet.workers "
+                "SELECT worker, host, pid, device, state, rows, tokens, gpu_util, heartbeat FROM embedfleet.workers "
                 "WHERE job = %s ORDER BY worker",
                 [job],
             ).fetchall()
         totals["workers"] = workers
-        return {k: (int(v) if isinstance(v, (int, float)) and k != "workers" else v) for k, v in totals.items()}
+        return totals
 
 
 def _alive(pid: int, started: float | None) -> bool:

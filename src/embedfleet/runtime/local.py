@@ -1,0 +1,214 @@
+"""The local launcher: plan the job into the ledger, start one worker process per device, watch
+them, and finish the job (HNSW index, final state).
+
+Workers are separate processes pinned with CUDA_VISIBLE_DEVICES, not threads or forks: each owns
+its GPU, and a crash of one (CUDA error, OOM-killer) cannot take the others down. A dead worker's
+chunks are re-queued at once and the worker is restarted while work remains.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from embedfleet.config import JobConfig
+from embedfleet.errors import InputError, JobError
+from embedfleet.records import validate_template
+from embedfleet.runtime.monitor import Monitor
+from embedfleet.sources.plan import ChunkSpec, expand_inputs, plan_chunks, table_name_for
+from embedfleet.store.embedded import resolve_dsn
+from embedfleet.store.ledger import Ledger, connect
+from embedfleet.store.schema import build_index, check_identifier, embedding_info, ensure_vector, table_exists
+
+log = logging.getLogger("embedfleet")
+
+MAX_RESTARTS = 3  # per worker slot
+
+
+def parse_devices(devices: str, workers: int | None) -> list[str]:
+    """Device for each worker: one per GPU by default, `--workers N` round-robin over them."""
+    if devices == "cpu" or (devices == "auto" and not _cuda_count()):
+        return ["cpu"] * (workers or 1)
+    if devices in ("auto", "cuda"):
+        gpus = list(range(_cuda_count()))
+        if not gpus:
+            raise InputError("--devices cuda: no CUDA GPU is visible; use --devices cpu")
+    else:
+        gpus = [int(x) for x in devices.split(":", 1)[1].split(",")]
+    n = workers or len(gpus)
+    return [f"cuda:{gpus[i % len(gpus)]}" for i in range(n)]
+
+
+def _cuda_count() -> int:
+    try:
+        import torch
+
+        return torch.cuda.device_count()
+    except Exception:
+        return 0
+
+
+def apply_limit(chunks: list[ChunkSpec], limit: int | None) -> list[tuple[ChunkSpec, int | None]]:
+    """Keep the chunks holding the first `limit` lines, the last one capped (`last_line`).
+    A chunk's line count is known when the next chunk continues the same file; otherwise the cap
+    falls inside it and planning stops there."""
+    if limit is None:
+        return [(c, None) for c in chunks]
+    out, remaining = [], limit
+    for i, c in enumerate(chunks):
+        if remaining <= 0:
+            break
+        nxt = chunks[i + 1] if i + 1 < len(chunks) else None
+        known = nxt is not None and nxt.source == c.source and c.kind == "jsonl"
+        out.append((c, c.first_line + remaining - 1))
+        if not known:
+            break
+        remaining -= nxt.first_line - c.first_line
+    return out
+
+
+def meta_identity(path: str) -> str:
+    st = os.stat(path)
+    return hashlib.sha256(f"{os.path.abspath(path)}|{st.st_size}|{st.st_mtime_ns}".encode()).hexdigest()[:16]
+
+
+def prepare(cfg: JobConfig, ledger: Ledger) -> str:
+    """Resolve names, load the meta file, and plan the job (or find it planned). Returns the job name."""
+    cfg.inputs = expand_inputs(cfg.inputs)
+    cfg.table = check_identifier(cfg.table or table_name_for(cfg.inputs[0]))
+    cfg.job = cfg.job or cfg.table
+    from embedfleet.encode.models import resolve_model
+
+    resolve_model(cfg.model)  # an unknown model fails here, once, not in every worker
+    if cfg.text_template:
+        validate_template(cfg.text_template)
+    meta_id = None
+    if cfg.meta:
+        from embedfleet.sources.presets import get_preset, load_meta
+
+        (meta_path,) = expand_inputs([cfg.meta])
+        cfg.meta = meta_path
+        meta_id = meta_identity(meta_path)
+        if not ledger.meta_loaded(meta_id):
+            skipped = []
+            rows = load_meta(meta_path, get_preset(cfg.preset), on_skip=lambda line, why: skipped.append(line))
+            n = ledger.load_meta(meta_id, meta_path, rows, lambda: len(skipped))
+            log.info("loaded %d products from %s", n, meta_path)
+    if ledger.job(cfg.job) is None:
+        plan = apply_limit(plan_chunks(cfg.inputs, cfg.chunk_bytes), cfg.limit)
+        ledger.create_job(cfg.job, cfg, plan, meta_id)
+    else:
+        ledger.create_job(cfg.job, cfg, [], meta_id)  # checks the fingerprint; raises on a conflict
+        released = ledger.release_dead_local(cfg.job)
+        retried = ledger.retry_failed(cfg.job)
+        if released or retried:
+            log.info("resuming %s: %d chunks of dead workers re-queued, %d failed chunks retried",
+                     cfg.job, released, retried)
+    return cfg.job
+
+
+@dataclass
+class Slot:
+    worker: str
+    device: str
+    proc: subprocess.Popen | None = None
+    restarts: int = 0
+
+
+def _spawn(slot: Slot, job: str, dsn: str, threads: int) -> subprocess.Popen:
+    env = dict(os.environ)
+    device = slot.device
+    if device.startswith("cuda:"):
+        env["CUDA_VISIBLE_DEVICES"] = device.split(":")[1]
+        device = "cuda:0"
+    else:
+        env["CUDA_VISIBLE_DEVICES"] = ""
+        env.setdefault("OMP_NUM_THREADS", str(threads))
+    env.setdefault("TOKENIZERS_PARALLELISM", "false")
+    cmd = [sys.executable, "-m", "embedfleet.runtime.worker", "--job", job, "--db", dsn,
+           "--worker-id", slot.worker, "--device", device]
+    return subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL)
+
+
+def finalize(ledger: Ledger, job: str, cfg: JobConfig) -> dict:
+    """Mark the job done or failed; build the HNSW index once everything landed."""
+    counts = ledger.counts(job)
+    if counts["failed"]:
+        failed = ledger.failed_chunks(job)
+        msg = "; ".join(f"chunk {c} ({Path(s).name}): {e}" for c, s, e in failed[:5])
+        ledger.set_job_state(job, "failed", f"{len(failed)} chunks failed: {msg}")
+        return counts
+    if counts["pending"] or counts["running"]:
+        return counts  # stopped early (interrupted): a rerun resumes
+    if not cfg.no_index and table_exists(ledger.conn, cfg.table):
+        vtype, _ = embedding_info(ledger.conn, cfg.table)
+        build_index(ledger.conn, cfg.table, vtype)
+    ledger.set_job_state(job, "done")
+    return counts
+
+
+def ingest(cfg: JobConfig) -> dict:
+    """Run an ingest job on this machine. Returns the job's final progress dict."""
+    cfg.inputs = expand_inputs(cfg.inputs)  # a missing file fails before any server starts
+    dsn = resolve_dsn(cfg.db)
+    conn = connect(dsn)
+    ensure_vector(conn)
+    ledger = Ledger(conn)
+    job = prepare(cfg, ledger)
+    counts = ledger.counts(job)
+    if counts["pending"] or counts["running"]:
+        devices = parse_devices(cfg.devices, cfg.workers)
+        threads = max(1, (os.cpu_count() or 1) // len(devices))
+        slots = [Slot(f"{os.uname().nodename}-w{i}", d) for i, d in enumerate(devices)]
+        ledger.set_job_state(job, "running")
+        _run_slots(slots, ledger, job, dsn, threads, cfg.quiet)
+    counts = finalize(ledger, job, cfg)
+    progress = ledger.progress(job)
+    conn.close()
+    if counts["failed"]:
+        raise JobError(f"job {job!r} finished with {counts['failed']} failed chunks; "
+                       f"`embedfleet status --job {job}` shows why; rerun to retry them")
+    if counts["pending"] or counts["running"]:
+        raise JobError(f"job {job!r} stopped with {counts['pending'] + counts['running']} chunks left "
+                       "(all workers died); rerun the same command to resume")
+    return progress
+
+
+def _run_slots(slots: list[Slot], ledger: Ledger, job: str, dsn: str, threads: int, quiet: bool) -> None:
+    for s in slots:
+        s.proc = _spawn(s, job, dsn, threads)
+    try:
+        with Monitor(job, quiet=quiet) as mon:
+            while any(s.proc is not None for s in slots):
+                time.sleep(0.5)
+                for s in slots:
+                    if s.proc is None or (code := s.proc.poll()) is None:
+                        continue
+                    pid, s.proc = s.proc.pid, None
+                    if code == 0:
+                        continue
+                    requeued = ledger.fail_dead_worker(job, pid, f"worker {s.worker} exited with code {code}")
+                    log.error("worker %s (%s) exited with code %s; chunks %s re-queued",
+                              s.worker, s.device, code, requeued or "none")
+                    left = ledger.counts(job)
+                    if (left["pending"] or left["running"]) and s.restarts < MAX_RESTARTS:
+                        s.restarts += 1
+                        s.proc = _spawn(s, job, dsn, threads)
+                mon.update(ledger.progress(job))
+            mon.update(ledger.progress(job), force=True)
+    finally:
+        for s in slots:  # Ctrl-C: stop the workers; their chunks are re-queued on the next run
+            if s.proc is not None and s.proc.poll() is None:
+                s.proc.terminate()
+        for s in slots:
+            if s.proc is not None:
+                try:
+                    s.proc.wait(10)
+                except subprocess.TimeoutExpired:
+                    s.proc.kill()

