@@ -1,0 +1,126 @@
+"""Presets: columns, meta loading and price parsing; the example corpus end to end."""
+
+from __future__ import annotations
+
+import gzip
+import json
+import logging
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from embedfleet.errors import InputError
+from embedfleet.records import PGTYPES, to_records
+from embedfleet.sources import plan_chunks, read_chunk
+from embedfleet.sources.presets import get_preset, load_meta, parse_price
+from embedfleet.synth import write_amazon_meta, write_amazon_reviews
+
+AMAZON = get_preset("amazon-reviews")
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
+
+
+def test_get_preset():
+    assert get_preset("generic").name == "generic"
+    with pytest.raises(InputError, match="unknown preset 'nope'; choose one of: amazon-reviews, generic"):
+        get_preset("nope")
+
+
+def test_amazon_columns():
+    cols = {c.name: c.pgtype for c in AMAZON.columns}
+    assert cols == {
+        "rating": "real", "title": "text", "text": "text", "images": "jsonb", "asin": "text", "parent_asin": "text",
+        "user_id": "text", "ts": "timestamptz", "helpful_vote": "integer", "verified_purchase": "boolean", "extra": "jsonb",
+        "product_title": "text", "main_category": "text", "store": "text", "price": "real", "average_rating": "real",
+        "rating_number": "integer", "features": "jsonb", "description": "jsonb", "categories": "jsonb", "details": "jsonb",
+    }
+    assert set(AMAZON.meta_columns) <= set(AMAZON.columns) and len(AMAZON.meta_columns) == 10
+    assert AMAZON.meta_key == "parent_asin"
+    assert all(c.pgtype in PGTYPES for p in ("amazon-reviews", "generic") for c in get_preset(p).columns)
+
+
+@pytest.mark.parametrize(
+    ("value", "price"),
+    [(12.99, 12.99), (5, 5.0), ("$12.99", 12.99), ("12.99", 12.99), ("$1,299.00", 1299.0), (" £7 ", 7.0),
+     (None, None), ("None", None), ("—", None), ("$10.99 - $15.99", None), ("", None), (True, None)],
+)
+def test_parse_price(value, price):
+    assert parse_price(value) == price
+
+
+def _meta(**over):
+    return {"parent_asin": "P1", "title": "Case", "price": "$9.50", "rating_number": "12", "average_rating": "n/a",
+            "details": {"Brand": "X\u0000"}, "unknown": 1, **over}
+
+
+@pytest.mark.parametrize("name", ["meta.jsonl", "meta.jsonl.gz", "meta.parquet"])
+def test_load_meta_formats(tmp_path, name):
+    rows = [_meta(), _meta(parent_asin="P2", price="—", rating_number="many")]
+    path = tmp_path / name
+    if name.endswith(".parquet"):
+        pq.write_table(pa.Table.from_pylist([dict(r, details=json.dumps(r["details"])) for r in rows]), path)
+    else:
+        data = "".join(json.dumps(r) + "\n" for r in rows).encode()
+        path.write_bytes(gzip.compress(data) if name.endswith(".gz") else data)
+    got = dict(load_meta(str(path), AMAZON))
+    assert set(got) == {"P1", "P2"}
+    p1 = got["P1"]
+    assert set(p1) == {c.name for c in AMAZON.meta_columns}
+    assert (p1["product_title"], p1["price"], p1["rating_number"], p1["average_rating"]) == ("Case", 9.5, 12, None)
+    assert got["P2"]["price"] is None and got["P2"]["rating_number"] is None  # bad meta values -> None
+    if not name.endswith(".parquet"):
+        assert p1["details"] == {"Brand": "X"}
+
+
+def test_load_meta_skips_and_counts(tmp_path, caplog):
+    path = tmp_path / "meta.jsonl"
+    path.write_text(json.dumps(_meta()) + "\n{broken\n" + json.dumps({"title": "no key"}) + "\n[]\n")
+    skipped = []
+    with caplog.at_level(logging.WARNING):
+        got = list(load_meta(str(path), AMAZON, on_skip=lambda line, reason: skipped.append((line, reason))))
+    assert [k for k, _ in got] == ["P1"]
+    assert [line for line, _ in skipped] == [2, 3, 4]
+    assert skipped[1] == (3, "missing field 'parent_asin'")
+    assert "skipped 3 lines" in caplog.text and "meta.jsonl" in caplog.text
+
+
+def test_load_meta_needs_a_meta_key(tmp_path):
+    with pytest.raises(InputError, match="does not join a meta file"):
+        list(load_meta(str(tmp_path / "m.jsonl"), get_preset("generic")))
+
+
+def test_synth_corpus_round_trip(tmp_path):
+    reviews = write_amazon_reviews(tmp_path / "r.jsonl", 500, products=20)
+    meta = dict(load_meta(str(write_amazon_meta(tmp_path / "m.jsonl", 20)), AMAZON))
+    raws = [r for c in plan_chunks([str(reviews)], 4096) for r in read_chunk(c)]
+    recs, rejects = to_records(raws, AMAZON, meta_lookup=lambda keys: {k: meta[k] for k in keys if k in meta})
+    assert len(recs) == 500 and rejects == [] and len({r.id for r in recs}) == 500
+    assert all(r.values["product_title"].startswith("Product ") for r in recs)
+
+
+def test_example_corpus():
+    meta = dict(load_meta(str(EXAMPLES / "meta_Cell_Phones_and_Accessories.jsonl"), AMAZON))
+    assert len(meta) == 40
+    raws = [r for c in plan_chunks([str(EXAMPLES / "Cell_Phones_and_Accessories.jsonl")], 4096) for r in read_chunk(c)]
+    recs, rejects = to_records(raws, AMAZON, meta_lookup=lambda keys: {k: meta[k] for k in keys if k in meta})
+    assert len(recs) == 200 and rejects == []
+    assert all(r.values["product_title"] for r in recs)
+    assert not any("<br" in r.content for r in recs)
+
+
+def test_example_faults_outcome():
+    """The outcome examples/README.md promises for faults.jsonl."""
+    raws = [r for c in plan_chunks([str(EXAMPLES / "faults.jsonl")], 64) for r in read_chunk(c)]
+    recs, rejects = to_records(raws, AMAZON)
+    assert [r.line for r in recs] == [1, 2, 10, 11, 12, 13, 14, 16, 17, 18]
+    assert [(r.line, r.reason.split(":")[0]) for r in rejects] == [
+        (5, "malformed JSON"), (6, "JSON value is an array, not an object"), (7, "JSON value is a string, not an object"),
+        (8, "missing field 'user_id' needed for the id"), (9, "cannot coerce rating='five' to real"), (15, "template renders no text"),
+    ]
+    by_line = {r.line: r for r in recs}
+    assert by_line[2].id == by_line[13].id and len({r.id for r in recs}) == 9
+    assert "\x00" not in by_line[10].content and "\ufffd" in by_line[14].content and "\ufffd" in by_line[17].content
+    assert len(by_line[11].values["text"]) == 20_000
+    assert by_line[16].values["rating"] == 4.0 and by_line[16].values["verified_purchase"] is True
+    assert by_line[18].values["extra"] == {"color": "Midnight Blue"}
