@@ -278,7 +278,7 @@ def to_records(
     good = []
     for raw in raws:
         if raw.error is not None:
-            rejects.append(make_reject(raw, raw.error))
+            rejects.append(_reject(raw, raw.error))
         else:
             good.append(raw)
     products = _lookup_products(good, preset, meta_lookup)
@@ -287,11 +287,11 @@ def to_records(
         try:
             records.append(_to_record(raw, preset, product, template, text_field, id_field))
         except RecordError as e:
-            rejects.append(make_reject(raw, str(e)))
+            rejects.append(_reject(raw, str(e)))
     return records, rejects
 
 
-def make_reject(raw, reason: str) -> Reject:
+def _reject(raw, reason: str) -> Reject:
     return Reject(raw.source, raw.line, reason, sanitize(raw.raw[:RAW_LIMIT]))
 
 

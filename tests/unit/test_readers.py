@@ -24,8 +24,8 @@ def read_all(path, chunk_bytes=8 << 20, after_line=0):
 FAULTY = (
     b"\xef\xbb\xbf" + b'{"a": 1}\r\n'  # 1 BOM + CRLF
     b"\r\n"  # 2 blank
-    b"  \t \n"  # 3 whitespace only
-    b'{"a": 2,,}\n'  # 4 malformed
+    + "  \t\u3000 \n".encode()  # 3 whitespace only (ASCII and Unicode)
+    + b'{"a": 2,,}\n'  # 4 malformed
     b"[1, 2]\n"  # 5 array
     b"42\n"  # 6 number
     b"null\n"  # 7 null

@@ -75,23 +75,26 @@ def parse_line(source: str, number: int, line: bytes) -> RawRecord | None:
         line = line[:-1]
     if not line or line.isspace():
         return None
+    raw = line.decode("utf-8", "replace")
     try:
         data = orjson.loads(line)
     except orjson.JSONDecodeError as e:
-        data, err = _parse_lenient(line, e)
+        if raw.isspace():  # Unicode whitespace only (e.g. U+3000): blank too
+            return None
+        data, err = _parse_lenient(raw, e)
         if err:
-            return RawRecord(source, number, None, line.decode("utf-8", "replace"), err)
-    raw = line.decode("utf-8", "replace")
+            return RawRecord(source, number, None, raw, err)
     if type(data) is not dict:
         return RawRecord(source, number, None, raw, f"JSON value is {_type_name(data)}, not an object")
     return RawRecord(source, number, data, raw, None)
 
 
-def _parse_lenient(line: bytes, orjson_error: orjson.JSONDecodeError) -> tuple[object, str | None]:
-    """The rare lines orjson refuses but that hold a usable object: invalid UTF-8 bytes (replaced),
-    lone surrogate escapes (sanitized later) and integers beyond 64 bits. Else orjson's reason."""
+def _parse_lenient(text: str, orjson_error: orjson.JSONDecodeError) -> tuple[object, str | None]:
+    """The rare lines orjson refuses but that hold a usable object: invalid UTF-8 bytes (already
+    replaced in `text`), lone surrogate escapes (sanitized later) and integers beyond 64 bits.
+    Else orjson's reason."""
     try:
-        return json.loads(line.decode("utf-8", "replace")), None
+        return json.loads(text), None
     except (ValueError, RecursionError):
         msg = orjson_error.msg
         return None, f"malformed JSON: {msg[:1].upper()}{msg[1:]} at column {orjson_error.colno}"
