@@ -25,7 +25,7 @@ from embedfleet.encode.pooling import finish, pool_packed
 from embedfleet.encode.tokenize import Tokenized, TextTokenizer
 from embedfleet.errors import ModelError
 
-CHUNK_TEXTS = 16384  # encode() tokenizes this many texts ahead while the device embeds
+MAX_CHUNK, MIN_CHUNK = 16384, 2048  # encode() tokenizes chunks ahead while the device embeds
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
            "float16": torch.float16, "fp16": torch.float16}
 
@@ -114,9 +114,10 @@ class Encoder:
 
     def encode(self, texts: list[str], prompt: str | None = None) -> np.ndarray:
         texts = list(texts)
-        if len(texts) <= CHUNK_TEXTS:
+        size = min(MAX_CHUNK, max(MIN_CHUNK, len(texts) // 8))  # >= 8 chunks, so the overlap pays
+        if len(texts) <= size:
             return self.embed(self.tokenize(texts, prompt))
-        chunks = [texts[i : i + CHUNK_TEXTS] for i in range(0, len(texts), CHUNK_TEXTS)]
+        chunks = [texts[i : i + size] for i in range(0, len(texts), size)]
         out, pending = [], None
         # Two chunks tokenize ahead (keeping the pool busy between them) while the device embeds;
         # chunk k's result is read only after chunk k+1 has been queued on the device.
