@@ -4,8 +4,10 @@ fresh database per test so ledgers and tables never leak between tests."""
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 import uuid
 import warnings
 from pathlib import Path
@@ -17,14 +19,18 @@ EXAMPLES = ROOT / "examples"
 
 
 @pytest.fixture(scope="session")
-def pg_server(tmp_path_factory):
+def pg_server():
+    # Not under pytest's 0700 tmp dirs: as root, pgserver runs postgres as its own user, who must reach the data.
+    root = Path(tempfile.mkdtemp(prefix="embedfleet-pg-"))
+    root.chmod(0o755)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         import pgserver
 
-        server = pgserver.get_server(tmp_path_factory.mktemp("pg") / "data", cleanup_mode="delete")
+        server = pgserver.get_server(root / "data", cleanup_mode="delete")
     yield server
     server.cleanup()
+    shutil.rmtree(root, ignore_errors=True)
 
 
 @pytest.fixture

@@ -242,7 +242,8 @@ def bench(
 
 def main() -> None:
     try:
-        app(standalone_mode=False)
+        rc = app(standalone_mode=False)  # returns typer.Exit's code instead of raising it
+        sys.exit(rc if isinstance(rc, int) else 0)
     except EmbedfleetError as e:
         if _state["debug"]:
             raise

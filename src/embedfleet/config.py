@@ -122,6 +122,8 @@ def validate(cfg: JobConfig) -> JobConfig:
         raise InputError("--limit must be ≥ 0")
     if cfg.dtype not in ("float", "half"):
         raise InputError(f"--dtype {cfg.dtype!r}: use float (vector) or half (halfvec)")
+    if cfg.text_template and cfg.text_field:
+        raise InputError("give --text-field or --text-template, not both")
     if cfg.preset is None:
         cfg.preset = "amazon-reviews" if cfg.meta else "generic"
     if cfg.preset not in ("amazon-reviews", "generic"):

@@ -52,8 +52,10 @@ def connect(dsn: str, **kw) -> psycopg.Connection:
 
 
 def process_started(pid: int) -> float | None:
+    """Start time of a live process, None if it is gone (a zombie is gone: it only awaits reaping)."""
     try:
-        return psutil.Process(pid).create_time()
+        proc = psutil.Process(pid)
+        return None if proc.status() == psutil.STATUS_ZOMBIE else proc.create_time()
     except (psutil.NoSuchProcess, psutil.AccessDenied):
         return None
 
