@@ -1,0 +1,98 @@
+"""Pure pieces of the runtime and store: no database, no model."""
+
+from __future__ import annotations
+
+from collections import deque
+
+import numpy as np
+import pytest
+
+from embedfleet.config import JobConfig, build_config
+from embedfleet.errors import InputError
+from embedfleet.runtime.local import apply_limit, parse_devices
+from embedfleet.runtime.monitor import rate_and_eta
+from embedfleet.sources.plan import ChunkSpec
+from embedfleet.store.schema import check_identifier
+from embedfleet.store.writer import pack_vectors
+
+
+def test_packed_vectors_match_pgvectors_own_binary_format():
+    from pgvector import HalfVector, Vector
+
+    emb = np.random.default_rng(0).standard_normal((5, 7)).astype(np.float32)
+    for got, row in zip(pack_vectors(emb, "vector"), emb):
+        assert bytes(got) == Vector(row).to_binary()
+    for got, row in zip(pack_vectors(emb, "halfvec"), emb):
+        assert bytes(got) == HalfVector(row.astype(np.float16)).to_binary()
+
+
+def _c(src, first, kind="jsonl"):
+    return ChunkSpec(src, kind, 0, 0, first)
+
+
+def test_limit_caps_the_chunk_holding_the_nth_line():
+    chunks = [_c("a", 1), _c("a", 101), _c("a", 201), _c("b", 1)]
+    assert apply_limit(chunks, None) == [(c, None) for c in chunks]
+    assert apply_limit(chunks, 150) == [(chunks[0], 150), (chunks[1], 150)]
+    assert apply_limit(chunks, 100) == [(chunks[0], 100)]
+    assert apply_limit(chunks, 0) == []
+    # the last chunk of a file has no known size: the cap falls inside it and planning stops
+    assert apply_limit(chunks, 500) == [(chunks[0], 500), (chunks[1], 500), (chunks[2], 500)]
+    streams = [_c("x.gz", 1, "stream"), _c("y.gz", 1, "stream")]
+    assert apply_limit(streams, 10) == [(streams[0], 10)]
+
+
+def test_devices_spread_workers_round_robin():
+    assert parse_devices("cpu", None) == ["cpu"]
+    assert parse_devices("cpu", 2) == ["cpu", "cpu"]
+    assert parse_devices("cuda:0,1", None) == ["cuda:0", "cuda:1"]
+    assert parse_devices("cuda:2,3", 3) == ["cuda:2", "cuda:3", "cuda:2"]
+
+
+def test_rate_and_eta_from_samples():
+    h = deque([(0.0, 0, 0, 0), (10.0, 1000, 50000, 5)])
+    rows, toks, eta = rate_and_eta(h, total_chunks=15)
+    assert (rows, toks, eta) == (100.0, 5000.0, 20.0)
+    assert rate_and_eta(deque([(0.0, 0, 0, 0)]), 3) == (0.0, 0.0, None)
+
+
+@pytest.mark.parametrize("name", ["", "   ", "x" * 64, "pg_thing", "a\x00b"])
+def test_unusable_table_names_are_refused(name):
+    with pytest.raises(InputError):
+        check_identifier(name)
+
+
+@pytest.mark.parametrize("name", ["reviews", "Cell_Phones_and_Accessories", 'we"ird; DROP TABLE x', "ünï"])
+def test_any_other_name_is_accepted_and_quoted_later(name):
+    assert check_identifier(name) == name
+
+
+def test_config_flags_win_over_yaml_and_identity_ignores_runtime_knobs(tmp_path):
+    y = tmp_path / "job.yaml"
+    y.write_text("inputs: [a.jsonl]\nmodel: m1\nworkers: 4\nchunk-bytes: 4096\n")
+    cfg = build_config({"model": "m2", "inputs": None}, str(y))
+    assert (cfg.inputs, cfg.model, cfg.workers, cfg.chunk_bytes) == (["a.jsonl"], "m2", 4, 4096)
+    assert cfg.preset == "generic"
+    other = JobConfig(**{**cfg.__dict__, "workers": 1, "devices": "cpu", "quiet": True})
+    assert other.fingerprint() == cfg.fingerprint()
+    assert JobConfig(**{**cfg.__dict__, "model": "m3"}).fingerprint() != cfg.fingerprint()
+
+
+@pytest.mark.parametrize("flags, msg", [
+    ({"devices": "gpu"}, "--devices"),
+    ({"batch_tokens": "lots"}, "--batch-tokens"),
+    ({"dtype": "int8"}, "--dtype"),
+    ({"preset": "nope"}, "--preset"),
+    ({"meta": "m.jsonl", "preset": "generic"}, "--meta"),
+    ({"text_field": "a", "text_template": "{b}"}, "not both"),
+])
+def test_bad_flags_are_refused_with_the_flag_named(flags, msg):
+    with pytest.raises(InputError, match=msg):
+        build_config({"inputs": ["a.jsonl"], **flags})
+
+
+def test_yaml_with_unknown_key_is_refused(tmp_path):
+    y = tmp_path / "job.yaml"
+    y.write_text("inputs: [a]\nmodle: x\n")
+    with pytest.raises(InputError, match="unknown key 'modle'"):
+        build_config({}, str(y))
