@@ -7,9 +7,13 @@ which case the encoder uses the generic transformers fallback.
 from __future__ import annotations
 
 import json
+import logging
+import os
 from pathlib import Path
 
 import torch
+
+log = logging.getLogger(__name__)
 
 BERT_TYPES = ("bert", "roberta", "xlm-roberta", "camembert")
 DECODER_TYPES = ("qwen3", "qwen2", "llama")
@@ -39,6 +43,28 @@ def strip_prefix(state: dict[str, torch.Tensor], anchor: str) -> dict[str, torch
         return {}
     cut = len(key) - len(anchor)
     return {k[cut:]: v for k, v in state.items() if k.startswith(key[:cut])}
+
+
+def fused(fn, device: torch.device):
+    """torch.compile `fn` on CUDA (fuses norms, RoPE, activations and residual adds between the
+    matmuls, which otherwise cost more GPU time than the matmuls themselves); eager elsewhere, when
+    EMBEDFLEET_COMPILE=0, or if compiling fails."""
+    if device.type != "cuda" or os.environ.get("EMBEDFLEET_COMPILE", "1") == "0":
+        return fn
+    compiled = torch.compile(fn)
+    state = {"fn": compiled}
+
+    def call(*args):
+        try:
+            return state["fn"](*args)
+        except Exception as err:  # noqa: BLE001 - any compiler failure: run eager, say so once
+            if state["fn"] is fn:
+                raise
+            log.warning("torch.compile failed (%s); running the eager forward", str(err).splitlines()[0])
+            state["fn"] = fn
+            return fn(*args)
+
+    return call
 
 
 def build(spec, device: torch.device, dtype: torch.dtype):

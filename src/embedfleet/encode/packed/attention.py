@@ -14,9 +14,14 @@ import torch
 import torch.nn.functional as F
 
 try:
+    import inspect
+
     from torch.nn.attention.varlen import varlen_attn
+
+    # torch 2.11 has no enable_gqa flag, but its flash kernel already takes fewer K/V heads.
+    _GQA_FLAG = "enable_gqa" in inspect.signature(varlen_attn).parameters
 except ImportError:  # torch < 2.10
-    varlen_attn = None
+    varlen_attn, _GQA_FLAG = None, False
 
 
 @dataclass
@@ -38,8 +43,9 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pk: Packing, ca
               scale: float | None = None) -> torch.Tensor:
     """q [T, Hq, D], k/v [T, Hkv, D] -> [T, Hq, D]."""
     if pk.use_flash and q.dtype in (torch.float16, torch.bfloat16):
+        gqa = {"enable_gqa": True} if _GQA_FLAG and k.shape[1] != q.shape[1] else {}
         return varlen_attn(q, k, v, pk.cu, pk.cu, pk.max_len, pk.max_len, scale=scale,
-                           window_size=(-1, 0) if causal else (-1, -1), enable_gqa=k.shape[1] != q.shape[1])
+                           window_size=(-1, 0) if causal else (-1, -1), **gqa)
     return _padded_sdpa(q, k, v, pk, causal, scale)
 
 

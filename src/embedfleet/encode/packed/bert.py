@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from embedfleet.encode.packed import strip_prefix
+from embedfleet.encode.packed import fused, strip_prefix
 from embedfleet.encode.packed.attention import Packing, attention
 
 _ACT = {
@@ -27,6 +27,7 @@ class PackedBert:
         self.w, self.layers, self.heads, self.eps, self.act, self.pos_offset = (
             weights, layers, heads, eps, act, pos_offset)
         self.hidden = weights["word"].shape[1]
+        self._post = fused(_post_attention, weights["word"].device)
 
     @classmethod
     def create(cls, cfg: dict, state: dict, device, dtype):
@@ -71,8 +72,13 @@ class PackedBert:
         x = F.layer_norm(x, (h,), w["ln_w"], w["ln_b"], self.eps)
         for L in self.layers:
             q, k, v = F.linear(x, L["qkv_w"], L["qkv_b"]).view(n, 3, self.heads, -1).unbind(1)
-            a = attention(q, k, v, pk, causal=False).reshape(n, h)
-            x = F.layer_norm(x + F.linear(a, L["o_w"], L["o_b"]), (h,), L["ln1_w"], L["ln1_b"], self.eps)
-            m = F.linear(self.act(F.linear(x, L["i_w"], L["i_b"])), L["out_w"], L["out_b"])
-            x = F.layer_norm(x + m, (h,), L["ln2_w"], L["ln2_b"], self.eps)
+            a = attention(q, k, v, pk, causal=False)
+            x = self._post(x, a, L, self.eps, self.act)
         return x
+
+
+def _post_attention(x, a, L: dict, eps: float, act):
+    h = x.shape[1]
+    x = F.layer_norm(x + F.linear(a.reshape(x.shape[0], h), L["o_w"], L["o_b"]), (h,), L["ln1_w"], L["ln1_b"], eps)
+    m = F.linear(act(F.linear(x, L["i_w"], L["i_b"])), L["out_w"], L["out_b"])
+    return F.layer_norm(x + m, (h,), L["ln2_w"], L["ln2_b"], eps)

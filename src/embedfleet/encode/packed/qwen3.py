@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from embedfleet.encode.packed import strip_prefix
+from embedfleet.encode.packed import fused, strip_prefix
 from embedfleet.encode.packed.attention import Packing, attention
 
 
@@ -34,6 +34,8 @@ class PackedDecoder:
             weights, layers, heads, kv_heads, head_dim, eps)
         self.cos, self.sin = cos, sin
         self.hidden = weights["embed"].shape[1]
+        device = weights["embed"].device
+        self._pre, self._post = fused(_pre_attention, device), fused(_post_attention, device)
 
     @classmethod
     def create(cls, cfg: dict, state: dict, device, dtype, max_len: int):
@@ -74,19 +76,28 @@ class PackedDecoder:
         return 2 * lin + 4 * len(self.layers) * self.heads * self.head_dim * (mean_len + 1) / 2
 
     def __call__(self, ids: torch.Tensor, pk: Packing) -> torch.Tensor:
-        n, hd, eps, h = ids.shape[0], self.head_dim, self.eps, self.hidden
         x = F.embedding(ids, self.w["embed"])
         pos = pk.pos.long()
         cos, sin = self.cos[pos], self.sin[pos]
-        sizes = [self.heads * hd, self.kv_heads * hd, self.kv_heads * hd]
         for L in self.layers:
-            y = F.rms_norm(x, (h,), L["in_w"], eps)
-            q, k, v = F.linear(y, L["qkv_w"], L["qkv_b"]).split(sizes, dim=-1)
-            q, k, v = q.view(n, self.heads, hd), k.view(n, self.kv_heads, hd), v.view(n, self.kv_heads, hd)
-            if L["qn_w"] is not None:
-                q, k = F.rms_norm(q, (hd,), L["qn_w"], eps), F.rms_norm(k, (hd,), L["kn_w"], eps)
-            a = attention(rope(q, cos, sin), rope(k, cos, sin), v, pk, causal=True)
-            x = x + F.linear(a.reshape(n, -1), L["o_w"])
-            g, u = F.linear(F.rms_norm(x, (h,), L["post_w"], eps), L["gu_w"]).chunk(2, dim=-1)
-            x = x + F.linear(F.silu(g) * u, L["down_w"])
-        return F.rms_norm(x, (h,), self.w["norm"], eps)
+            q, k, v = self._pre(x, L["in_w"], L["qkv_w"], L["qkv_b"], L["qn_w"], L["kn_w"], cos, sin,
+                                self.heads, self.kv_heads, self.eps)
+            a = attention(q, k, v, pk, causal=True)
+            x = self._post(x, a, L["o_w"], L["post_w"], L["gu_w"], L["down_w"], self.eps)
+        return F.rms_norm(x, (self.hidden,), self.w["norm"], self.eps)
+
+
+def _pre_attention(x, in_w, qkv_w, qkv_b, qn_w, kn_w, cos, sin, heads: int, kv_heads: int, eps: float):
+    n, hd = x.shape[0], cos.shape[-1] * 2
+    y = F.rms_norm(x, (x.shape[1],), in_w, eps)
+    q, k, v = F.linear(y, qkv_w, qkv_b).split([heads * hd, kv_heads * hd, kv_heads * hd], dim=-1)
+    q, k, v = q.view(n, heads, hd), k.view(n, kv_heads, hd), v.reshape(n, kv_heads, hd)
+    if qn_w is not None:
+        q, k = F.rms_norm(q, (hd,), qn_w, eps), F.rms_norm(k, (hd,), kn_w, eps)
+    return rope(q, cos, sin), rope(k, cos, sin), v.contiguous()
+
+
+def _post_attention(x, a, o_w, post_w, gu_w, down_w, eps: float):
+    x = x + F.linear(a.reshape(x.shape[0], -1), o_w)
+    g, u = F.linear(F.rms_norm(x, (x.shape[1],), post_w, eps), gu_w).chunk(2, dim=-1)
+    return x + F.linear(F.silu(g) * u, down_w)

@@ -1,0 +1,55 @@
+"""GPU checks of the packed encoder: bf16 vectors close to sentence-transformers' float32 ones."""
+
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+
+MINILM = Path(os.environ.get("EMBEDFLEET_GPU_MINILM", ".models/all-MiniLM-L6-v2-fp16"))
+
+
+def _st(path, texts, prompt=None):
+    from sentence_transformers import SentenceTransformer
+
+    return SentenceTransformer(str(path), device="cuda").encode(texts, normalize_embeddings=True, prompt_name=prompt)
+
+
+def _texts():
+    from embedfleet.synth import review_texts
+
+    return review_texts(300, seed=3) + ["word " * 1000, "a"]
+
+
+@pytest.mark.skipif(not MINILM.is_dir(), reason="fp16 MiniLM not prepared (.models/)")
+def test_minilm_bf16_matches_st():
+    from embedfleet.encode.encoder import Encoder
+
+    enc = Encoder(str(MINILM))
+    assert enc.describe()["path"] == "packed" and enc.describe()["dtype"] == "bfloat16"
+    ours = enc.encode(_texts())
+    assert ((ours * _st(MINILM, _texts())).sum(1)).min() >= 0.999
+
+
+@pytest.mark.parametrize("pooling", ["lasttoken", "mean"])
+def test_tiny_qwen3_varlen_matches_st(tmp_path, pooling):
+    from embedfleet.encode.encoder import Encoder
+    from embedfleet.encode.shapes import build_random_model
+
+    path = build_random_model("qwen3-0.6b", tmp_path, tiny=True, pooling=pooling)
+    enc = Encoder(str(path), dtype="bfloat16")
+    for prompt in (None, "query"):
+        ours = enc.encode(_texts(), prompt=prompt)
+        assert ((ours * _st(path, _texts(), prompt)).sum(1)).min() >= 0.999
+
+
+def test_budget_probe_fits_memory(tmp_path):
+    from embedfleet.encode.budget import MAX_BATCH_TOKENS
+    from embedfleet.encode.encoder import Encoder
+    from embedfleet.encode.shapes import build_random_model
+
+    enc = Encoder(str(build_random_model("minilm-l6", tmp_path, tiny=True)))
+    assert enc.max_seq_length <= enc.budget.tokens <= MAX_BATCH_TOKENS
