@@ -97,6 +97,11 @@ def test_rerun_is_idempotent_and_empty_input_is_a_finished_job(cli, dsn, conn, t
     p = cli(*args, check=True)
     assert conn.execute("SELECT count(*), sum(length(content)) FROM r").fetchone() == before
     assert status(cli, dsn, "r")["rows_written"] == before[0]
+    # A second job over the same rows upserts (every id exists) and counts no new rows.
+    cli(*args, "--job", "again", check=True)
+    assert conn.execute("SELECT count(*), sum(length(content)) FROM r").fetchone() == before
+    assert status(cli, dsn, "again")["rows_written"] == 0
+    assert orjson.loads(cli("verify", "--table", "r", "--db", dsn, "--json").stdout)["ok"]
 
     empty = tmp_path / "empty.jsonl"
     empty.write_text("\n  \n")

@@ -44,6 +44,7 @@ class Stats:
     units: int = 0
     embed_seconds: float = 0.0  # time the main thread spent in the forward pass
     wait_seconds: float = 0.0  # time the main thread waited for the prefetch thread
+    sink_wait_seconds: float = 0.0  # time the main thread waited for the writer (back-pressure)
     state: str = "starting"
 
 
@@ -243,7 +244,9 @@ def run_worker(job: str, dsn: str, worker: str, device: str = "auto") -> Stats:
                 continue
             stats.embed_seconds += time.perf_counter() - t0
             unit.tok = None  # free the token arrays before the unit waits in the writer queue
+            t0 = time.perf_counter()
             writer.submit(unit)
+            stats.sink_wait_seconds += time.perf_counter() - t0
         writer.close()
     finally:
         stats.state = "finished"
@@ -255,7 +258,7 @@ def run_worker(job: str, dsn: str, worker: str, device: str = "auto") -> Stats:
         "worker": worker, "device": encoder.device, "rows": stats.rows, "tokens": stats.tokens,
         "wall_s": round(wall, 3), "rows_per_s": round(stats.rows / wall, 1) if wall else 0.0,
         "embed_s": round(stats.embed_seconds, 3), "input_wait_s": round(stats.wait_seconds, 3),
-        "db_s": round(writer.db_seconds, 3),
+        "db_s": round(writer.db_seconds, 3), "sink_wait_s": round(stats.sink_wait_seconds, 3),
     }
     print("embedfleet-worker-summary " + orjson.dumps(summary).decode(), file=sys.stderr, flush=True)
     return stats

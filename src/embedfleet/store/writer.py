@@ -105,6 +105,9 @@ class TableSink:
             )
         )
         self.copy_sql = sql.SQL("COPY {} ({}) FROM STDIN (FORMAT BINARY)").format(self.stage, ident)
+        self.copy_direct_sql = sql.SQL("COPY {} ({}) FROM STDIN (FORMAT BINARY)").format(sql.Identifier(table), ident)
+        # Safe: a crash loses at most the last moments of commits, rows and ledger mark together.
+        conn.execute("SET synchronous_commit = off")
         updates = sql.SQL(", ").join(
             sql.SQL("{0} = EXCLUDED.{0}").format(sql.Identifier(n)) for n in names if n != "id"
         )
@@ -113,6 +116,24 @@ class TableSink:
             "WITH up AS (INSERT INTO {t} ({c}) SELECT {c} FROM {s} ON CONFLICT (id) DO UPDATE SET {u} "
             "RETURNING (xmax = 0) AS inserted) SELECT count(*) FILTER (WHERE inserted) FROM up"
         ).format(t=sql.Identifier(table), c=ident, s=self.stage, u=updates)
+
+    def _copy(self, target: sql.Composable, rows: list) -> None:
+        with self.conn.cursor() as cur, cur.copy(target) as copy:
+            copy.set_types(self.copy_types)
+            for row in rows:
+                copy.write_row(row)
+
+    def _insert(self, rows: list) -> int:
+        """COPY straight into the table when every id is new (the common case: one pass, no
+        staging); if any id exists already, roll that back and upsert through the stage table."""
+        try:
+            with self.conn.transaction():  # a savepoint
+                self._copy(self.copy_direct_sql, rows)
+            return len(rows)
+        except psycopg.errors.UniqueViolation:
+            pass
+        self._copy(self.copy_sql, rows)
+        return self.conn.execute(self.upsert_sql).fetchone()[0]
 
     def commit_unit(self, unit: Unit) -> int:
         """One transaction: rows + rejects + chunk progress. Returns ids newly inserted."""
@@ -123,14 +144,9 @@ class TableSink:
         with conn.transaction():
             inserted = 0
             if keep:
-                vecs = pack_vectors(emb[keep], self.vtype)
-                with conn.cursor() as cur:
-                    with cur.copy(self.copy_sql) as copy:
-                        copy.set_types(self.copy_types)
-                        for vec, i in zip(vecs, keep):
-                            r = records[i]
-                            copy.write_row([r.id, r.content, vec, *(r.values.get(c.name) for c in self.columns)])
-                    inserted = cur.execute(self.upsert_sql).fetchone()[0]
+                rows = [[records[i].id, records[i].content, vec, *(records[i].values.get(c.name) for c in self.columns)]
+                        for vec, i in zip(pack_vectors(emb[keep], self.vtype), keep)]
+                inserted = self._insert(rows)
             if unit.rejects:
                 with conn.cursor() as cur:
                     cur.executemany(

@@ -1,0 +1,139 @@
+"""Ingest throughput on 1..N GPUs: synthetic Amazon reviews → `embedfleet ingest` → embedded PostgreSQL.
+
+    python bench/ingest.py --n 200000 --gpus 1,2 [--model DIR | --shape qwen3-0.6b] [--out results.json]
+
+For each GPU count it runs the real CLI once (fresh table, --no-index so the rate is the pipeline's,
+then times the HNSW build separately), samples every GPU's utilisation with NVML, and reads each
+worker's summary line (rows, forward-pass seconds, DB seconds, seconds the GPU loop waited on the
+sink or on input). Steady-state rate = rows / the slowest worker's loop time (model load excluded);
+wall rate = rows / the whole command's wall time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import orjson
+
+
+class GpuSampler(threading.Thread):
+    """Mean NVML utilisation per GPU while a run is going, over samples where any GPU was busy."""
+
+    def __init__(self, indices: list[int], period: float = 0.2):
+        super().__init__(daemon=True)
+        self.indices, self.period, self.samples = indices, period, []
+        self._halt = threading.Event()
+
+    def run(self):
+        try:
+            import pynvml
+
+            pynvml.nvmlInit()
+            handles = [pynvml.nvmlDeviceGetHandleByIndex(i) for i in self.indices]
+        except Exception:
+            return
+        while not self._halt.wait(self.period):
+            self.samples.append([pynvml.nvmlDeviceGetUtilizationRates(h).gpu for h in handles])
+
+    def stop(self) -> list[float | None]:
+        self._halt.set()
+        self.join()
+        busy = [s for s in self.samples if any(s)]
+        if not busy:
+            return [None] * len(self.indices)
+        # from the first to the last busy sample: the window where embedding happened
+        first = self.samples.index(busy[0])
+        last = len(self.samples) - 1 - self.samples[::-1].index(busy[-1])
+        window = self.samples[first : last + 1]
+        return [round(sum(s[i] for s in window) / len(window), 1) for i in range(len(self.indices))]
+
+
+def run_once(data: Path, gpus: int, model: str | None, env: dict, preset: str, extra: list[str],
+             cpu: bool = False) -> dict:
+    table = f"bench_{gpus}gpu_{int(time.time())}"
+    devices = f"cpu --workers {gpus}" if cpu else "cuda:" + ",".join(str(i) for i in range(gpus))
+    cmd = [sys.executable, "-m", "embedfleet.cli", "ingest", str(data), "--preset", preset, "--table", table,
+           "--devices", *devices.split(), "--no-index", "--json", *extra]
+    if model:
+        cmd += ["--model", model]
+    sampler = GpuSampler(list(range(gpus)))
+    sampler.start()
+    t0 = time.perf_counter()
+    p = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    wall = time.perf_counter() - t0
+    util = sampler.stop()
+    sys.stderr.write(p.stderr[-4000:])
+    if p.returncode != 0:
+        raise SystemExit(f"ingest failed ({p.returncode})")
+    summary = orjson.loads(p.stdout)
+    workers = [orjson.loads(line.split(" ", 1)[1]) for line in p.stderr.splitlines()
+               if line.startswith("embedfleet-worker-summary ")]
+    rows = summary["rows_written"]
+    loop = max(w["wall_s"] for w in workers)
+    t_idx = time.perf_counter()
+    subprocess.run([sys.executable, "-c", (
+        "from embedfleet.store.embedded import start; from embedfleet.store.ledger import connect; "
+        "from embedfleet.store.schema import build_index; "
+        f"build_index(connect(start()), {table!r}, 'vector')")], env=env, check=True)
+    index_s = time.perf_counter() - t_idx
+    return {
+        "gpus": gpus, "rows": rows, "wall_s": round(wall, 2), "rows_per_s_wall": round(rows / wall, 1),
+        "loop_s": loop, "rows_per_s_steady": round(rows / loop, 1), "gpu_util_pct": util,
+        "db_share_of_loop": round(max(w["db_s"] / w["wall_s"] for w in workers), 3),
+        "gpu_waited_on_db_s": round(max(w["sink_wait_s"] for w in workers), 3),
+        "gpu_waited_on_input_s": round(max(w["input_wait_s"] for w in workers), 3),
+        "hnsw_index_s": round(index_s, 2), "workers": workers,
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--n", type=int, default=200_000)
+    ap.add_argument("--gpus", default="1,2")
+    ap.add_argument("--model", default=None)
+    ap.add_argument("--shape", default=None, help="random-weight shape (e.g. qwen3-0.6b) instead of --model")
+    ap.add_argument("--work", default="/tmp/efbench")
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--chunk-bytes", default=None)
+    ap.add_argument("--cpu", action="store_true", help="smoke-test the script without GPUs")
+    args = ap.parse_args()
+    work = Path(args.work)
+    work.mkdir(parents=True, exist_ok=True)
+    data = work / f"reviews_{args.n}.jsonl"
+    if not data.exists():
+        from embedfleet.synth import write_amazon_reviews
+
+        write_amazon_reviews(data, args.n, products=5000)
+    model = args.model
+    if args.shape:
+        from embedfleet.encode.shapes import build_random_model
+
+        model = str(build_random_model(args.shape, work / args.shape))
+    env = dict(os.environ, EMBEDFLEET_HOME=str(work / "home"))
+    extra = ["--chunk-bytes", args.chunk_bytes] if args.chunk_bytes else []
+    results = [run_once(data, int(g), model, env, "amazon-reviews", extra, args.cpu) for g in args.gpus.split(",")]
+    base = results[0]["rows_per_s_steady"] / results[0]["gpus"]
+    for r in results:
+        r["scaling_vs_linear_steady"] = round(r["rows_per_s_steady"] / (base * r["gpus"]), 3)
+        r["scaling_vs_linear_wall"] = round(
+            r["rows_per_s_wall"] / (results[0]["rows_per_s_wall"] / results[0]["gpus"] * r["gpus"]), 3)
+    doc = {"n": args.n, "model": model or "bundled all-MiniLM-L6-v2", "results": results}
+    text = json.dumps(doc, indent=2)
+    if args.out:
+        Path(args.out).write_text(text)
+    print(text)
+    for r in results:
+        print(f"{r['gpus']} GPU: {r['rows_per_s_steady']:,.0f} rows/s steady, {r['rows_per_s_wall']:,.0f} wall, "
+              f"util {r['gpu_util_pct']}, db share {r['db_share_of_loop']}, "
+              f"GPU waited on DB {r['gpu_waited_on_db_s']}s, scaling {r['scaling_vs_linear_steady']}")
+
+
+if __name__ == "__main__":
+    main()
