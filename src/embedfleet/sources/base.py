@@ -19,14 +19,18 @@ from dataclasses import dataclass
 from typing import IO
 
 import orjson
-import zstandard
+
+try:  # a declared dependency, but only .zst inputs need it: a slim install still reads everything else
+    import zstandard
+except ImportError:  # pragma: no cover
+    zstandard = None
 
 from embedfleet.errors import InputError
 
 BOM = b"\xef\xbb\xbf"
 _READ = 1 << 20
 # What a truncated or corrupt .gz/.zst stream raises while being read.
-STREAM_ERRORS = (OSError, EOFError, zlib.error, zstandard.ZstdError)
+STREAM_ERRORS = (OSError, EOFError, zlib.error) + ((zstandard.ZstdError,) if zstandard else ())
 _TYPE_NAMES = {list: "an array", str: "a string", int: "a number", float: "a number", bool: "a boolean"}
 
 
@@ -45,6 +49,8 @@ def open_binary(path: str) -> IO[bytes]:
     if lower.endswith(".gz"):
         return gzip.open(path, "rb")
     if lower.endswith(".zst"):
+        if zstandard is None:
+            raise InputError(f"{path}: reading .zst needs the zstandard package (pip install zstandard)")
         fh = open(path, "rb")
         return zstandard.ZstdDecompressor().stream_reader(fh, read_across_frames=True, closefd=True)
     return open(path, "rb")
