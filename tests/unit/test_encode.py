@@ -1,0 +1,134 @@
+"""The encoder against sentence-transformers on the same weights (CPU, float32)."""
+
+import threading
+
+import numpy as np
+import pytest
+
+st_mod = pytest.importorskip("sentence_transformers")
+
+from embedfleet.encode import tokenize as tokenize_mod  # noqa: E402
+from embedfleet.encode.encoder import Encoder  # noqa: E402
+from embedfleet.encode.models import bundled_model_dir  # noqa: E402
+from embedfleet.encode.shapes import build_random_model  # noqa: E402
+from embedfleet.errors import ModelError  # noqa: E402
+from embedfleet.synth import review_texts  # noqa: E402
+
+TEXTS = review_texts(40, seed=5) + ["word " * 600, "", "a", "Short one."]
+
+
+def _st(path, texts=TEXTS, prompt=None, dim=None):
+    model = st_mod.SentenceTransformer(str(path), device="cpu", truncate_dim=dim)
+    out = model.encode(texts, prompt_name=prompt, convert_to_numpy=True)
+    return out / np.linalg.norm(out, axis=1, keepdims=True)
+
+
+def _close(ours, ref, tol=0.9999):
+    assert ours.dtype == np.float32 and ours.shape == ref.shape
+    np.testing.assert_allclose(np.linalg.norm(ours, axis=1), 1.0, atol=1e-5)
+    assert (ours * ref).sum(1).min() >= tol
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    root = tmp_path_factory.mktemp("models")
+    return {
+        "bert-cls": build_random_model("bert-base", root / "bert", tiny=True, pooling="cls"),
+        "qwen3": build_random_model("qwen3-0.6b", root / "qwen3", tiny=True),
+        "qwen3-mean": build_random_model("qwen3-0.6b", root / "qwen3m", tiny=True, pooling="mean"),
+        "electra": build_random_model("minilm-l6", root / "electra", tiny=True, model_type="electra"),
+    }
+
+
+def test_real_minilm_matches_st_with_truncation():
+    enc = Encoder(device="cpu")
+    assert enc.describe()["path"] == "packed" and enc.max_seq_length == 256
+    _close(enc.encode(TEXTS), _st(bundled_model_dir()))
+
+
+def test_tiny_bert_cls(tiny):
+    enc = Encoder(str(tiny["bert-cls"]), batch_tokens=300)  # several batches
+    assert enc.spec.pooling == "cls"
+    _close(enc.encode(TEXTS), _st(tiny["bert-cls"]))
+
+
+@pytest.mark.parametrize("prompt", [None, "query", "document"])
+def test_tiny_qwen3_lasttoken_with_prompts(tiny, prompt):
+    enc = Encoder(str(tiny["qwen3"]))
+    assert enc.describe()["path"] == "packed" and enc.spec.pooling == "lasttoken"
+    _close(enc.encode(TEXTS, prompt=prompt), _st(tiny["qwen3"], prompt=prompt))
+
+
+def test_query_prompt_changes_vectors_and_literal_prompt(tiny):
+    enc = Encoder(str(tiny["qwen3"]))
+    q, d = enc.encode(["battery life"], prompt="query"), enc.encode(["battery life"], prompt="document")
+    assert (q * d).sum() < 0.9999
+    literal = enc.spec.prompts["query"]
+    np.testing.assert_allclose(enc.encode(["battery life"], prompt=literal), q, atol=1e-6)
+
+
+def test_tiny_qwen3_mean_and_matryoshka(tiny):
+    enc = Encoder(str(tiny["qwen3-mean"]), dim=24)
+    assert enc.dim == 24
+    _close(enc.encode(TEXTS), _st(tiny["qwen3-mean"], dim=24))
+
+
+def test_generic_fallback_for_unknown_architecture(tiny):
+    enc = Encoder(str(tiny["electra"]))
+    assert enc.describe()["path"] == "generic"
+    _close(enc.encode(TEXTS), _st(tiny["electra"]))
+
+
+def test_tokenize_and_embed_from_two_threads(tiny):
+    enc = Encoder(str(tiny["bert-cls"]))
+    chunks = [review_texts(30, seed=s) for s in range(6)]
+    expected = [enc.encode(c) for c in chunks]
+    got, errors, toks = [None] * 6, [], [None] * 6
+    ready = [threading.Event() for _ in chunks]
+
+    def producer():
+        try:
+            for i, c in enumerate(chunks):
+                toks[i] = enc.tokenize(c)
+                ready[i].set()
+        except Exception as err:  # pragma: no cover - reported below
+            errors.append(err)
+            for r in ready:
+                r.set()
+
+    t = threading.Thread(target=producer)
+    t.start()
+    for i in range(len(chunks)):
+        ready[i].wait(60)
+        got[i] = enc.embed(toks[i])
+    t.join()
+    assert not errors
+    for g, e in zip(got, expected):
+        np.testing.assert_allclose(g, e, atol=1e-5)
+
+
+def test_tokenizer_pool_matches_in_process(tiny, monkeypatch):
+    monkeypatch.setattr(tokenize_mod, "POOL_MIN_TEXTS", 10)
+    enc = Encoder(str(tiny["qwen3"]), tokenizer_workers=2)
+    texts = review_texts(300, seed=9)
+    try:
+        a = enc.tokenize(texts)
+    finally:
+        enc.close()
+    b = Encoder(str(tiny["qwen3"]), tokenizer_workers=0).tokenize(texts)
+    assert np.array_equal(a.ids, b.ids) and np.array_equal(a.inverse, b.inverse) and a.num_tokens == b.num_tokens
+
+
+def test_unresolvable_models_raise_model_error(tmp_path, monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(ModelError, match="not found"):
+        Encoder(str(tmp_path / "missing"))
+    with pytest.raises(ModelError, match="--model"):
+        Encoder("no-such-org/no-such-model")
+
+
+def test_empty_input_and_describe(tiny):
+    enc = Encoder(str(tiny["bert-cls"]))
+    assert enc.encode([]).shape == (0, enc.dim)
+    d = enc.describe()
+    assert {"model", "architecture", "path", "dtype", "device", "batch_tokens", "dim"} <= set(d)
