@@ -226,3 +226,28 @@ def test_bad_input_gives_one_actionable_line_without_traceback(cli, dsn, args, n
     assert p.returncode != 0
     assert "Traceback" not in p.stderr
     assert needle in p.stderr
+
+
+def test_a_worker_killed_mid_run_is_reported_and_its_chunks_finish_elsewhere(cli, dsn, conn, tmp_path):
+    src = write_amazon_reviews(tmp_path / "w.jsonl", 1500, seed=3)
+    args = [sys.executable, "-m", "embedfleet.cli", "ingest", str(src), "--preset", "amazon-reviews", "--db", dsn,
+            "--devices", "cpu", "--workers", "2", "--chunk-bytes", "30000", "--no-index"]
+    run = subprocess.Popen(args, env=dict(os.environ, EMBEDFLEET_HOME=str(tmp_path / "home")),
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    victim, deadline = None, time.time() + 300
+    while victim is None and time.time() < deadline and run.poll() is None:
+        time.sleep(0.3)
+        try:
+            victim = conn.execute("SELECT pid FROM embedfleet.chunks WHERE state = 'running' AND pid IS NOT NULL "
+                                  "AND EXISTS (SELECT 1 FROM embedfleet.chunks WHERE state = 'done') LIMIT 1"
+                                  ).fetchone()
+        except Exception:
+            continue
+    assert victim is not None, "no worker was seen holding a chunk"
+    os.kill(victim[0], signal.SIGKILL)
+    out, err = run.communicate(timeout=400)
+    assert run.returncode == 0, err[-2000:]
+    assert "exited with code" in err  # reported
+    n, distinct = conn.execute("SELECT count(*), count(DISTINCT id) FROM w").fetchone()
+    assert n == distinct == 1500
+    assert conn.execute("SELECT max(failures) FROM embedfleet.chunks").fetchone()[0] == 1
