@@ -77,6 +77,7 @@ def main() -> None:
                               for p in (None, "query")],
         "bench_minilm_real": lambda: run_bench(model=args.minilm, n=args.n),
         "bench_shapes": lambda: run_bench(["minilm-l6", "bert-base", "qwen3-0.6b"], n=args.n),
+        "bench_qwen3_n50k": lambda: run_bench(["qwen3-0.6b"], n=50000),
         "profile_qwen3": lambda: profile(tmp / "q", review_texts(4000), out / "profile_qwen3.txt"),
     }
     for name, fn in steps.items():

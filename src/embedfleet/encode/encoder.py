@@ -117,7 +117,9 @@ class Encoder:
         size = min(MAX_CHUNK, max(MIN_CHUNK, len(texts) // 8))  # >= 8 chunks, so the overlap pays
         if len(texts) <= size:
             return self.embed(self.tokenize(texts, prompt))
-        chunks = [texts[i : i + size] for i in range(0, len(texts), size)]
+        # A small first chunk: the device idles only while that one is tokenized.
+        first = MIN_CHUNK // 2
+        chunks = [texts[:first]] + [texts[i : i + size] for i in range(first, len(texts), size)]
         out, pending = [], None
         # Two chunks tokenize ahead (keeping the pool busy between them) while the device embeds;
         # chunk k's result is read only after chunk k+1 has been queued on the device.
