@@ -19,7 +19,7 @@ import orjson
 from embedfleet.errors import InputError
 
 DEFAULT_CHUNK_BYTES = 8 << 20
-DEFAULT_LEASE_SECONDS = 60.0
+DEFAULT_LEASE_SECONDS = 30.0
 
 
 @dataclass

@@ -251,3 +251,14 @@ def test_a_worker_killed_mid_run_is_reported_and_its_chunks_finish_elsewhere(cli
     n, distinct = conn.execute("SELECT count(*), count(DISTINCT id) FROM w").fetchone()
     assert n == distinct == 1500
     assert conn.execute("SELECT max(failures) FROM embedfleet.chunks").fetchone()[0] == 1
+
+
+def test_half_precision_vectors_are_stored_as_halfvec_and_searchable(cli, dsn, conn):
+    cli("ingest", REVIEWS, "--preset", "amazon-reviews", "--db", dsn, "--quiet", "--table", "h", "--dtype", "half",
+        "--limit", "30", check=True)
+    assert conn.execute("SELECT format_type(atttypid, atttypmod) FROM pg_attribute WHERE attrelid = 'h'::regclass "
+                        "AND attname = 'embedding'").fetchone()[0] == "halfvec(384)"
+    rid, content = conn.execute("SELECT id, content FROM h ORDER BY id LIMIT 1").fetchone()
+    hits = orjson.loads(cli("search", content, "--table", "h", "--db", dsn, "--json", "-k", "1", check=True).stdout)
+    assert hits["results"][0]["id"] == rid
+    assert orjson.loads(cli("verify", "--table", "h", "--db", dsn, "--json").stdout)["ok"]

@@ -260,7 +260,8 @@ def run_worker(job: str, dsn: str, worker: str, device: str = "auto") -> Stats:
         "embed_s": round(stats.embed_seconds, 3), "input_wait_s": round(stats.wait_seconds, 3),
         "db_s": round(writer.db_seconds, 3), "sink_wait_s": round(stats.sink_wait_seconds, 3),
     }
-    print("embedfleet-worker-summary " + orjson.dumps(summary).decode(), file=sys.stderr, flush=True)
+    if not cfg.quiet:  # one parseable line per worker (bench/ingest.py reads them)
+        print("embedfleet-worker-summary " + orjson.dumps(summary).decode(), file=sys.stderr, flush=True)
     return stats
 
 
