@@ -56,7 +56,7 @@ class GpuSampler(threading.Thread):
 
 
 def run_once(data: Path, gpus: int, model: str | None, env: dict, preset: str, extra: list[str],
-             cpu: bool = False) -> dict:
+             cpu: bool = False, index: bool = True) -> dict:
     table = f"bench_{gpus}gpu_{int(time.time())}"
     devices = f"cpu --workers {gpus}" if cpu else "cuda:" + ",".join(str(i) for i in range(gpus))
     cmd = [sys.executable, "-m", "embedfleet.cli", "ingest", str(data), "--preset", preset, "--table", table,
@@ -77,19 +77,22 @@ def run_once(data: Path, gpus: int, model: str | None, env: dict, preset: str, e
                if line.startswith("embedfleet-worker-summary ")]
     rows = summary["rows_written"]
     loop = max(w["wall_s"] for w in workers)
-    t_idx = time.perf_counter()
-    subprocess.run([sys.executable, "-c", (
-        "from embedfleet.store.embedded import start; from embedfleet.store.ledger import connect; "
-        "from embedfleet.store.schema import build_index; "
-        f"build_index(connect(start()), {table!r}, 'vector')")], env=env, check=True)
-    index_s = time.perf_counter() - t_idx
+    index_s = None
+    if index:
+        t_idx = time.perf_counter()
+        subprocess.run([sys.executable, "-c", (
+            "from embedfleet.store.embedded import start; from embedfleet.store.ledger import connect; "
+            "from embedfleet.store.schema import build_index; "
+            f"build_index(connect(start()), {table!r}, 'vector')")], env=env, check=True)
+        index_s = round(time.perf_counter() - t_idx, 2)
     return {
         "gpus": gpus, "rows": rows, "wall_s": round(wall, 2), "rows_per_s_wall": round(rows / wall, 1),
         "loop_s": loop, "rows_per_s_steady": round(rows / loop, 1), "gpu_util_pct": util,
         "db_share_of_loop": round(max(w["db_s"] / w["wall_s"] for w in workers), 3),
         "gpu_waited_on_db_s": round(max(w["sink_wait_s"] for w in workers), 3),
         "gpu_waited_on_input_s": round(max(w["input_wait_s"] for w in workers), 3),
-        "hnsw_index_s": round(index_s, 2), "workers": workers,
+        "tokens_per_s_steady": round(sum(w["tokens"] for w in workers) / loop, 1),
+        "hnsw_index_s": index_s, "workers": workers,
     }
 
 
@@ -103,6 +106,7 @@ def main() -> None:
     ap.add_argument("--out", default=None)
     ap.add_argument("--chunk-bytes", default=None)
     ap.add_argument("--cpu", action="store_true", help="smoke-test the script without GPUs")
+    ap.add_argument("--no-index", action="store_true", help="skip timing the HNSW build")
     args = ap.parse_args()
     work = Path(args.work)
     work.mkdir(parents=True, exist_ok=True)
@@ -118,7 +122,7 @@ def main() -> None:
         model = str(build_random_model(args.shape, work / args.shape))
     env = dict(os.environ, EMBEDFLEET_HOME=str(work / "home"))
     extra = ["--chunk-bytes", args.chunk_bytes] if args.chunk_bytes else []
-    results = [run_once(data, int(g), model, env, "amazon-reviews", extra, args.cpu) for g in args.gpus.split(",")]
+    results = [run_once(data, int(g), model, env, "amazon-reviews", extra, args.cpu, not args.no_index) for g in args.gpus.split(",")]
     base = results[0]["rows_per_s_steady"] / results[0]["gpus"]
     for r in results:
         r["scaling_vs_linear_steady"] = round(r["rows_per_s_steady"] / (base * r["gpus"]), 3)
