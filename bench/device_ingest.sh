@@ -4,7 +4,8 @@
 #   bash bench/device_ingest.sh [N]
 set -o pipefail
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl-ingest/*.whl || exit 1
-export PYTHONPATH=/tmp/site:$PWD/src PYTHONUNBUFFERED=1 EMBEDFLEET_GPU_MINILM=$PWD/.models/all-MiniLM-L6-v2-fp16
+export PYTHONPATH=/tmp/site:$PWD/src PYTHONUNBUFFERED=1 EMBEDFLEET_GPU_MINILM=$PWD/.models/all-MiniLM-L6-v2-fp16 \
+  EMBEDFLEET_MODEL=$PWD/.models/all-MiniLM-L6-v2-fp16
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 N=${1:-200000}
 GPUS=$(nvidia-smi -L | wc -l)
