@@ -262,3 +262,20 @@ def test_half_precision_vectors_are_stored_as_halfvec_and_searchable(cli, dsn, c
     hits = orjson.loads(cli("search", content, "--table", "h", "--db", dsn, "--json", "-k", "1", check=True).stdout)
     assert hits["results"][0]["id"] == rid
     assert orjson.loads(cli("verify", "--table", "h", "--db", dsn, "--json").stdout)["ok"]
+
+
+def test_a_compressed_stream_resumes_from_its_last_committed_line(cli, dsn, conn, tmp_path):
+    plain = write_amazon_reviews(tmp_path / "s.jsonl", 300, seed=5)
+    gz = tmp_path / "s.jsonl.gz"
+    gz.write_bytes(gzip.compress(plain.read_bytes()))
+    args = ("ingest", gz, "--preset", "amazon-reviews", "--db", dsn, "--quiet", "--no-index", "--chunk-bytes", "8000")
+    cli(*args, check=True)
+    assert conn.execute("SELECT cursor_line, state, rows_seen FROM embedfleet.chunks").fetchone() == (300, "done", 300)
+    # Rewind as if the run had died after committing line 100 (a compressed file is one chunk,
+    # committed every --chunk-bytes of input): the rerun must read only lines 101…300.
+    conn.execute("DELETE FROM s WHERE user_id > 'U005' || lpad('99', 10, '0')")
+    conn.execute("UPDATE embedfleet.chunks SET state = 'pending', cursor_line = 100")
+    conn.execute("UPDATE embedfleet.jobs SET state = 'running'")
+    cli(*args, check=True)
+    assert conn.execute("SELECT cursor_line, state, rows_seen FROM embedfleet.chunks").fetchone() == (300, "done", 500)
+    assert conn.execute("SELECT count(*), count(DISTINCT id) FROM s").fetchone() == (300, 300)
