@@ -11,7 +11,6 @@ import os
 import socket
 import uuid
 from dataclasses import dataclass
-from datetime import datetime
 from typing import Iterable
 
 import psutil
@@ -24,6 +23,7 @@ from embedfleet.errors import JobError
 from embedfleet.store.schema import ensure_ledger
 
 MAX_FAILURES = 3
+STALE_SECONDS = 120  # a running job with no heartbeat for this long is reported as interrupted
 HOST = socket.gethostname()
 
 
@@ -297,7 +297,8 @@ def jobs_overview(conn: psycopg.Connection, job: str | None = None) -> list[dict
                    coalesce(sum(c.rows_written), 0) AS rows_written,
                    coalesce(sum(c.rejected), 0) AS rejected,
                    j.started, j.finished,
-                   (SELECT max(heartbeat) FROM embedfleet.workers w WHERE w.job = j.job) AS last_heartbeat
+                   extract(epoch FROM now() - coalesce(
+                       (SELECT max(heartbeat) FROM embedfleet.workers w WHERE w.job = j.job), j.started)) AS idle_s
               FROM embedfleet.jobs j LEFT JOIN embedfleet.chunks c ON c.job = j.job
              WHERE %(job)s::text IS NULL OR j.job = %(job)s
              GROUP BY j.job ORDER BY j.created
@@ -306,12 +307,9 @@ def jobs_overview(conn: psycopg.Connection, job: str | None = None) -> list[dict
         ).fetchall()
     out = []
     for r in rows:
-        lease = float((r.get("last_heartbeat") and 120) or 0)
         state = r["state"]
-        if state == "running" and (
-            r["last_heartbeat"] is None or (datetime.now(r["last_heartbeat"].tzinfo) - r["last_heartbeat"]).total_seconds() > lease
-        ):
-            state = "interrupted"  # nobody is working on it: rerun the same command to resume
+        if state == "running" and r["idle_s"] is not None and float(r["idle_s"]) > STALE_SECONDS:
+            state = "interrupted"  # no worker has beaten for a while: rerun the same command to resume
         out.append({
             "job": r["job"], "table": r["table"], "state": state,
             "chunks_total": int(r["chunks_total"]), "chunks_done": int(r["chunks_done"]),
