@@ -28,7 +28,9 @@ def cosine_vs_st(path: Path, texts: list[str], prompt: str | None = None) -> dic
     desc = enc.describe()
     enc.close()
     st = SentenceTransformer(str(path), device="cuda")
+    st.to(torch.float32)  # transformers 5 loads in the checkpoint's dtype ("auto"); the reference is fp32
     ref = st.encode(texts, batch_size=64, normalize_embeddings=True, prompt_name=prompt)
+    ref /= np.linalg.norm(ref, axis=1, keepdims=True)
     st.to(torch.bfloat16)  # how far sentence-transformers' own bf16 run is from float32, for scale
     st16 = st.encode(texts, batch_size=64, normalize_embeddings=True, prompt_name=prompt).astype(np.float32)
     st16 /= np.linalg.norm(st16, axis=1, keepdims=True)
