@@ -18,7 +18,7 @@ import orjson
 
 from embedfleet.errors import InputError
 
-DEFAULT_CHUNK_BYTES = 8 << 20
+DEFAULT_CHUNK_BYTES = 2 << 20  # ~6k reviews: fine-grained claiming, short pipeline fill
 DEFAULT_LEASE_SECONDS = 30.0
 
 

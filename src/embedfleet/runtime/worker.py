@@ -1,10 +1,11 @@
 """The worker loop — the whole pipeline of one device, start to finish.
 
-    claim chunk (ledger) → read records → template/sanitize/join meta → tokenize   [prefetch thread]
-    → forward pass, pooling, normalisation on the device                          [main thread]
-    → COPY rows + rejects + chunk progress in one transaction                      [writer thread]
+    claim chunk (ledger) → read records → template/sanitize/join meta   [records thread]
+    → tokenize (the encoder's process pool)                             [tokenizer thread]
+    → forward pass, pooling, normalisation on the device                [main thread]
+    → COPY rows + rejects + chunk progress in one transaction            [writer threads]
 
-The three stages overlap through bounded queues, so the GPU works while the next chunk is read
+The stages overlap through bounded queues, so the GPU works while the next chunk is read
 and tokenized and the previous one is written. A worker is stateless: it needs only the job name
 and the database, so the local launcher, a Ray actor or `embedfleet worker` on another host all run
 this same loop against the same ledger, and a faster GPU simply claims more chunks.
@@ -51,7 +52,7 @@ class Stats:
 # ---- stage 1: claim, read, build records, tokenize (prefetch thread) -----------------------------
 
 
-def chunk_units(claim: Claim, cfg: JobConfig, preset, meta_lookup, encoder) -> Iterator[Unit]:
+def chunk_units(claim: Claim, cfg: JobConfig, preset, meta_lookup) -> Iterator[Unit]:
     """Cut one claimed chunk into units of about `chunk_bytes` of input, each ready for the GPU.
     A plain JSONL chunk is a single unit; a compressed stream commits every `chunk_bytes` so a
     crash in a huge .gz file resumes from its last commit (the chunk's `cursor_line`)."""
@@ -67,27 +68,34 @@ def chunk_units(claim: Claim, cfg: JobConfig, preset, meta_lookup, encoder) -> I
         if size >= cfg.chunk_bytes:
             if pending is not None:
                 yield pending
-            pending = _make_unit(claim, group, cursor, cfg, preset, meta_lookup, encoder)
+            pending = _make_unit(claim, group, cursor, cfg, preset, meta_lookup)
             group, size = [], 0
     if group or pending is None:
         if pending is not None:
             yield pending
-        pending = _make_unit(claim, group, cursor, cfg, preset, meta_lookup, encoder)
+        pending = _make_unit(claim, group, cursor, cfg, preset, meta_lookup)
     pending.last = True
     yield pending
 
 
-def _make_unit(claim, raws, cursor, cfg, preset, meta_lookup, encoder) -> Unit:
+def _make_unit(claim, raws, cursor, cfg, preset, meta_lookup) -> Unit:
     records, rejects = to_records(
         raws, preset, template=cfg.text_template, text_field=cfg.text_field, id_field=cfg.id_field,
         meta_lookup=meta_lookup,
     )
-    tok = encoder.tokenize([r.content for r in records], prompt=cfg.prompt) if records else None
-    return Unit(claim, records, rejects, cursor_line=cursor, last=False,
-                tokens=tok.num_tokens if tok is not None else 0, tok=tok)
+    return Unit(claim, records, rejects, cursor_line=cursor, last=False)
 
 
-def produce_units(dsn: str, job: str, worker: str, cfg: JobConfig, meta_id: str | None, encoder,
+def tokenized(units: Iterator[Unit], encoder, prompt: str | None) -> Iterator[Unit]:
+    """Stage 1b: tokenize each unit (in the encoder's process pool) while stage 1a reads the next."""
+    for unit in units:
+        if unit.records:
+            unit.tok = encoder.tokenize([r.content for r in unit.records], prompt=prompt)
+            unit.tokens = unit.tok.num_tokens
+        yield unit
+
+
+def produce_units(dsn: str, job: str, worker: str, cfg: JobConfig, meta_id: str | None,
                   on_fail) -> Iterator[Unit]:
     """Claim chunks until none is left, yielding their units. Waits (without claiming) while other
     workers still hold chunks, since a dead one's chunks come back when its lease expires."""
@@ -107,7 +115,7 @@ def produce_units(dsn: str, job: str, worker: str, cfg: JobConfig, meta_id: str 
                 time.sleep(min(2.0, cfg.lease_seconds / 4))
                 continue
             try:
-                yield from chunk_units(claim, cfg, preset, meta_lookup if cfg.meta else None, encoder)
+                yield from chunk_units(claim, cfg, preset, meta_lookup if cfg.meta else None)
             except Exception as e:  # unreadable file, decompression error…: the chunk fails, the job goes on
                 on_fail(claim, e)
     finally:
@@ -213,10 +221,13 @@ def run_worker(job: str, dsn: str, worker: str, device: str = "auto") -> Stats:
         state = ledger.fail(claim, f"{type(err).__name__}: {err}")
         log.error("worker %s: chunk %d (%s) failed, now %s: %s", worker, claim.chunk, claim.source, state, err)
 
+    done_lock = threading.Lock()  # writer threads report concurrently
+
     def on_done(unit: Unit, inserted: int) -> None:
-        stats.rows += len(unit.records)
-        stats.tokens += unit.tokens
-        stats.units += 1
+        with done_lock:
+            stats.rows += len(unit.records)
+            stats.tokens += unit.tokens
+            stats.units += 1
 
     heartbeat = Heartbeat(dsn, job, worker, encoder.device, cfg.lease_seconds, stats)
     heartbeat.start()
@@ -224,7 +235,8 @@ def run_worker(job: str, dsn: str, worker: str, device: str = "auto") -> Stats:
                     on_error=lambda u, e: on_fail(u.claim, e), on_done=on_done)
     t_start = time.perf_counter()
     try:
-        units = iter(Prefetch(produce_units(dsn, job, worker, cfg, row["meta_id"], encoder, on_fail)))
+        records = Prefetch(produce_units(dsn, job, worker, cfg, row["meta_id"], on_fail))
+        units = iter(Prefetch(tokenized(iter(records), encoder, cfg.prompt)))
         while True:
             stats.state = "waiting for input"
             t0 = time.perf_counter()

@@ -169,38 +169,50 @@ class TableSink:
 
 
 class Writer:
-    """Commits units on a background thread. `submit` blocks only when `depth` units are waiting,
-    which is the back-pressure that keeps memory bounded."""
+    """Commits units on `threads` background threads, each with its own connection, so the server
+    inserts in parallel. A chunk's units always go to the same thread: they commit in order, so a
+    chunk's cursor never moves backwards. `submit` blocks only when a thread has `depth` units
+    waiting — the back-pressure that keeps memory bounded."""
 
     def __init__(self, sink_factory: Callable[[], TableSink], on_error: Callable[[Unit, BaseException], None],
-                 on_done: Callable[[Unit, int], None] | None = None, depth: int = 2):
+                 on_done: Callable[[Unit, int], None] | None = None, depth: int = 2, threads: int = 3):
         self._factory, self._on_error, self._on_done = sink_factory, on_error, on_done
-        self._q: queue.Queue = queue.Queue(maxsize=depth)
-        self.db_seconds = 0.0
+        self._queues = [queue.Queue(maxsize=depth) for _ in range(threads)]
+        self._seconds = [0.0] * threads
         self.fatal: BaseException | None = None
-        self._thread = threading.Thread(target=self._run, name="embedfleet-writer", daemon=True)
-        self._thread.start()
+        self._threads = [threading.Thread(target=self._run, args=(i,), name=f"embedfleet-writer-{i}", daemon=True)
+                         for i in range(threads)]
+        for t in self._threads:
+            t.start()
+
+    @property
+    def db_seconds(self) -> float:
+        """Wall time the busiest writer thread spent committing."""
+        return max(self._seconds)
 
     def submit(self, unit: Unit) -> None:
         if self.fatal is not None:
             raise self.fatal
-        self._q.put(unit)
+        self._queues[unit.claim.chunk % len(self._queues)].put(unit)
 
     def close(self) -> None:
-        self._q.put(None)
-        self._thread.join()
+        for q in self._queues:
+            q.put(None)
+        for t in self._threads:
+            t.join()
         if self.fatal is not None:
             raise self.fatal
 
-    def _run(self) -> None:
+    def _run(self, i: int) -> None:
+        q = self._queues[i]
         try:
             sink = self._factory()
         except BaseException as e:  # cannot even connect: every submit will see this
             self.fatal = e
-            while self._q.get() is not None:
+            while q.get() is not None:
                 pass
             return
-        while (unit := self._q.get()) is not None:
+        while (unit := q.get()) is not None:
             t0 = time.perf_counter()
             try:
                 n = sink.commit_unit(unit)
@@ -212,6 +224,6 @@ class Writer:
                 self._on_error(unit, e)
                 continue
             finally:
-                self.db_seconds += time.perf_counter() - t0
+                self._seconds[i] += time.perf_counter() - t0
             if self._on_done:
                 self._on_done(unit, n)
