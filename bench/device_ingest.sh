@@ -10,14 +10,10 @@ OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 N=${1:-200000}
 GPUS=$(nvidia-smi -L | wc -l)
 nvidia-smi -L; echo "cores: $(nproc)"
-python3 -m pytest -q -p no:cacheprovider tests/gpu/test_ingest_gpu.py 2>&1 | tail -5
+[ -n "$GPU_TESTS" ] && python3 -m pytest -q -p no:cacheprovider tests/gpu/test_ingest_gpu.py 2>&1 | tail -5
 python3 bench/ingest.py --n "$N" --gpus "1,$GPUS" --model .models/all-MiniLM-L6-v2-fp16 --out "$OUT/ingest_minilm.json" \
   2>"$OUT/ingest_minilm.err" | tail -2
-python3 - <<PY 2>"$OUT/bench_qwen3.err" | tee "$OUT/bench_qwen3.txt"
-from embedfleet.encode.bench import run_bench
-import json
-r = run_bench(["qwen3-0.6b"], None, n=20000, st=False)
-print(json.dumps(r)[:3000])
-PY
+python3 -m embedfleet.cli bench --shape qwen3-0.6b --no-st --n 20000 --json >"$OUT/bench_qwen3.json" 2>"$OUT/bench_qwen3.err"
+grep -E '"(texts_s|tokens_s|mfu|mean_tokens)"' "$OUT/bench_qwen3.json" | head -4
 python3 bench/ingest.py --n "$N" --gpus "1,$GPUS" --shape qwen3-0.6b --no-index --work /tmp/efq --out "$OUT/ingest_qwen3.json" \
   2>"$OUT/ingest_qwen3.err" | tail -2
