@@ -112,6 +112,11 @@ class Encoder:
     def embed(self, tok: Tokenized) -> np.ndarray:
         return self._launch(tok).result()
 
+    def embed_async(self, tok: Tokenized) -> "_Pending":
+        """Queue `tok` on the device and return at once; `.result()` waits for its vectors. Queue the
+        next batch before reading this one's result and the device never idles between them."""
+        return self._launch(tok)
+
     def encode(self, texts: list[str], prompt: str | None = None) -> np.ndarray:
         texts = list(texts)
         size = min(MAX_CHUNK, max(MIN_CHUNK, len(texts) // 8))  # >= 8 chunks, so the overlap pays

@@ -43,7 +43,7 @@ class Stats:
     rows: int = 0
     tokens: int = 0
     units: int = 0
-    embed_seconds: float = 0.0  # time the main thread spent in the forward pass
+    embed_seconds: float = 0.0  # time the main thread spent queuing forward passes and reading results
     wait_seconds: float = 0.0  # time the main thread waited for the prefetch thread
     sink_wait_seconds: float = 0.0  # time the main thread waited for the writer (back-pressure)
     state: str = "starting"
@@ -233,10 +233,29 @@ def run_worker(job: str, dsn: str, worker: str, device: str = "auto") -> Stats:
     heartbeat.start()
     writer = Writer(lambda: TableSink(connect(dsn), cfg.table, preset.columns, vtype, job),
                     on_error=lambda u, e: on_fail(u.claim, e), on_done=on_done)
+    if encoder.device.startswith("cuda"):
+        encoder.encode(["warm up the kernels"] * 64)  # compile/autotune before the clock starts
     t_start = time.perf_counter()
+
+    def finish(unit: Unit, handle) -> None:
+        """Read a unit's vectors (waiting for the device if needed) and hand it to the writer."""
+        t0 = time.perf_counter()
+        try:
+            unit.embeddings = handle.result() if handle is not None else None
+        except Exception as e:
+            on_fail(unit.claim, e)
+            return
+        finally:
+            stats.embed_seconds += time.perf_counter() - t0
+        unit.tok = None  # free the token arrays before the unit waits in the writer queue
+        t0 = time.perf_counter()
+        writer.submit(unit)
+        stats.sink_wait_seconds += time.perf_counter() - t0
+
     try:
         records = Prefetch(produce_units(dsn, job, worker, cfg, row["meta_id"], on_fail))
         units = iter(Prefetch(tokenized(iter(records), encoder, cfg.prompt)))
+        pending = None  # (unit, handle) queued on the device whose result is not read yet
         while True:
             stats.state = "waiting for input"
             t0 = time.perf_counter()
@@ -249,16 +268,18 @@ def run_worker(job: str, dsn: str, worker: str, device: str = "auto") -> Stats:
             stats.state = f"chunk {unit.claim.chunk}"
             t0 = time.perf_counter()
             try:
-                if unit.records:
-                    unit.embeddings = encoder.embed(unit.tok)
+                handle = encoder.embed_async(unit.tok) if unit.records else None
             except Exception as e:
                 on_fail(unit.claim, e)
                 continue
-            stats.embed_seconds += time.perf_counter() - t0
-            unit.tok = None  # free the token arrays before the unit waits in the writer queue
-            t0 = time.perf_counter()
-            writer.submit(unit)
-            stats.sink_wait_seconds += time.perf_counter() - t0
+            finally:
+                stats.embed_seconds += time.perf_counter() - t0
+            # Unit k+1 is queued on the device before unit k's result is read: no idle gap.
+            if pending is not None:
+                finish(*pending)
+            pending = (unit, handle)
+        if pending is not None:
+            finish(*pending)
         writer.close()
     finally:
         stats.state = "finished"
