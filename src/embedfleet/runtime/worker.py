@@ -140,6 +140,10 @@ class Prefetch:
         except BaseException as e:
             self._q.put(e)
 
+    def ready(self) -> bool:
+        """Whether the next item is already waiting (taking it will not block)."""
+        return not self._q.empty()
+
     def __iter__(self):
         while (item := self._q.get()) is not self._END:
             if isinstance(item, BaseException):
@@ -254,9 +258,15 @@ def run_worker(job: str, dsn: str, worker: str, device: str = "auto") -> Stats:
 
     try:
         records = Prefetch(produce_units(dsn, job, worker, cfg, row["meta_id"], on_fail))
-        units = iter(Prefetch(tokenized(iter(records), encoder, cfg.prompt)))
+        ahead = Prefetch(tokenized(iter(records), encoder, cfg.prompt))
+        units = iter(ahead)
         pending = None  # (unit, handle) queued on the device whose result is not read yet
         while True:
+            if pending is not None and not ahead.ready():
+                # Nothing to overlap with: commit now. (Holding it could also stall our own
+                # producer, which waits for this chunk to finish before ending.)
+                finish(*pending)
+                pending = None
             stats.state = "waiting for input"
             t0 = time.perf_counter()
             unit = next(units, None)
