@@ -279,3 +279,27 @@ def test_a_compressed_stream_resumes_from_its_last_committed_line(cli, dsn, conn
     cli(*args, check=True)
     assert conn.execute("SELECT cursor_line, state, rows_seen FROM embedfleet.chunks").fetchone() == (300, "done", 500)
     assert conn.execute("SELECT count(*), count(DISTINCT id) FROM s").fetchone() == (300, 300)
+
+
+def test_a_second_host_joins_with_embedfleet_worker_and_shares_the_chunks(cli, dsn, conn, tmp_path):
+    src = write_amazon_reviews(tmp_path / "j.jsonl", 1200, seed=11)
+    env = dict(os.environ, EMBEDFLEET_HOME=str(tmp_path / "home"))
+    ingest = subprocess.Popen(
+        [sys.executable, "-m", "embedfleet.cli", "ingest", str(src), "--preset", "amazon-reviews", "--db", dsn,
+         "--devices", "cpu", "--chunk-bytes", "20000", "--quiet", "--no-index"],
+        env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 120
+    while time.time() < deadline:  # wait until the job is planned
+        time.sleep(0.3)
+        try:
+            if conn.execute("SELECT count(*) FROM embedfleet.chunks WHERE job = 'j'").fetchone()[0]:
+                break
+        except Exception:
+            continue
+    joiner = cli("worker", "--job", "j", "--db", dsn, "--device", "cpu", "--worker-id", "other-host", timeout=300)
+    assert joiner.returncode == 0, joiner.stderr[-2000:]
+    _, err = ingest.communicate(timeout=300)
+    assert ingest.returncode == 0, err[-2000:]
+    by_worker = dict(conn.execute("SELECT worker, rows FROM embedfleet.workers WHERE job = 'j'").fetchall())
+    assert by_worker.get("other-host", 0) > 0 and sum(by_worker.values()) == 1200
+    assert conn.execute("SELECT count(*), count(DISTINCT id) FROM j").fetchone() == (1200, 1200)
