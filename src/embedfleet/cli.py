@@ -154,8 +154,7 @@ def search(
 
     with connect(resolve_dsn(db)) as conn:
         embedding_info(conn, table)  # fail fast on a missing table, before loading a model
-        known, job_model = s.table_model(conn, table)
-        enc = Encoder(model or job_model, device=device)
+        enc = Encoder(model or s.table_model(conn, table), device=device)
         try:
             vec = enc.encode([query], prompt="query")[0]
         finally:

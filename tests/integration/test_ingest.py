@@ -94,7 +94,7 @@ def test_rerun_is_idempotent_and_empty_input_is_a_finished_job(cli, dsn, conn, t
     args = ("ingest", REVIEWS, "--preset", "amazon-reviews", "--db", dsn, "--quiet", "--table", "r", "--no-index")
     cli(*args, check=True)
     before = conn.execute("SELECT count(*), sum(length(content)) FROM r").fetchone()
-    p = cli(*args, check=True)
+    cli(*args, check=True)
     assert conn.execute("SELECT count(*), sum(length(content)) FROM r").fetchone() == before
     assert status(cli, dsn, "r")["rows_written"] == before[0]
     # A second job over the same rows upserts (every id exists) and counts no new rows.

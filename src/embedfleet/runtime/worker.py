@@ -42,7 +42,6 @@ log = logging.getLogger("embedfleet.worker")
 class Stats:
     rows: int = 0
     tokens: int = 0
-    units: int = 0
     embed_seconds: float = 0.0  # time the main thread spent queuing forward passes and reading results
     wait_seconds: float = 0.0  # time the main thread waited for the prefetch thread
     sink_wait_seconds: float = 0.0  # time the main thread waited for the writer (back-pressure)
@@ -231,7 +230,6 @@ def run_worker(job: str, dsn: str, worker: str, device: str = "auto") -> Stats:
         with done_lock:
             stats.rows += len(unit.records)
             stats.tokens += unit.tokens
-            stats.units += 1
 
     heartbeat = Heartbeat(dsn, job, worker, encoder.device, cfg.lease_seconds, stats)
     heartbeat.start()

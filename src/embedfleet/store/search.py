@@ -13,15 +13,15 @@ from embedfleet.errors import DatabaseError, InputError
 from embedfleet.store.schema import embedding_info, ensure_ledger
 
 
-def table_model(conn: psycopg.Connection, table: str) -> tuple[bool, str | None]:
-    """(known, model as the user named it) for the newest job that wrote `table`, so a query is
-    embedded by the same model resolution as the documents were."""
+def table_model(conn: psycopg.Connection, table: str) -> str | None:
+    """The model as the user named it for the newest job that wrote `table` (None: the default),
+    so a query is embedded by the same model resolution as the documents were."""
     ensure_ledger(conn)
     row = conn.execute(
         "SELECT config->>'model' FROM embedfleet.jobs WHERE table_name = %s ORDER BY created DESC LIMIT 1",
         [table],
     ).fetchone()
-    return (row is not None), (row[0] if row else None)
+    return row[0] if row else None
 
 
 def search(conn: psycopg.Connection, table: str, query_vec: np.ndarray, k: int = 10,
