@@ -303,3 +303,17 @@ def test_a_second_host_joins_with_embedfleet_worker_and_shares_the_chunks(cli, d
     by_worker = dict(conn.execute("SELECT worker, rows FROM embedfleet.workers WHERE job = 'j'").fetchall())
     assert by_worker.get("other-host", 0) > 0 and sum(by_worker.values()) == 1200
     assert conn.execute("SELECT count(*), count(DISTINCT id) FROM j").fetchone() == (1200, 1200)
+
+
+def test_embedded_server_uri_start_stop(cli):
+    p = cli("db", "uri", check=True)
+    dsn = p.stdout.strip()
+    assert dsn.startswith("postgresql://") and len(p.stdout.strip().splitlines()) == 1  # only the DSN
+    import psycopg
+
+    with psycopg.connect(dsn) as c:
+        assert c.execute("SELECT 1").fetchone() == (1,)
+    assert "stopped" in cli("db", "stop", check=True).stderr
+    assert "not running" in cli("db", "stop", check=True).stderr
+    assert cli("db", "uri", check=True).stdout.strip() == dsn  # started again, same data directory
+    cli("db", "stop", check=True)
