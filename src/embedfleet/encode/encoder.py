@@ -112,6 +112,13 @@ class Encoder:
     def embed(self, tok: Tokenized) -> np.ndarray:
         return self._launch(tok).result()
 
+    def warmup(self) -> None:
+        """Pay start-up costs before timing starts: the tokenizer pool's processes, and on CUDA the
+        kernels' compilation and autotuning for short and long sequences."""
+        self._tok.start()
+        if self._dev.type == "cuda":
+            self.encode(["warm up"] * 64 + ["warm up " * 200] * 8)
+
     def embed_async(self, tok: Tokenized) -> "_Pending":
         """Queue `tok` on the device and return at once; `.result()` waits for its vectors. Queue the
         next batch before reading this one's result and the device never idles between them."""

@@ -86,6 +86,16 @@ def _worker_encode(texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
     return _encode(_WORKER[0], texts, _WORKER[1])
 
 
+def _spawn_works() -> bool:
+    """`spawn` re-runs the parent's main module in each child: impossible when it came from stdin
+    or `-c` (the children die at start and the pool hangs), so tokenize in-process there."""
+    import sys
+
+    main = sys.modules.get("__main__")
+    path = getattr(main, "__file__", None)
+    return getattr(main, "__spec__", None) is not None or path is None or os.path.exists(path)
+
+
 def default_workers() -> int:
     """Half the cores, at most 8 (measured best on a 32-core host), none on a small machine."""
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
@@ -100,6 +110,8 @@ class TextTokenizer:
         self._json, self.max_length, self.pad_id, self.lowercase = tokenizer_json, max_length, pad_id, lowercase
         self._local = _load(tokenizer_json, max_length)
         self.workers = default_workers() if workers is None else max(0, int(workers))
+        if not _spawn_works():
+            self.workers = 0
         self._pool: ProcessPoolExecutor | None = None
         self._lock = threading.Lock()
 
@@ -111,6 +123,12 @@ class TextTokenizer:
                     initializer=_worker_init, initargs=(self._json, self.max_length, self.pad_id),
                 )
             return self._pool
+
+    def start(self) -> None:
+        """Start the pool's processes now (each imports and loads the tokenizer: about a second),
+        so the first real batch does not pay for it."""
+        if self.workers:
+            list(self._get_pool().map(_worker_encode, [["warm up"]] * self.workers))
 
     def encode_unsorted(self, texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
         """Packed ids and lengths in input order."""
