@@ -204,8 +204,8 @@ def build_index(conn: psycopg.Connection, table: str, vtype: str) -> None:
             conn.execute("SET LOCAL maintenance_work_mem = '1GB'")
             conn.execute(sql.SQL("SET LOCAL max_parallel_maintenance_workers = {}").format(sql.Literal(workers)))
             conn.execute(stmt)
-    except psycopg.errors.OutOfMemory:
-        # Small /dev/shm in containers cannot hold a parallel build's shared memory: build serially.
+    except (psycopg.errors.OutOfMemory, psycopg.errors.DiskFull):
+        # A small /dev/shm (containers) cannot hold a parallel build's shared memory: build serially.
         with conn.transaction():
             conn.execute("SET LOCAL max_parallel_maintenance_workers = 0")
             conn.execute(stmt)
