@@ -100,11 +100,8 @@ def prepare(cfg: JobConfig, ledger: Ledger) -> str:
             rows = load_meta(meta_path, get_preset(cfg.preset), on_skip=lambda line, why: skipped.append(line))
             n = ledger.load_meta(meta_id, meta_path, rows, lambda: len(skipped))
             log.info("loaded %d products from %s", n, meta_path)
-    if ledger.job(cfg.job) is None:
-        plan = apply_limit(plan_chunks(cfg.inputs, cfg.chunk_bytes), cfg.limit)
-        ledger.create_job(cfg.job, cfg, plan, meta_id)
-    else:
-        ledger.create_job(cfg.job, cfg, [], meta_id)  # checks the fingerprint; raises on a conflict
+    plan = [] if ledger.job(cfg.job) else apply_limit(plan_chunks(cfg.inputs, cfg.chunk_bytes), cfg.limit)
+    if not ledger.create_job(cfg.job, cfg, plan, meta_id):  # it exists with the same settings: resume
         released = ledger.release_dead_local(cfg.job)
         retried = ledger.retry_failed(cfg.job)
         if released or retried:
