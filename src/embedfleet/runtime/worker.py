@@ -45,6 +45,8 @@ class Stats:
     embed_seconds: float = 0.0  # time the main thread spent queuing forward passes and reading results
     wait_seconds: float = 0.0  # time the main thread waited for the prefetch thread
     sink_wait_seconds: float = 0.0  # time the main thread waited for the writer (back-pressure)
+    read_seconds: float = 0.0  # records thread: claiming, reading, templating
+    tokenize_seconds: float = 0.0  # tokenizer thread: handing texts to the tokenizer and back
     state: str = "starting"
 
 
@@ -85,13 +87,26 @@ def _make_unit(claim, raws, cursor, cfg, preset, meta_lookup) -> Unit:
     return Unit(claim, records, rejects, cursor_line=cursor, last=False)
 
 
-def tokenized(units: Iterator[Unit], encoder, prompt: str | None) -> Iterator[Unit]:
+def tokenized(units: Iterator[Unit], encoder, prompt: str | None, stats: Stats) -> Iterator[Unit]:
     """Stage 1b: tokenize each unit (in the encoder's process pool) while stage 1a reads the next."""
     for unit in units:
         if unit.records:
+            t0 = time.perf_counter()
             unit.tok = encoder.tokenize([r.content for r in unit.records], prompt=prompt)
             unit.tokens = unit.tok.num_tokens
+            stats.tokenize_seconds += time.perf_counter() - t0
         yield unit
+
+
+def timed(gen: Iterator, stats: Stats) -> Iterator:
+    """Count the time a generator spends producing each item as the records stage's busy time."""
+    while True:
+        t0 = time.perf_counter()
+        item = next(gen, None)
+        stats.read_seconds += time.perf_counter() - t0
+        if item is None:
+            return
+        yield item
 
 
 def produce_units(dsn: str, job: str, worker: str, cfg: JobConfig, meta_id: str | None,
@@ -254,8 +269,8 @@ def run_worker(job: str, dsn: str, worker: str, device: str = "auto") -> Stats:
         stats.sink_wait_seconds += time.perf_counter() - t0
 
     try:
-        records = Prefetch(produce_units(dsn, job, worker, cfg, row["meta_id"], on_fail))
-        ahead = Prefetch(tokenized(iter(records), encoder, cfg.prompt))
+        records = Prefetch(timed(produce_units(dsn, job, worker, cfg, row["meta_id"], on_fail), stats))
+        ahead = Prefetch(tokenized(iter(records), encoder, cfg.prompt, stats))
         units = iter(ahead)
         pending = None  # (unit, handle) queued on the device whose result is not read yet
         while True:
@@ -299,6 +314,7 @@ def run_worker(job: str, dsn: str, worker: str, device: str = "auto") -> Stats:
         "wall_s": round(wall, 3), "rows_per_s": round(stats.rows / wall, 1) if wall else 0.0,
         "embed_s": round(stats.embed_seconds, 3), "input_wait_s": round(stats.wait_seconds, 3),
         "db_s": round(writer.db_seconds, 3), "sink_wait_s": round(stats.sink_wait_seconds, 3),
+        "read_s": round(stats.read_seconds, 3), "tokenize_s": round(stats.tokenize_seconds, 3),
     }
     if not cfg.quiet:  # one parseable line per worker (bench/ingest.py reads them)
         print("embedfleet-worker-summary " + orjson.dumps(summary).decode(), file=sys.stderr, flush=True)

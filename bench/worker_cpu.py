@@ -1,0 +1,63 @@
+"""The worker's CPU ceiling: the real pipeline with an infinitely fast GPU.
+
+    python bench/worker_cpu.py [--n 50000] [--model DIR]
+
+Ledger claims, reading, templating (amazon-reviews preset, meta-less), the tokenizer (pool or
+in-process, as on the real machine), the writer's COPY transactions — everything a worker does —
+with the forward pass replaced by random unit vectors that are ready at once. The rows/s it prints is
+the most one worker process can feed a GPU on this machine; if a model embeds faster than that on
+the GPU (MiniLM does), the worker, not the GPU, sets the pace. No GPU needed, so it can be iterated on
+anywhere.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from embedfleet.config import build_config
+from embedfleet.encode import encoder as encoder_mod
+from embedfleet.runtime.local import prepare
+from embedfleet.runtime.worker import run_worker
+from embedfleet.store.embedded import resolve_dsn
+from embedfleet.store.ledger import Ledger, connect
+from embedfleet.synth import write_amazon_reviews
+
+
+def instant_forward(self, tok):
+    """Stands in for Encoder._launch: unit vectors for every text, no device work."""
+    rng = np.random.default_rng(len(tok))
+    v = rng.standard_normal((len(tok), self.dim)).astype(np.float32)
+    v /= np.linalg.norm(v, axis=1, keepdims=True)
+    return encoder_mod._Pending(torch.from_numpy(v), None, tok.inverse)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--n", type=int, default=50_000)
+    ap.add_argument("--model", default=None)
+    ap.add_argument("--db", default=None)
+    a = ap.parse_args()
+    encoder_mod.Encoder._launch = instant_forward
+    dsn = resolve_dsn(a.db)
+    with tempfile.TemporaryDirectory() as tmp:
+        src = write_amazon_reviews(Path(tmp) / "r.jsonl", a.n)
+        job = f"cpu_ceiling_{int(time.time())}"
+        cfg = build_config(dict(inputs=[str(src)], preset="amazon-reviews", model=a.model, table=job, job=job,
+                                no_index=True, devices="cpu"))
+        prepare(cfg, Ledger(connect(dsn)))
+        t0 = time.perf_counter()
+        stats = run_worker(job, dsn, "ceiling", "cpu")
+        wall = time.perf_counter() - t0
+    print(f"{stats.rows:,} rows in {wall:.1f} s: {stats.rows / wall:,.0f} rows/s with an instant forward pass "
+          f"({os.cpu_count()} cores; input wait {stats.wait_seconds:.1f} s)")
+
+
+if __name__ == "__main__":
+    main()
