@@ -42,11 +42,22 @@ def test_limit_caps_the_chunk_holding_the_nth_line():
     assert apply_limit(streams, 10) == [(streams[0], 10)]
 
 
-def test_devices_spread_workers_round_robin():
+def test_devices_spread_workers_round_robin(monkeypatch):
+    import embedfleet.runtime.local as local
+
     assert parse_devices("cpu", None) == ["cpu"]
     assert parse_devices("cpu", 2) == ["cpu", "cpu"]
+    monkeypatch.setattr(local, "_cuda_count", lambda: 4)  # a 4-GPU host, without needing one
+    assert parse_devices("auto", None) == ["cuda:0", "cuda:1", "cuda:2", "cuda:3"]
     assert parse_devices("cuda:0,1", None) == ["cuda:0", "cuda:1"]
     assert parse_devices("cuda:2,3", 3) == ["cuda:2", "cuda:3", "cuda:2"]
+    assert parse_devices("cuda:0", 2) == ["cuda:0", "cuda:0"]  # two processes share one GPU
+    with pytest.raises(InputError, match="only 4 GPU"):
+        parse_devices("cuda:4", None)
+    monkeypatch.setattr(local, "_cuda_count", lambda: 0)
+    assert parse_devices("auto", None) == ["cpu"]
+    with pytest.raises(InputError, match="no CUDA GPU"):
+        parse_devices("cuda:1", None)
 
 
 def test_rate_and_eta_from_samples():

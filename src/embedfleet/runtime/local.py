@@ -33,19 +33,23 @@ MAX_RESTARTS = 3  # per worker slot
 
 def parse_devices(devices: str, workers: int | None) -> list[str]:
     """Device for each worker: one per GPU by default, `--workers N` round-robin over them."""
-    if devices == "cpu" or (devices == "auto" and not _cuda_count()):
+    visible = _cuda_count() if devices != "cpu" else 0
+    if devices == "cpu" or (devices == "auto" and not visible):
         return ["cpu"] * (workers or 1)
+    if not visible:
+        raise InputError(f"--devices {devices}: no CUDA GPU is visible; use --devices cpu")
     if devices in ("auto", "cuda"):
-        gpus = list(range(_cuda_count()))
-        if not gpus:
-            raise InputError("--devices cuda: no CUDA GPU is visible; use --devices cpu")
+        gpus = list(range(visible))
     else:
         gpus = [int(x) for x in devices.split(":", 1)[1].split(",")]
+        if max(gpus) >= visible:
+            raise InputError(f"--devices {devices}: only {visible} GPU(s) visible (cuda:0…cuda:{visible - 1})")
     n = workers or len(gpus)
     return [f"cuda:{gpus[i % len(gpus)]}" for i in range(n)]
 
 
 def _cuda_count() -> int:
+    """GPUs visible to this process (NVML-based: does not initialise CUDA in the launcher)."""
     try:
         import torch
 
@@ -152,7 +156,8 @@ def finalize(ledger: Ledger, job: str, cfg: JobConfig) -> dict:
 
 def ingest(cfg: JobConfig) -> dict:
     """Run an ingest job on this machine. Returns the job's final progress dict."""
-    cfg.inputs = expand_inputs(cfg.inputs)  # a missing file fails before any server starts
+    cfg.inputs = expand_inputs(cfg.inputs)  # a missing file or GPU fails before any server starts
+    devices = parse_devices(cfg.devices, cfg.workers)
     dsn = resolve_dsn(cfg.db)
     conn = connect(dsn)
     ensure_vector(conn)
@@ -160,7 +165,6 @@ def ingest(cfg: JobConfig) -> dict:
     job = prepare(cfg, ledger)
     counts = ledger.counts(job)
     if counts["pending"] or counts["running"]:
-        devices = parse_devices(cfg.devices, cfg.workers)
         threads = max(1, (os.cpu_count() or 1) // len(devices))
         slots = [Slot(f"{os.uname().nodename}-w{i}", d) for i, d in enumerate(devices)]
         ledger.set_job_state(job, "running")
