@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from embedfleet.config import JobConfig
-from embedfleet.errors import InputError, JobError
+from embedfleet.errors import EmbedfleetError, InputError, JobError
 from embedfleet.records import validate_template
 from embedfleet.runtime.monitor import Monitor
 from embedfleet.sources.plan import ChunkSpec, expand_inputs, plan_chunks, table_name_for
@@ -198,7 +198,10 @@ def _run_slots(slots: list[Slot], ledger: Ledger, job: str, dsn: str, threads: i
                     log.error("worker %s (%s) exited with code %s; chunks %s re-queued",
                               s.worker, s.device, code, requeued or "none")
                     left = ledger.counts(job)
-                    if (left["pending"] or left["running"]) and s.restarts < MAX_RESTARTS:
+                    # Exit code 2 is a worker's one-line EmbedfleetError (model or device it cannot
+                    # use): restarting cannot help. Anything else (a crash) gets restarted.
+                    if code != EmbedfleetError.exit_code and (left["pending"] or left["running"]) \
+                            and s.restarts < MAX_RESTARTS:
                         s.restarts += 1
                         s.proc = _spawn(s, job, dsn, threads)
                 mon.update(ledger.progress(job))
