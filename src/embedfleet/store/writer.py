@@ -1,7 +1,8 @@
 """The sink: one transaction per unit of work — rows (binary COPY, upsert on id), rejects, and the
 chunk's progress mark commit together, so a crash at any moment loses nothing and writes nothing twice.
 
-`Writer` runs commits on its own thread and connection so the GPU never waits on the database;
+`Writer` runs commits on background threads with their own connections so the GPU never waits on
+the database;
 `commit_unit` is the whole transaction and can be called directly (tests, tools).
 """
 
