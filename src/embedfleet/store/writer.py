@@ -2,8 +2,7 @@
 chunk's progress mark commit together, so a crash at any moment loses nothing and writes nothing twice.
 
 `Writer` runs commits on background threads with their own connections so the GPU never waits on
-the database;
-`commit_unit` is the whole transaction and can be called directly (tests, tools).
+the database; `TableSink.commit_unit` is the whole transaction and can be called directly.
 """
 
 from __future__ import annotations
