@@ -10,7 +10,7 @@ import dataclasses
 import hashlib
 import os
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -45,7 +45,6 @@ class JobConfig:
     dim: int | None = None  # Matryoshka truncation
     prompt: str | None = None  # prompt name for documents (models with a "document" prompt use it by default)
     lease_seconds: float = DEFAULT_LEASE_SECONDS
-    extra: dict[str, Any] = field(default_factory=dict)
 
     # Fields that change what lands in the table. Two runs agreeing on these are the same job.
     _IDENTITY = (

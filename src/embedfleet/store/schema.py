@@ -3,6 +3,7 @@ psycopg's `sql.Identifier`; names we cannot use are refused with a clear message
 
 from __future__ import annotations
 
+import os
 from typing import Sequence
 
 import psycopg
@@ -191,8 +192,6 @@ def embedding_info(conn: psycopg.Connection, table: str) -> tuple[str, int]:
 
 def build_index(conn: psycopg.Connection, table: str, vtype: str) -> None:
     """HNSW (cosine) with a generous maintenance_work_mem and parallel maintenance workers."""
-    import os
-
     name = sql.Identifier(f"{table[:40]}_embedding_hnsw")
     ops = sql.SQL("halfvec_cosine_ops" if vtype == "halfvec" else "vector_cosine_ops")
     stmt = sql.SQL("CREATE INDEX IF NOT EXISTS {} ON {} USING hnsw (embedding {})").format(

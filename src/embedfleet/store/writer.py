@@ -10,7 +10,7 @@ from __future__ import annotations
 import queue
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable, Sequence
 
 import numpy as np
@@ -86,7 +86,6 @@ class Unit:
     tokens: int = 0
     tok: object = None  # the encoder's Tokenized batch
     embeddings: np.ndarray | None = None
-    timings: dict = field(default_factory=dict)
 
 
 class TableSink:
@@ -98,7 +97,7 @@ class TableSink:
         names = ["id", "content", "embedding"] + [c.name for c in self.columns]
         self.copy_types = ["text", "text", vtype] + [_COPY_TYPES[c.pgtype] for c in self.columns]
         ident = sql.SQL(", ").join(map(sql.Identifier, names))
-        self.stage = sql.Identifier("_ef_stage_" + str(abs(hash(table)) % 10**8))
+        self.stage = sql.Identifier("_ef_stage")  # a temp table: private to this connection, which writes one table
         conn.execute(
             sql.SQL("CREATE TEMP TABLE IF NOT EXISTS {} (LIKE {}) ON COMMIT DELETE ROWS").format(
                 self.stage, sql.Identifier(table)
