@@ -2,8 +2,8 @@
 
     python bench/sink.py [--n 60000] [--unit 6000] [--threads 1,3] [--dim 384] [--db DSN]
 
-Synthetic Amazon reviews go through the real reader and `to_records` (amazon-reviews preset, 24
-typed columns), get random unit vectors, and are committed by `Writer` exactly as a worker does
+Synthetic Amazon reviews are prepared as a worker's helpers do (reader, `to_records` with the
+amazon-reviews preset's 24 typed columns, COPY encoding), get random unit vectors, and are committed by `Writer` exactly as a worker does
 (one transaction per unit: binary COPY, rejects, chunk progress). Prints rows/s per thread count.
 """
 
@@ -17,8 +17,8 @@ from pathlib import Path
 import numpy as np
 
 from embedfleet.config import JobConfig
-from embedfleet.records import to_records
-from embedfleet.sources import read_chunk
+from embedfleet.encode.encoder import Encoder
+from embedfleet.runtime.units import Preparer, Task, UnitContext
 from embedfleet.sources.plan import plan_chunks
 from embedfleet.sources.presets import get_preset
 from embedfleet.store.embedded import resolve_dsn
@@ -40,12 +40,14 @@ def run(dsn: str, src: Path, unit_bytes: int, threads: int, dim: int) -> float:
     ensure_table(conn, name, preset.columns, dim, "vector")
     rng = np.random.default_rng(0)
     units = []
+    tokenizer = Encoder(device="cpu", tokenizer_workers=0).tokenizer_spec()
+    prepare = Preparer(UnitContext("amazon-reviews", None, None, None, tokenizer))
     for spec in chunks:  # prepare everything first: only the sink is timed
         claim = ledger.claim(name, "bench", 600)
-        records, rejects = to_records(list(read_chunk(spec)), preset)
-        emb = rng.standard_normal((len(records), dim)).astype(np.float32)
+        p = prepare(Task(spec, 0, None))
+        emb = rng.standard_normal((p.rows.n, dim)).astype(np.float32)
         emb /= np.linalg.norm(emb, axis=1, keepdims=True)
-        units.append(Unit(claim, records, rejects, cursor_line=0, last=True, embeddings=emb))
+        units.append(Unit(claim, p.rows, p.seen, p.rejects, p.cursor_line, last=True, embeddings=emb))
     errors = []
     writer = Writer(lambda: TableSink(connect(dsn), name, preset.columns, "vector", name),
                     on_error=lambda u, e: errors.append(e), threads=threads)
@@ -56,7 +58,7 @@ def run(dsn: str, src: Path, unit_bytes: int, threads: int, dim: int) -> float:
     dt = time.perf_counter() - t0
     if errors:
         raise errors[0]
-    return sum(len(u.records) for u in units) / dt
+    return sum(u.rows.n for u in units) / dt
 
 
 def main() -> None:

@@ -317,3 +317,33 @@ def test_embedded_server_uri_start_stop(cli):
     assert "not running" in cli("db", "stop", check=True).stderr
     assert cli("db", "uri", check=True).stdout.strip() == dsn  # started again, same data directory
     cli("db", "stop", check=True)
+
+
+def test_helper_processes_prepare_exactly_what_the_inline_path_does(cli, dsn, conn, tmp_path):
+    """Units prepared in helper processes (the GPU hosts' path: each helper reads its byte range,
+    joins meta over its own connection, tokenizes and encodes COPY rows; a .gz stream is read by the
+    worker and sent over) must land the same rows, vectors and rejects as preparing them inline."""
+    gz = tmp_path / "g.jsonl.gz"
+    gz.write_bytes(gzip.compress(write_amazon_reviews(tmp_path / "g.jsonl", 400, seed=3).read_bytes()))
+    # 30 kB chunks: several units per input, yet faults.jsonl's duplicate ids stay in one chunk
+    # (across chunks, which duplicate wins depends on commit order).
+    common = (REVIEWS, FAULTS, gz, "--meta", META, "--preset", "amazon-reviews", "--db", dsn,
+              "--no-index", "--chunk-bytes", "30000")
+    for table, helpers in (("inline", "0"), ("helpers", "2")):
+        p = cli("ingest", *common, "--table", table, check=True, extra_env={"EMBEDFLEET_PREP_WORKERS": helpers})
+        summary = [orjson.loads(line.split(" ", 1)[1]) for line in p.stderr.splitlines()
+                   if line.startswith("embedfleet-worker-summary ")]
+        assert [w["helpers"] for w in summary] == [int(helpers)]
+    counts = {t: status(cli, dsn, t) for t in ("inline", "helpers")}
+    assert counts["helpers"]["rows_written"] == counts["inline"]["rows_written"] > 400
+    assert counts["helpers"]["rejected"] == counts["inline"]["rejected"] == 6
+    assert conn.execute("SELECT count(*) FROM helpers WHERE product_title IS NOT NULL").fetchone()[0] > 0
+    cols = "id, content, rating, ts, helpful_vote, verified_purchase, extra, product_title, price"
+    diff = conn.execute(f"(SELECT {cols} FROM inline EXCEPT SELECT {cols} FROM helpers) UNION ALL "
+                        f"(SELECT {cols} FROM helpers EXCEPT SELECT {cols} FROM inline)").fetchall()
+    assert diff == []
+    worst = conn.execute("SELECT max(a.embedding <=> b.embedding), count(*) FROM inline a JOIN helpers b USING (id)"
+                         ).fetchone()
+    assert worst[0] < 1e-5 and worst[1] == counts["inline"]["rows_written"]
+    rejects = conn.execute("SELECT job, source, line, reason FROM embedfleet.rejects ORDER BY line, job").fetchall()
+    assert [r[1:] for r in rejects if r[0] == "inline"] == [r[1:] for r in rejects if r[0] == "helpers"]

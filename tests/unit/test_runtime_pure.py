@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from collections import deque
 
-import numpy as np
 import pytest
 
 from embedfleet.config import JobConfig, build_config
@@ -13,17 +12,6 @@ from embedfleet.runtime.local import apply_limit, parse_devices
 from embedfleet.runtime.monitor import rate_and_eta
 from embedfleet.sources.plan import ChunkSpec
 from embedfleet.store.schema import check_identifier
-from embedfleet.store.writer import pack_vectors
-
-
-def test_packed_vectors_match_pgvectors_own_binary_format():
-    from pgvector import HalfVector, Vector
-
-    emb = np.random.default_rng(0).standard_normal((5, 7)).astype(np.float32)
-    for got, row in zip(pack_vectors(emb, "vector"), emb):
-        assert bytes(got) == Vector(row).to_binary()
-    for got, row in zip(pack_vectors(emb, "halfvec"), emb):
-        assert bytes(got) == HalfVector(row.astype(np.float16)).to_binary()
 
 
 def _c(src, first, kind="jsonl"):

@@ -22,7 +22,7 @@ from embedfleet.encode.budget import TokenBudget, activation_bytes_per_token, pr
 from embedfleet.encode.models import _read_json, model_name, read_spec, resolve_model
 from embedfleet.encode.packed.attention import Packing
 from embedfleet.encode.pooling import finish, pool_packed
-from embedfleet.encode.tokenize import Tokenized, TextTokenizer
+from embedfleet.encode.tokenize import TextTokenizer, Tokenized, TokenizerSpec
 from embedfleet.errors import ModelError
 
 MAX_CHUNK, MIN_CHUNK = 16384, 2048  # encode() tokenizes chunks ahead while the device embeds
@@ -108,6 +108,12 @@ class Encoder:
 
     def tokenize(self, texts: list[str], prompt: str | None = None) -> Tokenized:
         return self._tok.tokenize(texts, self.spec.prompt_text(prompt if prompt is not None else self.prompt))
+
+    def tokenizer_spec(self, prompt: str | None = None) -> TokenizerSpec:
+        """This model's tokenizer and prompt, for tokenizing in another process."""
+        t = self._tok
+        return TokenizerSpec(t._json, t.max_length, t.pad_id, t.lowercase,
+                             self.spec.prompt_text(prompt if prompt is not None else self.prompt))
 
     def embed(self, tok: Tokenized) -> np.ndarray:
         return self._launch(tok).result()

@@ -86,7 +86,7 @@ def _worker_encode(texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
     return _encode(_WORKER[0], texts, _WORKER[1])
 
 
-def _spawn_works() -> bool:
+def spawn_works() -> bool:
     """`spawn` re-runs the parent's main module in each child: impossible when it came from stdin
     or `-c` (the children die at start and the pool hangs), so tokenize in-process there."""
     import sys
@@ -102,6 +102,21 @@ def default_workers() -> int:
     return 0 if cores < 4 else min(8, cores // 2)
 
 
+@dataclass(frozen=True)
+class TokenizerSpec:
+    """What it takes to rebuild a model's tokenizer in another process (picklable)."""
+
+    tokenizer_json: str
+    max_length: int
+    pad_id: int = 0
+    lowercase: bool = False
+    prefix: str = ""  # the prompt put before every text
+
+    def build(self) -> "TextTokenizer":
+        """An in-process tokenizer (no pool of its own)."""
+        return TextTokenizer(self.tokenizer_json, self.max_length, self.pad_id, workers=0, lowercase=self.lowercase)
+
+
 class TextTokenizer:
     """Thread-safe: `tokenize` may run on a prefetch thread while the GPU thread embeds."""
 
@@ -110,7 +125,7 @@ class TextTokenizer:
         self._json, self.max_length, self.pad_id, self.lowercase = tokenizer_json, max_length, pad_id, lowercase
         self._local = _load(tokenizer_json, max_length)
         self.workers = default_workers() if workers is None else max(0, int(workers))
-        if not _spawn_works():
+        if not spawn_works():
             self.workers = 0
         self._pool: ProcessPoolExecutor | None = None
         self._lock = threading.Lock()

@@ -1,12 +1,13 @@
 """The worker loop — the whole pipeline of one device, start to finish.
 
-    claim chunk (ledger) → read records → template/sanitize/join meta   [records thread]
-    → tokenize (the encoder's process pool)                             [tokenizer thread]
-    → forward pass, pooling, normalisation on the device                [main thread]
-    → COPY rows + rejects + chunk progress in one transaction            [writer threads]
+    claim chunks (ledger), keep every helper busy                        [records thread]
+    → read, template/sanitize/join meta, tokenize, encode COPY rows      [helper processes, units.py]
+    → forward pass, pooling, normalisation on the device                 [main thread]
+    → COPY rows + vectors, rejects, chunk progress in one transaction    [writer threads]
 
-The stages overlap through bounded queues, so the GPU works while the next chunk is read
-and tokenized and the previous one is written. A worker is stateless: it needs only the job name
+The stages overlap through bounded queues, so the GPU works while the next units are prepared
+and the previous ones are written; the per-row Python work runs in the helpers, so this process
+only launches kernels and streams COPY buffers. A worker is stateless: it needs only the job name
 and the database, so the local launcher, a Ray actor or `embedfleet worker` on another host all run
 this same loop against the same ledger, and a faster GPU simply claims more chunks.
 """
@@ -20,6 +21,8 @@ import queue
 import sys
 import threading
 import time
+from collections import deque
+from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass
 from typing import Iterator
 
@@ -27,8 +30,7 @@ import orjson
 
 from embedfleet.config import JobConfig
 from embedfleet.errors import EmbedfleetError, JobError
-from embedfleet.records import to_records
-from embedfleet.sources import read_chunk
+from embedfleet.runtime.units import Task, UnitContext, UnitPool, stream_tasks
 from embedfleet.sources.plan import ChunkSpec
 from embedfleet.sources.presets import get_preset
 from embedfleet.store.ledger import Claim, Ledger, connect
@@ -45,57 +47,67 @@ class Stats:
     embed_seconds: float = 0.0  # time the main thread spent queuing forward passes and reading results
     wait_seconds: float = 0.0  # time the main thread waited for the prefetch thread
     sink_wait_seconds: float = 0.0  # time the main thread waited for the writer (back-pressure)
-    read_seconds: float = 0.0  # records thread: claiming, reading, templating
-    tokenize_seconds: float = 0.0  # tokenizer thread: handing texts to the tokenizer and back
+    read_seconds: float = 0.0  # records thread: claiming, reading streams, waiting for prepared units
     state: str = "starting"
 
 
-# ---- stage 1: claim, read, build records, tokenize (prefetch thread) -----------------------------
+# ---- stage 1: claim chunks, have their units prepared (records thread + helper processes) ---------
 
 
-def chunk_units(claim: Claim, cfg: JobConfig, preset, meta_lookup) -> Iterator[Unit]:
-    """Cut one claimed chunk into units of about `chunk_bytes` of input, each ready for the GPU.
-    A plain JSONL chunk is a single unit; a compressed stream commits every `chunk_bytes` so a
-    crash in a huge .gz file resumes from its last commit (the chunk's `cursor_line`)."""
-    spec = ChunkSpec(claim.source, claim.kind, claim.start, claim.end, claim.first_line)
-    group, size, cursor = [], 0, claim.cursor_line
-    pending: Unit | None = None  # one unit of look-ahead, to know which one is the last
-    for raw in read_chunk(spec, after_line=claim.cursor_line):
-        if claim.last_line is not None and raw.line > claim.last_line:
-            break
-        group.append(raw)
-        size += len(raw.raw) + 1
-        cursor = raw.line
-        if size >= cfg.chunk_bytes:
-            if pending is not None:
-                yield pending
-            pending = _make_unit(claim, group, cursor, cfg, preset, meta_lookup)
-            group, size = [], 0
-    if group or pending is None:
-        if pending is not None:
-            yield pending
-        pending = _make_unit(claim, group, cursor, cfg, preset, meta_lookup)
-    pending.last = True
-    yield pending
+def claimed_tasks(ledger: Ledger, job: str, worker: str, cfg: JobConfig, on_fail) -> Iterator:
+    """(claim, task) pairs until no chunk is left, and None whenever nothing can be claimed right
+    now (the caller then finishes what it has in flight: those chunks count as running too). Waits
+    without claiming while other workers hold chunks, since a dead one's come back when its lease expires."""
+    while True:
+        claim = ledger.claim(job, worker, cfg.lease_seconds)
+        if claim is None:
+            if ledger.counts(job)["running"] == 0:
+                return
+            yield None
+            time.sleep(min(2.0, cfg.lease_seconds / 4))
+            continue
+        spec = ChunkSpec(claim.source, claim.kind, claim.start, claim.end, claim.first_line)
+        if claim.kind == "jsonl":  # a byte range of about chunk_bytes: one unit, read by the helper
+            yield claim, Task(spec, claim.cursor_line, claim.last_line)
+            continue
+        try:  # a stream: read here in order, committed every chunk_bytes so a crash resumes from there
+            for task in stream_tasks(spec, claim.cursor_line, claim.last_line, cfg.chunk_bytes):
+                yield claim, task
+        except Exception as e:  # unreadable file, decompression error…: the chunk fails, the job goes on
+            on_fail(claim, e)
 
 
-def _make_unit(claim, raws, cursor, cfg, preset, meta_lookup) -> Unit:
-    records, rejects = to_records(
-        raws, preset, template=cfg.text_template, text_field=cfg.text_field, id_field=cfg.id_field,
-        meta_lookup=meta_lookup,
-    )
-    return Unit(claim, records, rejects, cursor_line=cursor, last=False)
+def produce_units(dsn: str, job: str, worker: str, cfg: JobConfig, pool: UnitPool, on_fail) -> Iterator[Unit]:
+    """Units in claim order, prepared `pool.ahead` tasks ahead so every helper stays busy."""
+    conn = connect(dsn)
+    ledger = Ledger(conn)
+    window: deque = deque()  # (claim, task, future), oldest first
 
+    def collect() -> Iterator[Unit]:
+        claim, task, future = window.popleft()
+        try:
+            p = future.result()
+        except BrokenProcessPool:
+            raise
+        except Exception as e:  # a bad file in a helper: the chunk fails, the job goes on
+            on_fail(claim, e)
+            return
+        yield Unit(claim, p.rows, p.seen, p.rejects, p.cursor_line, task.last, p.tok.num_tokens, p.tok)
 
-def tokenized(units: Iterator[Unit], encoder, prompt: str | None, stats: Stats) -> Iterator[Unit]:
-    """Stage 1b: tokenize each unit (in the encoder's process pool) while stage 1a reads the next."""
-    for unit in units:
-        if unit.records:
-            t0 = time.perf_counter()
-            unit.tok = encoder.tokenize([r.content for r in unit.records], prompt=prompt)
-            unit.tokens = unit.tok.num_tokens
-            stats.tokenize_seconds += time.perf_counter() - t0
-        yield unit
+    try:
+        for item in claimed_tasks(ledger, job, worker, cfg, on_fail):
+            if item is None:
+                while window:
+                    yield from collect()
+                continue
+            claim, task = item
+            window.append((claim, task, pool.submit(task)))
+            while len(window) > pool.ahead:
+                yield from collect()
+        while window:
+            yield from collect()
+    finally:
+        conn.close()
 
 
 def timed(gen: Iterator, stats: Stats) -> Iterator:
@@ -107,33 +119,6 @@ def timed(gen: Iterator, stats: Stats) -> Iterator:
         if item is None:
             return
         yield item
-
-
-def produce_units(dsn: str, job: str, worker: str, cfg: JobConfig, meta_id: str | None,
-                  on_fail) -> Iterator[Unit]:
-    """Claim chunks until none is left, yielding their units. Waits (without claiming) while other
-    workers still hold chunks, since a dead one's chunks come back when its lease expires."""
-    conn = connect(dsn)
-    ledger = Ledger(conn)
-    preset = get_preset(cfg.preset)
-
-    def meta_lookup(keys):
-        return ledger.meta_lookup(meta_id, keys) if meta_id else {}
-
-    try:
-        while True:
-            claim = ledger.claim(job, worker, cfg.lease_seconds)
-            if claim is None:
-                if ledger.counts(job)["running"] == 0:
-                    return
-                time.sleep(min(2.0, cfg.lease_seconds / 4))
-                continue
-            try:
-                yield from chunk_units(claim, cfg, preset, meta_lookup if cfg.meta else None)
-            except Exception as e:  # unreadable file, decompression error…: the chunk fails, the job goes on
-                on_fail(claim, e)
-    finally:
-        conn.close()
 
 
 class Prefetch:
@@ -226,7 +211,8 @@ def run_worker(job: str, dsn: str, worker: str, device: str = "auto") -> Stats:
         raise JobError(f"no job {job!r} in this database; start it with `embedfleet ingest`")
     cfg = JobConfig.from_json(row["config"])
     preset = get_preset(cfg.preset)
-    encoder = Encoder(cfg.model, device=device, batch_tokens=cfg.batch_tokens, dim=cfg.dim)
+    # Texts are tokenized by the unit helpers (units.py), so the encoder needs no pool of its own.
+    encoder = Encoder(cfg.model, device=device, batch_tokens=cfg.batch_tokens, dim=cfg.dim, tokenizer_workers=0)
     vtype = vector_type(conn, cfg.dtype)
     ensure_table(conn, cfg.table, preset.columns, encoder.dim, vtype)
     ledger.set_model(job, encoder.name, encoder.dim)
@@ -235,6 +221,8 @@ def run_worker(job: str, dsn: str, worker: str, device: str = "auto") -> Stats:
     failed: set = set()  # claim tokens whose chunk failed: their remaining units are dropped
 
     def on_fail(claim: Claim, err: BaseException) -> None:
+        if claim.token in failed:  # a later unit of a chunk already counted as failed
+            return
         failed.add(claim.token)
         state = ledger.fail(claim, f"{type(err).__name__}: {err}")
         log.error("worker %s: chunk %d (%s) failed, now %s: %s", worker, claim.chunk, claim.source, state, err)
@@ -243,14 +231,18 @@ def run_worker(job: str, dsn: str, worker: str, device: str = "auto") -> Stats:
 
     def on_done(unit: Unit, inserted: int) -> None:
         with done_lock:
-            stats.rows += len(unit.records)
+            stats.rows += unit.rows.n
             stats.tokens += unit.tokens
 
     heartbeat = Heartbeat(dsn, job, worker, encoder.device, cfg.lease_seconds, stats)
     heartbeat.start()
     writer = Writer(lambda: TableSink(connect(dsn), cfg.table, preset.columns, vtype, job),
                     on_error=lambda u, e: on_fail(u.claim, e), on_done=on_done)
-    encoder.warmup()  # tokenizer processes, kernel compilation: start-up, not throughput
+    ctx = UnitContext(cfg.preset, cfg.text_template, cfg.text_field, cfg.id_field, encoder.tokenizer_spec(cfg.prompt),
+                      dsn if cfg.meta else None, row["meta_id"] if cfg.meta else None)
+    pool = UnitPool(ctx)
+    pool.start()  # helper processes, kernel compilation: start-up, not throughput
+    encoder.warmup()
     t_start = time.perf_counter()
 
     def finish(unit: Unit, handle) -> None:
@@ -269,8 +261,7 @@ def run_worker(job: str, dsn: str, worker: str, device: str = "auto") -> Stats:
         stats.sink_wait_seconds += time.perf_counter() - t0
 
     try:
-        records = Prefetch(timed(produce_units(dsn, job, worker, cfg, row["meta_id"], on_fail), stats))
-        ahead = Prefetch(tokenized(iter(records), encoder, cfg.prompt, stats))
+        ahead = Prefetch(timed(produce_units(dsn, job, worker, cfg, pool, on_fail), stats))
         units = iter(ahead)
         pending = None  # (unit, handle) queued on the device whose result is not read yet
         while True:
@@ -290,7 +281,7 @@ def run_worker(job: str, dsn: str, worker: str, device: str = "auto") -> Stats:
             stats.state = f"chunk {unit.claim.chunk}"
             t0 = time.perf_counter()
             try:
-                handle = encoder.embed_async(unit.tok) if unit.records else None
+                handle = encoder.embed_async(unit.tok) if unit.rows.n else None
             except Exception as e:
                 on_fail(unit.claim, e)
                 continue
@@ -306,6 +297,7 @@ def run_worker(job: str, dsn: str, worker: str, device: str = "auto") -> Stats:
     finally:
         stats.state = "finished"
         heartbeat.stop()
+        pool.close()
         encoder.close()
         conn.close()
     wall = time.perf_counter() - t_start
@@ -314,7 +306,7 @@ def run_worker(job: str, dsn: str, worker: str, device: str = "auto") -> Stats:
         "wall_s": round(wall, 3), "rows_per_s": round(stats.rows / wall, 1) if wall else 0.0,
         "embed_s": round(stats.embed_seconds, 3), "input_wait_s": round(stats.wait_seconds, 3),
         "db_s": round(writer.db_seconds, 3), "sink_wait_s": round(stats.sink_wait_seconds, 3),
-        "read_s": round(stats.read_seconds, 3), "tokenize_s": round(stats.tokenize_seconds, 3),
+        "read_s": round(stats.read_seconds, 3), "helpers": pool.workers,
     }
     if not cfg.quiet:  # one parseable line per worker (bench/ingest.py reads them)
         print("embedfleet-worker-summary " + orjson.dumps(summary).decode(), file=sys.stderr, flush=True)

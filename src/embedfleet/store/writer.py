@@ -16,62 +16,14 @@ from typing import Callable, Sequence
 import numpy as np
 import psycopg
 from psycopg import sql
-from psycopg.adapt import Dumper
-from psycopg.pq import Format
-from psycopg.types.json import set_json_dumps
 
-from embedfleet.records import Record, Reject
+from embedfleet.records import Reject
+from embedfleet.store.copyrows import EncodedRows, assemble, vector_fields
 from embedfleet.store.ledger import Claim
-
-# psycopg's COPY type names for our column types.
-_COPY_TYPES = {
-    "text": "text", "real": "float4", "double precision": "float8", "integer": "int4", "bigint": "int8",
-    "boolean": "bool", "timestamptz": "timestamptz", "jsonb": "jsonb",
-}
-
-
-def _orjson_dumps(obj) -> bytes:
-    import orjson
-
-    return orjson.dumps(obj, option=orjson.OPT_NON_STR_KEYS)
-
-
-set_json_dumps(_orjson_dumps)
 
 
 class LeaseLost(Exception):
     """Another worker holds the chunk now: this unit's transaction was rolled back."""
-
-
-class _PackedVector(bytes):
-    """A vector already in pgvector's binary wire format (built for the whole batch with numpy)."""
-
-
-def _register_packed(conn: psycopg.Connection, vtype: str) -> None:
-    from pgvector.psycopg import register_vector
-    from psycopg.types import TypeInfo
-
-    register_vector(conn)
-    oid = TypeInfo.fetch(conn, vtype).oid
-
-    class PackedDumper(Dumper):
-        format = Format.BINARY
-
-        def dump(self, obj):
-            return obj
-
-    PackedDumper.oid = oid
-    conn.adapters.register_dumper(_PackedVector, PackedDumper)
-
-
-def pack_vectors(emb: np.ndarray, vtype: str) -> list[_PackedVector]:
-    """pgvector binary format: uint16 dim, uint16 0, then big-endian float32 (vector) or float16 (halfvec)."""
-    n, dim = emb.shape
-    header = np.array([dim, 0], dtype=">u2").tobytes()
-    body = np.ascontiguousarray(emb, dtype=">f2" if vtype == "halfvec" else ">f4")
-    row_bytes = body.strides[0]
-    buf = body.tobytes()
-    return [_PackedVector(header + buf[i * row_bytes : (i + 1) * row_bytes]) for i in range(n)]
 
 
 @dataclass
@@ -79,23 +31,23 @@ class Unit:
     """A slice of a chunk's records, embedded together and committed in one transaction."""
 
     claim: Claim
-    records: list[Record]
+    rows: EncodedRows  # COPY-ready rows, one per distinct id, without their embeddings
+    seen: int  # records read, before merging duplicate ids
     rejects: list[Reject]
     cursor_line: int  # every line up to here has been read into this unit or an earlier one
     last: bool  # the chunk's final unit: commit marks the chunk done
     tokens: int = 0
-    tok: object = None  # the encoder's Tokenized batch
-    embeddings: np.ndarray | None = None
+    tok: object = None  # the encoder's Tokenized batch, in row order
+    embeddings: np.ndarray | None = None  # [rows.n, dim], in row order
 
 
 class TableSink:
     """Everything needed to write one target table, prepared once per connection."""
 
     def __init__(self, conn: psycopg.Connection, table: str, columns: Sequence, vtype: str, job: str):
-        self.conn, self.table, self.columns, self.vtype, self.job = conn, table, list(columns), vtype, job
-        _register_packed(conn, vtype)
-        names = ["id", "content", "embedding"] + [c.name for c in self.columns]
-        self.copy_types = ["text", "text", vtype] + [_COPY_TYPES[c.pgtype] for c in self.columns]
+        self.conn, self.table, self.vtype, self.job = conn, table, vtype, job
+        # The embedding goes last: rows come encoded without it (copyrows.assemble appends it).
+        names = ["id", "content"] + [c.name for c in columns] + ["embedding"]
         ident = sql.SQL(", ").join(map(sql.Identifier, names))
         self.stage = sql.Identifier("_ef_stage")  # a temp table: private to this connection, which writes one table
         conn.execute(
@@ -116,36 +68,30 @@ class TableSink:
             "RETURNING (xmax = 0) AS inserted) SELECT count(*) FILTER (WHERE inserted) FROM up"
         ).format(t=sql.Identifier(table), c=ident, s=self.stage, u=updates)
 
-    def _copy(self, target: sql.Composable, rows: list) -> None:
+    def _copy(self, target: sql.Composable, data: bytes) -> None:
         with self.conn.cursor() as cur, cur.copy(target) as copy:
-            copy.set_types(self.copy_types)
-            for row in rows:
-                copy.write_row(row)
+            copy.write(data)
 
-    def _insert(self, rows: list) -> int:
+    def _insert(self, data: bytes, n: int) -> int:
         """COPY straight into the table when every id is new (the common case: one pass, no
         staging); if any id exists already, roll that back and upsert through the stage table."""
         try:
             with self.conn.transaction():  # a savepoint
-                self._copy(self.copy_direct_sql, rows)
-            return len(rows)
+                self._copy(self.copy_direct_sql, data)
+            return n
         except psycopg.errors.UniqueViolation:
             pass
-        self._copy(self.copy_sql, rows)
+        self._copy(self.copy_sql, data)
         return self.conn.execute(self.upsert_sql).fetchone()[0]
 
     def commit_unit(self, unit: Unit) -> int:
         """One transaction: rows + rejects + chunk progress. Returns ids newly inserted."""
-        records, emb = unit.records, unit.embeddings
-        # Same id twice in one unit: the last occurrence wins (as a later upsert would).
-        keep = list({r.id: i for i, r in enumerate(records)}.values())
         conn, claim = self.conn, unit.claim
         with conn.transaction():
             inserted = 0
-            if keep:
-                rows = [[records[i].id, records[i].content, vec, *(records[i].values.get(c.name) for c in self.columns)]
-                        for vec, i in zip(pack_vectors(emb[keep], self.vtype), keep)]
-                inserted = self._insert(rows)
+            if unit.rows.n:
+                data = assemble(unit.rows, vector_fields(unit.embeddings, self.vtype))
+                inserted = self._insert(data, unit.rows.n)
             if unit.rejects:
                 with conn.cursor() as cur:
                     cur.executemany(
@@ -159,7 +105,7 @@ class TableSink:
                 "state = CASE WHEN %s THEN 'done' ELSE state END, "
                 "finished = CASE WHEN %s THEN now() ELSE NULL END "
                 "WHERE job = %s AND chunk = %s AND claim = %s AND state = 'running' RETURNING 1",
-                [unit.cursor_line, inserted, len(records), len(unit.rejects), unit.tokens,
+                [unit.cursor_line, inserted, unit.seen, len(unit.rejects), unit.tokens,
                  unit.last, unit.last, claim.job, claim.chunk, claim.token],
             ).fetchone()
             if row is None:

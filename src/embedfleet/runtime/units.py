@@ -1,0 +1,191 @@
+"""Preparing units of work in helper processes, so the worker process only feeds the GPU.
+
+A unit is the slice of a chunk that is embedded and committed together. Making one — parse JSON,
+template, sanitize and coerce every record, tokenize the texts, encode the COPY rows — is Python
+work per row, and inside the worker it shares one GIL with the kernel-launching loop and the
+writers: that capped a worker near 11k rows/s (bench/NOTES.md). Here a pool of processes does it
+and sends back only bulk data: packed token ids, one block of COPY-ready rows (the embedding is
+appended by the writer), the rejects and a few counts. Shipping Python records instead would cost
+the worker as much to unpickle as to build.
+
+A plain JSONL chunk (a byte range) is read by the helper itself. A stream (.gz/.zst, CSV,
+Parquet) must be read in order from one place, so the worker reads it and sends groups of parsed
+records of about `chunk_bytes` each; each group commits with the stream's cursor.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+from collections.abc import Iterator
+from concurrent.futures import Future, ProcessPoolExecutor
+from dataclasses import dataclass
+
+from embedfleet.encode.tokenize import Tokenized, TokenizerSpec, default_workers, spawn_works
+from embedfleet.records import Reject, to_records
+from embedfleet.sources import RawRecord, read_chunk
+from embedfleet.sources.plan import ChunkSpec
+from embedfleet.sources.presets import get_preset
+from embedfleet.store.copyrows import COPY_TYPES, EncodedRows, RowEncoder
+
+
+@dataclass(frozen=True)
+class UnitContext:
+    """Everything a helper needs to prepare any unit of one job; sent once per process."""
+
+    preset: str
+    template: str | None
+    text_field: str | None
+    id_field: str | None
+    tokenizer: TokenizerSpec
+    dsn: str | None = None  # for the meta join: each helper opens its own connection when first needed
+    meta_id: str | None = None
+
+
+@dataclass
+class Task:
+    spec: ChunkSpec
+    after_line: int  # resume cursor: lines up to here are done
+    last_line: int | None  # --limit: no line after this one
+    raws: list[RawRecord] | None = None  # a stream's records, read by the worker; None: read spec here
+    cursor_line: int = 0  # with raws: every line up to here is in this task or an earlier one
+    last: bool = True  # the chunk's final unit: its commit marks the chunk done
+
+
+@dataclass
+class Prepared:
+    rows: EncodedRows  # one per distinct id, the last occurrence winning (as a later upsert would)
+    tok: Tokenized  # their texts' token ids, in row order
+    seen: int  # records before merging duplicate ids
+    rejects: list[Reject]
+    cursor_line: int
+
+
+class Preparer:
+    """Turns tasks into prepared units; one per process (or one inline when there is no pool)."""
+
+    def __init__(self, ctx: UnitContext):
+        self.ctx = ctx
+        self.preset = get_preset(ctx.preset)
+        self.tokenizer = ctx.tokenizer.build()
+        self.encoder = RowEncoder(["text", "text"] + [COPY_TYPES[c.pgtype] for c in self.preset.columns])
+        self._ledger = None
+
+    def _meta_lookup(self, keys: set[str]) -> dict[str, dict]:
+        if self._ledger is None:
+            from embedfleet.store.ledger import Ledger, connect
+
+            self._ledger = Ledger(connect(self.ctx.dsn))
+        return self._ledger.meta_lookup(self.ctx.meta_id, keys)
+
+    def __call__(self, task: Task) -> Prepared:
+        ctx, cursor = self.ctx, task.cursor_line
+        raws = task.raws
+        if raws is None:
+            raws, cursor = [], task.after_line
+            for raw in read_chunk(task.spec, after_line=task.after_line):
+                if task.last_line is not None and raw.line > task.last_line:
+                    break
+                raws.append(raw)
+                cursor = raw.line
+        records, rejects = to_records(
+            raws, self.preset, template=ctx.template, text_field=ctx.text_field, id_field=ctx.id_field,
+            meta_lookup=self._meta_lookup if ctx.meta_id else None,
+        )
+        kept = [records[i] for i in {r.id: i for i, r in enumerate(records)}.values()]
+        columns = self.preset.columns
+        rows = self.encoder.encode([(r.id, r.content, *(r.values.get(c.name) for c in columns)) for r in kept])
+        tok = self.tokenizer.tokenize([r.content for r in kept], ctx.tokenizer.prefix)
+        return Prepared(rows, tok, len(records), rejects, cursor)
+
+    def close(self) -> None:
+        if self._ledger is not None:
+            self._ledger.conn.close()
+
+
+_HELPER: Preparer | None = None
+
+
+def _helper_init(ctx: UnitContext) -> None:
+    # One helper per core already: tokenizer threads inside each would oversubscribe the CPU.
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"
+    global _HELPER
+    _HELPER = Preparer(ctx)
+
+
+def _helper_prepare(task: Task) -> Prepared:
+    return _HELPER(task)
+
+
+def _helper_ready(_) -> int:
+    return os.getpid()
+
+
+def helper_count() -> int:
+    """$EMBEDFLEET_PREP_WORKERS, else half the cores up to 8, none under 4 cores (see tokenize)."""
+    env = os.environ.get("EMBEDFLEET_PREP_WORKERS")
+    return max(0, int(env)) if env else default_workers()
+
+
+class UnitPool:
+    """Prepares tasks on `workers` helper processes, or inline on the caller's thread with 0."""
+
+    def __init__(self, ctx: UnitContext, workers: int | None = None):
+        workers = helper_count() if workers is None else workers
+        self.workers = workers if spawn_works() else 0
+        self._inline = Preparer(ctx) if self.workers == 0 else None
+        self._pool = None
+        if self.workers:
+            self._pool = ProcessPoolExecutor(self.workers, mp_context=mp.get_context("spawn"),
+                                             initializer=_helper_init, initargs=(ctx,))
+
+    @property
+    def ahead(self) -> int:
+        """Tasks to keep in flight beyond the one being waited for: every helper busy."""
+        return self.workers
+
+    def start(self) -> None:
+        """Start the helpers now (each imports and loads the tokenizer), not on the first unit."""
+        if self._pool is not None:
+            list(self._pool.map(_helper_ready, range(self.workers)))
+
+    def submit(self, task: Task) -> Future:
+        if self._pool is not None:
+            return self._pool.submit(_helper_prepare, task)
+        fut: Future = Future()
+        try:
+            fut.set_result(self._inline(task))
+        except Exception as e:
+            fut.set_exception(e)
+        return fut
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=True, cancel_futures=True)
+        if self._inline is not None:
+            self._inline.close()
+
+
+def stream_tasks(spec: ChunkSpec, after_line: int, last_line: int | None, chunk_bytes: int) -> Iterator[Task]:
+    """A stream chunk as tasks of about `chunk_bytes` of input each, read in order here; the last
+    one is marked so. A chunk with nothing left still yields one (empty) task to mark it done."""
+    group: list[RawRecord] = []
+    size, cursor = 0, after_line
+    pending: Task | None = None  # one task of look-ahead, to know which one is the last
+    for raw in read_chunk(spec, after_line=after_line):
+        if last_line is not None and raw.line > last_line:
+            break
+        group.append(raw)
+        size += len(raw.raw) + 1
+        cursor = raw.line
+        if size >= chunk_bytes:
+            if pending is not None:
+                yield pending
+            pending = Task(spec, after_line, last_line, group, cursor, last=False)
+            group, size = [], 0
+    if group or pending is None:
+        if pending is not None:
+            yield pending
+        pending = Task(spec, after_line, last_line, group, cursor, last=False)
+    pending.last = True
+    yield pending
