@@ -96,6 +96,26 @@ def run_once(data: Path, gpus: int, model: str | None, env: dict, preset: str, e
     }
 
 
+def encoder_alone(data: Path, model: str | None, n: int) -> dict:
+    """`embedfleet bench`'s timing (tokenisation included, no sentence-transformers) on exactly the
+    texts the ingest embedded: the first `n` records' contents, as the preset renders them."""
+    from itertools import islice
+
+    from embedfleet.encode.bench import run_bench
+    from embedfleet.records import to_records
+    from embedfleet.sources import read_chunk
+    from embedfleet.sources.plan import ChunkSpec
+    from embedfleet.sources.presets import get_preset
+
+    raws = list(islice(read_chunk(ChunkSpec(str(data), "jsonl", 0, data.stat().st_size, 1)), n))
+    records, _ = to_records(raws, get_preset("amazon-reviews"))
+    from embedfleet.encode.models import resolve_model
+
+    result = run_bench(model=str(resolve_model(model)), st=False, texts=[r.content for r in records])
+    row = result["results"][0]
+    return {"gpu": result["gpu"], **{k: row[k] for k in ("n", "texts_s", "tokens_s", "mfu", "mean_tokens")}}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--n", type=int, default=200_000)
@@ -107,6 +127,8 @@ def main() -> None:
     ap.add_argument("--chunk-bytes", default=None)
     ap.add_argument("--cpu", action="store_true", help="smoke-test the script without GPUs")
     ap.add_argument("--no-index", action="store_true", help="skip timing the HNSW build")
+    ap.add_argument("--vs-bench", type=int, default=0, metavar="N",
+                    help="also time the encoder alone (embedfleet bench's code) on the first N texts of this corpus")
     args = ap.parse_args()
     work = Path(args.work)
     work.mkdir(parents=True, exist_ok=True)
@@ -129,6 +151,12 @@ def main() -> None:
         r["scaling_vs_linear_wall"] = round(
             r["rows_per_s_wall"] / (results[0]["rows_per_s_wall"] / results[0]["gpus"] * r["gpus"]), 3)
     doc = {"n": args.n, "model": model or "bundled all-MiniLM-L6-v2", "results": results}
+    if args.vs_bench:
+        alone = encoder_alone(data, model, args.vs_bench)
+        doc["encoder_alone"] = alone
+        for r in results:  # per GPU: the pipeline's steady rate against the encoder by itself
+            r["vs_encoder_alone_texts"] = round(r["rows_per_s_steady"] / r["gpus"] / alone["texts_s"], 3)
+            r["vs_encoder_alone_tokens"] = round(r["tokens_per_s_steady"] / r["gpus"] / alone["tokens_s"], 3)
     text = json.dumps(doc, indent=2)
     if args.out:
         Path(args.out).write_text(text)
@@ -136,7 +164,9 @@ def main() -> None:
     for r in results:
         print(f"{r['gpus']} GPU: {r['rows_per_s_steady']:,.0f} rows/s steady, {r['rows_per_s_wall']:,.0f} wall, "
               f"util {r['gpu_util_pct']}, db share {r['db_share_of_loop']}, "
-              f"GPU waited on DB {r['gpu_waited_on_db_s']}s, scaling {r['scaling_vs_linear_steady']}")
+              f"GPU waited on DB {r['gpu_waited_on_db_s']}s, scaling {r['scaling_vs_linear_steady']}"
+              + (f", vs encoder alone {r['vs_encoder_alone_texts']} (texts) {r['vs_encoder_alone_tokens']} (tokens)"
+                 if "vs_encoder_alone_texts" in r else ""))
 
 
 if __name__ == "__main__":

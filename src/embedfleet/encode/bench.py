@@ -87,9 +87,12 @@ def _bench_one(label: str, path: Path, texts: list[str], device: torch.device, s
 
 
 def run_bench(shapes: list[str] | None = None, model: str | None = None, n: int = 20000, device="auto",
-              st: bool = True, st_batch: int = 256, batch_tokens="auto", seed: int = 0) -> dict:
+              st: bool = True, st_batch: int = 256, batch_tokens="auto", seed: int = 0,
+              texts: list[str] | None = None) -> dict:
+    """`texts` replaces the generated review-length texts (e.g. an ingest corpus's own contents)."""
     dev = _device(device)
-    texts = review_texts(n, seed)
+    texts = review_texts(n, seed) if texts is None else list(texts)
+    n = len(texts)
     peak = matmul_peak_tflops(dev)
     gpu = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu"
     rows = []

@@ -139,11 +139,6 @@ class UnitPool:
             self._pool = ProcessPoolExecutor(self.workers, mp_context=mp.get_context("spawn"),
                                              initializer=_helper_init, initargs=(ctx,))
 
-    @property
-    def ahead(self) -> int:
-        """Tasks to keep in flight beyond the one being waited for: every helper busy."""
-        return self.workers
-
     def start(self) -> None:
         """Start the helpers now (each imports and loads the tokenizer), not on the first unit."""
         if self._pool is not None:

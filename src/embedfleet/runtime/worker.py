@@ -77,8 +77,23 @@ def claimed_tasks(ledger: Ledger, job: str, worker: str, cfg: JobConfig, on_fail
             on_fail(claim, e)
 
 
-def produce_units(dsn: str, job: str, worker: str, cfg: JobConfig, pool: UnitPool, on_fail) -> Iterator[Unit]:
-    """Units in claim order, prepared `pool.ahead` tasks ahead so every helper stays busy."""
+class Throttle:
+    """How many tasks the records thread keeps in preparation. It starts with every helper busy;
+    each unit the GPU loop takes without having waited for it lowers the limit by one (units are
+    piling up for the GPU: claiming more chunks now would only leave other workers idle at the end
+    of the job), and each time the GPU loop had to wait raises it by one."""
+
+    def __init__(self, helpers: int):
+        self.most, self.least = helpers, min(1, helpers)
+        self.limit = self.most
+
+    def feedback(self, waited: bool) -> None:
+        self.limit = min(self.most, self.limit + 1) if waited else max(self.least, self.limit - 1)
+
+
+def produce_units(dsn: str, job: str, worker: str, cfg: JobConfig, pool: UnitPool, throttle: Throttle,
+                  on_fail) -> Iterator[Unit]:
+    """Units in claim order, prepared up to `throttle.limit` tasks ahead on the pool's helpers."""
     conn = connect(dsn)
     ledger = Ledger(conn)
     window: deque = deque()  # (claim, task, future), oldest first
@@ -102,7 +117,7 @@ def produce_units(dsn: str, job: str, worker: str, cfg: JobConfig, pool: UnitPoo
                 continue
             claim, task = item
             window.append((claim, task, pool.submit(task)))
-            while len(window) > pool.ahead:
+            while len(window) > throttle.limit:
                 yield from collect()
         while window:
             yield from collect()
@@ -261,7 +276,8 @@ def run_worker(job: str, dsn: str, worker: str, device: str = "auto") -> Stats:
         stats.sink_wait_seconds += time.perf_counter() - t0
 
     try:
-        ahead = Prefetch(timed(produce_units(dsn, job, worker, cfg, pool, on_fail), stats))
+        throttle = Throttle(pool.workers)
+        ahead = Prefetch(timed(produce_units(dsn, job, worker, cfg, pool, throttle, on_fail), stats), depth=1)
         units = iter(ahead)
         pending = None  # (unit, handle) queued on the device whose result is not read yet
         while True:
@@ -271,6 +287,7 @@ def run_worker(job: str, dsn: str, worker: str, device: str = "auto") -> Stats:
                 finish(*pending)
                 pending = None
             stats.state = "waiting for input"
+            throttle.feedback(waited=not ahead.ready())
             t0 = time.perf_counter()
             unit = next(units, None)
             stats.wait_seconds += time.perf_counter() - t0
