@@ -62,7 +62,7 @@ def main() -> None:
         pool = UnitPool(ctx, h)
         pool.start()
         t0 = time.perf_counter()
-        rows = sum(f.result().rows.n for f in [pool.submit(t) for t in tasks])
+        rows = sum(pool.result(f).rows.n for f in [pool.submit(t) for t in tasks])
         dt = time.perf_counter() - t0
         pool.close()
         print(f"{h:3d} helpers: {rows / dt:9,.0f} rows/s ({rows:,} rows in {dt:.2f} s)", flush=True)

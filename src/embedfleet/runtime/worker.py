@@ -101,7 +101,7 @@ def produce_units(dsn: str, job: str, worker: str, cfg: JobConfig, pool: UnitPoo
     def collect() -> Iterator[Unit]:
         claim, task, future = window.popleft()
         try:
-            p = future.result()
+            p = pool.result(future)
         except BrokenProcessPool:
             raise
         except Exception as e:  # a bad file in a helper: the chunk fails, the job goes on
@@ -219,6 +219,10 @@ def _gpu_util_reader(device: str):
 def run_worker(job: str, dsn: str, worker: str, device: str = "auto") -> Stats:
     from embedfleet.encode.encoder import Encoder
 
+    # Threads here mostly wait on the GPU, helpers and sockets; after each wait one must take the GIL
+    # back from whichever thread is running Python, which by default may hold it 5 ms. A shorter
+    # switch interval keeps those hand-offs (many per unit) from stalling the pipeline.
+    sys.setswitchinterval(0.0005)
     conn = connect(dsn)
     ledger = Ledger(conn)
     row = ledger.job(job)

@@ -43,7 +43,7 @@ class EncodedRows:
     """`n` rows back to back in `blob`; row i is blob[offsets[i]:offsets[i + 1]], its field count
     already including the embedding that `assemble` appends."""
 
-    blob: bytes
+    blob: bytes | np.ndarray  # any contiguous bytes-like buffer (uint8 when read back from a helper)
     offsets: np.ndarray  # int64 [n + 1]
 
     @property
