@@ -78,13 +78,14 @@ def claimed_tasks(ledger: Ledger, job: str, worker: str, cfg: JobConfig, on_fail
 
 
 class Throttle:
-    """How many tasks the records thread keeps in preparation. It starts with every helper busy;
-    each unit the GPU loop takes without having waited for it lowers the limit by one (units are
-    piling up for the GPU: claiming more chunks now would only leave other workers idle at the end
-    of the job), and each time the GPU loop had to wait raises it by one."""
+    """How many tasks the records thread keeps in preparation. It starts with every helper busy and
+    two more queued (a helper that finishes starts on the next at once, while the records thread
+    claims); each unit the GPU loop takes without having waited for it lowers the limit by one
+    (units are piling up for the GPU: claiming more chunks now would only leave other workers idle
+    at the end of the job), down to two; each time the GPU loop had to wait raises it by one."""
 
     def __init__(self, helpers: int):
-        self.most, self.least = helpers, min(1, helpers)
+        self.most, self.least = (helpers + 2, 2) if helpers else (0, 0)
         self.limit = self.most
 
     def feedback(self, waited: bool) -> None:
