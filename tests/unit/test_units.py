@@ -1,0 +1,65 @@
+"""Unit preparation pieces that need no database and no model: the hand-back file, stream grouping,
+the claim throttle."""
+
+from __future__ import annotations
+
+import gzip
+
+import numpy as np
+
+from embedfleet.encode.tokenize import Tokenized
+from embedfleet.records import Reject
+from embedfleet.runtime.units import Prepared, spool, stream_tasks, unspool
+from embedfleet.runtime.worker import Throttle
+from embedfleet.sources.plan import ChunkSpec
+from embedfleet.store.copyrows import EncodedRows
+
+
+def test_a_spooled_unit_reads_back_identical_and_its_file_is_gone(tmp_path):
+    rows = EncodedRows(b"\x00\x02abc\x00\x02defgh", np.array([0, 5, 12], dtype=np.int64))
+    tok = Tokenized(np.arange(7, dtype=np.int32), np.array([4, 3], dtype=np.int32),
+                    np.array([1, 0], dtype=np.int64), np.array([1, 0], dtype=np.int64))
+    p = Prepared(rows, tok, seen=3, rejects=[Reject("f", 2, "malformed JSON", "{")], cursor_line=9)
+    s = spool(p, str(tmp_path))
+    assert list(tmp_path.iterdir()) == [tmp_path / s.path.rsplit("/", 1)[1]]
+    back = unspool(s)
+    assert not list(tmp_path.iterdir())
+    assert bytes(back.rows.blob) == rows.blob and back.rows.offsets.tolist() == [0, 5, 12]
+    for name in ("ids", "lengths", "order", "inverse"):
+        got, want = getattr(back.tok, name), getattr(tok, name)
+        assert got.dtype == want.dtype and got.tolist() == want.tolist()
+    assert (back.seen, back.rejects, back.cursor_line) == (3, p.rejects, 9)
+
+
+def test_a_stream_is_cut_into_tasks_of_about_chunk_bytes_the_last_marked(tmp_path):
+    lines = [b'{"text": "%s"}' % (b"x" * 40) for _ in range(10)]  # 53 bytes a line with its newline
+    path = tmp_path / "s.jsonl.gz"
+    path.write_bytes(gzip.compress(b"\n".join(lines) + b"\n"))
+    spec = ChunkSpec(str(path), "stream", 0, 0, 1)
+    tasks = list(stream_tasks(spec, after_line=0, last_line=None, chunk_bytes=150))
+    assert [[r.line for r in t.raws] for t in tasks] == [[1, 2, 3], [4, 5, 6], [7, 8, 9], [10]]
+    assert [t.cursor_line for t in tasks] == [3, 6, 9, 10]
+    assert [t.last for t in tasks] == [False, False, False, True]
+    # resume after line 7, stop at --limit 9
+    tasks = list(stream_tasks(spec, after_line=7, last_line=9, chunk_bytes=150))
+    assert [[r.line for r in t.raws] for t in tasks] == [[8, 9]] and tasks[0].last
+    # nothing left still yields one task, so the chunk gets marked done
+    (t,) = stream_tasks(spec, after_line=10, last_line=None, chunk_bytes=150)
+    assert t.raws == [] and t.last and t.cursor_line == 10
+
+
+def test_throttle_follows_whether_the_gpu_waited():
+    t = Throttle(8)
+    assert t.limit == 10  # every helper busy and two queued
+    for _ in range(20):
+        t.feedback(waited=False)  # units pile up for the GPU: claim less
+    assert t.limit == 2
+    t.feedback(waited=True)
+    t.feedback(waited=True)
+    assert t.limit == 4
+    for _ in range(20):
+        t.feedback(waited=True)
+    assert t.limit == 10
+    inline = Throttle(0)  # no helpers: each unit is prepared when it is needed
+    inline.feedback(waited=True)
+    assert inline.limit == 0
