@@ -15,7 +15,6 @@ import time
 from pathlib import Path
 
 from embedfleet.config import DEFAULT_CHUNK_BYTES
-from embedfleet.encode.encoder import Encoder
 from embedfleet.records import to_records
 from embedfleet.runtime.units import Preparer, Task, UnitContext, UnitPool
 from embedfleet.sources import read_chunk
@@ -50,6 +49,10 @@ def main() -> None:
     ap.add_argument("--model", default=None)
     ap.add_argument("--work", default="/tmp/efbench")
     a = ap.parse_args()
+    # Imported here, not at the top: helpers re-import this script as their main module, and torch
+    # in each of them would cost seconds and memory.
+    from embedfleet.encode.encoder import Encoder
+
     work = Path(a.work)
     work.mkdir(parents=True, exist_ok=True)
     data = work / f"reviews_{a.n}.jsonl"

@@ -146,22 +146,24 @@ class Preparer:
             self._ledger.conn.close()
 
 
-_HELPER: tuple[Preparer, str] | None = None
+_HELPER: tuple[Preparer, str, object] | None = None
 
 
-def _helper_init(ctx: UnitContext, spool_dir: str) -> None:
+def _helper_init(ctx: UnitContext, spool_dir: str, started) -> None:
     # One helper per core already: tokenizer threads inside each would oversubscribe the CPU.
     os.environ["TOKENIZERS_PARALLELISM"] = "false"
     global _HELPER
-    _HELPER = (Preparer(ctx), spool_dir)
+    _HELPER = (Preparer(ctx), spool_dir, started)
 
 
 def _helper_prepare(task: Task) -> Spooled:
-    prepare, spool_dir = _HELPER
+    prepare, spool_dir, _ = _HELPER
     return spool(prepare(task), spool_dir)
 
 
 def _helper_ready(_) -> int:
+    """Blocks until every helper is running one of these: so all of them have started."""
+    _HELPER[2].wait(timeout=600)
     return os.getpid()
 
 
@@ -181,11 +183,12 @@ class UnitPool:
         self._pool = self._spool_dir = None
         if self.workers:
             self._spool_dir = _spool_dir()
-            self._pool = ProcessPoolExecutor(self.workers, mp_context=mp.get_context("spawn"),
-                                             initializer=_helper_init, initargs=(ctx, self._spool_dir))
+            spawn = mp.get_context("spawn")
+            self._pool = ProcessPoolExecutor(self.workers, mp_context=spawn, initializer=_helper_init,
+                                             initargs=(ctx, self._spool_dir, spawn.Barrier(self.workers)))
 
     def start(self) -> None:
-        """Start the helpers now (each imports and loads the tokenizer), not on the first unit."""
+        """Start every helper now (each imports and loads the tokenizer), not on the first units."""
         if self._pool is not None:
             list(self._pool.map(_helper_ready, range(self.workers)))
 
