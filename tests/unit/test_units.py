@@ -1,5 +1,5 @@
-"""Unit preparation pieces that need no database and no model: the hand-back file, stream grouping,
-the claim throttle."""
+"""Unit preparation without a database: the hand-back file, stream grouping, the claim throttle,
+and a helper's own step (with the bundled model's tokenizer)."""
 
 from __future__ import annotations
 
@@ -63,3 +63,29 @@ def test_throttle_follows_whether_the_gpu_waited():
     inline = Throttle(0)  # no helpers: each unit is prepared when it is needed
     inline.feedback(waited=True)
     assert inline.limit == 0
+
+
+def test_a_helper_spools_its_unit_and_falls_back_to_the_pipe_when_it_cannot(tmp_path, monkeypatch):
+    from embedfleet.encode.encoder import Encoder
+    from embedfleet.runtime import units
+    from embedfleet.synth import write_amazon_reviews
+
+    src = write_amazon_reviews(tmp_path / "r.jsonl", 50)
+    ctx = units.UnitContext("amazon-reviews", None, None, None, Encoder(device="cpu", tokenizer_workers=0).tokenizer_spec())
+    prepare = units.Preparer(ctx)
+    task = units.Task(ChunkSpec(str(src), "jsonl", 0, src.stat().st_size, 1), 0, None)
+    direct = prepare(task)
+    assert direct.rows.n == direct.seen == len(direct.tok) == 50 and direct.cursor_line == 50
+
+    shm = tmp_path / "shm"
+    shm.mkdir()
+    monkeypatch.setattr(units, "_HELPER", (prepare, str(shm), None))
+    out = units._helper_prepare(task)
+    assert isinstance(out, units.Spooled)
+    back = unspool(out)
+    assert bytes(back.rows.blob) == direct.rows.blob and back.tok.ids.tolist() == direct.tok.ids.tolist()
+
+    # No room for the file (a full /dev/shm): the unit comes back whole, through the pipe.
+    monkeypatch.setattr(units, "_HELPER", (prepare, str(tmp_path / "missing"), None))
+    out = units._helper_prepare(task)
+    assert isinstance(out, Prepared) and out.rows.blob == direct.rows.blob

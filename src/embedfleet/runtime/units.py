@@ -85,9 +85,13 @@ def spool(p: Prepared, directory: str) -> Spooled:
     arrays = [np.frombuffer(p.rows.blob, dtype=np.uint8), p.rows.offsets, p.tok.ids, p.tok.lengths, p.tok.order,
               p.tok.inverse]
     fd, path = tempfile.mkstemp(dir=directory, suffix=".unit")
-    with os.fdopen(fd, "wb") as f:
-        for a in arrays:
-            f.write(np.ascontiguousarray(a).data)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            for a in arrays:
+                f.write(np.ascontiguousarray(a).data)
+    except OSError:
+        os.unlink(path)
+        raise
     return Spooled(path, [(a.dtype.str, a.size) for a in arrays], p.seen, p.rejects, p.cursor_line)
 
 
@@ -156,9 +160,13 @@ def _helper_init(ctx: UnitContext, spool_dir: str, started) -> None:
     _HELPER = (Preparer(ctx), spool_dir, started)
 
 
-def _helper_prepare(task: Task) -> Spooled:
+def _helper_prepare(task: Task) -> Spooled | Prepared:
     prepare, spool_dir, _ = _HELPER
-    return spool(prepare(task), spool_dir)
+    prepared = prepare(task)
+    try:
+        return spool(prepared, spool_dir)
+    except OSError:  # /dev/shm full (containers often get 64 MB): the pipe is slower, but works
+        return prepared
 
 
 def _helper_ready(_) -> int:
