@@ -21,6 +21,7 @@ from embedfleet.config import JobConfig
 from embedfleet.errors import EmbedfleetError, InputError, JobError
 from embedfleet.records import validate_template
 from embedfleet.runtime.monitor import Monitor
+from embedfleet.runtime.units import helper_count
 from embedfleet.sources.plan import ChunkSpec, expand_inputs, plan_chunks, table_name_for
 from embedfleet.store.embedded import resolve_dsn
 from embedfleet.store.ledger import Ledger, connect
@@ -132,6 +133,8 @@ def _spawn(slot: Slot, job: str, dsn: str, threads: int) -> subprocess.Popen:
         env["CUDA_VISIBLE_DEVICES"] = ""
         env.setdefault("OMP_NUM_THREADS", str(threads))
     env.setdefault("TOKENIZERS_PARALLELISM", "false")
+    # Each worker's helper processes get a share of this machine's cores, not all of them.
+    env.setdefault("EMBEDFLEET_PREP_WORKERS", str(helper_count(threads)))
     cmd = [sys.executable, "-m", "embedfleet.runtime.worker", "--job", job, "--db", dsn,
            "--worker-id", slot.worker, "--device", device]
     return subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL)

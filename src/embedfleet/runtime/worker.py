@@ -261,9 +261,6 @@ def run_worker(job: str, dsn: str, worker: str, device: str = "auto") -> Stats:
     ctx = UnitContext(cfg.preset, cfg.text_template, cfg.text_field, cfg.id_field, encoder.tokenizer_spec(cfg.prompt),
                       dsn if cfg.meta else None, row["meta_id"] if cfg.meta else None)
     pool = UnitPool(ctx)
-    pool.start()  # helper processes, kernel compilation: start-up, not throughput
-    encoder.warmup()
-    t_start = time.perf_counter()
 
     def finish(unit: Unit, handle) -> None:
         """Read a unit's vectors (waiting for the device if needed) and hand it to the writer."""
@@ -281,6 +278,9 @@ def run_worker(job: str, dsn: str, worker: str, device: str = "auto") -> Stats:
         stats.sink_wait_seconds += time.perf_counter() - t0
 
     try:
+        pool.start()  # helper processes, kernel compilation: start-up, not throughput
+        encoder.warmup()
+        t_start = time.perf_counter()
         throttle = Throttle(pool.workers)
         ahead = Prefetch(timed(produce_units(dsn, job, worker, cfg, pool, throttle, on_fail), stats), depth=1)
         units = iter(ahead)
