@@ -37,7 +37,11 @@ def search(conn: psycopg.Connection, table: str, query_vec: np.ndarray, k: int =
         "AND attname <> 'embedding' ORDER BY attnum",
         [sql.Identifier(table).as_string(conn)],
     ).fetchall()]
-    vec = "[" + ",".join(repr(float(x)) for x in query_vec.reshape(-1)) + "]"
+    from pgvector import Vector
+    from pgvector.psycopg import register_vector
+
+    register_vector(conn)  # the query goes over in pgvector's binary format; the SQL casts it for halfvec
+    vec = Vector(query_vec.reshape(-1).astype(np.float32))
     stmt = sql.SQL(
         "SELECT {cols}, embedding <=> %(q)s::{vt} AS distance FROM {t} {where} "
         "ORDER BY embedding <=> %(q)s::{vt} LIMIT %(k)s"
