@@ -97,3 +97,42 @@ def test_helpers_per_worker_come_from_its_share_of_the_cores(monkeypatch):
     assert [helper_count(c) for c in (64, 16, 8, 4, 3, 1)] == [8, 8, 4, 2, 0, 0]
     monkeypatch.setenv("EMBEDFLEET_PREP_WORKERS", "3")
     assert helper_count(64) == helper_count() == 3
+
+
+def test_helpers_leave_when_their_worker_is_killed(tmp_path):
+    """kill -9 of a worker must not leave its helper processes waiting for work forever."""
+    import subprocess
+    import sys
+    import time
+
+    import psutil
+
+    script = tmp_path / "worker.py"
+    script.write_text(
+        "import os, time, psutil\n"
+        "from embedfleet.encode.tokenize import TokenizerSpec\n"
+        "from embedfleet.runtime.units import UnitContext, UnitPool\n"
+        "from embedfleet.encode.models import resolve_model\n"
+        "if __name__ == '__main__':\n"
+        "    tok = (resolve_model(None) / 'tokenizer.json').read_text()\n"
+        "    pool = UnitPool(UnitContext('generic', None, 'text', None, TokenizerSpec(tok, 128)), 2)\n"
+        "    pool.start()\n"
+        "    print(*[c.pid for c in psutil.Process().children()], flush=True)\n"
+        "    time.sleep(600)\n"
+    )
+    p = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True)
+    pids = [int(x) for x in p.stdout.readline().split()]
+    assert len(pids) >= 2
+    p.kill()
+    p.wait()
+
+    def alive(pid: int) -> bool:
+        try:
+            return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+        except psutil.NoSuchProcess:
+            return False
+
+    deadline = time.time() + 15
+    while any(alive(pid) for pid in pids) and time.time() < deadline:
+        time.sleep(0.2)
+    assert not any(alive(pid) for pid in pids)

@@ -24,6 +24,8 @@ import multiprocessing as mp
 import os
 import shutil
 import tempfile
+import threading
+import time
 from collections.abc import Iterator
 from concurrent.futures import Future, ProcessPoolExecutor
 from dataclasses import dataclass
@@ -157,8 +159,17 @@ _HELPER: tuple[Preparer, str, object] | None = None
 def _helper_init(ctx: UnitContext, spool_dir: str, started) -> None:
     # One helper per core already: tokenizer threads inside each would oversubscribe the CPU.
     os.environ["TOKENIZERS_PARALLELISM"] = "false"
+    threading.Thread(target=_exit_with_parent, args=(os.getppid(),), daemon=True).start()
     global _HELPER
     _HELPER = (Preparer(ctx), spool_dir, started)
+
+
+def _exit_with_parent(parent: int) -> None:
+    """A worker killed with -9 cannot stop its helpers, and they would wait for work forever
+    (each holds its own end of the task pipe): leave once the parent is gone."""
+    while os.getppid() == parent:
+        time.sleep(1.0)
+    os._exit(0)
 
 
 def _helper_prepare(task: Task) -> Spooled | Prepared:
