@@ -10,6 +10,7 @@ import numpy as np
 from embedfleet.encode.tokenize import Tokenized
 from embedfleet.records import Reject
 from embedfleet.runtime.units import Prepared, helper_count, spool, stream_tasks, unspool
+from embedfleet.sources.jsonl import block_records
 from embedfleet.runtime.worker import Throttle
 from embedfleet.sources.plan import ChunkSpec
 from embedfleet.store.copyrows import EncodedRows
@@ -31,21 +32,37 @@ def test_a_spooled_unit_reads_back_identical_and_its_file_is_gone(tmp_path):
     assert (back.seen, back.rejects, back.cursor_line) == (3, p.rejects, 9)
 
 
-def test_a_stream_is_cut_into_tasks_of_about_chunk_bytes_the_last_marked(tmp_path):
+def test_a_compressed_stream_is_cut_into_blocks_of_whole_lines_the_last_marked(tmp_path):
     lines = [b'{"text": "%s"}' % (b"x" * 40) for _ in range(10)]  # 53 bytes a line with its newline
     path = tmp_path / "s.jsonl.gz"
     path.write_bytes(gzip.compress(b"\n".join(lines) + b"\n"))
     spec = ChunkSpec(str(path), "stream", 0, 0, 1)
+
+    def lines_of(task):
+        return [r.line for r in block_records(spec.source, task.first_line, task.block, task.after_line)
+                if task.last_line is None or r.line <= task.last_line]
+
     tasks = list(stream_tasks(spec, after_line=0, last_line=None, chunk_bytes=150))
-    assert [[r.line for r in t.raws] for t in tasks] == [[1, 2, 3], [4, 5, 6], [7, 8, 9], [10]]
-    assert [t.cursor_line for t in tasks] == [3, 6, 9, 10]
-    assert [t.last for t in tasks] == [False, False, False, True]
+    assert len(tasks) > 2 and all(t.raws is None and t.block for t in tasks)
+    assert [n for t in tasks for n in lines_of(t)] == list(range(1, 11))
+    assert [t.cursor_line for t in tasks] == [lines_of(t)[-1] for t in tasks]
+    assert [t.last for t in tasks] == [False] * (len(tasks) - 1) + [True]
     # resume after line 7, stop at --limit 9
     tasks = list(stream_tasks(spec, after_line=7, last_line=9, chunk_bytes=150))
-    assert [[r.line for r in t.raws] for t in tasks] == [[8, 9]] and tasks[0].last
+    assert [n for t in tasks for n in lines_of(t)] == [8, 9] and tasks[-1].last and tasks[-1].cursor_line == 9
     # nothing left still yields one task, so the chunk gets marked done
     (t,) = stream_tasks(spec, after_line=10, last_line=None, chunk_bytes=150)
     assert t.raws == [] and t.last and t.cursor_line == 10
+
+
+def test_csv_goes_to_helpers_as_parsed_records_in_groups(tmp_path):
+    path = tmp_path / "r.csv"
+    path.write_text("id,text\n" + "".join(f"{i},review number {i}\n" for i in range(1, 21)))
+    spec = ChunkSpec(str(path), "csv", 0, -1, 1)
+    tasks = list(stream_tasks(spec, after_line=0, last_line=None, chunk_bytes=200))
+    assert len(tasks) > 1 and all(t.block is None for t in tasks)
+    assert [r.data["text"] for t in tasks for r in t.raws] == [f"review number {i}" for i in range(1, 21)]
+    assert [t.cursor_line for t in tasks] == [t.raws[-1].line for t in tasks] and tasks[-1].last
 
 
 def test_throttle_follows_whether_the_gpu_waited():

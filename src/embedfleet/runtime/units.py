@@ -13,9 +13,10 @@ few MB from a pipe takes the GIL back after every 64 kB, and with the worker's o
 each of those waits up to a switch interval: a 4.4 MB unit took 342 ms with one busy thread in the
 parent (8 ms with none); through /dev/shm, with the worker's 0.5 ms switch interval, 6 ms.
 
-A plain JSONL chunk (a byte range) is read by the helper itself. A stream (.gz/.zst, CSV,
-Parquet) must be read in order from one place, so the worker reads it and sends groups of parsed
-records of about `chunk_bytes` each; each group commits with the stream's cursor.
+A plain JSONL chunk (a byte range) is read by the helper itself. A stream must be read in order from
+one place, so the worker reads it: a compressed JSONL file (.gz/.zst) goes to the helpers as blocks of
+whole lines of about `chunk_bytes` (the worker only decompresses and counts lines), CSV and Parquet as
+groups of parsed records; each commits with the stream's cursor.
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ import psutil
 from embedfleet.encode.tokenize import Tokenized, TokenizerSpec, default_workers, spawn_works
 from embedfleet.records import Reject, to_records
 from embedfleet.sources import RawRecord, read_chunk
+from embedfleet.sources.jsonl import block_lines, block_records, stream_blocks
 from embedfleet.sources.plan import ChunkSpec
 from embedfleet.sources.presets import get_preset
 from embedfleet.store.copyrows import COPY_TYPES, EncodedRows, RowEncoder
@@ -59,9 +61,12 @@ class Task:
     spec: ChunkSpec
     after_line: int  # resume cursor: lines up to here are done
     last_line: int | None  # --limit: no line after this one
-    raws: list[RawRecord] | None = None  # a stream's records, read by the worker; None: read spec here
-    cursor_line: int = 0  # with raws: every line up to here is in this task or an earlier one
+    raws: list[RawRecord] | None = None  # CSV/Parquet records read by the worker
+    block: bytes | None = None  # whole lines of a compressed JSONL file, from line `first_line` on
+    first_line: int = 1
+    cursor_line: int = 0  # with raws or block: every line up to here is in this task or an earlier one
     last: bool = True  # the chunk's final unit: its commit marks the chunk done
+    # No raws and no block: the helper reads the plain-JSONL byte range `spec` itself.
 
 
 @dataclass
@@ -132,12 +137,17 @@ class Preparer:
         ctx, cursor = self.ctx, task.cursor_line
         raws = task.raws
         if raws is None:
-            raws, cursor = [], task.after_line
-            for raw in read_chunk(task.spec, after_line=task.after_line):
+            if task.block is not None:
+                source = block_records(task.spec.source, task.first_line, task.block, task.after_line)
+            else:
+                source, cursor = read_chunk(task.spec, after_line=task.after_line), task.after_line
+            raws = []
+            for raw in source:
                 if task.last_line is not None and raw.line > task.last_line:
                     break
                 raws.append(raw)
-                cursor = raw.line
+                if task.block is None:
+                    cursor = raw.line
         records, rejects = to_records(
             raws, self.preset, template=ctx.template, text_field=ctx.text_field, id_field=ctx.id_field,
             meta_lookup=self._meta_lookup if ctx.meta_id else None,
@@ -251,11 +261,30 @@ def _spool_dir() -> str:
 
 
 def stream_tasks(spec: ChunkSpec, after_line: int, last_line: int | None, chunk_bytes: int) -> Iterator[Task]:
-    """A stream chunk as tasks of about `chunk_bytes` of input each, read in order here; the last
-    one is marked so. A chunk with nothing left still yields one (empty) task to mark it done."""
-    group: list[RawRecord] = []
-    size, cursor = 0, after_line
+    """A stream chunk as tasks of about `chunk_bytes` of input each, read in order here; the last one
+    is marked so. A chunk with nothing left still yields one (empty) task, to mark it done."""
     pending: Task | None = None  # one task of look-ahead, to know which one is the last
+    for task in _stream_pieces(spec, after_line, last_line, chunk_bytes):
+        if pending is not None:
+            yield pending
+        pending = task
+    if pending is None:
+        pending = Task(spec, after_line, last_line, raws=[], cursor_line=after_line)
+    pending.last = True
+    yield pending
+
+
+def _stream_pieces(spec: ChunkSpec, after_line: int, last_line: int | None, chunk_bytes: int) -> Iterator[Task]:
+    if spec.kind == "stream":  # compressed JSONL: here only decompress and count lines; helpers parse
+        for first, block in stream_blocks(spec, after_line, chunk_bytes):
+            if last_line is not None and first > last_line:
+                return
+            end = first + block_lines(block) - 1
+            yield Task(spec, after_line, last_line, block=block, first_line=first,
+                       cursor_line=end if last_line is None else min(end, last_line), last=False)
+        return
+    group: list[RawRecord] = []  # CSV, Parquet: records read here
+    size, cursor = 0, after_line
     for raw in read_chunk(spec, after_line=after_line):
         if last_line is not None and raw.line > last_line:
             break
@@ -263,13 +292,7 @@ def stream_tasks(spec: ChunkSpec, after_line: int, last_line: int | None, chunk_
         size += len(raw.raw) + 1
         cursor = raw.line
         if size >= chunk_bytes:
-            if pending is not None:
-                yield pending
-            pending = Task(spec, after_line, last_line, group, cursor, last=False)
+            yield Task(spec, after_line, last_line, raws=group, cursor_line=cursor, last=False)
             group, size = [], 0
-    if group or pending is None:
-        if pending is not None:
-            yield pending
-        pending = Task(spec, after_line, last_line, group, cursor, last=False)
-    pending.last = True
-    yield pending
+    if group:
+        yield Task(spec, after_line, last_line, raws=group, cursor_line=cursor, last=False)

@@ -1,4 +1,9 @@
-"""JSON Lines readers: a byte range of a plain file, or a whole compressed stream (.gz, .zst)."""
+"""JSON Lines readers: a byte range of a plain file, or a whole compressed stream (.gz, .zst).
+
+A compressed stream can also be cut into blocks of whole lines (`stream_blocks`) whose records are
+parsed elsewhere (`block_records`): the worker only decompresses and counts lines, its helper
+processes parse.
+"""
 
 from __future__ import annotations
 
@@ -26,6 +31,44 @@ def read_stream(spec: ChunkSpec, after_line: int = 0) -> Iterator[RawRecord]:
                 yield rec
     except STREAM_ERRORS as e:
         raise stream_error(spec.source, number, e) from e
+
+
+def stream_blocks(spec: ChunkSpec, after_line: int = 0, block_bytes: int = 2 << 20) -> Iterator[tuple[int, bytes]]:
+    """(first line number, block of whole lines) of about `block_bytes` each from a compressed file,
+    skipping blocks whose lines are all <= `after_line`. The last block may lack a final newline."""
+    number = 1  # the first line of the next block
+    f = open_binary(spec.source)  # outside the try: a missing file is not a corrupt one
+    try:
+        with f:
+            tail = b""
+            while block := f.read(block_bytes):
+                block = tail + block if tail else block
+                cut = block.rfind(b"\n") + 1
+                if cut == 0:  # one line longer than a block: keep reading
+                    tail = block
+                    continue
+                block, tail = block[:cut], block[cut:]
+                count = block.count(b"\n")
+                if number + count - 1 > after_line:
+                    yield number, block
+                number += count
+            if tail and number > after_line:
+                yield number, tail
+    except STREAM_ERRORS as e:
+        raise stream_error(spec.source, number - 1, e) from e
+
+
+def block_lines(block: bytes) -> int:
+    """How many lines a block from `stream_blocks` holds."""
+    return block.count(b"\n") + (0 if block.endswith(b"\n") else 1)
+
+
+def block_records(source: str, first_line: int, block: bytes, after_line: int = 0) -> Iterator[RawRecord]:
+    """The records of a block from `stream_blocks`, exactly as `read_stream` would yield them."""
+    lines = block.split(b"\n")
+    if block.endswith(b"\n"):
+        lines.pop()
+    yield from _records(source, iter(lines), first_line, after_line, first_line == 1)
 
 
 def _records(source: str, lines: Iterator[bytes], first: int, after_line: int, at_file_start: bool) -> Iterator[RawRecord]:
