@@ -19,10 +19,8 @@ import time
 from pathlib import Path
 
 import numpy as np
-import torch
 
 from embedfleet.config import build_config
-from embedfleet.encode import encoder as encoder_mod
 from embedfleet.runtime.local import prepare
 from embedfleet.runtime.worker import run_worker
 from embedfleet.store.embedded import resolve_dsn
@@ -32,6 +30,10 @@ from embedfleet.synth import write_amazon_reviews
 
 def instant_forward(self, tok):
     """Stands in for Encoder._launch: unit vectors for every text, no device work."""
+    import torch
+
+    from embedfleet.encode import encoder as encoder_mod
+
     rng = np.random.default_rng(len(tok))
     v = rng.standard_normal((len(tok), self.dim)).astype(np.float32)
     v /= np.linalg.norm(v, axis=1, keepdims=True)
@@ -44,6 +46,9 @@ def main() -> None:
     ap.add_argument("--model", default=None)
     ap.add_argument("--db", default=None)
     a = ap.parse_args()
+    # torch only here, not at the top: the worker's helpers re-import this script as their main module.
+    from embedfleet.encode import encoder as encoder_mod
+
     encoder_mod.Encoder._launch = instant_forward
     dsn = resolve_dsn(a.db)
     with tempfile.TemporaryDirectory() as tmp:
