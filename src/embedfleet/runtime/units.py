@@ -133,21 +133,27 @@ class Preparer:
             self._ledger = Ledger(connect(self.ctx.dsn))
         return self._ledger.meta_lookup(self.ctx.meta_id, keys)
 
+    @staticmethod
+    def _read(task: Task) -> tuple[list[RawRecord], int]:
+        """The task's records (none past --limit) and the cursor to commit with them."""
+        if task.raws is not None:
+            return task.raws, task.cursor_line
+        if task.block is not None:
+            source = block_records(task.spec.source, task.first_line, task.block, task.after_line)
+        else:
+            source = read_chunk(task.spec, after_line=task.after_line)
+        raws = []
+        for raw in source:
+            if task.last_line is not None and raw.line > task.last_line:
+                break
+            raws.append(raw)
+        if task.block is not None:  # the block's last line, blank or not, came with the task
+            return raws, task.cursor_line
+        return raws, raws[-1].line if raws else task.after_line
+
     def __call__(self, task: Task) -> Prepared:
-        ctx, cursor = self.ctx, task.cursor_line
-        raws = task.raws
-        if raws is None:
-            if task.block is not None:
-                source = block_records(task.spec.source, task.first_line, task.block, task.after_line)
-            else:
-                source, cursor = read_chunk(task.spec, after_line=task.after_line), task.after_line
-            raws = []
-            for raw in source:
-                if task.last_line is not None and raw.line > task.last_line:
-                    break
-                raws.append(raw)
-                if task.block is None:
-                    cursor = raw.line
+        ctx = self.ctx
+        raws, cursor = self._read(task)
         records, rejects = to_records(
             raws, self.preset, template=ctx.template, text_field=ctx.text_field, id_field=ctx.id_field,
             meta_lookup=self._meta_lookup if ctx.meta_id else None,
