@@ -130,13 +130,10 @@ def main() -> None:
     ap.add_argument("--vs-bench", type=int, default=0, metavar="N",
                     help="also time the encoder alone (embedfleet bench's code) on the first N texts of this corpus")
     args = ap.parse_args()
-    work = Path(args.work)
-    work.mkdir(parents=True, exist_ok=True)
-    data = work / f"reviews_{args.n}.jsonl"
-    if not data.exists():
-        from embedfleet.synth import write_amazon_reviews
+    from embedfleet.synth import cached_reviews
 
-        write_amazon_reviews(data, args.n, products=5000)
+    work = Path(args.work)
+    data = cached_reviews(work, args.n)
     model = args.model
     if args.shape:
         from embedfleet.encode.shapes import build_random_model

@@ -12,14 +12,13 @@ from __future__ import annotations
 import argparse
 import os
 import time
-from pathlib import Path
 
 from embedfleet.config import DEFAULT_CHUNK_BYTES
 from embedfleet.records import to_records
 from embedfleet.runtime.units import Preparer, Task, UnitContext, UnitPool
 from embedfleet.sources import read_chunk
 from embedfleet.sources.plan import plan_chunks
-from embedfleet.synth import write_amazon_reviews
+from embedfleet.synth import cached_reviews
 
 
 def stage_split(ctx: UnitContext, task: Task) -> dict:
@@ -53,11 +52,7 @@ def main() -> None:
     # in each of them would cost seconds and memory.
     from embedfleet.encode.encoder import Encoder
 
-    work = Path(a.work)
-    work.mkdir(parents=True, exist_ok=True)
-    data = work / f"reviews_{a.n}.jsonl"
-    if not data.exists():
-        write_amazon_reviews(data, a.n, products=5000)
+    data = cached_reviews(a.work, a.n)
     ctx = UnitContext("amazon-reviews", None, None, None, Encoder(a.model, device="cpu", tokenizer_workers=0).tokenizer_spec())
     tasks = [Task(spec, 0, None) for spec in plan_chunks([str(data)], DEFAULT_CHUNK_BYTES)]
     print(f"cores: {len(os.sched_getaffinity(0))}; one helper, per row: {stage_split(ctx, tasks[0])}", flush=True)

@@ -98,3 +98,12 @@ def write_amazon_meta(path: str | Path, products: int = 1000, seed: int = 0) -> 
             }
             f.write(json.dumps(rec) + "\n")
     return path
+
+
+def cached_reviews(directory: str | Path, n: int) -> Path:
+    """`directory`/reviews_<n>.jsonl, written once (5,000 products) and reused by later runs."""
+    path = Path(directory) / f"reviews_{n}.jsonl"
+    if not path.exists():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        write_amazon_reviews(path, n, products=5000)
+    return path

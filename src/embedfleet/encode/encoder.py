@@ -111,9 +111,7 @@ class Encoder:
 
     def tokenizer_spec(self, prompt: str | None = None) -> TokenizerSpec:
         """This model's tokenizer and prompt, for tokenizing in another process."""
-        t = self._tok
-        return TokenizerSpec(t._json, t.max_length, t.pad_id, t.lowercase,
-                             self.spec.prompt_text(prompt if prompt is not None else self.prompt))
+        return self._tok.spec(self.spec.prompt_text(prompt if prompt is not None else self.prompt))
 
     def embed(self, tok: Tokenized) -> np.ndarray:
         return self._launch(tok).result()

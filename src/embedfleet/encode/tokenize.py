@@ -96,9 +96,11 @@ def spawn_works() -> bool:
     return getattr(main, "__spec__", None) is not None or path is None or os.path.exists(path)
 
 
-def default_workers() -> int:
-    """Half the cores, at most 8 (measured best on a 32-core host), none on a small machine."""
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+def default_workers(cores: int | None = None) -> int:
+    """Half of `cores` (default: this machine's), at most 8 (measured best on a 32-core host), none
+    under 4 cores."""
+    if cores is None:
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     return 0 if cores < 4 else min(8, cores // 2)
 
 
@@ -154,6 +156,10 @@ class TextTokenizer:
         step = max(256, -(-len(texts) // (self.workers * 4)))
         parts = list(self._get_pool().map(_worker_encode, [texts[i : i + step] for i in range(0, len(texts), step)]))
         return np.concatenate([p[0] for p in parts]), np.concatenate([p[1] for p in parts])
+
+    def spec(self, prefix: str = "") -> TokenizerSpec:
+        """How to rebuild this tokenizer (with a prompt prefix) in another process."""
+        return TokenizerSpec(self._json, self.max_length, self.pad_id, self.lowercase, prefix)
 
     def tokenize(self, texts: list[str], prefix: str = "") -> Tokenized:
         if prefix:

@@ -205,11 +205,11 @@ def _helper_ready(_) -> int:
 
 def helper_count(cores: int | None = None) -> int:
     """$EMBEDFLEET_PREP_WORKERS, else half of `cores` (this worker's share of the machine; default:
-    all of it) up to 8, and none under 4 cores — the tokenizer pool's rule (encode/tokenize.py)."""
+    all of it) up to 8, and none under 4 cores: the tokenizer pool's rule."""
     env = os.environ.get("EMBEDFLEET_PREP_WORKERS")
     if env:
         return max(0, int(env))
-    return default_workers() if cores is None else (0 if cores < 4 else min(8, cores // 2))
+    return default_workers(cores)
 
 
 class UnitPool:
