@@ -10,8 +10,9 @@ the worker as much to unpickle as to build.
 
 Helpers hand their arrays back through a file in /dev/shm (memory), not the pool's pipe: reading a
 few MB from a pipe takes the GIL back after every 64 kB, and with the worker's other threads busy
-each of those waits up to a switch interval: a 4.4 MB unit took 342 ms with one busy thread in the
-parent (8 ms with none); through /dev/shm, with the worker's 0.5 ms switch interval, 6 ms.
+each of those waits up to a switch interval: a 4.4 MB unit took ~335 ms with one busy thread in the
+parent (8 ms with none); through /dev/shm, with the worker's 0.5 ms switch interval, 6 ms
+(`bench/gil_convoy.py`, 2-core VM).
 
 A plain JSONL chunk (a byte range) is read by the helper itself. A stream must be read in order from
 one place, so the worker reads it: a compressed JSONL file (.gz/.zst) goes to the helpers as blocks of
