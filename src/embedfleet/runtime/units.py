@@ -77,6 +77,8 @@ class Prepared:
     seen: int  # records before merging duplicate ids
     rejects: list[Reject]
     cursor_line: int
+    busy_s: float = 0.0  # the helper's wall time on this unit (to tell idle helpers from slow ones)
+    cpu_s: float = 0.0  # and its CPU time (below busy_s: the helper shared its core)
 
 
 @dataclass
@@ -88,6 +90,8 @@ class Spooled:
     seen: int
     rejects: list[Reject]
     cursor_line: int
+    busy_s: float = 0.0
+    cpu_s: float = 0.0
 
 
 def spool(p: Prepared, directory: str) -> Spooled:
@@ -101,7 +105,7 @@ def spool(p: Prepared, directory: str) -> Spooled:
     except OSError:
         os.unlink(path)
         raise
-    return Spooled(path, [(a.dtype.str, a.size) for a in arrays], p.seen, p.rejects, p.cursor_line)
+    return Spooled(path, [(a.dtype.str, a.size) for a in arrays], p.seen, p.rejects, p.cursor_line, p.busy_s, p.cpu_s)
 
 
 def unspool(s: Spooled) -> Prepared:
@@ -114,7 +118,8 @@ def unspool(s: Spooled) -> Prepared:
         arrays.append(a)
         pos += a.nbytes
     blob, offsets, ids, lengths, order, inverse = arrays
-    return Prepared(EncodedRows(blob, offsets), Tokenized(ids, lengths, order, inverse), s.seen, s.rejects, s.cursor_line)
+    return Prepared(EncodedRows(blob, offsets), Tokenized(ids, lengths, order, inverse), s.seen, s.rejects,
+                    s.cursor_line, s.busy_s, s.cpu_s)
 
 
 class Preparer:
@@ -191,7 +196,9 @@ def _exit_with_parent(parent: int) -> None:
 
 def _helper_prepare(task: Task) -> Spooled | Prepared:
     prepare, spool_dir, _ = _HELPER
+    t0, c0 = time.perf_counter(), time.process_time()
     prepared = prepare(task)
+    prepared.busy_s, prepared.cpu_s = time.perf_counter() - t0, time.process_time() - c0
     try:
         return spool(prepared, spool_dir)
     except OSError:  # /dev/shm full (containers often get 64 MB): the pipe is slower, but works

@@ -48,6 +48,8 @@ class Stats:
     wait_seconds: float = 0.0  # time the main thread waited for the prefetch thread
     sink_wait_seconds: float = 0.0  # time the main thread waited for the writer (back-pressure)
     read_seconds: float = 0.0  # records thread: claiming, reading streams, waiting for prepared units
+    helper_seconds: float = 0.0  # helpers' wall time preparing units (over helpers × wall: how busy they were)
+    helper_cpu_seconds: float = 0.0  # and their CPU time (well below helper_seconds: cores oversubscribed)
     state: str = "starting"
 
 
@@ -56,15 +58,18 @@ class Stats:
 
 def claimed_tasks(ledger: Ledger, job: str, worker: str, cfg: JobConfig, on_fail) -> Iterator:
     """(claim, task) pairs until no chunk is left, and None whenever nothing can be claimed right
-    now (the caller then finishes what it has in flight: those chunks count as running too). Waits
-    without claiming while other workers hold chunks, since a dead one's come back when its lease expires."""
+    now (the caller then finishes what it has in flight: those chunks count as running too). Keeps
+    looking while chunks are still running: one of ours may fail and come back, and a dead worker's
+    come back when its lease expires."""
     while True:
         claim = ledger.claim(job, worker, cfg.lease_seconds)
         if claim is None:
-            if ledger.counts(job)["running"] == 0:
+            mine, others = ledger.running_split(job, worker)
+            if mine + others == 0:
                 return
             yield None
-            time.sleep(min(2.0, cfg.lease_seconds / 4))
+            # Ours are only waiting for our writer, and this wait is the job's tail: look again soon.
+            time.sleep(0.02 if others == 0 else min(0.25, cfg.lease_seconds / 4))
             continue
         spec = ChunkSpec(claim.source, claim.kind, claim.start, claim.end, claim.first_line)
         if claim.kind == "jsonl":  # a byte range of about chunk_bytes: one unit, read by the helper
@@ -93,7 +98,7 @@ class Throttle:
 
 
 def produce_units(dsn: str, job: str, worker: str, cfg: JobConfig, pool: UnitPool, throttle: Throttle,
-                  on_fail) -> Iterator[Unit]:
+                  on_fail, stats: Stats) -> Iterator[Unit]:
     """Units in claim order, prepared up to `throttle.limit` tasks ahead on the pool's helpers."""
     conn = connect(dsn)
     ledger = Ledger(conn)
@@ -108,6 +113,8 @@ def produce_units(dsn: str, job: str, worker: str, cfg: JobConfig, pool: UnitPoo
         except Exception as e:  # a bad file in a helper: the chunk fails, the job goes on
             on_fail(claim, e)
             return
+        stats.helper_seconds += p.busy_s
+        stats.helper_cpu_seconds += p.cpu_s
         yield Unit(claim, p.rows, p.seen, p.rejects, p.cursor_line, task.last, p.tok.num_tokens, p.tok)
 
     try:
@@ -280,9 +287,9 @@ def run_worker(job: str, dsn: str, worker: str, device: str = "auto") -> Stats:
     try:
         pool.start()  # helper processes, kernel compilation: start-up, not throughput
         encoder.warmup()
-        t_start = time.perf_counter()
+        t_start, epoch_start = time.perf_counter(), time.time()
         throttle = Throttle(pool.workers)
-        ahead = Prefetch(timed(produce_units(dsn, job, worker, cfg, pool, throttle, on_fail), stats), depth=1)
+        ahead = Prefetch(timed(produce_units(dsn, job, worker, cfg, pool, throttle, on_fail, stats), stats), depth=1)
         units = iter(ahead)
         pending = None  # (unit, handle) queued on the device whose result is not read yet
         while True:
@@ -329,6 +336,8 @@ def run_worker(job: str, dsn: str, worker: str, device: str = "auto") -> Stats:
         "embed_s": round(stats.embed_seconds, 3), "input_wait_s": round(stats.wait_seconds, 3),
         "db_s": round(writer.db_seconds, 3), "sink_wait_s": round(stats.sink_wait_seconds, 3),
         "read_s": round(stats.read_seconds, 3), "helpers": pool.workers,
+        "helper_busy_s": round(stats.helper_seconds, 3), "helper_cpu_s": round(stats.helper_cpu_seconds, 3),
+        "started_at": round(epoch_start, 3),  # wall-clock start: to line several workers up
     }
     if not cfg.quiet:  # one parseable line per worker (bench/ingest.py reads them)
         print("embedfleet-worker-summary " + orjson.dumps(summary).decode(), file=sys.stderr, flush=True)

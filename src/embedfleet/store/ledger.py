@@ -237,6 +237,14 @@ class Ledger:
         out.update(dict(rows))
         return out
 
+    def running_split(self, job: str, worker: str) -> tuple[int, int]:
+        """Running chunks held by `worker` and by anyone else."""
+        mine, others = self.conn.execute(
+            "SELECT count(*) FILTER (WHERE worker = %s), count(*) FILTER (WHERE worker IS DISTINCT FROM %s) "
+            "FROM embedfleet.chunks WHERE job = %s AND state = 'running'", [worker, worker, job],
+        ).fetchone()
+        return mine, others
+
     def failed_chunks(self, job: str) -> list[tuple[int, str, str]]:
         return self.conn.execute(
             "SELECT chunk, source, error FROM embedfleet.chunks WHERE job = %s AND state = 'failed' ORDER BY chunk",
