@@ -5,8 +5,9 @@
 For each GPU count it runs the real CLI once (fresh table, --no-index so the rate is the pipeline's,
 then times the HNSW build separately), samples every GPU's utilisation with NVML, and reads each
 worker's summary line (rows, forward-pass seconds, DB seconds, seconds the GPU loop waited on the
-sink or on input). Steady-state rate = rows / the slowest worker's loop time (model load excluded);
-wall rate = rows / the whole command's wall time.
+sink or on input). Steady-state rate = rows / the span of the workers' loops, first start to last
+end (model load excluded, a worker that starts late counts); workers' sum = each worker's rows / its
+own loop, summed; wall rate = rows / the whole command's wall time.
 """
 
 from __future__ import annotations
@@ -76,7 +77,9 @@ def run_once(data: Path, gpus: int, model: str | None, env: dict, preset: str, e
     workers = [orjson.loads(line.split(" ", 1)[1]) for line in p.stderr.splitlines()
                if line.startswith("embedfleet-worker-summary ")]
     rows = summary["rows_written"]
-    loop = max(w["wall_s"] for w in workers)
+    # The loops' span, from the first worker's start to the last one's end (start-up excluded, but a
+    # worker that starts late counts against the rate).
+    loop = round(max(w["started_at"] + w["wall_s"] for w in workers) - min(w["started_at"] for w in workers), 3)
     index_s = None
     if index:
         t_idx = time.perf_counter()
@@ -88,6 +91,10 @@ def run_once(data: Path, gpus: int, model: str | None, env: dict, preset: str, e
     return {
         "gpus": gpus, "rows": rows, "wall_s": round(wall, 2), "rows_per_s_wall": round(rows / wall, 1),
         "loop_s": loop, "rows_per_s_steady": round(rows / loop, 1), "gpu_util_pct": util,
+        # each worker's own rows / its own loop, summed: the rate once all of them run
+        "rows_per_s_workers_sum": round(sum(w["rows"] / w["wall_s"] for w in workers), 1),
+        "start_stagger_s": round(max(w["started_at"] for w in workers) - min(w["started_at"] for w in workers), 3),
+        "helpers_busy": [round(w["helper_busy_s"] / (w["helpers"] * w["wall_s"]), 3) for w in workers if w["helpers"]],
         "db_share_of_loop": round(max(w["db_s"] / w["wall_s"] for w in workers), 3),
         "gpu_waited_on_db_s": round(max(w["sink_wait_s"] for w in workers), 3),
         "gpu_waited_on_input_s": round(max(w["input_wait_s"] for w in workers), 3),
@@ -145,6 +152,8 @@ def main() -> None:
     base = results[0]["rows_per_s_steady"] / results[0]["gpus"]
     for r in results:
         r["scaling_vs_linear_steady"] = round(r["rows_per_s_steady"] / (base * r["gpus"]), 3)
+        r["scaling_vs_linear_workers_sum"] = round(
+            r["rows_per_s_workers_sum"] / (results[0]["rows_per_s_workers_sum"] / results[0]["gpus"] * r["gpus"]), 3)
         r["scaling_vs_linear_wall"] = round(
             r["rows_per_s_wall"] / (results[0]["rows_per_s_wall"] / results[0]["gpus"] * r["gpus"]), 3)
     doc = {"n": args.n, "model": model or "bundled all-MiniLM-L6-v2", "results": results}
@@ -161,7 +170,9 @@ def main() -> None:
     for r in results:
         print(f"{r['gpus']} GPU: {r['rows_per_s_steady']:,.0f} rows/s steady, {r['rows_per_s_wall']:,.0f} wall, "
               f"util {r['gpu_util_pct']}, db share {r['db_share_of_loop']}, "
-              f"GPU waited on DB {r['gpu_waited_on_db_s']}s, scaling {r['scaling_vs_linear_steady']}"
+              f"GPU waited on DB {r['gpu_waited_on_db_s']}s, scaling {r['scaling_vs_linear_steady']} "
+              f"(sum of workers' rates {r['scaling_vs_linear_workers_sum']}, start stagger {r['start_stagger_s']} s), "
+              f"helpers busy {r['helpers_busy']}"
               + (f", vs encoder alone {r['vs_encoder_alone_texts']} (texts) {r['vs_encoder_alone_tokens']} (tokens)"
                  if "vs_encoder_alone_texts" in r else ""))
 

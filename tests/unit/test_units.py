@@ -4,6 +4,7 @@ and a helper's own step (with the bundled model's tokenizer)."""
 from __future__ import annotations
 
 import gzip
+import time
 
 import numpy as np
 
@@ -69,7 +70,10 @@ def test_throttle_follows_whether_the_gpu_waited():
     t = Throttle(8)
     assert t.limit == 10  # every helper busy and two queued
     for _ in range(20):
-        t.feedback(waited=False)  # units pile up for the GPU: claim less
+        t.feedback(waited=False, backlog=1)  # one unit ready ahead is no backlog: keep helpers busy
+    assert t.limit == 10
+    for _ in range(20):
+        t.feedback(waited=False, backlog=2)  # units pile up for the GPU: claim less
     assert t.limit == 2
     t.feedback(waited=True)
     t.feedback(waited=True)
@@ -77,9 +81,32 @@ def test_throttle_follows_whether_the_gpu_waited():
     for _ in range(20):
         t.feedback(waited=True)
     assert t.limit == 10
+    assert 2 < t.mean < 10
     inline = Throttle(0)  # no helpers: each unit is prepared when it is needed
     inline.feedback(waited=True)
     assert inline.limit == 0
+
+
+def test_prefetch_backlog_counts_the_item_its_producer_holds():
+    import threading
+
+    from embedfleet.runtime.worker import Prefetch
+
+    release = threading.Event()
+
+    def gen():
+        yield from range(3)
+        release.wait(5)
+
+    ahead = Prefetch(gen(), depth=1)
+    deadline = time.monotonic() + 5
+    while ahead.backlog() < 2 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert ahead.backlog() == 2  # 0 queued, 1 held by the producer waiting for room
+    items = iter(ahead)
+    assert next(items) == 0
+    release.set()
+    assert list(items) == [1, 2]
 
 
 def test_a_helper_spools_its_unit_and_falls_back_to_the_pipe_when_it_cannot(tmp_path, monkeypatch):

@@ -33,7 +33,7 @@ from embedfleet.errors import EmbedfleetError, JobError
 from embedfleet.runtime.units import Task, UnitContext, UnitPool, stream_tasks
 from embedfleet.sources.plan import ChunkSpec
 from embedfleet.sources.presets import get_preset
-from embedfleet.store.ledger import Claim, Ledger, connect
+from embedfleet.store.ledger import Claim, Ledger, connect, process_started
 from embedfleet.store.schema import ensure_table, vector_type
 from embedfleet.store.writer import TableSink, Unit, Writer
 
@@ -85,16 +85,28 @@ def claimed_tasks(ledger: Ledger, job: str, worker: str, cfg: JobConfig, on_fail
 class Throttle:
     """How many tasks the records thread keeps in preparation. It starts with every helper busy and
     two more queued (a helper that finishes starts on the next at once, while the records thread
-    claims); each unit the GPU loop takes without having waited for it lowers the limit by one
-    (units are piling up for the GPU: claiming more chunks now would only leave other workers idle
-    at the end of the job), down to two; each time the GPU loop had to wait raises it by one."""
+    claims). When prepared units queue up for the GPU — the next one is waiting and the one after it
+    is ready too — the limit drops by one (claiming more chunks now would only leave other workers
+    idle at the end of the job), down to two; each time the GPU loop had to wait raises it by one.
+    A single unit ready ahead is no backlog: helpers finishing close together do that even when they
+    are the bottleneck, and shrinking then would idle them."""
 
     def __init__(self, helpers: int):
         self.most, self.least = (helpers + 2, 2) if helpers else (0, 0)
         self.limit = self.most
+        self._sum = self._n = 0
 
-    def feedback(self, waited: bool) -> None:
-        self.limit = min(self.most, self.limit + 1) if waited else max(self.least, self.limit - 1)
+    def feedback(self, waited: bool, backlog: int = 0) -> None:
+        """`waited`: the GPU loop waited for this unit; `backlog`: units ready behind it."""
+        if waited:
+            self.limit = min(self.most, self.limit + 1)
+        elif backlog >= 2:
+            self.limit = max(self.least, self.limit - 1)
+        self._sum, self._n = self._sum + self.limit, self._n + 1
+
+    @property
+    def mean(self) -> float:
+        return self._sum / self._n if self._n else float(self.limit)
 
 
 def produce_units(dsn: str, job: str, worker: str, cfg: JobConfig, pool: UnitPool, throttle: Throttle,
@@ -151,13 +163,14 @@ class Prefetch:
 
     def __init__(self, gen: Iterator, depth: int = 2):
         self._q: queue.Queue = queue.Queue(maxsize=depth)
+        self._putting = 0
         self._thread = threading.Thread(target=self._run, args=(gen,), name="embedfleet-prefetch", daemon=True)
         self._thread.start()
 
     def _run(self, gen):
         try:
             for item in gen:
-                self._q.put(item)
+                self._put(item)
             self._q.put(self._END)
         except BaseException as e:
             self._q.put(e)
@@ -165,6 +178,17 @@ class Prefetch:
     def ready(self) -> bool:
         """Whether the next item is already waiting (taking it will not block)."""
         return not self._q.empty()
+
+    def backlog(self) -> int:
+        """Items ready: those queued, plus the one the producer holds while it waits for room."""
+        return self._q.qsize() + self._putting
+
+    def _put(self, item) -> None:
+        self._putting = 1
+        try:
+            self._q.put(item)
+        finally:
+            self._putting = 0
 
     def __iter__(self):
         while (item := self._q.get()) is not self._END:
@@ -225,6 +249,7 @@ def _gpu_util_reader(device: str):
 
 
 def run_worker(job: str, dsn: str, worker: str, device: str = "auto") -> Stats:
+    t_begin, epoch_begin = time.perf_counter(), time.time()
     from embedfleet.encode.encoder import Encoder
 
     # Threads here mostly wait on the GPU, helpers and sockets; after each wait one must take the GIL
@@ -285,8 +310,13 @@ def run_worker(job: str, dsn: str, worker: str, device: str = "auto") -> Stats:
         stats.sink_wait_seconds += time.perf_counter() - t0
 
     try:
+        startup = {"imports_s": epoch_begin - process_started(os.getpid()), "model_s": time.perf_counter() - t_begin}
+        t0 = time.perf_counter()
         pool.start()  # helper processes, kernel compilation: start-up, not throughput
+        startup["helpers_s"] = time.perf_counter() - t0
+        t0 = time.perf_counter()
         encoder.warmup()
+        startup["warmup_s"] = time.perf_counter() - t0
         t_start, epoch_start = time.perf_counter(), time.time()
         throttle = Throttle(pool.workers)
         ahead = Prefetch(timed(produce_units(dsn, job, worker, cfg, pool, throttle, on_fail, stats), stats), depth=1)
@@ -299,7 +329,7 @@ def run_worker(job: str, dsn: str, worker: str, device: str = "auto") -> Stats:
                 finish(*pending)
                 pending = None
             stats.state = "waiting for input"
-            throttle.feedback(waited=not ahead.ready())
+            throttle.feedback(waited=not ahead.ready(), backlog=ahead.backlog())
             t0 = time.perf_counter()
             unit = next(units, None)
             stats.wait_seconds += time.perf_counter() - t0
@@ -336,8 +366,10 @@ def run_worker(job: str, dsn: str, worker: str, device: str = "auto") -> Stats:
         "embed_s": round(stats.embed_seconds, 3), "input_wait_s": round(stats.wait_seconds, 3),
         "db_s": round(writer.db_seconds, 3), "sink_wait_s": round(stats.sink_wait_seconds, 3),
         "read_s": round(stats.read_seconds, 3), "helpers": pool.workers,
+        "claims_ahead_mean": round(throttle.mean, 2),
         "helper_busy_s": round(stats.helper_seconds, 3), "helper_cpu_s": round(stats.helper_cpu_seconds, 3),
         "started_at": round(epoch_start, 3),  # wall-clock start: to line several workers up
+        "startup": {k: round(v, 3) for k, v in startup.items()},
     }
     if not cfg.quiet:  # one parseable line per worker (bench/ingest.py reads them)
         print("embedfleet-worker-summary " + orjson.dumps(summary).decode(), file=sys.stderr, flush=True)
