@@ -132,3 +132,26 @@ def test_empty_input_and_describe(tiny):
     assert enc.encode([]).shape == (0, enc.dim)
     d = enc.describe()
     assert {"model", "architecture", "path", "dtype", "device", "batch_tokens", "dim"} <= set(d)
+
+
+def test_bert_ascii_shortcut_gives_the_full_normalizers_ids():
+    """MiniLM's tokenizer skips BertNormalizer on clean ASCII text; every id must match the full path."""
+    from tokenizers import Tokenizer
+
+    from embedfleet.encode.encoder import _tokenizer_json
+    from embedfleet.encode.models import read_spec, resolve_model
+    from embedfleet.synth import review_texts
+
+    tj = _tokenizer_json(read_spec(resolve_model(None)))
+    reference = Tokenizer.from_str(tj)
+    reference.no_padding()
+    reference.enable_truncation(256)
+    fast = tokenize_mod._Tokenizer(tj, 256)
+    assert fast.twin is not None  # the shortcut is on for this model
+    tricky = ["Battery DIES after a WEEK!!", "tab\there\r\nCRLF  and   spaces", "[MASK] and [CLS] typed by a user",
+              "[mask] lower", "Café crème — naïve", "日本語のレビュー", "vertical\x0btab", "form\x0cfeed", "del\x7fchar",
+              "bell\x07", "emoji 🎉 ok", "", "   ", "MiXeD 123 $4.99 e-mail@x.com", "word " * 400]
+    texts = tricky + review_texts(300, seed=3)
+    want = [e.ids for e in reference.encode_batch(texts)]
+    assert fast.ids(texts) == want  # a mixed batch: both paths, input order kept
+    assert fast.ids([t for t in texts if t.isascii()]) == [w for t, w in zip(texts, want) if t.isascii()]

@@ -61,8 +61,10 @@ class PackedDecoder:
                 "o_w": t(g("self_attn.o_proj.weight")),
                 "gu_w": t(torch.cat([g("mlp.gate_proj.weight"), g("mlp.up_proj.weight")])),
                 "down_w": t(g("mlp.down_proj.weight")),
-                "qn_w": t(g("self_attn.q_norm.weight")) if p + "self_attn.q_norm.weight" in sd else None,
-                "kn_w": t(g("self_attn.k_norm.weight")) if p + "self_attn.k_norm.weight" in sd else None,
+                # Qwen3's per-head q and k norms as one [heads + kv, head_dim] table: one kernel for both
+                "qkn_w": t(torch.cat([g("self_attn.q_norm.weight").expand(heads, hd),
+                                      g("self_attn.k_norm.weight").expand(kv, hd)]))
+                if p + "self_attn.q_norm.weight" in sd else None,
             }
             layers.append(L)
         inv = 1.0 / (theta ** (torch.arange(0, hd, 2, dtype=torch.float32) / hd))
@@ -80,21 +82,24 @@ class PackedDecoder:
         pos = pk.pos.long()
         cos, sin = self.cos[pos], self.sin[pos]
         for L in self.layers:
-            q, k, v = self._pre(x, L["in_w"], L["qkv_w"], L["qkv_b"], L["qn_w"], L["kn_w"], cos, sin,
+            q, k, v = self._pre(x, L["in_w"], L["qkv_w"], L["qkv_b"], L["qkn_w"], cos, sin,
                                 self.heads, self.kv_heads, self.eps)
             a = attention(q, k, v, pk, causal=True)
             x = self._post(x, a, L["o_w"], L["post_w"], L["gu_w"], L["down_w"], self.eps)
         return F.rms_norm(x, (self.hidden,), self.w["norm"], self.eps)
 
 
-def _pre_attention(x, in_w, qkv_w, qkv_b, qn_w, kn_w, cos, sin, heads: int, kv_heads: int, eps: float):
+def _pre_attention(x, in_w, qkv_w, qkv_b, qkn_w, cos, sin, heads: int, kv_heads: int, eps: float):
     n, hd = x.shape[0], cos.shape[-1] * 2
     y = F.rms_norm(x, (x.shape[1],), in_w, eps)
-    q, k, v = F.linear(y, qkv_w, qkv_b).split([heads * hd, kv_heads * hd, kv_heads * hd], dim=-1)
-    q, k, v = q.view(n, heads, hd), k.view(n, kv_heads, hd), v.reshape(n, kv_heads, hd)
-    if qn_w is not None:
-        q, k = F.rms_norm(q, (hd,), qn_w, eps), F.rms_norm(k, (hd,), kn_w, eps)
-    return rope(q, cos, sin), rope(k, cos, sin), v.contiguous()
+    qkv = F.linear(y, qkv_w, qkv_b).view(n, heads + 2 * kv_heads, hd)
+    qk = qkv[:, : heads + kv_heads]  # q and k heads side by side: normed and rotated in one pass
+    if qkn_w is not None:
+        qk = F.rms_norm(qk, (hd,), eps=eps) * qkn_w  # normalise, cast, then scale: as transformers does
+    qk = rope(qk, cos, sin)
+    # Views, not copies: FlashAttention takes any row stride as long as each head's values are
+    # contiguous. (Separate q/k norms, RoPE and a copy of v took 17% of the GPU time: run 15.)
+    return qk[:, :heads], qk[:, heads:], qkv[:, heads + kv_heads :]
 
 
 def _post_attention(x, a, o_w, post_w, gu_w, down_w, eps: float):

@@ -1,0 +1,137 @@
+"""Where the encoder's GPU time goes, and what a few variants change — one process, one GPU.
+
+    python bench/profile_encoder.py [--shape qwen3-0.6b] [--n 20000] [--variants default,flash_op,tokens_128k]
+
+For each variant: texts/s and MFU end to end (tokenisation included, as `embedfleet bench`), then
+the forward passes alone on pre-tokenized input; for the first variant also a torch.profiler table
+of GPU time by kernel family (matmul, attention, fused element-wise, copies) and the top kernels.
+
+Variants (each patches one thing in this process only):
+  default       the encoder as shipped
+  flash_op      FlashAttention's aten op called directly, skipping varlen_attn's custom-op wrapper
+  tokens_128k   twice the default token-budget ceiling (bigger matmuls per batch)
+  autotune      torch.compile mode="max-autotune-no-cudagraphs" (Triton GEMMs with fused epilogues)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import tempfile
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import numpy as np
+import torch
+
+FAMILIES = [("attention", ("flash", "fmha", "attn")), ("matmul", ("gemm", "nvjet", "xmma", "cutlass", "sm90")),
+            ("fused element-wise", ("triton",)), ("copies", ("memcpy", "memset", "copy"))]
+
+
+def family(name: str) -> str:
+    low = name.lower()
+    for fam, keys in FAMILIES:
+        if any(k in low for k in keys):
+            return fam
+    return "other"
+
+
+def flash_direct(q, k, v, cu_q, cu_k, max_q, max_k, scale=None, window_size=(-1, -1), **_):
+    out = torch.ops.aten._flash_attention_forward(
+        q, k, v, cu_q, cu_k, max_q, max_k, 0.0, window_size == (-1, 0), False, scale=scale)
+    return out[0]
+
+
+def apply(variant: str):
+    """Patch this process for `variant`; returns the function that undoes it."""
+    from embedfleet.encode import budget
+    from embedfleet.encode.packed import attention
+
+    if variant == "flash_op":
+        real_attn = attention.varlen_attn
+        attention.varlen_attn = flash_direct
+        return lambda: setattr(attention, "varlen_attn", real_attn)
+    if variant == "tokens_128k":
+        budget.MAX_BATCH_TOKENS = 131072
+        return lambda: setattr(budget, "MAX_BATCH_TOKENS", 65536)
+    if variant == "autotune":
+        real = torch.compile
+        torch.compile = lambda fn, **kw: real(fn, mode="max-autotune-no-cudagraphs", **kw)
+        return lambda: setattr(torch, "compile", real)
+    if variant != "default":
+        raise SystemExit(f"unknown variant {variant}")
+    return lambda: None
+
+
+def profile(enc, tok) -> dict:
+    from torch.profiler import ProfilerActivity, profile as torch_profile
+
+    with torch_profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof:
+        enc.embed(tok)
+    by_family, by_kernel = defaultdict(float), defaultdict(float)
+    for avg in prof.key_averages():
+        us = getattr(avg, "self_device_time_total", 0) or 0  # > 0 only for kernels and copies
+        if us > 0:
+            by_family[family(avg.key)] += us
+            by_kernel[avg.key[:90]] += us
+    total = sum(by_family.values())
+    return {"gpu_ms": round(total / 1e3, 1),
+            "families": {k: [round(v / 1e3, 1), round(v / total, 3)] for k, v in sorted(by_family.items(), key=lambda x: -x[1])},
+            "top": [[k, round(v / 1e3, 2)] for k, v in sorted(by_kernel.items(), key=lambda x: -x[1])[:15]]}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--shape", default="qwen3-0.6b")
+    ap.add_argument("--n", type=int, default=20000)
+    ap.add_argument("--variants", default="default,flash_op,tokens_128k")
+    ap.add_argument("--profile-texts", type=int, default=8000)
+    ap.add_argument("--device", default="cuda", help="cpu: a smoke test of this script")
+    a = ap.parse_args()
+    from embedfleet.encode.bench import matmul_peak_tflops
+    from embedfleet.encode.encoder import Encoder
+    from embedfleet.encode.shapes import build_random_model
+    from embedfleet.synth import review_texts
+
+    dev = torch.device(a.device)
+    peak = matmul_peak_tflops(dev) or float("nan")
+    texts = review_texts(a.n, 0)
+    out = {"gpu": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu", "torch": torch.__version__, "peak_tflops": peak, "runs": []}
+    with tempfile.TemporaryDirectory() as tmp:
+        path = build_random_model(a.shape, Path(tmp) / a.shape, seed=0)
+        for i, variant in enumerate(a.variants.split(",")):
+            undo = apply(variant)
+            t0 = time.perf_counter()
+            enc = Encoder(str(path), device=a.device)
+            enc.encode(texts[:4096])
+            setup = time.perf_counter() - t0
+            tok = enc.tokenize(texts)
+            lengths = tok.lengths.astype(np.float64)
+            flops = enc.model.flops_per_token(float((lengths**2).sum() / lengths.sum())) * tok.num_tokens
+            if dev.type == "cuda":
+                torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            enc.encode(texts)
+            e2e = time.perf_counter() - t0
+            t0 = time.perf_counter()
+            enc.embed(tok)
+            fwd = time.perf_counter() - t0
+            run = {"variant": variant, "batch_tokens": enc.budget.tokens, "setup_s": round(setup, 1),
+                   "texts_s": round(a.n / e2e), "mfu_end_to_end": round(flops / e2e / 1e12 / peak, 4),
+                   "mfu_forward_only": round(flops / fwd / 1e12 / peak, 4), "tokens_per_text": float(lengths.mean())}
+            if i == 0:
+                run["profile"] = profile(enc, enc.tokenize(texts[: a.profile_texts]))
+            print(json.dumps(run), flush=True)
+            out["runs"].append(run)
+            enc.close()
+            del enc
+            undo()
+            torch._dynamo.reset()
+            if dev.type == "cuda":
+                torch.cuda.empty_cache()
+    print(json.dumps(out, indent=1))
+
+
+if __name__ == "__main__":
+    main()
