@@ -11,6 +11,7 @@ Variants (each patches one thing in this process only):
   flash_op      FlashAttention's aten op called directly, skipping varlen_attn's custom-op wrapper
   tokens_128k   twice the default token-budget ceiling (bigger matmuls per batch)
   autotune      torch.compile mode="max-autotune-no-cudagraphs" (Triton GEMMs with fused epilogues)
+  manual_qk     Qwen3's q/k norm written out in float32 instead of F.rms_norm
 """
 
 from __future__ import annotations
@@ -59,9 +60,31 @@ def apply(variant: str):
         real = torch.compile
         torch.compile = lambda fn, **kw: real(fn, mode="max-autotune-no-cudagraphs", **kw)
         return lambda: setattr(torch, "compile", real)
+    if variant == "manual_qk":
+        from embedfleet.encode.packed import qwen3
+
+        real_pre = qwen3._pre_attention
+        qwen3._pre_attention = _pre_manual_qk
+        return lambda: setattr(qwen3, "_pre_attention", real_pre)
     if variant != "default":
         raise SystemExit(f"unknown variant {variant}")
     return lambda: None
+
+
+def _pre_manual_qk(x, in_w, qkv_w, qkv_b, qkn_w, cos, sin, heads: int, kv_heads: int, eps: float):
+    """The q/k norm written out in float32 (as transformers' Qwen3RMSNorm), with RoPE on the same values."""
+    import torch.nn.functional as F
+
+    from embedfleet.encode.packed.qwen3 import rope
+
+    n, hd = x.shape[0], cos.shape[-1] * 2
+    y = F.rms_norm(x, (x.shape[1],), in_w, eps)
+    qkv = F.linear(y, qkv_w, qkv_b).view(n, heads + 2 * kv_heads, hd)
+    qk = qkv[:, : heads + kv_heads].float()
+    if qkn_w is not None:
+        qk = (qk * torch.rsqrt(qk.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype) * qkn_w
+    qk = rope(qk, cos, sin).to(x.dtype)
+    return qk[:, :heads], qk[:, heads:], qkv[:, heads + kv_heads :]
 
 
 def profile(enc, tok) -> dict:
@@ -70,11 +93,11 @@ def profile(enc, tok) -> dict:
     with torch_profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof:
         enc.embed(tok)
     by_family, by_kernel = defaultdict(float), defaultdict(float)
-    for avg in prof.key_averages():
-        us = getattr(avg, "self_device_time_total", 0) or 0  # > 0 only for kernels and copies
-        if us > 0:
-            by_family[family(avg.key)] += us
-            by_kernel[avg.key[:90]] += us
+    for e in prof.events():  # device-side events only: kernels, copies, memsets
+        if e.device_type == torch.autograd.DeviceType.CUDA:
+            us = e.time_range.elapsed_us()
+            by_family[family(e.name)] += us
+            by_kernel[e.name[:90]] += us
     total = sum(by_family.values())
     return {"gpu_ms": round(total / 1e3, 1),
             "families": {k: [round(v / 1e3, 1), round(v / total, 3)] for k, v in sorted(by_family.items(), key=lambda x: -x[1])},
@@ -87,6 +110,8 @@ def main() -> None:
     ap.add_argument("--n", type=int, default=20000)
     ap.add_argument("--variants", default="default,flash_op,tokens_128k")
     ap.add_argument("--profile-texts", type=int, default=8000)
+    ap.add_argument("--out", default=None, help="write every run as JSON here")
+    ap.add_argument("--profile-all", action="store_true", help="profile every variant, not only the first")
     ap.add_argument("--device", default="cuda", help="cpu: a smoke test of this script")
     a = ap.parse_args()
     from embedfleet.encode.bench import matmul_peak_tflops
@@ -120,7 +145,7 @@ def main() -> None:
             run = {"variant": variant, "batch_tokens": enc.budget.tokens, "setup_s": round(setup, 1),
                    "texts_s": round(a.n / e2e), "mfu_end_to_end": round(flops / e2e / 1e12 / peak, 4),
                    "mfu_forward_only": round(flops / fwd / 1e12 / peak, 4), "tokens_per_text": float(lengths.mean())}
-            if i == 0:
+            if a.profile_all or i == 0:
                 run["profile"] = profile(enc, enc.tokenize(texts[: a.profile_texts]))
             print(json.dumps(run), flush=True)
             out["runs"].append(run)
@@ -130,7 +155,8 @@ def main() -> None:
             torch._dynamo.reset()
             if dev.type == "cuda":
                 torch.cuda.empty_cache()
-    print(json.dumps(out, indent=1))
+    if a.out:
+        Path(a.out).write_text(json.dumps(out, indent=1))
 
 
 if __name__ == "__main__":

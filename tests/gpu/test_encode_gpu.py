@@ -40,6 +40,7 @@ def test_tiny_qwen3_varlen_matches_st(tmp_path, pooling):
 
     path = build_random_model("qwen3-0.6b", tmp_path, tiny=True, pooling=pooling)
     enc = Encoder(str(path), dtype="bfloat16")
+    assert enc.model._kernel is not None  # the Triton q/k norm + RoPE kernel is what runs here
     for prompt in (None, "query"):
         ours = enc.encode(_texts(), prompt=prompt)
         assert ((ours * _st(path, _texts(), prompt)).sum(1)).min() >= 0.999
@@ -52,3 +53,22 @@ def test_budget_probe_fits_memory(tmp_path):
 
     enc = Encoder(str(build_random_model("minilm-l6", tmp_path, tiny=True)))
     assert enc.max_seq_length <= enc.budget.tokens <= MAX_BATCH_TOKENS
+
+
+@pytest.mark.parametrize("norm", [True, False])
+def test_qk_norm_rope_kernel_matches_the_torch_path(norm):
+    """The Triton kernel against the torch code it replaces, on strided QKV rows as the matmul gives them."""
+    from embedfleet.encode.packed.kernels import qk_norm_rope
+    from embedfleet.encode.packed.qwen3 import _qk_norm_rope
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    heads, kv, d, n = 16, 8, 128, 3001
+    qkv = torch.randn(n, (heads + 2 * kv) * d, device="cuda", generator=g).bfloat16().view(n, heads + 2 * kv, d)
+    w = (torch.rand(heads + kv, d, device="cuda", generator=g) + 0.5).bfloat16() if norm else None
+    ang = torch.rand(512, 1, d // 2, device="cuda", generator=g) * 6
+    cos, sin = ang.cos().bfloat16(), ang.sin().bfloat16()
+    pos = torch.randint(0, 512, (n,), device="cuda", generator=g, dtype=torch.int32)
+    ours = qk_norm_rope(qkv, heads + kv, w, cos, sin, pos, 1e-6)
+    ref = _qk_norm_rope(qkv.float(), w.float() if norm else None, cos.float()[pos.long()], sin.float()[pos.long()],
+                        heads + kv, 1e-6)
+    torch.testing.assert_close(ours.float(), ref, atol=3e-2, rtol=2e-2)

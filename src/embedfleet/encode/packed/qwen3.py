@@ -1,10 +1,13 @@
 """Qwen3 (and Qwen2 / Llama-shaped) decoders over packed sequences, causal varlen attention.
 
 Q, K, V are one matmul and gate/up another; grouped K/V heads go to the kernel as they are
-(no repeat); RoPE tables are built once for max_seq_length positions.
+(no repeat); RoPE tables are built once for max_seq_length positions. On CUDA the q/k norms and
+RoPE are one Triton kernel (kernels.py); elsewhere the same steps in torch.
 """
 
 from __future__ import annotations
+
+import os
 
 import torch
 import torch.nn.functional as F
@@ -35,7 +38,8 @@ class PackedDecoder:
         self.cos, self.sin = cos, sin
         self.hidden = weights["embed"].shape[1]
         device = weights["embed"].device
-        self._pre, self._post = fused(_pre_attention, device), fused(_post_attention, device)
+        self._qkv, self._qk, self._post = (fused(f, device) for f in (_qkv_proj, _qk_norm_rope, _post_attention))
+        self._kernel = _triton_qk_norm_rope(device, weights["embed"].dtype, head_dim)
 
     @classmethod
     def create(cls, cfg: dict, state: dict, device, dtype, max_len: int):
@@ -79,27 +83,46 @@ class PackedDecoder:
 
     def __call__(self, ids: torch.Tensor, pk: Packing) -> torch.Tensor:
         x = F.embedding(ids, self.w["embed"])
-        pos = pk.pos.long()
-        cos, sin = self.cos[pos], self.sin[pos]
+        n, qk_heads = x.shape[0], self.heads + self.kv_heads
+        if self._kernel is None:
+            pos = pk.pos.long()
+            cos, sin = self.cos[pos], self.sin[pos]
         for L in self.layers:
-            q, k, v = self._pre(x, L["in_w"], L["qkv_w"], L["qkv_b"], L["qkn_w"], cos, sin,
-                                self.heads, self.kv_heads, self.eps)
-            a = attention(q, k, v, pk, causal=True)
+            qkv = self._qkv(x, L["in_w"], L["qkv_w"], L["qkv_b"], self.eps).view(n, qk_heads + self.kv_heads, -1)
+            if self._kernel is not None:
+                qk = self._kernel(qkv, qk_heads, L["qkn_w"], self.cos, self.sin, pk.pos, self.eps)
+            else:
+                qk = self._qk(qkv, L["qkn_w"], cos, sin, qk_heads, self.eps)
+            # q, k and v as views: FlashAttention takes any row stride if each head is contiguous
+            a = attention(qk[:, : self.heads], qk[:, self.heads :], qkv[:, qk_heads:], pk, causal=True)
             x = self._post(x, a, L["o_w"], L["post_w"], L["gu_w"], L["down_w"], self.eps)
         return F.rms_norm(x, (self.hidden,), self.w["norm"], self.eps)
 
 
-def _pre_attention(x, in_w, qkv_w, qkv_b, qkn_w, cos, sin, heads: int, kv_heads: int, eps: float):
-    n, hd = x.shape[0], cos.shape[-1] * 2
-    y = F.rms_norm(x, (x.shape[1],), in_w, eps)
-    qkv = F.linear(y, qkv_w, qkv_b).view(n, heads + 2 * kv_heads, hd)
-    qk = qkv[:, : heads + kv_heads]  # q and k heads side by side: normed and rotated in one pass
+def _triton_qk_norm_rope(device: torch.device, dtype: torch.dtype, head_dim: int):
+    """The Triton q/k norm + RoPE kernel where it applies (CUDA, half precision, a power-of-two
+    half head), else None: then the torch path below, compiled, does the same."""
+    half = head_dim // 2
+    if (device.type != "cuda" or dtype not in (torch.float16, torch.bfloat16) or half & (half - 1)
+            or os.environ.get("EMBEDFLEET_TRITON", "1") == "0"):
+        return None
+    try:
+        from embedfleet.encode.packed.kernels import qk_norm_rope
+    except ImportError:
+        return None
+    return qk_norm_rope
+
+
+def _qkv_proj(x, in_w, qkv_w, qkv_b, eps: float):
+    return F.linear(F.rms_norm(x, (x.shape[1],), in_w, eps), qkv_w, qkv_b)
+
+
+def _qk_norm_rope(qkv, qkn_w, cos, sin, qk_heads: int, eps: float):
+    """Qwen3's per-head q/k RMSNorm, then RoPE, over the q and k heads of qkv [T, heads, D]."""
+    qk = qkv[:, :qk_heads]
     if qkn_w is not None:
-        qk = F.rms_norm(qk, (hd,), eps=eps) * qkn_w  # normalise, cast, then scale: as transformers does
-    qk = rope(qk, cos, sin)
-    # Views, not copies: FlashAttention takes any row stride as long as each head's values are
-    # contiguous. (Separate q/k norms, RoPE and a copy of v took 17% of the GPU time: run 15.)
-    return qk[:, :heads], qk[:, heads:], qkv[:, heads + kv_heads :]
+        qk = F.rms_norm(qk, (qk.shape[-1],), eps=eps) * qkn_w  # normalise, cast, then scale: as transformers
+    return rope(qk, cos, sin)
 
 
 def _post_attention(x, a, o_w, post_w, gu_w, down_w, eps: float):
