@@ -186,6 +186,24 @@ def test_lease_of_a_worker_on_another_host_expires_and_is_reclaimed(cli, dsn, co
     assert conn.execute("SELECT count(*) FROM lease").fetchone()[0] == 20  # …then did the work
 
 
+def test_running_chunks_split_into_this_workers_and_everyone_elses(cli, dsn, conn):
+    """What a worker with nothing left to claim looks at: its own running chunks only wait for its
+    writer (poll again at once), other workers' may need a lease to expire."""
+    from embedfleet.store.ledger import Ledger
+
+    cli("ingest", REVIEWS, "--preset", "amazon-reviews", "--db", dsn, "--quiet", "--table", "split", "--no-index",
+        "--chunk-bytes", "4000", check=True)
+    chunks = conn.execute("SELECT count(*) FROM embedfleet.chunks WHERE job = 'split'").fetchone()[0]
+    assert chunks >= 3
+    conn.execute("UPDATE embedfleet.chunks SET state = 'running', "
+                 "worker = CASE WHEN chunk = 0 THEN 'a' WHEN chunk = 1 THEN NULL ELSE 'b' END WHERE job = 'split'")
+    ledger = Ledger(conn)
+    assert ledger.running_split("split", "a") == (1, chunks - 1)
+    assert ledger.running_split("split", "b") == (chunks - 2, 2)
+    conn.execute("UPDATE embedfleet.chunks SET state = 'done' WHERE job = 'split'")
+    assert ledger.running_split("split", "a") == (0, 0)
+
+
 @pytest.mark.parametrize("fmt", ["parquet", "csv", "zst"])
 def test_other_formats_with_generic_preset(cli, dsn, conn, tmp_path, fmt):
     rows = [{"doc": f"d{i}", "body": f"document number {i} about phones", "n": i} for i in range(25)]
