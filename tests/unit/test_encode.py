@@ -134,15 +134,21 @@ def test_empty_input_and_describe(tiny):
     assert {"model", "architecture", "path", "dtype", "device", "batch_tokens", "dim"} <= set(d)
 
 
-def test_bert_ascii_shortcut_gives_the_full_normalizers_ids():
-    """MiniLM's tokenizer skips BertNormalizer on clean ASCII text; every id must match the full path."""
+@pytest.mark.parametrize("lowercase", [True, False])
+def test_bert_ascii_shortcut_gives_the_full_normalizers_ids(lowercase):
+    """MiniLM's tokenizer skips BertNormalizer on clean ASCII text; every id must match the full path
+    (also for a cased BERT, whose normalizer does not lowercase)."""
+    import json
+
     from tokenizers import Tokenizer
 
     from embedfleet.encode.encoder import _tokenizer_json
     from embedfleet.encode.models import read_spec, resolve_model
     from embedfleet.synth import review_texts
 
-    tj = _tokenizer_json(read_spec(resolve_model(None)))
+    spec = json.loads(_tokenizer_json(read_spec(resolve_model(None))))
+    spec["normalizer"]["lowercase"] = lowercase
+    tj = json.dumps(spec)
     reference = Tokenizer.from_str(tj)
     reference.no_padding()
     reference.enable_truncation(256)

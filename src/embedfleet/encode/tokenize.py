@@ -9,7 +9,6 @@ module imports no torch so that pool processes start quickly.
 from __future__ import annotations
 
 import itertools
-import json
 import multiprocessing as mp
 import os
 import re
@@ -78,12 +77,12 @@ class _Tokenizer:
         self.full.no_padding()
         self.full.enable_truncation(max_length)
         self.twin = None
-        norm = json.loads(tokenizer_json).get("normalizer") or {}
-        if norm.get("type") == "BertNormalizer":
+        norm = self.full.normalizer
+        if isinstance(norm, normalizers.BertNormalizer):
             self.twin = Tokenizer.from_str(tokenizer_json)
             self.twin.no_padding()
             self.twin.enable_truncation(max_length)
-            self.twin.normalizer = normalizers.Lowercase() if norm.get("lowercase", True) else None
+            self.twin.normalizer = normalizers.Lowercase() if norm.lowercase else None
 
     def ids(self, texts: list[str]) -> list[list[int]]:
         if self.twin is None:
