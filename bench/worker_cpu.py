@@ -1,6 +1,6 @@
 """The worker's CPU ceiling: the real pipeline with an infinitely fast GPU.
 
-    python bench/worker_cpu.py [--n 50000] [--model DIR]
+    python bench/worker_cpu.py [--n 50000] [--model DIR] [--gpu-tokens-per-s R]
 
 Ledger claims, reading, templating (amazon-reviews preset, meta-less), the tokenizer (pool or
 in-process, as on the real machine), the writer's COPY transactions — everything a worker does —
@@ -40,16 +40,44 @@ def instant_forward(self, tok):
     return encoder_mod._Pending(torch.from_numpy(v), None, tok.inverse)
 
 
+class EmulatedDevice:
+    """A GPU that embeds `tokens_per_s` tokens a second, one launch after another (no real work):
+    a launch's vectors are ready when the device has worked through everything queued before it."""
+
+    def __init__(self, tokens_per_s: float):
+        self.rate, self.free_at = tokens_per_s, 0.0
+
+    def forward(self, enc, tok):
+        from embedfleet.encode import encoder as encoder_mod
+
+        self.free_at = max(time.perf_counter(), self.free_at) + tok.num_tokens / self.rate
+        pending = instant_forward(enc, tok)
+        done_at = self.free_at
+
+        class Done:
+            @staticmethod
+            def synchronize():
+                time.sleep(max(0.0, done_at - time.perf_counter()))
+
+        return encoder_mod._Pending(pending.host, Done(), tok.inverse)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--n", type=int, default=50_000)
     ap.add_argument("--model", default=None)
     ap.add_argument("--db", default=None)
+    ap.add_argument("--gpu-tokens-per-s", type=float, default=None,
+                    help="emulate a device of this speed instead of an instant one (to see the claim throttle work)")
     a = ap.parse_args()
     # torch only here, not at the top: the worker's helpers re-import this script as their main module.
     from embedfleet.encode import encoder as encoder_mod
 
-    encoder_mod.Encoder._launch = instant_forward
+    if a.gpu_tokens_per_s:
+        device = EmulatedDevice(a.gpu_tokens_per_s)
+        encoder_mod.Encoder._launch = lambda self, tok: device.forward(self, tok)
+    else:
+        encoder_mod.Encoder._launch = instant_forward
     dsn = resolve_dsn(a.db)
     with tempfile.TemporaryDirectory() as tmp:
         src = write_amazon_reviews(Path(tmp) / "r.jsonl", a.n)

@@ -70,21 +70,32 @@ def test_throttle_follows_whether_the_gpu_waited():
     t = Throttle(8)
     assert t.limit == 10  # every helper busy and two queued
     for _ in range(20):
-        t.feedback(waited=False, backlog=1)  # one unit ready ahead is no backlog: keep helpers busy
+        t.feedback(False, backlog=1, wait_s=0.0, cycle_s=1.0)  # one unit ready ahead is no backlog
     assert t.limit == 10
     for _ in range(20):
-        t.feedback(waited=False, backlog=2)  # units pile up for the GPU: claim less
+        t.feedback(False, backlog=2, wait_s=0.0, cycle_s=1.0)  # units pile up for a busy GPU: claim less
     assert t.limit == 2
-    t.feedback(waited=True)
-    t.feedback(waited=True)
+    t.feedback(True, wait_s=0.01, cycle_s=0.1)
+    t.feedback(True, wait_s=0.01, cycle_s=0.1)
     assert t.limit == 4
     for _ in range(20):
-        t.feedback(waited=True)
+        t.feedback(True, wait_s=0.05, cycle_s=0.1)
     assert t.limit == 10
     assert 2 < t.mean < 10
     inline = Throttle(0)  # no helpers: each unit is prepared when it is needed
-    inline.feedback(waited=True)
+    inline.feedback(True)
     assert inline.limit == 0
+
+
+def test_throttle_keeps_helpers_busy_when_they_are_the_bottleneck():
+    """A small model: the GPU loop waits most of the time, and a burst of units finishing together
+    must not shrink the window (that idled helpers on the GPU host, bench/NOTES.md runs 16 and 21)."""
+    t = Throttle(8)
+    for _ in range(50):
+        t.feedback(True, backlog=0, wait_s=0.08, cycle_s=0.1)
+        for _ in range(8):  # a burst: every helper's unit ready back to back
+            t.feedback(False, backlog=2, wait_s=0.0, cycle_s=0.01)
+    assert t.limit == 10
 
 
 def test_prefetch_backlog_counts_the_item_its_producer_holds():

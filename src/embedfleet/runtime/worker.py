@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import math
 import os
 import queue
 import sys
@@ -85,22 +86,31 @@ def claimed_tasks(ledger: Ledger, job: str, worker: str, cfg: JobConfig, on_fail
 class Throttle:
     """How many tasks the records thread keeps in preparation. It starts with every helper busy and
     two more queued (a helper that finishes starts on the next at once, while the records thread
-    claims). When prepared units queue up for the GPU — the next one is waiting and the one after it
-    is ready too — the limit drops by one (claiming more chunks now would only leave other workers
-    idle at the end of the job), down to two; each time the GPU loop had to wait raises it by one.
-    A single unit ready ahead is no backlog: helpers finishing close together do that even when they
-    are the bottleneck, and shrinking then would idle them."""
+    claims). Only when the GPU is the bottleneck — its loop has lately spent under 5% of its time
+    waiting for input — and prepared units queue up for it (the next one is waiting and the one after
+    it is ready too) does the limit drop by one, down to two: claiming more chunks then would only
+    leave other workers idle at the end of the job. Each time the GPU loop had to wait raises it by
+    one. When the helpers are the bottleneck (small models) the limit stays up even though units
+    sometimes arrive in bursts: shrinking then would idle helpers."""
+
+    GPU_BOUND = 0.05  # recent share of the loop's time spent waiting for input, below which the GPU is the bottleneck
+    MEMORY_S = 2.0  # how far back "recent" reaches
 
     def __init__(self, helpers: int):
         self.most, self.least = (helpers + 2, 2) if helpers else (0, 0)
         self.limit = self.most
+        self.waiting = 1.0  # moving average of the loop's share of time waiting for input
         self._sum = self._n = 0
 
-    def feedback(self, waited: bool, backlog: int = 0) -> None:
-        """`waited`: the GPU loop waited for this unit; `backlog`: units ready behind it."""
+    def feedback(self, waited: bool, backlog: int = 0, wait_s: float = 0.0, cycle_s: float = 0.0) -> None:
+        """`waited`: the GPU loop found no unit ready; `backlog`: units ready when it looked;
+        `wait_s` of `cycle_s`: how long it waited, out of the time since its previous unit."""
+        if cycle_s > 0:  # averaged over time (about the last 2 s), so a burst of quick units barely moves it
+            keep = math.exp(-cycle_s / self.MEMORY_S)
+            self.waiting = keep * self.waiting + (1 - keep) * min(1.0, wait_s / cycle_s)
         if waited:
             self.limit = min(self.most, self.limit + 1)
-        elif backlog >= 2:
+        elif backlog >= 2 and self.waiting < self.GPU_BOUND:
             self.limit = max(self.least, self.limit - 1)
         self._sum, self._n = self._sum + self.limit, self._n + 1
 
@@ -322,6 +332,7 @@ def run_worker(job: str, dsn: str, worker: str, device: str = "auto") -> Stats:
         ahead = Prefetch(timed(produce_units(dsn, job, worker, cfg, pool, throttle, on_fail, stats), stats), depth=1)
         units = iter(ahead)
         pending = None  # (unit, handle) queued on the device whose result is not read yet
+        t_cycle = time.perf_counter()
         while True:
             if pending is not None and not ahead.ready():
                 # Nothing to overlap with: commit now. (Holding it could also stall our own
@@ -329,10 +340,13 @@ def run_worker(job: str, dsn: str, worker: str, device: str = "auto") -> Stats:
                 finish(*pending)
                 pending = None
             stats.state = "waiting for input"
-            throttle.feedback(waited=not ahead.ready(), backlog=ahead.backlog())
+            ready, backlog = ahead.ready(), ahead.backlog()
             t0 = time.perf_counter()
             unit = next(units, None)
-            stats.wait_seconds += time.perf_counter() - t0
+            waited = time.perf_counter() - t0
+            stats.wait_seconds += waited
+            throttle.feedback(not ready, backlog, waited, time.perf_counter() - t_cycle)
+            t_cycle = time.perf_counter()
             if unit is None:
                 break
             if unit.claim.token in failed:
