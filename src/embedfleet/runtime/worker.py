@@ -86,7 +86,7 @@ def claimed_tasks(ledger: Ledger, job: str, worker: str, cfg: JobConfig, on_fail
 class Throttle:
     """How many tasks the records thread keeps in preparation. It starts with every helper busy and
     two more queued (a helper that finishes starts on the next at once, while the records thread
-    claims). Only when the GPU is the bottleneck — its loop has lately spent under 5% of its time
+    claims). Only when the GPU is the bottleneck — its loop has spent under 5% of the last second or so
     waiting for input — and prepared units queue up for it (the next one is waiting and the one after
     it is ready too) does the limit drop by one, down to two: claiming more chunks then would only
     leave other workers idle at the end of the job. Each time the GPU loop had to wait raises it by
@@ -94,7 +94,7 @@ class Throttle:
     sometimes arrive in bursts: shrinking then would idle helpers."""
 
     GPU_BOUND = 0.05  # recent share of the loop's time spent waiting for input, below which the GPU is the bottleneck
-    MEMORY_S = 2.0  # how far back "recent" reaches
+    MEMORY_S = 1.0  # how far back "recent" reaches (seconds)
 
     def __init__(self, helpers: int):
         self.most, self.least = (helpers + 2, 2) if helpers else (0, 0)
@@ -105,7 +105,7 @@ class Throttle:
     def feedback(self, waited: bool, backlog: int = 0, wait_s: float = 0.0, cycle_s: float = 0.0) -> None:
         """`waited`: the GPU loop found no unit ready; `backlog`: units ready when it looked;
         `wait_s` of `cycle_s`: how long it waited, out of the time since its previous unit."""
-        if cycle_s > 0:  # averaged over time (about the last 2 s), so a burst of quick units barely moves it
+        if cycle_s > 0:  # averaged over time (about the last second), so a burst of quick units barely moves it
             keep = math.exp(-cycle_s / self.MEMORY_S)
             self.waiting = keep * self.waiting + (1 - keep) * min(1.0, wait_s / cycle_s)
         if waited:
@@ -380,7 +380,7 @@ def run_worker(job: str, dsn: str, worker: str, device: str = "auto") -> Stats:
         "embed_s": round(stats.embed_seconds, 3), "input_wait_s": round(stats.wait_seconds, 3),
         "db_s": round(writer.db_seconds, 3), "sink_wait_s": round(stats.sink_wait_seconds, 3),
         "read_s": round(stats.read_seconds, 3), "helpers": pool.workers,
-        "claims_ahead_mean": round(throttle.mean, 2),
+        "claims_ahead_mean": round(throttle.mean, 2), "claims_ahead_end": throttle.limit,
         "helper_busy_s": round(stats.helper_seconds, 3), "helper_cpu_s": round(stats.helper_cpu_seconds, 3),
         "started_at": round(epoch_start, 3),  # wall-clock start: to line several workers up
         "startup": {k: round(v, 3) for k, v in startup.items()},
