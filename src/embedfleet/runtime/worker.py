@@ -320,13 +320,13 @@ def run_worker(job: str, dsn: str, worker: str, device: str = "auto") -> Stats:
         stats.sink_wait_seconds += time.perf_counter() - t0
 
     try:
-        startup = {"imports_s": epoch_begin - process_started(os.getpid()), "model_s": time.perf_counter() - t_begin}
-        t0 = time.perf_counter()
-        pool.start()  # helper processes, kernel compilation: start-up, not throughput
-        startup["helpers_s"] = time.perf_counter() - t0
-        t0 = time.perf_counter()
-        encoder.warmup()
-        startup["warmup_s"] = time.perf_counter() - t0
+        startup = {"imports_s": epoch_begin - (process_started(os.getpid()) or epoch_begin),
+                   "model_s": time.perf_counter() - t_begin}
+        # Helper processes, kernel compilation: start-up, not throughput.
+        for name, step in (("helpers_s", pool.start), ("warmup_s", encoder.warmup)):
+            t0 = time.perf_counter()
+            step()
+            startup[name] = time.perf_counter() - t0
         t_start, epoch_start = time.perf_counter(), time.time()
         throttle = Throttle(pool.workers)
         ahead = Prefetch(timed(produce_units(dsn, job, worker, cfg, pool, throttle, on_fail, stats), stats), depth=1)
