@@ -73,6 +73,22 @@ def test_tiny_qwen3_mean_and_matryoshka(tiny):
     _close(enc.encode(TEXTS), _st(tiny["qwen3-mean"], dim=24))
 
 
+def test_a_kernel_that_cannot_run_falls_back_to_the_torch_path(tiny, caplog):
+    """Where the Triton kernel fails (no compiler, an unsupported GPU), the same vectors come from torch."""
+    enc = Encoder(str(tiny["qwen3"]))
+    want = enc.encode(TEXTS)
+    calls = []
+
+    def broken(*args):
+        calls.append(1)
+        raise RuntimeError("triton: no compiler for this device")
+
+    enc.model._kernel = broken
+    got = enc.encode(TEXTS)
+    assert calls and enc.model._kernel is None and "torch path" in caplog.text
+    np.testing.assert_allclose(got, want, atol=1e-6)
+
+
 def test_generic_fallback_for_unknown_architecture(tiny):
     enc = Encoder(str(tiny["electra"]))
     assert enc.describe()["path"] == "generic"

@@ -7,6 +7,7 @@ RoPE are one Triton kernel (kernels.py); elsewhere the same steps in torch.
 
 from __future__ import annotations
 
+import logging
 import os
 
 import torch
@@ -14,6 +15,8 @@ import torch.nn.functional as F
 
 from embedfleet.encode.packed import fused, strip_prefix
 from embedfleet.encode.packed.attention import Packing, attention
+
+log = logging.getLogger(__name__)
 
 
 def _rope_theta(cfg: dict) -> float | None:
@@ -82,6 +85,18 @@ class PackedDecoder:
         return 2 * lin + 4 * len(self.layers) * self.heads * self.head_dim * (mean_len + 1) / 2
 
     def __call__(self, ids: torch.Tensor, pk: Packing) -> torch.Tensor:
+        if self._kernel is None:
+            return self._forward(ids, pk)
+        try:
+            return self._forward(ids, pk)
+        except torch.OutOfMemoryError:
+            raise  # the encoder halves its token budget and retries
+        except Exception as err:  # noqa: BLE001 - a Triton that cannot build here: the torch path from now on
+            log.warning("Triton q/k norm kernel failed (%s); using the torch path", str(err).splitlines()[0])
+            self._kernel = None
+            return self._forward(ids, pk)
+
+    def _forward(self, ids: torch.Tensor, pk: Packing) -> torch.Tensor:
         x = F.embedding(ids, self.w["embed"])
         n, qk_heads = x.shape[0], self.heads + self.kv_heads
         if self._kernel is None:
