@@ -22,6 +22,7 @@ groups of parsed records; each commits with the stream's cursor.
 
 from __future__ import annotations
 
+import dataclasses
 import multiprocessing as mp
 import os
 import shutil
@@ -87,11 +88,7 @@ class Spooled:
 
     path: str
     layout: list[tuple[str, int]]  # (numpy dtype, count) of each array, in file order
-    seen: int
-    rejects: list[Reject]
-    cursor_line: int
-    busy_s: float = 0.0
-    cpu_s: float = 0.0
+    rest: Prepared  # everything else, with rows and tok left out (None)
 
 
 def spool(p: Prepared, directory: str) -> Spooled:
@@ -105,7 +102,7 @@ def spool(p: Prepared, directory: str) -> Spooled:
     except OSError:
         os.unlink(path)
         raise
-    return Spooled(path, [(a.dtype.str, a.size) for a in arrays], p.seen, p.rejects, p.cursor_line, p.busy_s, p.cpu_s)
+    return Spooled(path, [(a.dtype.str, a.size) for a in arrays], dataclasses.replace(p, rows=None, tok=None))
 
 
 def unspool(s: Spooled) -> Prepared:
@@ -118,8 +115,7 @@ def unspool(s: Spooled) -> Prepared:
         arrays.append(a)
         pos += a.nbytes
     blob, offsets, ids, lengths, order, inverse = arrays
-    return Prepared(EncodedRows(blob, offsets), Tokenized(ids, lengths, order, inverse), s.seen, s.rejects,
-                    s.cursor_line, s.busy_s, s.cpu_s)
+    return dataclasses.replace(s.rest, rows=EncodedRows(blob, offsets), tok=Tokenized(ids, lengths, order, inverse))
 
 
 class Preparer:

@@ -85,13 +85,13 @@ class PackedDecoder:
         return 2 * lin + 4 * len(self.layers) * self.heads * self.head_dim * (mean_len + 1) / 2
 
     def __call__(self, ids: torch.Tensor, pk: Packing) -> torch.Tensor:
-        if self._kernel is None:
-            return self._forward(ids, pk)
         try:
             return self._forward(ids, pk)
         except torch.OutOfMemoryError:
             raise  # the encoder halves its token budget and retries
         except Exception as err:  # noqa: BLE001 - a Triton that cannot build here: the torch path from now on
+            if self._kernel is None:
+                raise
             log.warning("Triton q/k norm kernel failed (%s); using the torch path", str(err).splitlines()[0])
             self._kernel = None
             return self._forward(ids, pk)
