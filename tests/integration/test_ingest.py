@@ -271,6 +271,19 @@ def test_a_worker_killed_mid_run_is_reported_and_its_chunks_finish_elsewhere(cli
     assert conn.execute("SELECT max(failures) FROM embedfleet.chunks").fetchone()[0] == 1
 
 
+def test_vectors_of_long_reviews_stay_inline_not_in_toast(cli, dsn, conn, tmp_path):
+    # ~2.7 kB rows: past PostgreSQL's default 2 kB threshold, which would move every vector out of line
+    src = tmp_path / "long.jsonl"
+    src.write_text("".join(orjson.dumps({"user_id": f"u{i}", "asin": "B1", "timestamp": 1600000000000 + i,
+                                         "rating": 4, "title": "long", "text": "word " * 200}).decode() + "\n"
+                           for i in range(40)))
+    cli("ingest", src, "--preset", "amazon-reviews", "--db", dsn, "--quiet", "--no-index", check=True)
+    n, smallest = conn.execute("SELECT count(*), min(pg_column_size(t.*)) FROM long t").fetchone()
+    assert n == 40 and smallest > 2100
+    toast = conn.execute("SELECT pg_relation_size(reltoastrelid) FROM pg_class WHERE oid = 'long'::regclass").fetchone()[0]
+    assert toast == 0
+
+
 def test_half_precision_vectors_are_stored_as_halfvec_and_searchable(cli, dsn, conn):
     cli("ingest", REVIEWS, "--preset", "amazon-reviews", "--db", dsn, "--quiet", "--table", "h", "--dtype", "half",
         "--limit", "30", check=True)
