@@ -151,16 +151,16 @@ def test_empty_input_and_describe(tiny):
 
 
 @pytest.mark.parametrize("lowercase", [True, False])
-def test_bert_ascii_shortcut_gives_the_full_normalizers_ids(lowercase):
-    """MiniLM's tokenizer skips BertNormalizer on clean ASCII text; every id must match the full path
-    (also for a cased BERT, whose normalizer does not lowercase)."""
+def test_bert_ascii_shortcuts_give_the_librarys_ids(lowercase, monkeypatch):
+    """MiniLM's tokenizer splits clean ASCII text into cached words (or skips BertNormalizer on it);
+    every id must match the library's full path (also for a cased BERT, which does not lowercase)."""
     import json
 
     from tokenizers import Tokenizer
 
     from embedfleet.encode.encoder import _tokenizer_json
     from embedfleet.encode.models import read_spec, resolve_model
-    from embedfleet.synth import review_texts
+    from embedfleet.synth import long_tail_texts, review_texts
 
     spec = json.loads(_tokenizer_json(read_spec(resolve_model(None))))
     spec["normalizer"]["lowercase"] = lowercase
@@ -169,11 +169,17 @@ def test_bert_ascii_shortcut_gives_the_full_normalizers_ids(lowercase):
     reference.no_padding()
     reference.enable_truncation(256)
     fast = tokenize_mod._Tokenizer(tj, 256)
-    assert fast.twin is not None  # the shortcut is on for this model
+    assert fast.twin is not None and fast.words  # both shortcuts are on for this model
     tricky = ["Battery DIES after a WEEK!!", "tab\there\r\nCRLF  and   spaces", "[MASK] and [CLS] typed by a user",
               "[mask] lower", "Café crème — naïve", "日本語のレビュー", "vertical\x0btab", "form\x0cfeed", "del\x7fchar",
-              "bell\x07", "emoji 🎉 ok", "", "   ", "MiXeD 123 $4.99 e-mail@x.com", "word " * 400]
-    texts = tricky + review_texts(300, seed=3)
+              "bell\x07", "emoji 🎉 ok", "", "   ", "MiXeD 123 $4.99 e-mail@x.com", "word " * 400,
+              "a" * 101 + " and " + "b" * 100, "supercalifragilisticexpialidocious don't!!! 3.14e-3 ~x^2",
+              "#tag @user http://example.com/p?q=1&r=[2] {x|y} `code` \\back", "ALLCAPS qwzxv xyzzyq"]
+    texts = tricky + review_texts(300, seed=3) + long_tail_texts(300, seed=4)
     want = [e.ids for e in reference.encode_batch(texts)]
-    assert fast.ids(texts) == want  # a mixed batch: both paths, input order kept
+    assert fast.ids(texts) == want  # a mixed batch: all three paths, input order kept
     assert fast.ids([t for t in texts if t.isascii()]) == [w for t, w in zip(texts, want) if t.isascii()]
+    # a cache too small for the texts' words keeps half of itself each time it fills: same ids
+    monkeypatch.setattr(tokenize_mod, "_CACHE_WORDS", 64)
+    fresh = tokenize_mod._Tokenizer(tj, 256)
+    assert fresh.ids(texts) == want and len(fresh._cache) <= 64
