@@ -56,6 +56,26 @@ class GpuSampler(threading.Thread):
         return [round(sum(s[i] for s in window) / len(window), 1) for i in range(len(self.indices))]
 
 
+def _jiffies() -> tuple[int, int]:
+    """(busy, total) CPU ticks of the whole host since boot."""
+    v = [int(x) for x in open("/proc/stat").readline().split()[1:]]
+    return sum(v) - v[3] - v[4], sum(v)  # idle and iowait are not busy
+
+
+def _postgres_cpu_s() -> float:
+    """CPU seconds used so far by every postgres process on this host."""
+    total = 0
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            stat = open(f"/proc/{pid}/stat").read()
+        except OSError:
+            continue
+        if stat[stat.index("(") + 1 : stat.rindex(")")] == "postgres":
+            fields = stat[stat.rindex(")") + 2 :].split()
+            total += int(fields[11]) + int(fields[12])  # utime, stime
+    return total / os.sysconf("SC_CLK_TCK")
+
+
 def run_once(data: Path, gpus: int, model: str | None, env: dict, preset: str, extra: list[str],
              cpu: bool = False, index: bool = True) -> dict:
     table = f"bench_{gpus}gpu_{int(time.time())}"
@@ -66,9 +86,10 @@ def run_once(data: Path, gpus: int, model: str | None, env: dict, preset: str, e
         cmd += ["--model", model]
     sampler = GpuSampler(list(range(gpus)))
     sampler.start()
-    t0 = time.perf_counter()
+    t0, host0, pg0 = time.perf_counter(), _jiffies(), _postgres_cpu_s()
     p = subprocess.run(cmd, capture_output=True, text=True, env=env)
     wall = time.perf_counter() - t0
+    host1, pg1 = _jiffies(), _postgres_cpu_s()
     util = sampler.stop()
     sys.stderr.write(p.stderr[-4000:])
     if p.returncode != 0:
@@ -99,6 +120,12 @@ def run_once(data: Path, gpus: int, model: str | None, env: dict, preset: str, e
         "gpu_waited_on_db_s": round(max(w["sink_wait_s"] for w in workers), 3),
         "gpu_waited_on_input_s": round(max(w["input_wait_s"] for w in workers), 3),
         "tokens_per_s_steady": round(sum(w["tokens"] for w in workers) / loop, 1),
+        # Where the host's CPU went over the whole command (start-up included): all cores' busy
+        # share, and CPU µs per row in the workers' processes, their helpers and PostgreSQL.
+        "host_cpu_busy": round((host1[0] - host0[0]) / max(1, host1[1] - host0[1]), 3),
+        "cpu_us_per_row": {"workers": round(sum(w["cpu_s"] for w in workers) / rows * 1e6, 1),
+                           "helpers": round(sum(w["helper_cpu_s"] for w in workers) / rows * 1e6, 1),
+                           "postgres": round((pg1 - pg0) / rows * 1e6, 1)} if rows else None,
         "hnsw_index_s": index_s, "workers": workers,
     }
 
@@ -172,7 +199,7 @@ def main() -> None:
               f"util {r['gpu_util_pct']}, db share {r['db_share_of_loop']}, "
               f"GPU waited on DB {r['gpu_waited_on_db_s']}s, scaling {r['scaling_vs_linear_steady']} "
               f"(sum of workers' rates {r['scaling_vs_linear_workers_sum']}, start stagger {r['start_stagger_s']} s), "
-              f"helpers busy {r['helpers_busy']}"
+              f"helpers busy {r['helpers_busy']}, host CPU busy {r['host_cpu_busy']}, CPU µs/row {r['cpu_us_per_row']}"
               + (f", vs encoder alone {r['vs_encoder_alone_texts']} (texts) {r['vs_encoder_alone_tokens']} (tokens)"
                  if "vs_encoder_alone_texts" in r else ""))
 

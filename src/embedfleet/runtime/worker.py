@@ -327,7 +327,7 @@ def run_worker(job: str, dsn: str, worker: str, device: str = "auto") -> Stats:
             t0 = time.perf_counter()
             step()
             startup[name] = time.perf_counter() - t0
-        t_start, epoch_start = time.perf_counter(), time.time()
+        t_start, epoch_start, cpu_start = time.perf_counter(), time.time(), time.process_time()
         throttle = Throttle(pool.workers)
         ahead = Prefetch(timed(produce_units(dsn, job, worker, cfg, pool, throttle, on_fail, stats), stats), depth=1)
         units = iter(ahead)
@@ -373,7 +373,7 @@ def run_worker(job: str, dsn: str, worker: str, device: str = "auto") -> Stats:
         pool.close()
         encoder.close()
         conn.close()
-    wall = time.perf_counter() - t_start
+    wall, cpu = time.perf_counter() - t_start, time.process_time() - cpu_start
     summary = {
         "worker": worker, "device": encoder.device, "rows": stats.rows, "tokens": stats.tokens,
         "wall_s": round(wall, 3), "rows_per_s": round(stats.rows / wall, 1) if wall else 0.0,
@@ -382,6 +382,7 @@ def run_worker(job: str, dsn: str, worker: str, device: str = "auto") -> Stats:
         "read_s": round(stats.read_seconds, 3), "helpers": pool.workers,
         "claims_ahead_mean": round(throttle.mean, 2), "claims_ahead_end": throttle.limit,
         "helper_busy_s": round(stats.helper_seconds, 3), "helper_cpu_s": round(stats.helper_cpu_seconds, 3),
+        "cpu_s": round(cpu, 3),  # this process, all its threads (its helpers are in helper_cpu_s)
         "started_at": round(epoch_start, 3),  # wall-clock start: to line several workers up
         "startup": {k: round(v, 3) for k, v in startup.items()},
     }
