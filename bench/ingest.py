@@ -63,7 +63,7 @@ def _jiffies() -> tuple[int, int]:
 
 
 def _postgres_cpu_s() -> float:
-    """CPU seconds used so far by every postgres process on this host."""
+    """CPU seconds used so far by every postgres process on this host, and by those that have exited."""
     total = 0
     for pid in filter(str.isdigit, os.listdir("/proc")):
         try:
@@ -72,7 +72,8 @@ def _postgres_cpu_s() -> float:
             continue
         if stat[stat.index("(") + 1 : stat.rindex(")")] == "postgres":
             fields = stat[stat.rindex(")") + 2 :].split()
-            total += int(fields[11]) + int(fields[12])  # utime, stime
+            # utime, stime, and cutime, cstime: the postmaster's reaped children (connections that closed)
+            total += sum(int(f) for f in fields[11:15])
     return total / os.sysconf("SC_CLK_TCK")
 
 
