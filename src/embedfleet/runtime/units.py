@@ -23,6 +23,7 @@ groups of parsed records; each commits with the stream's cursor.
 from __future__ import annotations
 
 import dataclasses
+import gc
 import multiprocessing as mp
 import os
 import shutil
@@ -174,12 +175,23 @@ class Preparer:
 _HELPER: tuple[Preparer, str, object] | None = None
 
 
+def settle_gc() -> None:
+    """Call once start-up is done. What is alive then (modules, tokenizer, model) stays alive: freeze
+    it out of the cyclic collector's scans, and collect less often. Per-row work makes millions of
+    short-lived objects that reference counting frees; the collector's passes over them (and over the
+    tokenizer's word cache) cost a helper 10-20% of its time (2-core VM: ~56 → ~48 µs per review)."""
+    gc.collect()
+    gc.freeze()
+    gc.set_threshold(50_000, 20, 20)
+
+
 def _helper_init(ctx: UnitContext, spool_dir: str, started) -> None:
     # One helper per core already: tokenizer threads inside each would oversubscribe the CPU.
     os.environ["TOKENIZERS_PARALLELISM"] = "false"
     threading.Thread(target=_exit_with_parent, args=(os.getppid(),), daemon=True).start()
     global _HELPER
     _HELPER = (Preparer(ctx), spool_dir, started)
+    settle_gc()
 
 
 def _exit_with_parent(parent: int) -> None:

@@ -31,7 +31,7 @@ import orjson
 
 from embedfleet.config import JobConfig
 from embedfleet.errors import EmbedfleetError, JobError
-from embedfleet.runtime.units import Task, UnitContext, UnitPool, stream_tasks
+from embedfleet.runtime.units import Task, UnitContext, UnitPool, settle_gc, stream_tasks
 from embedfleet.sources.plan import ChunkSpec
 from embedfleet.sources.presets import get_preset
 from embedfleet.store.ledger import Claim, Ledger, connect, process_started
@@ -327,6 +327,7 @@ def run_worker(job: str, dsn: str, worker: str, device: str = "auto") -> Stats:
             t0 = time.perf_counter()
             step()
             startup[name] = time.perf_counter() - t0
+        settle_gc()  # a full collection over torch's objects would stall the GPU loop (it holds the GIL)
         t_start, epoch_start, cpu_start = time.perf_counter(), time.time(), time.process_time()
         throttle = Throttle(pool.workers)
         ahead = Prefetch(timed(produce_units(dsn, job, worker, cfg, pool, throttle, on_fail, stats), stats), depth=1)
