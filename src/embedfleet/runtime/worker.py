@@ -96,8 +96,8 @@ class Throttle:
     GPU_BOUND = 0.05  # recent share of the loop's time spent waiting for input, below which the GPU is the bottleneck
     MEMORY_S = 1.0  # how far back "recent" reaches (seconds)
 
-    def __init__(self, helpers: int):
-        self.most, self.least = (helpers + 2, 2) if helpers else (0, 0)
+    def __init__(self, helpers: int, most: int | None = None):
+        self.most, self.least = (most or helpers + 2, 2) if helpers else (0, 0)
         self.limit = self.most
         self.waiting = 1.0  # moving average of the loop's share of time waiting for input
         self._sum = self._n = 0
@@ -174,6 +174,7 @@ class Prefetch:
     def __init__(self, gen: Iterator, depth: int = 2):
         self._q: queue.Queue = queue.Queue(maxsize=depth)
         self._putting = 0
+        self.cpu_s = 0.0  # the thread's CPU time, once it has finished
         self._thread = threading.Thread(target=self._run, args=(gen,), name="embedfleet-prefetch", daemon=True)
         self._thread.start()
 
@@ -181,6 +182,7 @@ class Prefetch:
         try:
             for item in gen:
                 self._put(item)
+            self.cpu_s = time.thread_time()
             self._q.put(self._END)
         except BaseException as e:
             self._q.put(e)
@@ -328,8 +330,10 @@ def run_worker(job: str, dsn: str, worker: str, device: str = "auto") -> Stats:
             step()
             startup[name] = time.perf_counter() - t0
         settle_gc()  # a full collection over torch's objects would stall the GPU loop (it holds the GIL)
-        t_start, epoch_start, cpu_start = time.perf_counter(), time.time(), time.process_time()
-        throttle = Throttle(pool.workers)
+        t_start, epoch_start = time.perf_counter(), time.time()
+        cpu_start, loop_cpu_start = time.process_time(), time.thread_time()
+        # EMBEDFLEET_TASKS_AHEAD: the most tasks in preparation at once (default: helpers + 2).
+        throttle = Throttle(pool.workers, int(os.environ.get("EMBEDFLEET_TASKS_AHEAD", 0)) or None)
         ahead = Prefetch(timed(produce_units(dsn, job, worker, cfg, pool, throttle, on_fail, stats), stats), depth=1)
         units = iter(ahead)
         pending = None  # (unit, handle) queued on the device whose result is not read yet
@@ -367,6 +371,7 @@ def run_worker(job: str, dsn: str, worker: str, device: str = "auto") -> Stats:
             pending = (unit, handle)
         if pending is not None:
             finish(*pending)
+        loop_cpu = time.thread_time() - loop_cpu_start
         writer.close()
     finally:
         stats.state = "finished"
@@ -384,6 +389,8 @@ def run_worker(job: str, dsn: str, worker: str, device: str = "auto") -> Stats:
         "claims_ahead_mean": round(throttle.mean, 2), "claims_ahead_end": throttle.limit,
         "helper_busy_s": round(stats.helper_seconds, 3), "helper_cpu_s": round(stats.helper_cpu_seconds, 3),
         "cpu_s": round(cpu, 3),  # this process, all its threads (its helpers are in helper_cpu_s)
+        "thread_cpu_s": {"loop": round(loop_cpu, 3), "records": round(ahead.cpu_s, 3),
+                         "writers": round(writer.cpu_seconds, 3)},
         "started_at": round(epoch_start, 3),  # wall-clock start: to line several workers up
         "startup": {k: round(v, 3) for k, v in startup.items()},
     }

@@ -124,6 +124,7 @@ class Writer:
         self._factory, self._on_error, self._on_done = sink_factory, on_error, on_done
         self._queues = [queue.Queue(maxsize=depth) for _ in range(threads)]
         self._seconds = [0.0] * threads
+        self._cpu = [0.0] * threads
         self.fatal: BaseException | None = None
         self._threads = [threading.Thread(target=self._run, args=(i,), name=f"embedfleet-writer-{i}", daemon=True)
                          for i in range(threads)]
@@ -134,6 +135,11 @@ class Writer:
     def db_seconds(self) -> float:
         """Wall time the busiest writer thread spent committing."""
         return max(self._seconds)
+
+    @property
+    def cpu_seconds(self) -> float:
+        """CPU time of all writer threads (complete once `close` has returned)."""
+        return sum(self._cpu)
 
     def submit(self, unit: Unit) -> None:
         if self.fatal is not None:
@@ -170,5 +176,6 @@ class Writer:
                 continue
             finally:
                 self._seconds[i] += time.perf_counter() - t0
+                self._cpu[i] = time.thread_time()
             if self._on_done:
                 self._on_done(unit, n)
