@@ -68,11 +68,11 @@ def test_csv_goes_to_helpers_as_parsed_records_in_groups(tmp_path):
 
 def test_throttle_follows_whether_the_gpu_waited():
     t = Throttle(8)
-    assert t.limit == 10  # every helper busy and two queued
+    assert t.limit == 18  # every helper busy, as many units ready and two queued
     for _ in range(20):
         t.feedback(False, backlog=1, wait_s=0.0, cycle_s=1.0)  # one unit ready ahead is no backlog
-    assert t.limit == 10
-    for _ in range(20):
+    assert t.limit == 18
+    for _ in range(30):
         t.feedback(False, backlog=2, wait_s=0.0, cycle_s=1.0)  # units pile up for a busy GPU: claim less
     assert t.limit == 2
     t.feedback(True, wait_s=0.01, cycle_s=0.1)
@@ -80,8 +80,9 @@ def test_throttle_follows_whether_the_gpu_waited():
     assert t.limit == 4
     for _ in range(20):
         t.feedback(True, wait_s=0.05, cycle_s=0.1)
-    assert t.limit == 10
-    assert 2 < t.mean < 10
+    assert t.limit == 18
+    assert 2 < t.mean < 18
+    assert Throttle(8, most=5).limit == 5
     inline = Throttle(0)  # no helpers: each unit is prepared when it is needed
     inline.feedback(True)
     assert inline.limit == 0
@@ -95,7 +96,7 @@ def test_throttle_keeps_helpers_busy_when_they_are_the_bottleneck():
         t.feedback(True, backlog=0, wait_s=0.08, cycle_s=0.1)
         for _ in range(8):  # a burst: every helper's unit ready back to back
             t.feedback(False, backlog=2, wait_s=0.0, cycle_s=0.01)
-    assert t.limit == 10
+    assert t.limit == 18
 
 
 def test_prefetch_backlog_counts_the_item_its_producer_holds():

@@ -84,9 +84,12 @@ def claimed_tasks(ledger: Ledger, job: str, worker: str, cfg: JobConfig, on_fail
 
 
 class Throttle:
-    """How many tasks the records thread keeps in preparation. It starts with every helper busy and
-    two more queued (a helper that finishes starts on the next at once, while the records thread
-    claims). Only when the GPU is the bottleneck — its loop has spent under 5% of the last second or so
+    """How many tasks the records thread keeps in preparation. It starts with every helper busy, as
+    many prepared units waiting for the GPU, and two more queued (a helper that finishes starts on
+    the next at once, while the records thread claims). Units are taken in claim order, so finished
+    ones wait behind a slower one; with room for only a couple of them, helpers sat idle while the
+    GPU loop was busy and the loop waited while they caught up (2 GPUs, MiniLM: 110k → 140k rows/s,
+    bench/NOTES.md run 24). Only when the GPU is the bottleneck — its loop has spent under 5% of the last second or so
     waiting for input — and prepared units queue up for it (the next one is waiting and the one after
     it is ready too) does the limit drop by one, down to two: claiming more chunks then would only
     leave other workers idle at the end of the job. Each time the GPU loop had to wait raises it by
@@ -97,7 +100,7 @@ class Throttle:
     MEMORY_S = 1.0  # how far back "recent" reaches (seconds)
 
     def __init__(self, helpers: int, most: int | None = None):
-        self.most, self.least = (most or helpers + 2, 2) if helpers else (0, 0)
+        self.most, self.least = (most or 2 * helpers + 2, 2) if helpers else (0, 0)
         self.limit = self.most
         self.waiting = 1.0  # moving average of the loop's share of time waiting for input
         self._sum = self._n = 0
@@ -332,7 +335,7 @@ def run_worker(job: str, dsn: str, worker: str, device: str = "auto") -> Stats:
         settle_gc()  # a full collection over torch's objects would stall the GPU loop (it holds the GIL)
         t_start, epoch_start = time.perf_counter(), time.time()
         cpu_start, loop_cpu_start = time.process_time(), time.thread_time()
-        # EMBEDFLEET_TASKS_AHEAD: the most tasks in preparation at once (default: helpers + 2).
+        # EMBEDFLEET_TASKS_AHEAD: the most tasks in preparation at once (default: 2 × helpers + 2).
         throttle = Throttle(pool.workers, int(os.environ.get("EMBEDFLEET_TASKS_AHEAD", 0)) or None)
         ahead = Prefetch(timed(produce_units(dsn, job, worker, cfg, pool, throttle, on_fail, stats), stats), depth=1)
         units = iter(ahead)
