@@ -177,7 +177,9 @@ class Encoder:
             res.copy_(out, non_blocking=cuda)
             done = None
             if cuda:
-                done = torch.cuda.Event()
+                # Waiting on it sleeps instead of spinning: a small model's worker waits most of the
+                # time, and a spinning core is one its helpers and PostgreSQL cannot use.
+                done = torch.cuda.Event(blocking=True)
                 done.record()
         return _Pending(res, done, tok.inverse)
 
