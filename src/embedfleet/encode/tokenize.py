@@ -73,8 +73,9 @@ class _Tokenizer:
     normalizer only lowercases and the pre-tokenizer only splits words from punctuation, so:
 
     - `words`: such a text is split by one regex and each word's ids come from a cache that the
-      library's own WordPiece model fills (`tokenizers.models.WordPiece.tokenize`): ~10 µs per review
-      against ~50 through the library (bench/prep_cpu.py). Texts that could hold an added token
+      library's own WordPiece model fills (`tokenizers.models.WordPiece.tokenize`): 10–30 µs per
+      review against 50–65 through the library, more as more words are rare (bench/NOTES.md run 22).
+      Texts that could hold an added token
       ([MASK], …) skip this path: the library matches those before anything else.
     - `twin`: the library with a normalizer that only lowercases, for those texts (70 → 48 µs).
 

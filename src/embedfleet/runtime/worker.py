@@ -89,8 +89,8 @@ class Throttle:
     the next at once, while the records thread claims). Units are taken in claim order, so finished
     ones wait behind a slower one; with room for only a couple of them, helpers sat idle while the
     GPU loop was busy and the loop waited while they caught up (2 GPUs, MiniLM: 110k → 140k rows/s,
-    bench/NOTES.md run 24). Only when the GPU is the bottleneck — its loop has spent under 5% of the last second or so
-    waiting for input — and prepared units queue up for it (the next one is waiting and the one after
+    bench/NOTES.md run 25b). Only when the GPU is the bottleneck — its loop has spent under 5% of
+    the last second or so waiting for input — and prepared units queue up for it (the next one is waiting and the one after
     it is ready too) does the limit drop by one, down to two: claiming more chunks then would only
     leave other workers idle at the end of the job. Each time the GPU loop had to wait raises it by
     one. When the helpers are the bottleneck (small models) the limit stays up even though units

@@ -173,10 +173,10 @@ def ensure_table(conn: psycopg.Connection, table: str, columns: Sequence, dim: i
             sql.SQL("content text NOT NULL"),
             sql.SQL("embedding {}({})").format(sql.SQL(vtype), sql.Literal(dim)),
         ] + [sql.SQL("{} {}").format(sql.Identifier(c.name), sql.SQL(c.pgtype)) for c in columns]
-        # A row with a 384-float vector passes the default 2 kB TOAST threshold, and pgvector's
-        # columns are stored out of line first: every insert would also write the TOAST table and its
-        # index, and every read would fetch the vector back from there. Toasting only rows that do not
-        # fit a page keeps vectors inline: the sink writes ~1.6x faster (bench/sink.py).
+        # A review row with a 384-float vector passes the default 2 kB TOAST threshold, and the vector,
+        # its largest value, is the one moved out of line: every insert would also write the TOAST
+        # table and its index, and every read fetch the vector back. Toasting only rows that do not fit
+        # a page keeps vectors inline: the sink writes ~1.6x faster (bench/NOTES.md, runs 22-28).
         conn.execute(sql.SQL("CREATE TABLE {} ({}) WITH (toast_tuple_target = 8160)").format(
             ident, sql.SQL(", ").join(cols)))
 
