@@ -353,6 +353,22 @@ def test_embedded_server_uri_start_stop(cli):
     cli("db", "stop", check=True)
 
 
+def test_embedded_server_is_not_restarted_under_a_connected_client(cli):
+    import psycopg
+
+    dsn = cli("db", "uri", check=True, extra_env={"EMBEDFLEET_PG_TUNE": "0"}).stdout.strip()  # stock settings
+    try:
+        with psycopg.connect(dsn, autocommit=True) as c:
+            assert c.execute("SHOW wal_buffers").fetchone()[0] != "64MB"
+            cli("db", "uri", check=True)  # would tune and restart, but someone is connected
+            assert c.execute("SHOW wal_buffers").fetchone()[0] != "64MB"  # same session: not cut off
+        cli("db", "uri", check=True)  # alone now: tuned
+        with psycopg.connect(dsn) as c:
+            assert c.execute("SHOW wal_buffers").fetchone()[0] == "64MB"
+    finally:
+        cli("db", "stop")
+
+
 def test_helper_processes_prepare_exactly_what_the_inline_path_does(cli, dsn, conn, tmp_path):
     """Units prepared in helper processes (the GPU hosts' path: each helper reads its byte range,
     joins meta over its own connection, tokenizes and encodes COPY rows; a .gz stream is read by the
