@@ -15,6 +15,8 @@ from pathlib import Path
 
 import numpy as np
 
+from embedfleet.errors import ModelError
+
 _WORDS = (
     "the a and it this is for with my was but not phone case battery screen charger great good "
     "works well after week month day quality product price cheap fast slow broke broken return "
@@ -41,8 +43,11 @@ def review_texts(n: int, seed: int = 0, median_words: int = 40) -> list[str]:
     """`n` review-length texts, deterministic for a seed."""
     rng = np.random.default_rng(seed + 1)
     lengths = review_lengths(n, seed, median_words)
-    words = np.array(_WORDS)
-    picks = rng.integers(0, len(words), int(lengths.sum()))
+    return _sentences(np.array(_WORDS), rng.integers(0, len(_WORDS), int(lengths.sum())), lengths)
+
+
+def _sentences(words: np.ndarray, picks: np.ndarray, lengths: np.ndarray) -> list[str]:
+    """One text per length: that many consecutive `picks` (indices into `words`), as a sentence."""
     out, pos = [], 0
     for k in lengths:
         out.append(" ".join(words[picks[pos : pos + k]]).capitalize() + ".")
@@ -66,11 +71,11 @@ def _made_up(rank: int) -> str:
 def _english_words() -> list[str]:
     """About 20,000 English words, roughly most frequent first: the whole words of the bundled
     model's WordPiece vocabulary (its package is a dependency; without it, made-up words only)."""
-    try:
-        from embedfleet.encode.models import resolve_model
+    from embedfleet.encode.models import resolve_model
 
+    try:
         vocab = (resolve_model(None) / "vocab.txt").read_text(encoding="utf-8").split()
-    except Exception:
+    except (ModelError, OSError):
         return []
     return [w for w in vocab if len(w) > 1 and w.isascii() and w.isalpha()]
 
@@ -85,14 +90,10 @@ def long_tail_texts(n: int, seed: int = 0, median_words: int = 40, lexicon: int 
     lengths = review_lengths(n, seed, median_words)
     p = (np.arange(lexicon) + 1.0) ** -exponent
     picks = rng.choice(lexicon, int(lengths.sum()), p=p / p.sum())
-    used, index = np.unique(picks, return_inverse=True)
+    used, index = np.unique(picks, return_inverse=True)  # only the words drawn get spelled out
     known = _WORDS + _english_words()
-    words = np.array([known[r] if r < len(known) else _made_up(r) for r in used.tolist()])[index]
-    out, pos = [], 0
-    for k in lengths:
-        out.append(" ".join(words[pos : pos + k]).capitalize() + ".")
-        pos += k
-    return out
+    words = np.array([known[r] if r < len(known) else _made_up(r) for r in used.tolist()])
+    return _sentences(words, index, lengths)
 
 
 def write_amazon_reviews(path: str | Path, n: int, seed: int = 0, products: int = 1000) -> Path:
@@ -150,7 +151,7 @@ def write_amazon_meta(path: str | Path, products: int = 1000, seed: int = 0) -> 
 
 
 def cached_reviews(directory: str | Path, n: int) -> Path:
-    """`directory`/reviews_<n>.jsonl, written once (5,000 products) and reused by later runs."""
+    """`directory`/reviews_long_tail_<n>.jsonl, written once (5,000 products) and reused by later runs."""
     path = Path(directory) / f"reviews_long_tail_{n}.jsonl"  # the name changes whenever the texts do
     if not path.exists():
         path.parent.mkdir(parents=True, exist_ok=True)

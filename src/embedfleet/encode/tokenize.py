@@ -75,8 +75,8 @@ class _Tokenizer:
     - `words`: such a text is split by one regex and each word's ids come from a cache that the
       library's own WordPiece model fills (`tokenizers.models.WordPiece.tokenize`): 10–30 µs per
       review against 50–65 through the library, more as more words are rare (bench/NOTES.md run 22).
-      Texts that could hold an added token
-      ([MASK], …) skip this path: the library matches those before anything else.
+      Texts that could hold an added token ([MASK], …) skip this path: the library matches those
+      before anything else.
     - `twin`: the library with a normalizer that only lowercases, for those texts (70 → 48 µs).
 
     Every other text takes the library's full path. The ids are the same (tests/unit/test_encode.py),

@@ -80,7 +80,7 @@ class Prepared:
     rejects: list[Reject]
     cursor_line: int
     busy_s: float = 0.0  # the helper's wall time on this unit (to tell idle helpers from slow ones)
-    cpu_s: float = 0.0  # and its CPU time (below busy_s: the helper shared its core)
+    cpu_s: float = 0.0  # and its CPU time (below busy_s when the helper shared its core)
 
 
 @dataclass

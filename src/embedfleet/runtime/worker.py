@@ -50,7 +50,7 @@ class Stats:
     sink_wait_seconds: float = 0.0  # time the main thread waited for the writer (back-pressure)
     read_seconds: float = 0.0  # records thread: claiming, reading streams, waiting for prepared units
     helper_seconds: float = 0.0  # helpers' wall time preparing units (over helpers × wall: how busy they were)
-    helper_cpu_seconds: float = 0.0  # and their CPU time (well below helper_seconds: cores oversubscribed)
+    helper_cpu_seconds: float = 0.0  # and their CPU time (below helper_seconds when helpers share cores)
     state: str = "starting"
 
 
@@ -90,11 +90,11 @@ class Throttle:
     ones wait behind a slower one; with room for only a couple of them, helpers sat idle while the
     GPU loop was busy and the loop waited while they caught up (2 GPUs, MiniLM: 110k → 140k rows/s,
     bench/NOTES.md run 25b). Only when the GPU is the bottleneck — its loop has spent under 5% of
-    the last second or so waiting for input — and prepared units queue up for it (the next one is waiting and the one after
-    it is ready too) does the limit drop by one, down to two: claiming more chunks then would only
-    leave other workers idle at the end of the job. Each time the GPU loop had to wait raises it by
-    one. When the helpers are the bottleneck (small models) the limit stays up even though units
-    sometimes arrive in bursts: shrinking then would idle helpers."""
+    the last second or so waiting for input — and prepared units queue up for it (the next one is
+    waiting and the one after it is ready too) does the limit drop by one, down to two: claiming
+    more chunks then would only leave other workers idle at the end of the job. Each time the GPU
+    loop had to wait raises it by one. When the helpers are the bottleneck (small models) the limit
+    stays up even though units sometimes arrive in bursts: shrinking then would idle helpers."""
 
     GPU_BOUND = 0.05  # recent share of the loop's time spent waiting for input, below which the GPU is the bottleneck
     MEMORY_S = 1.0  # how far back "recent" reaches (seconds)
