@@ -19,10 +19,10 @@ import torch
 from embedfleet.encode import packed
 from embedfleet.encode.batching import cumulative, positions, segments
 from embedfleet.encode.budget import TokenBudget, activation_bytes_per_token, probe_batch_tokens, run_with_backoff
-from embedfleet.encode.models import _read_json, model_name, read_spec, resolve_model
+from embedfleet.encode.models import model_name, read_spec, resolve_model
 from embedfleet.encode.packed.attention import Packing
 from embedfleet.encode.pooling import finish, pool_packed
-from embedfleet.encode.tokenize import TextTokenizer, Tokenized, TokenizerSpec
+from embedfleet.encode.tokenize import Tokenized, TokenizerSpec, text_tokenizer
 from embedfleet.errors import ModelError
 
 MAX_CHUNK, MIN_CHUNK = 16384, 2048  # encode() tokenizes chunks ahead while the device embeds
@@ -39,18 +39,6 @@ def _device(device: str) -> torch.device:
             raise ModelError(f"device '{device}' asked for, but CUDA is not available here. Use --device cpu.")
         dev = torch.device("cuda", dev.index if dev.index is not None else torch.cuda.current_device())
     return dev
-
-
-def _tokenizer_json(spec) -> str:
-    for d in (spec.hf_dir, spec.path):
-        if (d / "tokenizer.json").exists():
-            return (d / "tokenizer.json").read_text(encoding="utf-8")
-    try:  # a slow-only tokenizer: let transformers convert it
-        from transformers import AutoTokenizer
-
-        return AutoTokenizer.from_pretrained(str(spec.hf_dir)).backend_tokenizer.to_str()
-    except Exception as err:
-        raise ModelError(f"model {spec.path} has no usable tokenizer: {err}".splitlines()[0]) from None
 
 
 @dataclass
@@ -86,10 +74,7 @@ class Encoder:
         self.max_seq_length = spec.max_seq_length
         self.name = model_name(model, spec.path)
         self.prompt = prompt
-        st = _read_json(spec.hf_dir / "sentence_bert_config.json") or {}
-        pad = spec.config.get("pad_token_id")
-        self._tok = TextTokenizer(_tokenizer_json(spec), self.max_seq_length, pad if isinstance(pad, int) else 0,
-                                  tokenizer_workers, lowercase=bool(st.get("do_lower_case")))
+        self._tok = text_tokenizer(spec, tokenizer_workers)
         if batch_tokens == "auto":
             per = activation_bytes_per_token(hidden, int(spec.config.get("intermediate_size", 4 * hidden)), self.dtype)
             batch_tokens = probe_batch_tokens(self._dev, per, self.max_seq_length)

@@ -19,6 +19,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from embedfleet.encode.batching import cumulative, length_order
+from embedfleet.encode.models import _read_json, read_spec, resolve_model
+from embedfleet.errors import ModelError
 
 POOL_MIN_TEXTS = 2048  # below this the pool's pickling costs more than it saves
 
@@ -262,3 +264,30 @@ class TextTokenizer:
             if self._pool is not None:
                 self._pool.shutdown(wait=True, cancel_futures=True)
                 self._pool = None
+
+
+def _tokenizer_json(spec) -> str:
+    for d in (spec.hf_dir, spec.path):
+        if (d / "tokenizer.json").exists():
+            return (d / "tokenizer.json").read_text(encoding="utf-8")
+    try:  # a slow-only tokenizer: let transformers convert it
+        from transformers import AutoTokenizer
+
+        return AutoTokenizer.from_pretrained(str(spec.hf_dir)).backend_tokenizer.to_str()
+    except Exception as err:
+        raise ModelError(f"model {spec.path} has no usable tokenizer: {err}".splitlines()[0]) from None
+
+
+def text_tokenizer(spec, workers: int | None) -> TextTokenizer:
+    """The tokenizer of a model directory (a `models.ModelSpec`), as the model's own config sets it up."""
+    st = _read_json(spec.hf_dir / "sentence_bert_config.json") or {}
+    pad = spec.config.get("pad_token_id")
+    return TextTokenizer(_tokenizer_json(spec), spec.max_seq_length, pad if isinstance(pad, int) else 0, workers,
+                         lowercase=bool(st.get("do_lower_case")))
+
+
+def tokenizer_spec(model=None, prompt: str | None = None) -> TokenizerSpec:
+    """`Encoder(model).tokenizer_spec(prompt)` without torch or the weights: a worker's helpers start
+    with it while the model loads."""
+    spec = read_spec(resolve_model(model))
+    return text_tokenizer(spec, 0).spec(spec.prompt_text(prompt))

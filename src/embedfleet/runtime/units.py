@@ -247,6 +247,23 @@ class UnitPool:
         if self._pool is not None:
             list(self._pool.map(_helper_ready, range(self.workers)))
 
+    def start_in_background(self) -> Future:
+        """`start` on a thread, so the caller can load its model meanwhile (both take seconds);
+        the future's result is how long the helpers took."""
+        done: Future = Future()
+
+        def run() -> None:
+            t0 = time.perf_counter()
+            try:
+                self.start()
+            except BaseException as e:  # noqa: BLE001 - re-raised by whoever waits for the future
+                done.set_exception(e)
+            else:
+                done.set_result(time.perf_counter() - t0)
+
+        threading.Thread(target=run, name="embedfleet-helpers-start", daemon=True).start()
+        return done
+
     def submit(self, task: Task) -> Future:
         """A future whose result is a Spooled (read it with `unspool`) or, inline, the Prepared."""
         if self._pool is not None:

@@ -31,6 +31,7 @@ import orjson
 
 from embedfleet.config import JobConfig
 from embedfleet.errors import EmbedfleetError, JobError
+from embedfleet.encode.tokenize import tokenizer_spec
 from embedfleet.runtime.units import Task, UnitContext, UnitPool, settle_gc, stream_tasks
 from embedfleet.sources.plan import ChunkSpec
 from embedfleet.sources.presets import get_preset
@@ -265,8 +266,6 @@ def _gpu_util_reader(device: str):
 
 def run_worker(job: str, dsn: str, worker: str, device: str = "auto") -> Stats:
     t_begin, epoch_begin = time.perf_counter(), time.time()
-    from embedfleet.encode.encoder import Encoder
-
     # Threads here mostly wait on the GPU, helpers and sockets; after each wait one must take the GIL
     # back from whichever thread is running Python, which by default may hold it 5 ms. A shorter
     # switch interval keeps those hand-offs (many per unit) from stalling the pipeline.
@@ -278,11 +277,22 @@ def run_worker(job: str, dsn: str, worker: str, device: str = "auto") -> Stats:
         raise JobError(f"no job {job!r} in this database; start it with `embedfleet ingest`")
     cfg = JobConfig.from_json(row["config"])
     preset = get_preset(cfg.preset)
-    # Texts are tokenized by the unit helpers (units.py), so the encoder needs no pool of its own.
-    encoder = Encoder(cfg.model, device=device, batch_tokens=cfg.batch_tokens, dim=cfg.dim, tokenizer_workers=0)
-    vtype = vector_type(conn, cfg.dtype)
-    ensure_table(conn, cfg.table, preset.columns, encoder.dim, vtype)
-    ledger.set_model(job, encoder.name, encoder.dim)
+    # The helpers (units.py) tokenize, so the encoder needs no tokenizer pool of its own. They start
+    # (seconds: each imports and loads the tokenizer) while this process loads torch and the model.
+    ctx = UnitContext(cfg.preset, cfg.text_template, cfg.text_field, cfg.id_field, tokenizer_spec(cfg.model, cfg.prompt),
+                      dsn if cfg.meta else None, row["meta_id"] if cfg.meta else None)
+    pool = UnitPool(ctx)
+    helpers_ready = pool.start_in_background()
+    try:
+        from embedfleet.encode.encoder import Encoder
+
+        encoder = Encoder(cfg.model, device=device, batch_tokens=cfg.batch_tokens, dim=cfg.dim, tokenizer_workers=0)
+        vtype = vector_type(conn, cfg.dtype)
+        ensure_table(conn, cfg.table, preset.columns, encoder.dim, vtype)
+        ledger.set_model(job, encoder.name, encoder.dim)
+    except BaseException:
+        pool.close()
+        raise
 
     stats = Stats()
     failed: set = set()  # claim tokens whose chunk failed: their remaining units are dropped
@@ -305,9 +315,6 @@ def run_worker(job: str, dsn: str, worker: str, device: str = "auto") -> Stats:
     heartbeat.start()
     writer = Writer(lambda: TableSink(connect(dsn), cfg.table, preset.columns, vtype, job),
                     on_error=lambda u, e: on_fail(u.claim, e), on_done=on_done)
-    ctx = UnitContext(cfg.preset, cfg.text_template, cfg.text_field, cfg.id_field, encoder.tokenizer_spec(cfg.prompt),
-                      dsn if cfg.meta else None, row["meta_id"] if cfg.meta else None)
-    pool = UnitPool(ctx)
 
     def finish(unit: Unit, handle) -> None:
         """Read a unit's vectors (waiting for the device if needed) and hand it to the writer."""
@@ -327,11 +334,12 @@ def run_worker(job: str, dsn: str, worker: str, device: str = "auto") -> Stats:
     try:
         startup = {"imports_s": epoch_begin - (process_started(os.getpid()) or epoch_begin),
                    "model_s": time.perf_counter() - t_begin}
-        # Helper processes, kernel compilation: start-up, not throughput.
-        for name, step in (("helpers_s", pool.start), ("warmup_s", encoder.warmup)):
-            t0 = time.perf_counter()
-            step()
-            startup[name] = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        startup["helpers_s"] = helpers_ready.result()  # started with the model load; usually ready by now
+        startup["helpers_wait_s"] = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        encoder.warmup()  # kernel compilation: start-up, not throughput
+        startup["warmup_s"] = time.perf_counter() - t0
         settle_gc()  # a full collection over torch's objects would stall the GPU loop (it holds the GIL)
         t_start, epoch_start = time.perf_counter(), time.time()
         cpu_start, loop_cpu_start = time.process_time(), time.thread_time()
