@@ -47,12 +47,12 @@ def test_tiny_qwen3_varlen_matches_st(tmp_path, pooling):
 
 
 def test_budget_probe_fits_memory(tmp_path):
-    from embedfleet.encode.budget import MAX_BATCH_TOKENS
+    from embedfleet.encode.budget import max_batch_tokens
     from embedfleet.encode.encoder import Encoder
     from embedfleet.encode.shapes import build_random_model
 
     enc = Encoder(str(build_random_model("minilm-l6", tmp_path, tiny=True)))
-    assert enc.max_seq_length <= enc.budget.tokens <= MAX_BATCH_TOKENS
+    assert enc.max_seq_length <= enc.budget.tokens <= max_batch_tokens(enc.model.hidden)
 
 
 @pytest.mark.parametrize("norm", [True, False])

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from embedfleet.encode.batching import cumulative, length_order, plan_batches, positions, segments
-from embedfleet.encode.budget import TokenBudget, run_with_backoff
+from embedfleet.encode.budget import MAX_BATCH_TOKENS, TokenBudget, max_batch_tokens, probe_batch_tokens, run_with_backoff
 from embedfleet.encode.tokenize import pack_sorted
 
 
@@ -67,3 +67,10 @@ def test_oom_at_floor_raises():
     with pytest.raises(torch.OutOfMemoryError):
         run_with_backoff(cumulative(np.full(4, 8)), budget, step)
     assert budget.tokens == 16
+
+
+def test_small_models_get_bigger_batches():
+    """Launch-bound small models (MiniLM: hidden 384) may batch 4× the tokens of matmul-bound ones."""
+    assert max_batch_tokens(384) == 4 * MAX_BATCH_TOKENS
+    assert max_batch_tokens(1024) == max_batch_tokens(768) == MAX_BATCH_TOKENS
+    assert probe_batch_tokens(torch.device("cpu"), 1000, 512, 384) == 4096  # the CPU budget is its own

@@ -17,6 +17,10 @@ from embedfleet.encode.batching import next_batch_end
 log = logging.getLogger(__name__)
 
 MAX_BATCH_TOKENS = 65536  # past this matmuls are no faster, only latency and memory grow
+# A small model's batch is launch-bound, not matmul-bound: all-MiniLM-L6-v2 (hidden 384) on an H100
+# runs 116k → 120k reviews/s with 4× the tokens per batch, and its loop's CPU drops from 8.3 to 4.8 µs
+# a review, CPU the worker's helpers and PostgreSQL can use (bench/loop_cpu.py, bench/NOTES.md run 29).
+SMALL_MODEL_BATCH_TOKENS, SMALL_MODEL_HIDDEN = 262144, 512
 CPU_BATCH_TOKENS = 4096
 
 
@@ -27,13 +31,18 @@ def activation_bytes_per_token(hidden: int, intermediate: int, dtype: torch.dtyp
     return 2 * size * (8 * hidden + 3 * intermediate)
 
 
-def probe_batch_tokens(device: torch.device, per_token: int, max_seq_length: int,
+def max_batch_tokens(hidden: int) -> int:
+    """The most tokens worth putting in one batch for a model of this width."""
+    return SMALL_MODEL_BATCH_TOKENS if hidden <= SMALL_MODEL_HIDDEN else MAX_BATCH_TOKENS
+
+
+def probe_batch_tokens(device: torch.device, per_token: int, max_seq_length: int, hidden: int,
                        share: float = 0.5) -> int:
     if device.type != "cuda":
         return max(CPU_BATCH_TOKENS, max_seq_length)
     free, _ = torch.cuda.mem_get_info(device)
     tokens = int(free * share) // per_token // 256 * 256
-    return int(min(MAX_BATCH_TOKENS, max(tokens, max_seq_length)))
+    return int(min(max_batch_tokens(hidden), max(tokens, max_seq_length)))
 
 
 class TokenBudget:

@@ -77,7 +77,7 @@ class Encoder:
         self._tok = text_tokenizer(spec, tokenizer_workers)
         if batch_tokens == "auto":
             per = activation_bytes_per_token(hidden, int(spec.config.get("intermediate_size", 4 * hidden)), self.dtype)
-            batch_tokens = probe_batch_tokens(self._dev, per, self.max_seq_length)
+            batch_tokens = probe_batch_tokens(self._dev, per, self.max_seq_length, hidden)
         self.budget = TokenBudget(int(batch_tokens), self.max_seq_length)
         self._lock = threading.Lock()
 
