@@ -185,6 +185,66 @@ _COERCE: dict[str, Callable[[object], object]] = {
 }
 
 
+# Per-column coercers, `f(value, field)`, one per type, chosen once per column (`coercer`): the type
+# JSON input usually holds for the column is returned as is, without `coerce`'s dispatch; every other
+# value goes through `coerce`, so results and error messages are the same. Plain module functions,
+# so whatever holds them still pickles.
+
+
+def _text(value: object, field: str) -> object:
+    if type(value) is str and value.isascii() and "\x00" not in value:  # what sanitize leaves as is
+        return value
+    return coerce(value, "text", field)
+
+
+def _real(value: object, field: str) -> object:
+    return value if type(value) is float else coerce(value, "real", field)
+
+
+def _double(value: object, field: str) -> object:
+    return value if type(value) is float else coerce(value, "double precision", field)
+
+
+def _integer(value: object, field: str) -> object:
+    if type(value) is int and -(2**31) <= value < 2**31:  # exact type: a bool is no integer here
+        return value
+    return coerce(value, "integer", field)
+
+
+def _bigint(value: object, field: str) -> object:
+    if type(value) is int and -(2**63) <= value < 2**63:
+        return value
+    return coerce(value, "bigint", field)
+
+
+def _boolean(value: object, field: str) -> object:
+    return value if type(value) is bool else coerce(value, "boolean", field)
+
+
+def _timestamptz(value: object, field: str) -> object:
+    if type(value) is int:  # epoch milliseconds
+        try:
+            return _EPOCH + timedelta(milliseconds=value)
+        except OverflowError:
+            pass  # out of range: coerce raises the CoerceError
+    return coerce(value, "timestamptz", field)
+
+
+def _jsonb(value: object, field: str) -> object:
+    return jsonable(value)  # coerce's jsonb case; jsonable(None) is None
+
+
+_COERCERS: dict[str, Callable[[object, str], object]] = {
+    "text": _text, "real": _real, "double precision": _double, "integer": _integer, "bigint": _bigint,
+    "boolean": _boolean, "timestamptz": _timestamptz, "jsonb": _jsonb,
+}
+
+
+def coercer(pgtype: str) -> Callable[[object, str], object]:
+    """`coerce` for one column type, as `f(value, field)` (same results, faster per value)."""
+    return _COERCERS[pgtype]
+
+
 def epoch_millis(dt: datetime) -> int:
     """The timestamp's epoch milliseconds: the canonical form used inside ids."""
     return (dt - _EPOCH) // timedelta(milliseconds=1)

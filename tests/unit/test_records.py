@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from datetime import datetime, timezone
+from decimal import Decimal
 
 import pytest
 
@@ -11,7 +12,9 @@ from embedfleet.records import (
     CoerceError,
     Record,
     Reject,
+    PGTYPES,
     coerce,
+    coercer,
     jsonable,
     render_template,
     sanitize,
@@ -92,6 +95,32 @@ def test_coerce_message():
         coerce("five", "real", "rating")
     assert str(e.value) == "cannot coerce rating='five' to real"
     assert isinstance(e.value, ValueError)
+
+
+# Every type a JSON or Parquet value may have, in and out of each column's fast path.
+_ANY_VALUES = [
+    None, "", " ", "abc", "a\x00b", "caf\u00e9", "\ud800", " 7 ", "1.5", "true", "2020-09-13T12:26:40Z", True, False,
+    0, 1, 2, -7, 2**31 - 1, 2**31, -(2**31), -(2**31) - 1, 2**63, 10**30, 1600000000000, -(10**20),
+    0.0, 2.5, 3.0, float("nan"), float("inf"), 1e30, Decimal("4.0"), [], [1, "x\x00"], {"k": None}, (1, 2),
+    datetime(2020, 1, 1), b"bytes",
+]
+
+
+def _outcome(f, *args):
+    try:
+        return "ok", f(*args)
+    except CoerceError as e:
+        return "reject", str(e)
+
+
+@pytest.mark.parametrize("pgtype", PGTYPES)
+def test_coercer_matches_coerce(pgtype):
+    fast = coercer(pgtype)
+    for value in _ANY_VALUES:
+        got, want = _outcome(fast, value, "f"), _outcome(coerce, value, pgtype, "f")
+        # repr: nan != nan, and a bool must not come back as an int (True == 1)
+        assert repr(got) == repr(want), (value, pgtype)
+        assert type(got[1]) is type(want[1]), (value, pgtype)
 
 
 # --- templates --------------------------------------------------------------------------------

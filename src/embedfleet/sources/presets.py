@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from functools import cached_property
 
 from embedfleet.errors import InputError
-from embedfleet.records import Column, RecordError, coerce, epoch_millis, jsonable, lookup, sanitize
+from embedfleet.records import Column, RecordError, coerce, coercer, epoch_millis, jsonable, lookup, sanitize
 from embedfleet.sources import plan_chunks, read_chunk
 
 log = logging.getLogger(__name__)
@@ -42,11 +42,11 @@ class Preset:
 
     def values(self, data: dict, text_field: str | None = None) -> dict[str, object]:
         """Coerced typed columns of one input object (meta columns are added by the caller)."""
-        types = self._types
-        values = {col: coerce(data.get(key), types[col], key) for key, col in self.fields}
+        get = data.get
+        values = {col: to_type(get(key), key) for key, col, to_type in self._coercers}
         if self.rest_column:
-            known = {key for key, _ in self.fields} | {text_field}
-            rest = {k: v for k, v in data.items() if k not in known}
+            known = self._field_keys
+            rest = {k: v for k, v in data.items() if k not in known and k != text_field}
             values[self.rest_column] = jsonable(rest) if rest else None
         return values
 
@@ -56,13 +56,12 @@ class Preset:
             return _field_id(data, id_field)
         if not self.id_fields:
             return f"{os.path.basename(source)}:{line}"
-        columns = dict(self.fields)
         parts = []
-        for key in self.id_fields:
-            value = values.get(columns[key])
+        for key, col, is_time in self._id_columns:
+            value = values.get(col)
             if value is None or value == "":
                 raise RecordError(f"missing field '{key}' needed for the id")
-            parts.append(str(epoch_millis(value)) if self._types[columns[key]] == "timestamptz" else str(value))
+            parts.append(str(epoch_millis(value)) if is_time else str(value))
         return "|".join(parts)
 
     def clean_text(self, text: str) -> str:
@@ -83,6 +82,22 @@ class Preset:
     @cached_property
     def _types(self) -> dict[str, str]:
         return {c.name: c.pgtype for c in self.columns}
+
+    # Per-row work looks these up; they are worked out once per preset.
+    @cached_property
+    def _coercers(self) -> tuple[tuple[str, str, Callable[[object, str], object]], ...]:
+        """(input field, column, its coercer) for every typed field."""
+        return tuple((key, col, coercer(self._types[col])) for key, col in self.fields)
+
+    @cached_property
+    def _field_keys(self) -> frozenset[str]:
+        return frozenset(key for key, _ in self.fields)
+
+    @cached_property
+    def _id_columns(self) -> tuple[tuple[str, str, bool], ...]:
+        """(input field, column, is a timestamp) for every id field."""
+        columns = dict(self.fields)
+        return tuple((key, columns[key], self._types[columns[key]] == "timestamptz") for key in self.id_fields)
 
 
 def _field_id(data: dict, id_field: str) -> str:
