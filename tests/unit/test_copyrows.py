@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 from pgvector import HalfVector, Vector
 
+from embedfleet.store import copyrows
 from embedfleet.store.copyrows import SIGNATURE, TRAILER, RowEncoder, assemble, vector_fields
 
 
@@ -66,3 +67,20 @@ def test_assemble_refuses_a_count_mismatch():
     rows = RowEncoder(["text"]).encode([("a",)])
     with pytest.raises(ValueError, match="1 rows but 2 vectors"):
         assemble(rows, vector_fields(np.zeros((2, 3), np.float32), "vector"))
+
+
+def test_psycopgs_row_writer_and_our_own_framing_give_the_same_bytes(monkeypatch):
+    types = ["text", "text", "float4", "float8", "int4", "int8", "bool", "timestamptz", "jsonb"]
+    ts = datetime(2020, 1, 2, 3, 4, 5, 678000, tzinfo=timezone.utc)
+    rows = [
+        ("a", "héllo \U0001f600", 4.5, -1e300, -(2**31), 2**62, True, ts, {"k": [1, "x", None], "é": 1.5}),
+        ("b", "", None, None, None, None, None, None, None),
+        ("c", "x" * 5000, float("nan"), float("inf"), 0, -1, False, datetime(1, 1, 1, tzinfo=timezone.utc), []),
+    ]
+    assert copyrows.format_row_binary is not None  # the fast path is the one in use here
+    fast = RowEncoder(types).encode(rows)
+    monkeypatch.setattr(copyrows, "format_row_binary", None)
+    own = RowEncoder(types).encode(rows)
+    assert bytes(fast.blob) == bytes(own.blob) and fast.offsets.tolist() == own.offsets.tolist()
+    assert fast.offsets.dtype == np.int64 and fast.n == 3
+    assert [struct.unpack_from(">h", fast.blob, o)[0] for o in fast.offsets[:-1]] == [10] * 3  # 9 + the embedding

@@ -20,6 +20,11 @@ from psycopg.adapt import PyFormat, Transformer
 from psycopg.pq import Format
 from psycopg.types.json import set_json_dumps
 
+try:  # psycopg's own writer of one binary COPY row (C in psycopg[binary]); not public API, hence the fallback
+    from psycopg._copy_base import format_row_binary
+except ImportError:  # pragma: no cover - a psycopg that moved it: RowEncoder frames rows itself
+    format_row_binary = None
+
 # psycopg's type names for our column types.
 COPY_TYPES = {
     "text": "text", "real": "float4", "double precision": "float8", "integer": "int4", "bigint": "int8",
@@ -62,19 +67,28 @@ class RowEncoder:
 
     def encode(self, rows: Sequence[Sequence]) -> EncodedRows:
         out = bytearray()
-        offsets = np.empty(len(rows) + 1, dtype=np.int64)
-        offsets[0] = 0
-        dump = self._tx.dump_sequence
-        for i, row in enumerate(rows):
-            out += self._count
-            for value in dump(row, self._formats):
-                if value is None:
-                    out += _NULL
-                else:
-                    out += _INT4(len(value))
-                    out += value
-            offsets[i + 1] = len(out)
-        return EncodedRows(bytes(out), offsets)
+        ends = [0]
+        write = self._write_row if format_row_binary is not None else self._write_row_py
+        for row in rows:
+            write(row, out)
+            ends.append(len(out))
+        return EncodedRows(bytes(out), np.array(ends, dtype=np.int64))
+
+    def _write_row(self, row: Sequence, out: bytearray) -> None:
+        """psycopg frames the row with the same dumpers, without a Python step per value; its field
+        count is the row's, so it is overwritten with ours (which counts the embedding too)."""
+        start = len(out)
+        format_row_binary(row, self._tx, out)
+        out[start : start + 2] = self._count
+
+    def _write_row_py(self, row: Sequence, out: bytearray) -> None:
+        out += self._count
+        for value in self._tx.dump_sequence(row, self._formats):
+            if value is None:
+                out += _NULL
+            else:
+                out += _INT4(len(value))
+                out += value
 
 
 def vector_fields(emb: np.ndarray, vtype: str) -> np.ndarray:
