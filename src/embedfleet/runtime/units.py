@@ -127,6 +127,7 @@ class Preparer:
         self.preset = get_preset(ctx.preset)
         self.tokenizer = ctx.tokenizer.build()
         self.encoder = RowEncoder(["text", "text"] + [COPY_TYPES[c.pgtype] for c in self.preset.columns])
+        self._column_names = tuple(c.name for c in self.preset.columns)  # each row's values, in column order
         self._ledger = None
 
     def _meta_lookup(self, keys: set[str]) -> dict[str, dict]:
@@ -162,8 +163,8 @@ class Preparer:
             meta_lookup=self._meta_lookup if ctx.meta_id else None,
         )
         kept = [records[i] for i in {r.id: i for i, r in enumerate(records)}.values()]
-        columns = self.preset.columns
-        rows = self.encoder.encode([(r.id, r.content, *(r.values.get(c.name) for c in columns)) for r in kept])
+        names = self._column_names
+        rows = self.encoder.encode([(r.id, r.content, *map(r.values.get, names)) for r in kept])
         tok = self.tokenizer.tokenize([r.content for r in kept], ctx.tokenizer.prefix)
         return Prepared(rows, tok, len(records), rejects, cursor)
 
