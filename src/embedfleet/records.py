@@ -343,7 +343,7 @@ def to_records(
             good.append(raw)
     products = _lookup_products(good, preset, meta_lookup)
     for raw in good:
-        product = products.get(_meta_key(raw.data, preset), {}) if preset.meta_key else {}
+        product = products.get(_meta_key(raw.data, preset), {}) if products else {}  # none looked up: no key to work out
         try:
             records.append(_to_record(raw, preset, product, template, text_field, id_field))
         except RecordError as e:
@@ -377,7 +377,7 @@ def _to_record(raw, preset, product: dict, template: str | None, text_field: str
         text = as_text(lookup(data, text_field))
         empty_reason = f"field '{text_field}' has no text"
     else:
-        text = render_template(template, {**data, **product})
+        text = render_template(template, {**data, **product} if product else data)
         empty_reason = "template renders no text"
     content = preset.clean_text(sanitize(text)).strip()
     if not content:
