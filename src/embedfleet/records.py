@@ -313,7 +313,7 @@ def as_text(value: object) -> str:
 
 def render_template(template: str, fields: dict) -> str:
     """Fill "{title}\\n\\n{text}"-style templates; a missing or None field renders as ""."""
-    return "".join(lit + ("" if path is None else as_text(lookup(fields, path))) for lit, path in _compile(template))
+    return "".join([lit + ("" if path is None else as_text(lookup(fields, path))) for lit, path in _compile(template)])
 
 
 # --- records ----------------------------------------------------------------------------------
