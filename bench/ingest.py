@@ -7,7 +7,9 @@ then times the HNSW build separately), samples every GPU's utilisation with NVML
 worker's summary line (rows, forward-pass seconds, DB seconds, seconds the GPU loop waited on the
 sink or on input). Steady-state rate = rows / the span of the workers' loops, first start to last
 end (model load excluded, a worker that starts late counts); workers' sum = each worker's rows / its
-own loop, summed; wall rate = rows / the whole command's wall time.
+own loop, summed; wall rate = rows / the whole command's wall time. `--gpus 1,2,1,2` repeats counts:
+scaling is against the first count's mean rate, and pair by pair against the run just before;
+`--warmup N` first runs an untimed N-row ingest, so a fresh machine's cold caches count in no result.
 """
 
 from __future__ import annotations
@@ -164,6 +166,8 @@ def main() -> None:
     ap.add_argument("--no-index", action="store_true", help="skip timing the HNSW build")
     ap.add_argument("--vs-bench", type=int, default=0, metavar="N",
                     help="also time the encoder alone (embedfleet bench's code) on the first N texts of this corpus")
+    ap.add_argument("--warmup", type=int, default=0, metavar="N",
+                    help="first an untimed ingest of N rows on the most GPUs (a fresh machine's caches: files, compiled kernels)")
     args = ap.parse_args()
     from embedfleet.synth import cached_reviews
 
@@ -176,7 +180,10 @@ def main() -> None:
         model = str(build_random_model(args.shape, work / args.shape))
     env = dict(os.environ, EMBEDFLEET_HOME=str(work / "home"))
     extra = ["--chunk-bytes", args.chunk_bytes] if args.chunk_bytes else []
-    results = [run_once(data, int(g), model, env, "amazon-reviews", extra, args.cpu, not args.no_index) for g in args.gpus.split(",")]
+    counts = [int(g) for g in args.gpus.split(",")]
+    if args.warmup:
+        run_once(data, max(counts), model, env, "amazon-reviews", extra + ["--limit", str(args.warmup)], args.cpu, False)
+    results = [run_once(data, g, model, env, "amazon-reviews", extra, args.cpu, not args.no_index) for g in counts]
     # Against the first GPU count's rate per GPU, averaged over its runs (--gpus 1,2,1,2 repeats them).
     first = [r for r in results if r["gpus"] == results[0]["gpus"]]
 
@@ -187,6 +194,10 @@ def main() -> None:
         for key, name in (("rows_per_s_steady", "steady"), ("rows_per_s_workers_sum", "workers_sum"),
                           ("rows_per_s_wall", "wall")):
             r[f"scaling_vs_linear_{name}"] = round(r[key] / (per_gpu(key) * r["gpus"]), 3)
+    for i, r in enumerate(results):  # pair by pair: against the latest run of the first GPU count before it
+        base = next((b for b in reversed(results[:i]) if b["gpus"] == results[0]["gpus"]), None)
+        if base is not None and r["gpus"] != base["gpus"]:
+            r["scaling_vs_previous"] = round(r["rows_per_s_steady"] * base["gpus"] / (base["rows_per_s_steady"] * r["gpus"]), 3)
     doc = {"n": args.n, "model": model or "bundled all-MiniLM-L6-v2", "results": results}
     if args.vs_bench:
         alone = encoder_alone(data, model, args.vs_bench)
@@ -202,6 +213,7 @@ def main() -> None:
         print(f"{r['gpus']} GPU: {r['rows_per_s_steady']:,.0f} rows/s steady, {r['rows_per_s_wall']:,.0f} wall, "
               f"util {r['gpu_util_pct']}, db share {r['db_share_of_loop']}, "
               f"GPU waited on DB {r['gpu_waited_on_db_s']}s, scaling {r['scaling_vs_linear_steady']} "
+              f"(pair by pair {r.get('scaling_vs_previous', '-')}) "
               f"(sum of workers' rates {r['scaling_vs_linear_workers_sum']}, start stagger {r['start_stagger_s']} s), "
               f"helpers busy {r['helpers_busy']}, host CPU busy {r['host_cpu_busy']}, CPU µs/row {r['cpu_us_per_row']}"
               + (f", vs encoder alone {r['vs_encoder_alone_texts']} (texts) {r['vs_encoder_alone_tokens']} (tokens)"

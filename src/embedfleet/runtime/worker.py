@@ -284,8 +284,10 @@ def run_worker(job: str, dsn: str, worker: str, device: str = "auto") -> Stats:
     pool = UnitPool(ctx)
     helpers_ready = pool.start_in_background()
     try:
+        t0 = time.perf_counter()
         from embedfleet.encode.encoder import Encoder
 
+        torch_s = time.perf_counter() - t0
         encoder = Encoder(cfg.model, device=device, batch_tokens=cfg.batch_tokens, dim=cfg.dim, tokenizer_workers=0)
         vtype = vector_type(conn, cfg.dtype)
         ensure_table(conn, cfg.table, preset.columns, encoder.dim, vtype)
@@ -333,7 +335,7 @@ def run_worker(job: str, dsn: str, worker: str, device: str = "auto") -> Stats:
 
     try:
         startup = {"imports_s": epoch_begin - (process_started(os.getpid()) or epoch_begin),
-                   "model_s": time.perf_counter() - t_begin}
+                   "torch_s": torch_s, "model_s": time.perf_counter() - t_begin - torch_s}
         t0 = time.perf_counter()
         startup["helpers_s"] = helpers_ready.result()  # started with the model load; usually ready by now
         startup["helpers_wait_s"] = time.perf_counter() - t0
