@@ -315,8 +315,11 @@ def run_worker(job: str, dsn: str, worker: str, device: str = "auto") -> Stats:
 
     heartbeat = Heartbeat(dsn, job, worker, encoder.device, cfg.lease_seconds, stats)
     heartbeat.start()
+    # EMBEDFLEET_WRITERS / EMBEDFLEET_WRITER_DEPTH (measuring knobs): connections writing, units queued for each.
     writer = Writer(lambda: TableSink(connect(dsn), cfg.table, preset.columns, vtype, job),
-                    on_error=lambda u, e: on_fail(u.claim, e), on_done=on_done)
+                    on_error=lambda u, e: on_fail(u.claim, e), on_done=on_done,
+                    threads=int(os.environ.get("EMBEDFLEET_WRITERS", 0)) or 3,
+                    depth=int(os.environ.get("EMBEDFLEET_WRITER_DEPTH", 0)) or 2)
 
     def finish(unit: Unit, handle) -> None:
         """Read a unit's vectors (waiting for the device if needed) and hand it to the writer."""
