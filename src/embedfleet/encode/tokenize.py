@@ -67,7 +67,7 @@ _ASCII_WORDS = re.compile(r"[A-Za-z0-9]+|[^A-Za-z0-9 \t\n\r]")
 # Distinct words remembered per process (up to ~90 MB). A long-tailed corpus keeps meeting new words:
 # one tokenizer over 200,000 reviews of the ingest benchmark's corpus spent 31.7 µs a review with
 # 131,072 words, 27.7 with 524,288 (2-core VM).
-_CACHE_WORDS = 1 << 19
+_CACHE_WORDS = int(os.environ.get("EMBEDFLEET_WORD_CACHE", 0)) or 1 << 19  # env: a measuring knob
 
 
 class _Tokenizer:
