@@ -64,10 +64,12 @@ _CONTROL = re.compile(r"[\x00-\x08\x0b\x0c\x0e-\x1f\x7f]")
 # What BertPreTokenizer makes of clean ASCII text: runs of letters and digits, and every other
 # printable character (all ASCII punctuation to it) on its own; whitespace separates.
 _ASCII_WORDS = re.compile(r"[A-Za-z0-9]+|[^A-Za-z0-9 \t\n\r]")
-# Distinct words remembered per process (up to ~90 MB). A long-tailed corpus keeps meeting new words:
-# one tokenizer over 200,000 reviews of the ingest benchmark's corpus spent 31.7 µs a review with
-# 131,072 words, 27.7 with 524,288 (2-core VM).
-_CACHE_WORDS = int(os.environ.get("EMBEDFLEET_WORD_CACHE", 0)) or 1 << 19  # env: a measuring knob
+# Distinct words remembered per process (~5 MB). Small on purpose: a bigger cache misses less
+# in one process, but helpers then fight over the CPUs' shared cache and memory. Helpers alone on a
+# 32-core GPU host (bench/prep_cpu.py, bench/NOTES.md run 33), 16 processes: 143k and 158k reviews/s
+# with 32,768 words, 118k-121k with 131,072 or 524,288; one process over 200,000 reviews on the
+# 2-core VM: 30.4 µs a review with 32,768, 31.7 with 131,072.
+_CACHE_WORDS = int(os.environ.get("EMBEDFLEET_WORD_CACHE", 0)) or 1 << 15  # env: a measuring knob
 
 
 class _Tokenizer:
