@@ -192,3 +192,36 @@ def test_helpers_leave_when_their_worker_is_killed(tmp_path):
     while any(alive(pid) for pid in pids) and time.time() < deadline:
         time.sleep(0.2)
     assert not any(alive(pid) for pid in pids)
+
+
+def test_helpers_start_in_the_background_with_the_encoders_own_tokenizer(tmp_path):
+    """A worker starts its helpers before torch and the model load: from a tokenizer spec read without
+    the weights, which must be exactly the encoder's (prompt included), and the start reports its time."""
+    from embedfleet.encode.encoder import Encoder
+    from embedfleet.encode.tokenize import tokenizer_spec
+    from embedfleet.runtime import units
+    from embedfleet.synth import write_amazon_reviews
+
+    spec = tokenizer_spec(None, "query: ")
+
+    assert spec == Encoder(device="cpu", tokenizer_workers=0).tokenizer_spec("query: ")
+    src = write_amazon_reviews(tmp_path / "r.jsonl", 30)
+    pool = units.UnitPool(units.UnitContext("amazon-reviews", None, None, None, spec), 2)
+    try:
+        started = pool.start_in_background()
+        assert started.result(timeout=120) > 0
+        task = units.Task(ChunkSpec(str(src), "jsonl", 0, src.stat().st_size, 1), 0, None)
+        out = pool.result(pool.submit(task))
+        assert out.rows.n == 30 and len(out.tok) == 30
+    finally:
+        pool.close()
+
+
+def test_a_tokenizer_spec_needs_no_torch():
+    """So helpers can start while the worker is still importing torch."""
+    import subprocess
+    import sys
+
+    code = ("import sys; from embedfleet.encode.tokenize import tokenizer_spec; tokenizer_spec(None); "
+            "sys.exit('torch' in sys.modules)")
+    assert subprocess.run([sys.executable, "-c", code]).returncode == 0
