@@ -14,6 +14,7 @@ import os
 import time
 
 from embedfleet.config import DEFAULT_CHUNK_BYTES
+from embedfleet.encode.tokenize import tokenizer_spec
 from embedfleet.records import to_records
 from embedfleet.runtime.units import Preparer, Task, UnitContext, UnitPool
 from embedfleet.sources import read_chunk
@@ -48,12 +49,8 @@ def main() -> None:
     ap.add_argument("--model", default=None)
     ap.add_argument("--work", default="/tmp/efbench")
     a = ap.parse_args()
-    # Imported here, not at the top: helpers re-import this script as their main module, and torch
-    # in each of them would cost seconds and memory.
-    from embedfleet.encode.encoder import Encoder
-
     data = cached_reviews(a.work, a.n)
-    ctx = UnitContext("amazon-reviews", None, None, None, Encoder(a.model, device="cpu", tokenizer_workers=0).tokenizer_spec())
+    ctx = UnitContext("amazon-reviews", None, None, None, tokenizer_spec(a.model))  # no torch, no weights
     tasks = [Task(spec, 0, None) for spec in plan_chunks([str(data)], DEFAULT_CHUNK_BYTES)]
     print(f"cores: {len(os.sched_getaffinity(0))}; one helper, per row: {stage_split(ctx, tasks[0])}", flush=True)
     for h in map(int, a.helpers.split(",")):

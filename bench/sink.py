@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 
 from embedfleet.config import JobConfig
-from embedfleet.encode.encoder import Encoder
+from embedfleet.encode.tokenize import tokenizer_spec
 from embedfleet.runtime.units import Preparer, Task, UnitContext
 from embedfleet.sources.plan import plan_chunks
 from embedfleet.sources.presets import get_preset
@@ -40,8 +40,7 @@ def run(dsn: str, src: Path, unit_bytes: int, threads: int, dim: int) -> float:
     ensure_table(conn, name, preset.columns, dim, "vector")
     rng = np.random.default_rng(0)
     units = []
-    tokenizer = Encoder(device="cpu", tokenizer_workers=0).tokenizer_spec()
-    prepare = Preparer(UnitContext("amazon-reviews", None, None, None, tokenizer))
+    prepare = Preparer(UnitContext("amazon-reviews", None, None, None, tokenizer_spec()))
     for spec in chunks:  # prepare everything first: only the sink is timed
         claim = ledger.claim(name, "bench", 600)
         p = prepare(Task(spec, 0, None))

@@ -203,7 +203,6 @@ def test_helpers_start_in_the_background_with_the_encoders_own_tokenizer(tmp_pat
     from embedfleet.synth import write_amazon_reviews
 
     spec = tokenizer_spec(None, "query: ")
-
     assert spec == Encoder(device="cpu", tokenizer_workers=0).tokenizer_spec("query: ")
     src = write_amazon_reviews(tmp_path / "r.jsonl", 30)
     pool = units.UnitPool(units.UnitContext("amazon-reviews", None, None, None, spec), 2)

@@ -22,7 +22,7 @@ from embedfleet.encode.budget import TokenBudget, activation_bytes_per_token, pr
 from embedfleet.encode.models import model_name, read_spec, resolve_model
 from embedfleet.encode.packed.attention import Packing
 from embedfleet.encode.pooling import finish, pool_packed
-from embedfleet.encode.tokenize import Tokenized, TokenizerSpec, text_tokenizer
+from embedfleet.encode.tokenize import Tokenized, TokenizerSpec, model_tokenizer
 from embedfleet.errors import ModelError
 
 MAX_CHUNK, MIN_CHUNK = 16384, 2048  # encode() tokenizes chunks ahead while the device embeds
@@ -74,7 +74,7 @@ class Encoder:
         self.max_seq_length = spec.max_seq_length
         self.name = model_name(model, spec.path)
         self.prompt = prompt
-        self._tok = text_tokenizer(spec, tokenizer_workers)
+        self._tok = model_tokenizer(spec).build(tokenizer_workers)
         if batch_tokens == "auto":
             per = activation_bytes_per_token(hidden, int(spec.config.get("intermediate_size", 4 * hidden)), self.dtype)
             batch_tokens = probe_batch_tokens(self._dev, per, self.max_seq_length, hidden)

@@ -212,9 +212,9 @@ class TokenizerSpec:
     lowercase: bool = False
     prefix: str = ""  # the prompt put before every text
 
-    def build(self) -> "TextTokenizer":
-        """An in-process tokenizer (no pool of its own)."""
-        return TextTokenizer(self.tokenizer_json, self.max_length, self.pad_id, workers=0, lowercase=self.lowercase)
+    def build(self, workers: int | None = 0) -> "TextTokenizer":
+        """The tokenizer, in this process (`workers` 0) or with a pool of processes (None: the default)."""
+        return TextTokenizer(self.tokenizer_json, self.max_length, self.pad_id, workers, lowercase=self.lowercase)
 
 
 class TextTokenizer:
@@ -283,16 +283,16 @@ def _tokenizer_json(spec) -> str:
         raise ModelError(f"model {spec.path} has no usable tokenizer: {err}".splitlines()[0]) from None
 
 
-def text_tokenizer(spec, workers: int | None) -> TextTokenizer:
-    """The tokenizer of a model directory (a `models.ModelSpec`), as the model's own config sets it up."""
+def model_tokenizer(spec, prompt: str | None = None) -> TokenizerSpec:
+    """The tokenizer of a model directory (a `models.ModelSpec`) as the model's own config sets it up,
+    with `prompt` (a name or literal text; None: the model's default) put before every text."""
     st = _read_json(spec.hf_dir / "sentence_bert_config.json") or {}
     pad = spec.config.get("pad_token_id")
-    return TextTokenizer(_tokenizer_json(spec), spec.max_seq_length, pad if isinstance(pad, int) else 0, workers,
-                         lowercase=bool(st.get("do_lower_case")))
+    return TokenizerSpec(_tokenizer_json(spec), spec.max_seq_length, pad if isinstance(pad, int) else 0,
+                         bool(st.get("do_lower_case")), spec.prompt_text(prompt))
 
 
 def tokenizer_spec(model=None, prompt: str | None = None) -> TokenizerSpec:
     """`Encoder(model).tokenizer_spec(prompt)` without torch or the weights: a worker's helpers start
     with it while the model loads."""
-    spec = read_spec(resolve_model(model))
-    return text_tokenizer(spec, 0).spec(spec.prompt_text(prompt))
+    return model_tokenizer(read_spec(resolve_model(model)), prompt)
