@@ -131,3 +131,14 @@ def validate(cfg: JobConfig) -> JobConfig:
         raise InputError("--meta joins product metadata and needs --preset amazon-reviews")
     cfg.lease_seconds = float(os.environ.get("EMBEDFLEET_LEASE_SECONDS", cfg.lease_seconds))
     return cfg
+
+
+def env_int(name: str, default: int | None, least: int = 1) -> int | None:
+    """A whole-number setting from the environment (the measuring knobs); unset or empty: `default`."""
+    raw = os.environ.get(name, "").strip()
+    if not raw:
+        return default
+    value = int(raw) if raw.lstrip("-").isdigit() else least - 1
+    if value < least:
+        raise InputError(f"{name}={raw!r}: expected a whole number ≥ {least}")
+    return value

@@ -6,7 +6,7 @@ from collections import deque
 
 import pytest
 
-from embedfleet.config import JobConfig, build_config
+from embedfleet.config import JobConfig, build_config, env_int
 from embedfleet.errors import InputError
 from embedfleet.runtime.local import apply_limit, parse_devices
 from embedfleet.runtime.monitor import rate_and_eta
@@ -95,3 +95,16 @@ def test_yaml_with_unknown_key_is_refused(tmp_path):
     y.write_text("inputs: [a]\nmodle: x\n")
     with pytest.raises(InputError, match="unknown key 'modle'"):
         build_config({}, str(y))
+
+
+def test_measuring_knobs_from_the_environment(monkeypatch):
+    monkeypatch.delenv("EMBEDFLEET_X", raising=False)
+    assert env_int("EMBEDFLEET_X", 3) == 3
+    monkeypatch.setenv("EMBEDFLEET_X", " 6 ")
+    assert env_int("EMBEDFLEET_X", 3) == 6
+    monkeypatch.setenv("EMBEDFLEET_X", "0")
+    assert env_int("EMBEDFLEET_X", None, least=0) == 0
+    for bad in ("0", "-2", "six", "1.5"):  # a value it cannot use: one line naming the setting, not a traceback
+        monkeypatch.setenv("EMBEDFLEET_X", bad)
+        with pytest.raises(InputError, match=r"EMBEDFLEET_X=.*whole number ≥ 1"):
+            env_int("EMBEDFLEET_X", 3)

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from embedfleet.encode.batching import cumulative, length_order
+from embedfleet.config import env_int
 from embedfleet.encode.models import _read_json, read_spec, resolve_model
 from embedfleet.errors import ModelError
 
@@ -69,7 +70,7 @@ _ASCII_WORDS = re.compile(r"[A-Za-z0-9]+|[^A-Za-z0-9 \t\n\r]")
 # 32-core GPU host (bench/prep_cpu.py, bench/NOTES.md run 33), 16 processes: 143k and 158k reviews/s
 # with 32,768 words, 118k-121k with 131,072 or 524,288; one process over 200,000 reviews on the
 # 2-core VM: 30.4 µs a review with 32,768, 31.7 with 131,072.
-_CACHE_WORDS = int(os.environ.get("EMBEDFLEET_WORD_CACHE", 0)) or 1 << 15  # env: a measuring knob
+_CACHE_WORDS = 1 << 15  # EMBEDFLEET_WORD_CACHE overrides (a measuring knob)
 
 
 class _Tokenizer:
@@ -111,6 +112,7 @@ class _Tokenizer:
 
     def _setup_words(self, max_length: int, lowercase: bool) -> None:
         self._model, self._lower, self._cache = self.full.model, lowercase, {}
+        self._max_words = env_int("EMBEDFLEET_WORD_CACHE", _CACHE_WORDS, least=2)
         # The special tokens the post-processor puts around a text ([CLS] … [SEP]), found by example.
         probe = self.twin.encode("hello", add_special_tokens=True).ids
         core = [t.id for t in self._model.tokenize("hello")]
@@ -138,8 +140,8 @@ class _Tokenizer:
     def _learn(self, word: str) -> tuple[int, ...]:
         """A word the cache does not hold: ask the library's WordPiece (~3.5 µs). A full cache keeps
         its older half: the words met first, which are mostly the frequent ones (Zipf), stay."""
-        if len(self._cache) >= _CACHE_WORDS:
-            self._cache = dict(itertools.islice(self._cache.items(), _CACHE_WORDS // 2))
+        if len(self._cache) >= self._max_words:
+            self._cache = dict(itertools.islice(self._cache.items(), self._max_words // 2))
         piece = self._cache[word] = tuple(t.id for t in self._model.tokenize(word))
         return piece
 

@@ -37,6 +37,7 @@ from dataclasses import dataclass
 import numpy as np
 import psutil
 
+from embedfleet.config import env_int
 from embedfleet.encode.tokenize import Tokenized, TokenizerSpec, default_workers, spawn_works
 from embedfleet.records import Reject, to_records
 from embedfleet.sources import RawRecord, read_chunk
@@ -223,10 +224,8 @@ def _helper_ready(_) -> int:
 def helper_count(cores: int | None = None) -> int:
     """$EMBEDFLEET_PREP_WORKERS, else half of `cores` (this worker's share of the machine; default:
     all of it) up to 8, and none under 4 cores: the tokenizer pool's rule."""
-    env = os.environ.get("EMBEDFLEET_PREP_WORKERS")
-    if env:
-        return max(0, int(env))
-    return default_workers(cores)
+    env = env_int("EMBEDFLEET_PREP_WORKERS", None, least=0)
+    return default_workers(cores) if env is None else env
 
 
 class UnitPool:

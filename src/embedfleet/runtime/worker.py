@@ -29,7 +29,7 @@ from typing import Iterator
 
 import orjson
 
-from embedfleet.config import JobConfig
+from embedfleet.config import JobConfig, env_int
 from embedfleet.errors import EmbedfleetError, JobError
 from embedfleet.encode.tokenize import tokenizer_spec
 from embedfleet.runtime.units import Task, UnitContext, UnitPool, settle_gc, stream_tasks
@@ -277,6 +277,10 @@ def run_worker(job: str, dsn: str, worker: str, device: str = "auto") -> Stats:
         raise JobError(f"no job {job!r} in this database; start it with `embedfleet ingest`")
     cfg = JobConfig.from_json(row["config"])
     preset = get_preset(cfg.preset)
+    # Measuring knobs: connections writing and units queued for each; the most tasks in preparation
+    # at once (0 or unset: 2 × helpers + 2).
+    writers, writer_depth = env_int("EMBEDFLEET_WRITERS", 3), env_int("EMBEDFLEET_WRITER_DEPTH", 2)
+    tasks_ahead = env_int("EMBEDFLEET_TASKS_AHEAD", 0, least=0) or None
     # The helpers (units.py) tokenize, so the encoder needs no tokenizer pool of its own. They start
     # (seconds: each imports and loads the tokenizer) while this process loads torch and the model.
     ctx = UnitContext(cfg.preset, cfg.text_template, cfg.text_field, cfg.id_field, tokenizer_spec(cfg.model, cfg.prompt),
@@ -315,11 +319,8 @@ def run_worker(job: str, dsn: str, worker: str, device: str = "auto") -> Stats:
 
     heartbeat = Heartbeat(dsn, job, worker, encoder.device, cfg.lease_seconds, stats)
     heartbeat.start()
-    # EMBEDFLEET_WRITERS / EMBEDFLEET_WRITER_DEPTH (measuring knobs): connections writing, units queued for each.
     writer = Writer(lambda: TableSink(connect(dsn), cfg.table, preset.columns, vtype, job),
-                    on_error=lambda u, e: on_fail(u.claim, e), on_done=on_done,
-                    threads=int(os.environ.get("EMBEDFLEET_WRITERS", 0)) or 3,
-                    depth=int(os.environ.get("EMBEDFLEET_WRITER_DEPTH", 0)) or 2)
+                    on_error=lambda u, e: on_fail(u.claim, e), on_done=on_done, threads=writers, depth=writer_depth)
 
     def finish(unit: Unit, handle) -> None:
         """Read a unit's vectors (waiting for the device if needed) and hand it to the writer."""
@@ -348,8 +349,7 @@ def run_worker(job: str, dsn: str, worker: str, device: str = "auto") -> Stats:
         settle_gc()  # a full collection over torch's objects would stall the GPU loop (it holds the GIL)
         t_start, epoch_start = time.perf_counter(), time.time()
         cpu_start, loop_cpu_start = time.process_time(), time.thread_time()
-        # EMBEDFLEET_TASKS_AHEAD: the most tasks in preparation at once (default: 2 × helpers + 2).
-        throttle = Throttle(pool.workers, int(os.environ.get("EMBEDFLEET_TASKS_AHEAD", 0)) or None)
+        throttle = Throttle(pool.workers, tasks_ahead)
         ahead = Prefetch(timed(produce_units(dsn, job, worker, cfg, pool, throttle, on_fail, stats), stats), depth=1)
         units = iter(ahead)
         pending = None  # (unit, handle) queued on the device whose result is not read yet
