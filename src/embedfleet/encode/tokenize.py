@@ -68,8 +68,8 @@ _ASCII_WORDS = re.compile(r"[A-Za-z0-9]+|[^A-Za-z0-9 \t\n\r]")
 # Distinct words remembered per process (~5 MB). Small on purpose: a bigger cache misses less
 # in one process, but helpers then fight over the CPUs' shared cache and memory. Helpers alone on a
 # 32-core GPU host (bench/prep_cpu.py, bench/NOTES.md run 33), 16 processes: 143k and 158k reviews/s
-# with 32,768 words, 118k-121k with 131,072 or 524,288; one process over 200,000 reviews on the
-# 2-core VM: 30.4 µs a review with 32,768, 31.7 with 131,072.
+# with 32,768 words, 118k-121k with 131,072 or 524,288. One helper alone (2-core VM, 200,000 reviews)
+# is ~5% slower with it: 21,163-22,283 reviews/s against 22,431-23,433.
 _CACHE_WORDS = 1 << 15  # EMBEDFLEET_WORD_CACHE overrides (a measuring knob)
 
 
