@@ -159,6 +159,7 @@ def test_bert_ascii_shortcuts_give_the_librarys_ids(lowercase, monkeypatch):
     from tokenizers import Tokenizer
 
     from embedfleet.encode.tokenize import _tokenizer_json
+    from embedfleet.encode.wordpiece import WORDS
     from embedfleet.encode.models import read_spec, resolve_model
     from embedfleet.synth import long_tail_texts, review_texts
 
@@ -177,9 +178,17 @@ def test_bert_ascii_shortcuts_give_the_librarys_ids(lowercase, monkeypatch):
               "#tag @user http://example.com/p?q=1&r=[2] {x|y} `code` \\back", "ALLCAPS qwzxv xyzzyq"]
     texts = tricky + review_texts(300, seed=3) + long_tail_texts(300, seed=4)
     want = [e.ids for e in reference.encode_batch(texts)]
-    assert fast.ids(texts) == want  # a mixed batch: all three paths, input order kept
-    assert fast.ids([t for t in texts if t.isascii()]) == [w for t, w in zip(texts, want) if t.isascii()]
-    # a cache too small for the texts' words keeps half of itself each time it fills: same ids
+
+    def ids(tok, batch):
+        return tokenize_mod._split(*tok.encode(batch, pad_id=0))
+
+    assert ids(fast, texts) == want  # a mixed batch: all three paths, input order kept
+    ascii_texts = [t for t in texts if t.isascii()]
+    assert ids(fast, ascii_texts) == [w for t, w in zip(texts, want) if t.isascii()]
+    assert ids(fast, texts[::-1]) == want[::-1]  # the word table, now full of these words, gives the same
+    # a table too small for the texts' words keeps its older half each time it fills: same ids
     monkeypatch.setattr(tokenize_mod, "_CACHE_WORDS", 64)
     fresh = tokenize_mod._Tokenizer(tj, 256)
-    assert fresh.ids(texts) == want and len(fresh._cache) <= 64
+    distinct = len({w for t in ascii_texts for w in WORDS.findall(t.lower() if lowercase else t)})
+    assert ids(fresh, texts) == want
+    assert ids(fresh, texts) == want and len(fresh.words.table) < distinct / 2  # it did forget words

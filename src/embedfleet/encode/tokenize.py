@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from embedfleet.encode.batching import cumulative, length_order
+from embedfleet.encode.wordpiece import AsciiWordPiece
 from embedfleet.config import env_int
 from embedfleet.encode.models import _read_json, read_spec, resolve_model
 from embedfleet.errors import ModelError
@@ -62,9 +63,6 @@ def pack_sorted(ids: np.ndarray, lengths: np.ndarray) -> Tokenized:
 
 # ASCII control characters that BERT's text cleaning deletes (tab, newline and CR it turns into spaces).
 _CONTROL = re.compile(r"[\x00-\x08\x0b\x0c\x0e-\x1f\x7f]")
-# What BertPreTokenizer makes of clean ASCII text: runs of letters and digits, and every other
-# printable character (all ASCII punctuation to it) on its own; whitespace separates.
-_ASCII_WORDS = re.compile(r"[A-Za-z0-9]+|[^A-Za-z0-9 \t\n\r]")
 # Distinct words remembered per process (~5 MB). Small on purpose: a bigger cache misses less
 # in one process, but helpers then fight over the CPUs' shared cache and memory. Helpers alone on a
 # 32-core GPU host (bench/prep_cpu.py, bench/NOTES.md run 33), 16 processes: 143k and 158k reviews/s
@@ -80,9 +78,8 @@ class _Tokenizer:
     (BertNormalizer, BertPreTokenizer, WordPiece) on ASCII text without control characters, the
     normalizer only lowercases and the pre-tokenizer only splits words from punctuation, so:
 
-    - `words`: such a text is split by one regex and each word's ids come from a cache that the
-      library's own WordPiece model fills (`tokenizers.models.WordPiece.tokenize`): 10–30 µs per
-      review against 50–65 through the library, more as more words are rare (bench/NOTES.md run 22).
+    - `words`: such texts go to `wordpiece.AsciiWordPiece` (one regex, a word table the library's own
+      WordPiece fills, numpy for the rest): ~13 µs a review against 50–65 through the library.
       Texts that could hold an added token ([MASK], …) skip this path: the library matches those
       before anything else.
     - `twin`: the library with a normalizer that only lowercases, for those texts (70 → 48 µs).
@@ -100,7 +97,7 @@ class _Tokenizer:
             tok.enable_truncation(max_length)
             return tok
 
-        self.full, self.twin, self.words = load(), None, False
+        self.full, self.twin, self.words = load(), None, None
         norm = self.full.normalizer
         if not isinstance(norm, normalizers.BertNormalizer):
             return
@@ -108,68 +105,72 @@ class _Tokenizer:
         self.twin.normalizer = normalizers.Lowercase() if norm.lowercase else None
         if isinstance(self.full.pre_tokenizer, pre_tokenizers.BertPreTokenizer) and isinstance(
                 self.full.model, models.WordPiece):
-            self._setup_words(max_length, norm.lowercase)
+            self.words = self._word_path(max_length, norm.lowercase)
 
-    def _setup_words(self, max_length: int, lowercase: bool) -> None:
-        self._model, self._lower, self._cache = self.full.model, lowercase, {}
-        self._max_words = env_int("EMBEDFLEET_WORD_CACHE", _CACHE_WORDS, least=2)
+    def _word_path(self, max_length: int, lowercase: bool) -> AsciiWordPiece | None:
+        model = self.full.model
         # The special tokens the post-processor puts around a text ([CLS] … [SEP]), found by example.
         probe = self.twin.encode("hello", add_special_tokens=True).ids
-        core = [t.id for t in self._model.tokenize("hello")]
+        core = [t.id for t in model.tokenize("hello")]
         at = next((i for i in range(len(probe)) if probe[i : i + len(core)] == core), None)
-        if at is None:
-            return
-        self._prefix, self._suffix = probe[:at], probe[at + len(core) :]
-        self._room = max_length - len(self._prefix) - len(self._suffix)
+        if at is None or len(probe) == len(core):  # no [CLS] … [SEP]: an empty text would have no ids
+            return None
+        prefix, suffix = probe[:at], probe[at + len(core) :]
+        room = max_length - len(prefix) - len(suffix)
+        if room <= 0:
+            return None
         added = [t.content for t in self.full.get_added_tokens_decoder().values()]
         self._added = re.compile("|".join(map(re.escape, added)), re.IGNORECASE) if added else None
+        words = AsciiWordPiece(model, lowercase, prefix, suffix, room,
+                               env_int("EMBEDFLEET_WORD_CACHE", _CACHE_WORDS, least=2))
         check = ["Hello, World! It's $4.99 (ok?) e-mail@x.com", "word " * (max_length + 10), "", "x" * 150]
-        self.words = self._room > 0
-        if self.words and [self._word_ids(t) for t in check] != [e.ids for e in self.twin.encode_batch(check)]:
-            self.words = False  # a tokenizer this reimplementation does not match: the library's path only
+        if _split(*words.encode(check)) != [e.ids for e in self.twin.encode_batch(check)]:
+            return None  # a tokenizer this reimplementation does not match: the library's path only
+        return words
 
-    def _word_ids(self, text: str) -> list[int]:
-        cache, ids = self._cache, []  # a local: _learn may swap the cache, this text finishes on the old one
-        for word in _ASCII_WORDS.findall(text.lower() if self._lower else text):
-            piece = cache.get(word)
-            if piece is None:
-                piece = self._learn(word)
-            ids += piece
-        return [*self._prefix, *ids[: self._room], *self._suffix]
-
-    def _learn(self, word: str) -> tuple[int, ...]:
-        """A word the cache does not hold: ask the library's WordPiece (~3.5 µs). A full cache keeps
-        its older half: the words met first, which are mostly the frequent ones (Zipf), stay."""
-        if len(self._cache) >= self._max_words:
-            self._cache = dict(itertools.islice(self._cache.items(), self._max_words // 2))
-        piece = self._cache[word] = tuple(t.id for t in self._model.tokenize(word))
-        return piece
-
-    def ids(self, texts: list[str]) -> list[list[int]]:
+    def encode(self, texts: list[str], pad_id: int) -> tuple[np.ndarray, np.ndarray]:
+        """Packed int32 ids and int32 lengths, in input order; an empty encoding becomes [pad_id]."""
         if self.twin is None:
-            return [e.ids for e in self.full.encode_batch_fast(texts, add_special_tokens=True)]
-        out: list = [None] * len(texts)
-        rest: tuple[list, list] = ([], [])  # indices for the twin, for the full path
-        added = self._added if self.words else None
+            return _pack(self.full, texts, range(len(texts)), pad_id)
+        paths: tuple[list, list, list] = ([], [], [])  # indices for the word path, the twin, the full path
+        added = self._added if self.words is not None else None
         for i, t in enumerate(texts):
             if not t.isascii() or _CONTROL.search(t) is not None:
-                rest[1].append(i)
-            elif self.words and (added is None or added.search(t) is None):
-                out[i] = self._word_ids(t)
+                paths[2].append(i)
+            elif self.words is not None and (added is None or added.search(t) is None):
+                paths[0].append(i)
             else:
-                rest[0].append(i)
-        for tok, idx in zip((self.twin, self.full), rest):
-            if idx:
-                for i, e in zip(idx, tok.encode_batch_fast([texts[i] for i in idx], add_special_tokens=True)):
-                    out[i] = e.ids
-        return out
+                paths[1].append(i)
+        if len(paths[0]) == len(texts):
+            return self.words.encode(texts)
+        groups = [(paths[0], *self.words.encode([texts[i] for i in paths[0]]))] if paths[0] else []
+        groups += [(idx, *_pack(tok, texts, idx, pad_id)) for tok, idx in zip((self.twin, self.full), paths[1:]) if idx]
+        return _merge(len(texts), groups)
 
 
-def _encode(tokenizer: _Tokenizer, texts: list[str], pad_id: int) -> tuple[np.ndarray, np.ndarray]:
-    seqs = [ids or [pad_id] for ids in tokenizer.ids(texts)]
+def _pack(tokenizer, texts: list[str], idx, pad_id: int) -> tuple[np.ndarray, np.ndarray]:
+    """The library's ids of texts[i] for i in `idx`, packed."""
+    seqs = [e.ids or [pad_id] for e in tokenizer.encode_batch_fast([texts[i] for i in idx], add_special_tokens=True)]
     lengths = np.fromiter(map(len, seqs), dtype=np.int32, count=len(seqs))
     ids = np.fromiter(itertools.chain.from_iterable(seqs), dtype=np.int32, count=int(lengths.sum()))
     return ids, lengths
+
+
+def _merge(n: int, groups: list[tuple[list[int], np.ndarray, np.ndarray]]) -> tuple[np.ndarray, np.ndarray]:
+    """Packed (ids, lengths) of several groups of input indices, as one packing in input order."""
+    lengths = np.zeros(n, np.int32)
+    for idx, _, lens in groups:
+        lengths[idx] = lens
+    first = cumulative(lengths)[:-1]
+    out = np.empty(int(lengths.sum()), np.int32)
+    for idx, ids, lens in groups:
+        out[np.repeat(first[idx] - cumulative(lens)[:-1], lens) + np.arange(len(ids))] = ids
+    return out, lengths
+
+
+def _split(ids: np.ndarray, lengths: np.ndarray) -> list[list[int]]:
+    """Packed ids back into one list per text."""
+    return [a.tolist() for a in np.split(ids, cumulative(lengths)[1:-1])]
 
 
 _WORKER: tuple | None = None
@@ -183,7 +184,7 @@ def _worker_init(tokenizer_json: str, max_length: int, pad_id: int) -> None:
 
 
 def _worker_encode(texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
-    return _encode(_WORKER[0], texts, _WORKER[1])
+    return _WORKER[0].encode(texts, _WORKER[1])
 
 
 def spawn_works() -> bool:
@@ -252,7 +253,7 @@ class TextTokenizer:
         if self.lowercase:
             texts = [t.lower() for t in texts]
         if self.workers == 0 or len(texts) < POOL_MIN_TEXTS:
-            return _encode(self._local, texts, self.pad_id)
+            return self._local.encode(texts, self.pad_id)
         step = max(256, -(-len(texts) // (self.workers * 4)))
         parts = list(self._get_pool().map(_worker_encode, [texts[i : i + step] for i in range(0, len(texts), step)]))
         return np.concatenate([p[0] for p in parts]), np.concatenate([p[1] for p in parts])
