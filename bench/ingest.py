@@ -58,6 +58,38 @@ class GpuSampler(threading.Thread):
         return [round(sum(s[i] for s in window) / len(window), 1) for i in range(len(self.indices))]
 
 
+class PgWaitSampler(threading.Thread):
+    """What the server's busy connections are doing (pg_stat_activity's wait event, or CPU when none),
+    sampled every `period` s: the share of samples per state tells whether the database waits on its
+    disk, on a lock (WAL insertion, the ledger's rows) or computes."""
+
+    def __init__(self, dsn: str, period: float = 0.05):
+        super().__init__(daemon=True)
+        self.dsn, self.period, self.counts = dsn, period, {}
+        self._halt = threading.Event()
+
+    def run(self):
+        import psycopg
+
+        with psycopg.connect(self.dsn, autocommit=True) as conn:
+            while not self._halt.wait(self.period):
+                for kind, event, backend in conn.execute(
+                        "SELECT wait_event_type, wait_event, backend_type FROM pg_stat_activity "
+                        "WHERE pid <> pg_backend_pid() AND (state = 'active' OR backend_type <> 'client backend')"):
+                    who = "client" if backend == "client backend" else backend
+                    if who == "client" or kind not in (None, "Activity"):
+                        key = f"{who}: {kind}:{event}" if kind else f"{who}: CPU"
+                        self.counts[key] = self.counts.get(key, 0) + 1
+
+    def stop(self) -> dict:
+        self._halt.set()
+        self.join()
+        total = sum(v for k, v in self.counts.items() if k.startswith("client")) or 1
+        # client connections' states as shares of their samples; background processes' as counts
+        return {k: round(v / total, 3) if k.startswith("client") else v
+                for k, v in sorted(self.counts.items(), key=lambda kv: -kv[1]) if v / total >= 0.005}
+
+
 def _jiffies() -> tuple[int, int]:
     """(busy, total) CPU ticks of the whole host since boot."""
     v = [int(x) for x in open("/proc/stat").readline().split()[1:]]
@@ -89,11 +121,16 @@ def run_once(data: Path, gpus: int, model: str | None, env: dict, preset: str, e
         cmd += ["--model", model]
     sampler = GpuSampler(list(range(gpus)))
     sampler.start()
+    dsn = subprocess.run([sys.executable, "-m", "embedfleet.cli", "db", "uri"], capture_output=True, text=True,
+                         env=env, check=True).stdout.strip()
+    pg_waits = PgWaitSampler(dsn)
+    pg_waits.start()
     t0, host0, pg0 = time.perf_counter(), _jiffies(), _postgres_cpu_s()
     p = subprocess.run(cmd, capture_output=True, text=True, env=env)
     wall = time.perf_counter() - t0
     host1, pg1 = _jiffies(), _postgres_cpu_s()
     util = sampler.stop()
+    waits = pg_waits.stop()
     sys.stderr.write(p.stderr[-4000:])
     if p.returncode != 0:
         raise SystemExit(f"ingest failed ({p.returncode})")
@@ -129,6 +166,9 @@ def run_once(data: Path, gpus: int, model: str | None, env: dict, preset: str, e
         "cpu_us_per_row": {"workers": round(sum(w["cpu_s"] for w in workers) / rows * 1e6, 1),
                            "helpers": round(sum(w["helper_cpu_s"] for w in workers) / rows * 1e6, 1),
                            "postgres": round((pg1 - pg0) / rows * 1e6, 1)} if rows else None,
+        "pg_waits": waits,  # client connections: share of samples per wait event (CPU: none)
+        "records_thread_s": {k: round(max(w.get(k, 0) for w in workers), 3)
+                             for k in ("read_s", "claim_s", "collect_s", "records_blocked_s")},
         "hnsw_index_s": index_s, "workers": workers,
     }
 
@@ -215,7 +255,8 @@ def main() -> None:
               f"GPU waited on DB {r['gpu_waited_on_db_s']}s, scaling {r['scaling_vs_linear_steady']} "
               f"(pair by pair {r.get('scaling_vs_previous', '-')}) "
               f"(sum of workers' rates {r['scaling_vs_linear_workers_sum']}, start stagger {r['start_stagger_s']} s), "
-              f"helpers busy {r['helpers_busy']}, host CPU busy {r['host_cpu_busy']}, CPU µs/row {r['cpu_us_per_row']}"
+              f"helpers busy {r['helpers_busy']}, host CPU busy {r['host_cpu_busy']}, CPU µs/row {r['cpu_us_per_row']}, "
+              f"records thread (max of workers) {r['records_thread_s']}, pg waits {r['pg_waits']}"
               + (f", vs encoder alone {r['vs_encoder_alone_texts']} (texts) {r['vs_encoder_alone_tokens']} (tokens)"
                  if "vs_encoder_alone_texts" in r else ""))
 

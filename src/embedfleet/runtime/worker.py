@@ -1,6 +1,7 @@
 """The worker loop — the whole pipeline of one device, start to finish.
 
-    claim chunks (ledger), keep every helper busy                        [records thread]
+    claim chunks (ledger), a couple ahead                                [claims thread]
+    → keep every helper busy, collect prepared units in claim order      [records thread]
     → read, template/sanitize/join meta, tokenize, encode COPY rows      [helper processes, units.py]
     → forward pass, pooling, normalisation on the device                 [main thread]
     → COPY rows + vectors, rejects, chunk progress in one transaction    [writer threads]
@@ -50,6 +51,8 @@ class Stats:
     wait_seconds: float = 0.0  # time the main thread waited for the prefetch thread
     sink_wait_seconds: float = 0.0  # time the main thread waited for the writer (back-pressure)
     read_seconds: float = 0.0  # records thread: claiming, reading streams, waiting for prepared units
+    claim_seconds: float = 0.0  # claims thread: claiming chunks from the ledger (a query each)
+    collect_seconds: float = 0.0  # records thread: waiting for the oldest unit in preparation, reading it
     helper_seconds: float = 0.0  # helpers' wall time preparing units (over helpers × wall: how busy they were)
     helper_cpu_seconds: float = 0.0  # and their CPU time (below helper_seconds when helpers share cores)
     state: str = "starting"
@@ -58,13 +61,15 @@ class Stats:
 # ---- stage 1: claim chunks, have their units prepared (records thread + helper processes) ---------
 
 
-def claimed_tasks(ledger: Ledger, job: str, worker: str, cfg: JobConfig, on_fail) -> Iterator:
+def claimed_tasks(ledger: Ledger, job: str, worker: str, cfg: JobConfig, on_fail, stats: Stats) -> Iterator:
     """(claim, task) pairs until no chunk is left, and None whenever nothing can be claimed right
     now (the caller then finishes what it has in flight: those chunks count as running too). Keeps
     looking while chunks are still running: one of ours may fail and come back, and a dead worker's
     come back when its lease expires."""
     while True:
+        t0 = time.perf_counter()
         claim = ledger.claim(job, worker, cfg.lease_seconds)
+        stats.claim_seconds += time.perf_counter() - t0
         if claim is None:
             mine, others = ledger.running_split(job, worker)
             if mine + others == 0:
@@ -127,11 +132,20 @@ def produce_units(dsn: str, job: str, worker: str, cfg: JobConfig, pool: UnitPoo
                   on_fail, stats: Stats) -> Iterator[Unit]:
     """Units in claim order, prepared up to `throttle.limit` tasks ahead on the pool's helpers."""
     conn = connect(dsn)
+    # A claim is a commit. Made durable, it would wait for the server to flush all the WAL written
+    # before it — the writers' rows, hundreds of MB a second: claims took 4-13 ms each on 2 GPUs
+    # (bench/NOTES.md run 36). A claim lost in a server crash is harmless: WAL is flushed in order,
+    # so no later commit of that chunk's rows survives without it; the chunk is simply pending again.
+    conn.execute("SET synchronous_commit = off")
     ledger = Ledger(conn)
     window: deque = deque()  # (claim, task, future), oldest first
+    # Claims come from their own thread, two ahead: a query waited for here would hold back both
+    # the next unit for the GPU and the next task for an idle helper.
+    claims = Prefetch(claimed_tasks(ledger, job, worker, cfg, on_fail, stats), depth=2, name="embedfleet-claims")
 
     def collect() -> Iterator[Unit]:
         claim, task, future = window.popleft()
+        t0 = time.perf_counter()
         try:
             p = pool.result(future)
         except BrokenProcessPool:
@@ -139,12 +153,14 @@ def produce_units(dsn: str, job: str, worker: str, cfg: JobConfig, pool: UnitPoo
         except Exception as e:  # a bad file in a helper: the chunk fails, the job goes on
             on_fail(claim, e)
             return
+        finally:
+            stats.collect_seconds += time.perf_counter() - t0
         stats.helper_seconds += p.busy_s
         stats.helper_cpu_seconds += p.cpu_s
         yield Unit(claim, p.rows, p.seen, p.rejects, p.cursor_line, task.last, p.tok.num_tokens, p.tok)
 
     try:
-        for item in claimed_tasks(ledger, job, worker, cfg, on_fail):
+        for item in claims:
             if item is None:
                 while window:
                     yield from collect()
@@ -175,11 +191,12 @@ class Prefetch:
 
     _END = object()
 
-    def __init__(self, gen: Iterator, depth: int = 2):
+    def __init__(self, gen: Iterator, depth: int = 2, name: str = "embedfleet-prefetch"):
         self._q: queue.Queue = queue.Queue(maxsize=depth)
         self._putting = 0
         self.cpu_s = 0.0  # the thread's CPU time, once it has finished
-        self._thread = threading.Thread(target=self._run, args=(gen,), name="embedfleet-prefetch", daemon=True)
+        self.blocked_s = 0.0  # time it waited for room: its items were ready before the consumer was
+        self._thread = threading.Thread(target=self._run, args=(gen,), name=name, daemon=True)
         self._thread.start()
 
     def _run(self, gen):
@@ -201,10 +218,12 @@ class Prefetch:
 
     def _put(self, item) -> None:
         self._putting = 1
+        t0 = time.perf_counter()
         try:
             self._q.put(item)
         finally:
             self._putting = 0
+            self.blocked_s += time.perf_counter() - t0
 
     def __iter__(self):
         while (item := self._q.get()) is not self._END:
@@ -401,7 +420,9 @@ def run_worker(job: str, dsn: str, worker: str, device: str = "auto") -> Stats:
         "wall_s": round(wall, 3), "rows_per_s": round(stats.rows / wall, 1) if wall else 0.0,
         "embed_s": round(stats.embed_seconds, 3), "input_wait_s": round(stats.wait_seconds, 3),
         "db_s": round(writer.db_seconds, 3), "sink_wait_s": round(stats.sink_wait_seconds, 3),
-        "read_s": round(stats.read_seconds, 3), "helpers": pool.workers,
+        "read_s": round(stats.read_seconds, 3), "claim_s": round(stats.claim_seconds, 3),
+        "collect_s": round(stats.collect_seconds, 3), "records_blocked_s": round(ahead.blocked_s, 3),
+        "helpers": pool.workers,
         "claims_ahead_mean": round(throttle.mean, 2), "claims_ahead_end": throttle.limit,
         "helper_busy_s": round(stats.helper_seconds, 3), "helper_cpu_s": round(stats.helper_cpu_seconds, 3),
         "cpu_s": round(cpu, 3),  # this process, all its threads (its helpers are in helper_cpu_s)
