@@ -115,9 +115,11 @@ class TableSink:
 
 class Writer:
     """Commits units on `threads` background threads, each with its own connection, so the server
-    inserts in parallel. A chunk's units always go to the same thread: they commit in order, so a
-    chunk's cursor never moves backwards. `submit` blocks only when a thread has `depth` units
-    waiting — the back-pressure that keeps memory bounded."""
+    inserts in parallel. A unit goes to the thread with the fewest units queued or committing, except
+    that a chunk's later units follow its first: they commit in order, so a chunk's cursor never
+    moves backwards. (Fixed turns, chunk number modulo threads, made every unit wait whenever one
+    commit was slow — a checkpoint, a WAL flush — while the other threads sat idle.) `submit` blocks
+    only when the chosen thread has `depth` units waiting: the back-pressure that keeps memory bounded."""
 
     def __init__(self, sink_factory: Callable[[], TableSink], on_error: Callable[[Unit, BaseException], None],
                  on_done: Callable[[Unit, int], None] | None = None, depth: int = 2, threads: int = 3):
@@ -125,6 +127,9 @@ class Writer:
         self._queues = [queue.Queue(maxsize=depth) for _ in range(threads)]
         self._seconds = [0.0] * threads
         self._cpu = [0.0] * threads
+        self._load = [0] * threads  # units queued or committing, per thread
+        self._chunk_thread: dict = {}  # claim token → thread, while that chunk has units still to come
+        self._lock = threading.Lock()
         self.fatal: BaseException | None = None
         self._threads = [threading.Thread(target=self._run, args=(i,), name=f"embedfleet-writer-{i}", daemon=True)
                          for i in range(threads)]
@@ -144,7 +149,18 @@ class Writer:
     def submit(self, unit: Unit) -> None:
         if self.fatal is not None:
             raise self.fatal
-        self._queues[unit.claim.chunk % len(self._queues)].put(unit)
+        self._queues[self._route(unit)].put(unit)
+
+    def _route(self, unit: Unit) -> int:
+        with self._lock:
+            token = unit.claim.token
+            i = self._chunk_thread.pop(token, None)
+            if i is None:
+                i = min(range(len(self._load)), key=self._load.__getitem__)
+            if not unit.last:
+                self._chunk_thread[token] = i
+            self._load[i] += 1
+            return i
 
     def close(self) -> None:
         for q in self._queues:
@@ -177,5 +193,7 @@ class Writer:
             finally:
                 self._seconds[i] += time.perf_counter() - t0
                 self._cpu[i] = time.thread_time()
+                with self._lock:
+                    self._load[i] -= 1
             if self._on_done:
                 self._on_done(unit, n)

@@ -1,0 +1,53 @@
+"""Writer's routing of units to its threads (the transaction itself is tested against PostgreSQL in
+tests/integration)."""
+
+from __future__ import annotations
+
+import threading
+import time
+import uuid
+
+import numpy as np
+
+from embedfleet.store.copyrows import EncodedRows
+from embedfleet.store.ledger import Claim
+from embedfleet.store.writer import Unit, Writer
+
+
+class RecordingSink:
+    """Stands in for TableSink: notes which thread committed which unit; chunk 0 takes a second to commit."""
+
+    def __init__(self, log: list):
+        self.log = log
+
+    def commit_unit(self, unit: Unit) -> int:
+        if unit.claim.chunk == 0:
+            time.sleep(1.0)
+        self.log.append((threading.current_thread().name, unit.claim.chunk, unit.cursor_line))
+        return unit.rows.n
+
+
+def unit(chunk: int, cursor: int, last: bool, token: uuid.UUID | None = None) -> Unit:
+    claim = Claim("job", chunk, "f.jsonl", "jsonl", 0, 1, 1, None, 0, token or uuid.uuid4())
+    return Unit(claim, EncodedRows(b"", np.zeros(1, np.int64)), 0, [], cursor, last)
+
+
+def test_units_avoid_a_busy_thread_and_a_chunks_units_stay_in_order():
+    log: list = []
+    writer = Writer(lambda: RecordingSink(log), on_error=lambda u, e: log.append(("error", e)), threads=3, depth=2)
+    writer.submit(unit(0, 1, True))  # a slow commit holds one thread for a second
+    t0 = time.perf_counter()
+    for chunk in range(1, 13):  # single-unit chunks: with fixed turns every third would queue behind chunk 0
+        writer.submit(unit(chunk, 1, True))
+        time.sleep(0.02)  # units arrive one at a time, as from the GPU loop
+    submitted_s = time.perf_counter() - t0
+    token = uuid.uuid4()
+    for cursor in (10, 20, 30, 40):  # one chunk in four units: the same thread, in order
+        writer.submit(unit(99, cursor, cursor == 40, token))
+    writer.close()
+    assert not [e for e in log if e[0] == "error"]
+    assert submitted_s < 0.6  # none of the twelve waited for the slow commit
+    assert {c for _, c, _ in log[:12]} == set(range(1, 13))  # all of them committed while chunk 0 still was
+    chunk99 = [(name, cursor) for name, c, cursor in log if c == 99]
+    assert [c for _, c in chunk99] == [10, 20, 30, 40] and len({name for name, _ in chunk99}) == 1
+    assert sorted(c for _, c, _ in log) == [0, *range(1, 13), 99, 99, 99, 99]
