@@ -63,11 +63,11 @@ def pack_sorted(ids: np.ndarray, lengths: np.ndarray) -> Tokenized:
 
 # ASCII control characters that BERT's text cleaning deletes (tab, newline and CR it turns into spaces).
 _CONTROL = re.compile(r"[\x00-\x08\x0b\x0c\x0e-\x1f\x7f]")
-# Distinct words remembered per process (~5 MB). Small on purpose: a bigger cache misses less
-# in one process, but helpers then fight over the CPUs' shared cache and memory. Helpers alone on a
-# 32-core GPU host (bench/prep_cpu.py, bench/NOTES.md run 33), 16 processes: 143k and 158k reviews/s
-# with 32,768 words, 118k-121k with 131,072 or 524,288. One helper alone (2-core VM, 200,000 reviews)
-# is ~5% slower with it: 21,163-22,283 reviews/s against 22,431-23,433.
+# Distinct words remembered per process (~5 MB). Small on purpose: a bigger table misses less in one
+# process, but many helpers then fight over the CPUs' shared cache and memory. Helpers alone on a
+# 32-core GPU host (bench/prep_cpu.py, bench/NOTES.md run 35): 16 of them prepare 222k reviews/s with
+# 32,768 words, 198k with 262,144; 8 of them the other way round (109k against 136k). Two GPUs' worth
+# of helpers is the case that decides.
 _CACHE_WORDS = 1 << 15  # EMBEDFLEET_WORD_CACHE overrides (a measuring knob)
 
 
