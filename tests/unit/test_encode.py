@@ -186,6 +186,10 @@ def test_bert_ascii_shortcuts_give_the_librarys_ids(lowercase, monkeypatch):
     ascii_texts = [t for t in texts if t.isascii()]
     assert ids(fast, ascii_texts) == [w for t, w in zip(texts, want) if t.isascii()]
     assert ids(fast, texts[::-1]) == want[::-1]  # the word table, now full of these words, gives the same
+    assert ids(fast, []) == [] and ids(fast, [""]) == [reference.encode("").ids]
+    no_words = tokenize_mod._Tokenizer(tj, 256)
+    no_words.words = None  # a BERT tokenizer whose self-check failed: twin and full paths only
+    assert ids(no_words, texts) == want and ids(no_words, []) == []
     # a table too small for the texts' words keeps its older half each time it fills: same ids
     monkeypatch.setattr(tokenize_mod, "_CACHE_WORDS", 64)
     fresh = tokenize_mod._Tokenizer(tj, 256)

@@ -141,7 +141,7 @@ class _Tokenizer:
                 paths[0].append(i)
             else:
                 paths[1].append(i)
-        if len(paths[0]) == len(texts):
+        if self.words is not None and len(paths[0]) == len(texts):
             return self.words.encode(texts)
         groups = [(paths[0], *self.words.encode([texts[i] for i in paths[0]]))] if paths[0] else []
         groups += [(idx, *_pack(tok, texts, idx, pad_id)) for tok, idx in zip((self.twin, self.full), paths[1:]) if idx]
@@ -170,7 +170,7 @@ def _merge(n: int, groups: list[tuple[list[int], np.ndarray, np.ndarray]]) -> tu
 
 def _split(ids: np.ndarray, lengths: np.ndarray) -> list[list[int]]:
     """Packed ids back into one list per text."""
-    return [a.tolist() for a in np.split(ids, cumulative(lengths)[1:-1])]
+    return [a.tolist() for a in np.split(ids, cumulative(lengths)[1:-1])] if len(lengths) else []
 
 
 _WORKER: tuple | None = None
