@@ -50,7 +50,7 @@ class Stats:
     embed_seconds: float = 0.0  # time the main thread spent queuing forward passes and reading results
     wait_seconds: float = 0.0  # time the main thread waited for the prefetch thread
     sink_wait_seconds: float = 0.0  # time the main thread waited for the writer (back-pressure)
-    read_seconds: float = 0.0  # records thread: claiming, reading streams, waiting for prepared units
+    read_seconds: float = 0.0  # records thread: waiting for claims (and streams read with them), for prepared units
     claim_seconds: float = 0.0  # claims thread: claiming chunks from the ledger (a query each)
     collect_seconds: float = 0.0  # records thread: waiting for the oldest unit in preparation, reading it
     helper_seconds: float = 0.0  # helpers' wall time preparing units (over helpers × wall: how busy they were)
@@ -58,7 +58,7 @@ class Stats:
     state: str = "starting"
 
 
-# ---- stage 1: claim chunks, have their units prepared (records thread + helper processes) ---------
+# ---- stage 1: claim chunks, have their units prepared (claims, records threads + helper processes) 
 
 
 def claimed_tasks(ledger: Ledger, job: str, worker: str, cfg: JobConfig, on_fail, stats: Stats) -> Iterator:
