@@ -79,7 +79,8 @@ class _Tokenizer:
     normalizer only lowercases and the pre-tokenizer only splits words from punctuation, so:
 
     - `words`: such texts go to `wordpiece.AsciiWordPiece` (one regex, a word table the library's own
-      WordPiece fills, numpy for the rest): ~13 µs a review against 50–65 through the library.
+      WordPiece fills, numpy for the rest): 13–15 µs a review with every word known, ~30 with the
+      default table on the long-tailed benchmark texts, ~90 through the library (bench/tokenize_cpu.py).
       Texts that could hold an added token ([MASK], …) skip this path: the library matches those
       before anything else.
     - `twin`: the library with a normalizer that only lowercases, for those texts (70 → 48 µs).

@@ -1,0 +1,76 @@
+"""The tokenizer alone, in one process: µs a text on the ingest benchmark's texts.
+
+    python bench/tokenize_cpu.py [--n 20000] [--words 32768,1048576] [--model DIR]
+
+Texts are `synth.long_tail_texts` (what `bench/ingest.py`'s reviews contain). For each word-table size
+(EMBEDFLEET_WORD_CACHE) a fresh tokenizer makes two passes over the same texts: `cold` learns their words
+as a helper does at the start of a job; `warm` finds every word the table kept (all of them when it is
+big enough), and how many words a text it learned from the library's WordPiece and what that cost.
+`library` is the tokenizers library's own path on the same texts, for scale.
+
+Also runs against an older checkout, to compare with the code before it:
+`PYTHONPATH=<checkout>/src python bench/tokenize_cpu.py` (uses its `ids` where there is no `encode`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import time
+
+os.environ["TOKENIZERS_PARALLELISM"] = "false"  # single-threaded, as in a helper
+
+
+class _Learning:
+    """Counts the words a WordTable learns and the time it takes (current code only)."""
+
+    def __init__(self):
+        self.words, self.seconds = 0, 0.0
+        try:
+            from embedfleet.encode.wordpiece import WordTable
+        except ImportError:
+            return
+        add = WordTable._add
+
+        def counted(table, words):
+            t0 = time.perf_counter()
+            add(table, words)
+            self.words, self.seconds = self.words + len(words), self.seconds + time.perf_counter() - t0
+
+        WordTable._add = counted
+
+
+def _timed(f, texts: list[str]) -> float:
+    t0 = time.perf_counter()
+    f(texts)
+    return (time.perf_counter() - t0) / len(texts) * 1e6
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--n", type=int, default=20_000)
+    ap.add_argument("--words", default="32768,1048576")
+    ap.add_argument("--model", default=None)
+    a = ap.parse_args()
+    from embedfleet.encode import tokenize
+    from embedfleet.synth import long_tail_texts
+
+    spec = tokenize.tokenizer_spec(a.model)
+    texts = long_tail_texts(a.n, seed=7)
+    learning = _Learning()
+    for words in a.words.split(","):
+        os.environ["EMBEDFLEET_WORD_CACHE"] = words
+        tok = tokenize._Tokenizer(spec.tokenizer_json, spec.max_length)
+        run = (lambda t: tok.encode(t, spec.pad_id)) if hasattr(tok, "encode") else tok.ids
+        learning.words, learning.seconds = 0, 0.0
+        cold = _timed(run, texts)
+        learned = (f", learned {learning.words / a.n:4.1f} words a text at {learning.seconds / learning.words * 1e6:.2f} µs "
+                   "each" if learning.words else "")
+        warm = _timed(run, texts)
+        print(f"{int(words):>9,} words: cold {cold:5.1f} µs a text{learned}; warm {warm:5.1f}", flush=True)
+    library = _timed(lambda t: [e.ids for e in tok.full.encode_batch_fast(t, add_special_tokens=True)], texts)
+    print(f"library path: {library:5.1f} µs a text ({a.n:,} texts)")
+
+
+if __name__ == "__main__":
+    main()
