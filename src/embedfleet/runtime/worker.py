@@ -1,6 +1,6 @@
 """The worker loop — the whole pipeline of one device, start to finish.
 
-    claim chunks (ledger), a couple ahead                                [claims thread]
+    claim chunks (ledger), up to three ahead                             [claims thread]
     → keep every helper busy, collect prepared units in claim order      [records thread]
     → read, template/sanitize/join meta, tokenize, encode COPY rows      [helper processes, units.py]
     → forward pass, pooling, normalisation on the device                 [main thread]
@@ -92,7 +92,7 @@ def claimed_tasks(ledger: Ledger, job: str, worker: str, cfg: JobConfig, on_fail
 class Throttle:
     """How many tasks the records thread keeps in preparation. It starts with every helper busy, as
     many prepared units waiting for the GPU, and two more queued (a helper that finishes starts on
-    the next at once, while the records thread claims). Units are taken in claim order, so finished
+    the next at once). Units are taken in claim order, so finished
     ones wait behind a slower one; with room for only a couple of them, helpers sat idle while the
     GPU loop was busy and the loop waited while they caught up (2 GPUs, MiniLM: 110k → 140k rows/s,
     bench/NOTES.md run 25b). Only when the GPU is the bottleneck — its loop has spent under 5% of
@@ -139,8 +139,9 @@ def produce_units(dsn: str, job: str, worker: str, cfg: JobConfig, pool: UnitPoo
     conn.execute("SET synchronous_commit = off")
     ledger = Ledger(conn)
     window: deque = deque()  # (claim, task, future), oldest first
-    # Claims come from their own thread, two ahead: a query waited for here would hold back both
-    # the next unit for the GPU and the next task for an idle helper.
+    # Claims come from their own thread, up to three ahead (two queued, one in hand): a query waited
+    # for here would hold back both the next unit for the GPU and the next task for an idle helper.
+    # At the job's end those few chunks are this worker's, like the tasks in its window.
     claims = Prefetch(claimed_tasks(ledger, job, worker, cfg, on_fail, stats), depth=2, name="embedfleet-claims")
 
     def collect() -> Iterator[Unit]:
