@@ -30,14 +30,15 @@ class _Learning:
             from embedfleet.encode.wordpiece import WordTable
         except ImportError:
             return
-        add = WordTable._add
+        learn = getattr(WordTable, "_learn", None) or WordTable._add  # _add: before the hashed table
 
         def counted(table, words):
             t0 = time.perf_counter()
-            add(table, words)
+            out = learn(table, words)
             self.words, self.seconds = self.words + len(words), self.seconds + time.perf_counter() - t0
+            return out
 
-        WordTable._add = counted
+        setattr(WordTable, learn.__name__, counted)
 
 
 def _timed(f, texts: list[str]) -> float:

@@ -63,12 +63,11 @@ def pack_sorted(ids: np.ndarray, lengths: np.ndarray) -> Tokenized:
 
 # ASCII control characters that BERT's text cleaning deletes (tab, newline and CR it turns into spaces).
 _CONTROL = re.compile(r"[\x00-\x08\x0b\x0c\x0e-\x1f\x7f]")
-# Distinct words remembered per process (~5 MB). Small on purpose: a bigger table misses less in one
-# process, but many helpers then fight over the CPUs' shared cache and memory. Helpers alone on a
-# 32-core GPU host (bench/prep_cpu.py, bench/NOTES.md run 35): 16 of them prepare 222k reviews/s with
-# 32,768 words, 198k with 262,144; 8 of them the other way round (109k against 136k). Two GPUs' worth
-# of helpers is the case that decides.
-_CACHE_WORDS = 1 << 15  # EMBEDFLEET_WORD_CACHE overrides (a measuring knob)
+# Distinct words remembered per process (~30 MB of arrays when full). Helpers alone on a 32-core GPU
+# host (bench/prep_cpu.py, bench/NOTES.md run 39): 8 / 16 helpers prepare 101,833 / 153,969 reviews/s
+# with 262,144 words, 91,632 / 144,355 with 1,048,576 (more misses are cheaper than more memory per
+# helper past this); the dict-of-strings table before it, with 32,768 words: 64,486 / 126,246.
+_CACHE_WORDS = 1 << 18  # EMBEDFLEET_WORD_CACHE overrides (a measuring knob)
 
 
 class _Tokenizer:
@@ -78,11 +77,11 @@ class _Tokenizer:
     (BertNormalizer, BertPreTokenizer, WordPiece) on ASCII text without control characters, the
     normalizer only lowercases and the pre-tokenizer only splits words from punctuation, so:
 
-    - `words`: such texts go to `wordpiece.AsciiWordPiece` (one regex, a word table the library's own
-      WordPiece fills, numpy for the rest): 13–15 µs a review with every word known, ~30 with the
-      default table on the long-tailed benchmark texts, ~90 through the library (bench/tokenize_cpu.py).
-      Texts that could hold an added token ([MASK], …) skip this path: the library matches those
-      before anything else.
+    - `words`: such texts go to `wordpiece.AsciiWordPiece` (words found and hashed by numpy, a table
+      of their pieces that the library's own WordPiece fills): ~5.5 µs a review with every word known,
+      ~20–27 while the table learns the long-tailed benchmark texts, ~90 through the library
+      (bench/tokenize_cpu.py). Texts that could hold an added token ([MASK], …) skip this path: the
+      library matches those before anything else.
     - `twin`: the library with a normalizer that only lowercases, for those texts (70 → 48 µs).
 
     Every other text takes the library's full path. The ids are the same (tests/unit/test_encode.py),

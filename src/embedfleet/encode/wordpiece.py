@@ -1,14 +1,17 @@
-"""BERT WordPiece on clean ASCII text, many texts at once, with one dict lookup per word.
+"""BERT WordPiece on clean ASCII text, many texts at once, without a Python object per word.
 
 For a BERT tokenizer (BertNormalizer, BertPreTokenizer, WordPiece) on ASCII text without control
 characters, the normalizer only lowercases and the pre-tokenizer only splits words from
-punctuation. So a slice of texts is joined by a separator, lowercased and split by one regex; each
-word's pieces come from a table that the library's own WordPiece fills; and [CLS] … [SEP],
-truncation and packing are array operations. The Python work left per word is one dict lookup,
-run by `map` in C rather than by a loop. `bench/tokenize_cpu.py` on the 2-core VM, long-tailed review
-texts: 12.6–15.4 µs a text once every word is known (the per-word loop before it: 16.0–16.3), 30 µs
-with the default 32,768-word table (34 before), where learning new words from the library's
-WordPiece (~10 a text, ~1.5 µs each) is half of it; the library alone takes ~90.
+punctuation. So a slice of texts is joined by a separator and lowercased; numpy finds the words
+(a table of byte classes) and hashes each one (two 64-bit polynomial hashes from prefix sums); each
+hash is looked up in an open-addressing table whose entries hold the word's pieces, which the
+library's own WordPiece gave when the word was first met; [CLS] … [SEP], truncation and packing
+are array operations. Only words the table lacks become Python strings.
+
+`bench/tokenize_cpu.py` on the 2-core VM, 20,000 long-tailed review texts: 4.7 µs a text once every
+word is known (the dict-of-strings table before this, with `re.findall`: 11.5), 19.4 µs while a
+262,144-word table learns them (~7 words a text from the library's WordPiece at ~1.4 µs each, now
+the largest cost); the library alone takes ~86.
 
 `tokenize._Tokenizer` decides which texts come here and checks at load that the ids agree with the
 library's.
@@ -16,7 +19,6 @@ library's.
 
 from __future__ import annotations
 
-import itertools
 import re
 
 import numpy as np
@@ -24,69 +26,203 @@ import numpy as np
 from embedfleet.encode.batching import cumulative
 
 # What BertPreTokenizer makes of clean ASCII text: runs of letters and digits, and every other
-# printable character (all ASCII punctuation to it) on its own; whitespace separates.
+# printable character (all ASCII punctuation to it) on its own; whitespace separates. (The numpy
+# split below does the same; tests count words with this.)
 WORDS = re.compile(r"[A-Za-z0-9]+|[^A-Za-z0-9 \t\n\r]")
 _SEP = "\x01"  # joins a slice's texts: a control character, so never inside a text this path takes
-_SLICE = 256  # texts per pass: a pass's words (Python strings) stay small enough for the CPU's cache
+_SLICE = 256  # texts per pass: the pass's arrays stay small enough for the CPU's cache
+
+_SPACE, _ALNUM, _SINGLE = 0, 1, 2
+_CLASS = np.full(256, _SINGLE, np.uint8)  # byte → what it is to the pre-tokenizer
+_CLASS[np.frombuffer(b" \t\n\r", np.uint8)] = _SPACE
+_CLASS[np.frombuffer(b"abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789", np.uint8)] = _ALNUM
+
+# Two independent polynomial hashes modulo 2**64 (odd bases, so each has an inverse): a word's hash
+# is (H[end] - H[start]) * base**-start from one prefix sum over the slice. Together 128 bits: two
+# distinct words of at most `max_input_chars_per_word` (100) bytes share both with a chance of
+# ~1e-38 a pair (equal-length collisions built on purpose need thousands of bytes; longer words are
+# [UNK] without a lookup).
+_BASES = (0x100000001B3, 0x9E3779B97F4A7C15)
+_FIB = np.uint64(0x9E3779B97F4A7C15)  # spreads a hash's high bits over the slot number
+
+
+def _inverse(base: int) -> int:
+    """base**-1 modulo 2**64 (Newton's iteration; base odd)."""
+    inv = base
+    for _ in range(6):
+        inv = inv * (2 - base * inv) % (1 << 64)
+    return inv
+
+
+def _powers(base: int, n: int) -> np.ndarray:
+    factors = np.full(n, base, np.uint64)
+    factors[0] = 1
+    with np.errstate(over="ignore"):
+        return np.cumprod(factors, dtype=np.uint64)
+
+
+class _Hasher:
+    """Both hashes of byte ranges of one buffer; base powers grow as longer buffers come."""
+
+    def __init__(self):
+        self._size = 0
+        self._grow(1 << 16)
+
+    def _grow(self, n: int) -> None:
+        self._size = n
+        self._pow = [_powers(b, n) for b in _BASES]
+        self._inv = [_powers(_inverse(b), n) for b in _BASES]
+
+    def __call__(self, data: np.ndarray, starts: np.ndarray, ends: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        n = len(data)
+        if n + 1 > self._size:
+            self._grow(2 * (n + 1))
+        values = data.astype(np.uint64)
+        out = []
+        with np.errstate(over="ignore"):
+            for pw, inv in zip(self._pow, self._inv):
+                prefix = np.zeros(n + 1, np.uint64)
+                np.cumsum(values * pw[:n], out=prefix[1:])
+                out.append((prefix[ends] - prefix[starts]) * inv[starts])
+        out[0] |= np.uint64(1)  # 0 marks an empty slot
+        return out[0], out[1]
+
+
+def split_words(data: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Start and end (exclusive) of every word in ASCII bytes, as `WORDS` finds them."""
+    if not len(data):
+        return np.zeros(0, np.int64), np.zeros(0, np.int64)
+    kind = _CLASS[data]
+    alnum = kind == _ALNUM
+    single = kind == _SINGLE
+    before = np.concatenate([[False], alnum[:-1]])
+    after = np.concatenate([alnum[1:], [False]])
+    return np.flatnonzero((alnum & ~before) | single), np.flatnonzero((alnum & ~after) | single) + 1
 
 
 class WordTable:
-    """word → entry number; entry → its piece ids, a slice of one flat array. Entry 0 is the
-    separator (no pieces). Entries are numbered in the order words were met, and a table past
-    `max_words` keeps its older half: the words met first, which are mostly the frequent ones
-    (Zipf). The bound is soft: one slice's new words are always added whole."""
+    """A word's two hashes → its entry; entry → its piece ids, a slice of one flat array.
 
-    def __init__(self, wordpiece, max_words: int):
+    Open addressing (linear probing, at most half full) over numpy arrays. Entry 0 is the separator
+    (no pieces), entry 1 the unknown token (for words over the model's length limit). Entries are
+    numbered in the order words were met, and a table past `max_words` keeps its older half: the
+    words met first, which are mostly the frequent ones (Zipf). The bound is soft: one slice's new
+    words are always added whole."""
+
+    def __init__(self, wordpiece, max_words: int, separator: tuple[int, int]):
         self._model, self.max_words = wordpiece, max_words
-        self.index: dict[str, int] = {_SEP: 0}
-        self.start = np.zeros(1024, np.int64)  # entry → first piece in `pieces`
-        self.count = np.zeros(1024, np.int64)  # entry → number of pieces
+        self._slots(1 << max(10, (2 * max_words - 1).bit_length()))
+        self.keys = np.zeros((1024, 2), np.uint64)  # entry → its key, to rebuild the slots
+        self.start = np.zeros(1024, np.int32)  # entry → first piece in `pieces`
+        self.count = np.zeros(1024, np.int32)  # entry → number of pieces
         self.pieces = np.zeros(4096, np.int32)
-        self._used = 0  # pieces in use
+        self._len = self._used = 0  # entries, pieces in use
+        unk = self._model.token_to_id(self._model.unk_token)
+        self._append(np.array([separator], np.uint64), [[]])
+        self._append(np.zeros((1, 2), np.uint64), [[unk]])  # no key: never found by a lookup
+        self._insert(np.array([separator], np.uint64), np.array([0]))
 
     def __len__(self) -> int:
-        return len(self.index)
+        return self._len
 
-    def lookup(self, words: list[str]) -> np.ndarray:
-        """The entry of every word, learning the ones the table does not hold."""
-        entries = self._get(words)
+    def lookup(self, text: str, starts: np.ndarray, ends: np.ndarray, k1: np.ndarray, k2: np.ndarray) -> np.ndarray:
+        """The entry of every word (text[starts[i]:ends[i]], keys k1, k2), learning those not held."""
+        entries = self._find(k1, k2)
         missing = np.flatnonzero(entries < 0)
         if not len(missing):
             return entries
-        unknown = list(map(words.__getitem__, missing.tolist()))
-        new = list(dict.fromkeys(unknown))
-        if len(self.index) + len(new) > self.max_words:
-            self._keep(max(1, self.max_words // 2))
-            self._add([w for w in dict.fromkeys(words) if w not in self.index])  # entries just dropped too
-            return self._get(words)
-        self._add(new)
-        entries[missing] = np.fromiter(map(self.index.__getitem__, unknown), np.int64, len(unknown))
+        words = [text[s:e] for s, e in zip(starts[missing].tolist(), ends[missing].tolist())]
+        first = dict(zip(words, missing.tolist()))  # each new word once, with one of its places
+        if self._len + len(first) > self.max_words:
+            self._keep(max(2, self.max_words // 2))
+            entries = self._find(k1, k2)  # entries just dropped are missing again
+            missing = np.flatnonzero(entries < 0)
+            words = [text[s:e] for s, e in zip(starts[missing].tolist(), ends[missing].tolist())]
+            first = dict(zip(words, missing.tolist()))
+        at = np.fromiter(first.values(), np.int64, len(first))
+        keys = np.stack([k1[at], k2[at]], axis=1)
+        new = self._len + np.arange(len(first))
+        self._append(keys, self._learn(list(first)))
+        if 2 * self._len > len(self._k1):  # a slice's new words overran the bound: keep probing short
+            self._slots(1 << (2 * self._len).bit_length())
+            self._rehash()
+        else:
+            self._insert(keys, new)
+        number = dict(zip(first, new.tolist()))
+        entries[missing] = np.fromiter(map(number.__getitem__, words), np.int64, len(words))
         return entries
 
-    def _get(self, words: list[str]) -> np.ndarray:
-        return np.fromiter(map(self.index.get, words, itertools.repeat(-1)), np.int64, len(words))
+    def _learn(self, words: list[str]) -> list[list[int]]:
+        """Each word's pieces from the library's WordPiece (~1.5 µs a word)."""
+        return [[t.id for t in self._model.tokenize(w)] for w in words]
 
-    def _add(self, words: list[str]) -> None:
-        """Learn words from the library's WordPiece (~3.5 µs each)."""
-        ids = [[t.id for t in self._model.tokenize(w)] for w in words]
-        counts = np.fromiter(map(len, ids), np.int64, len(ids))
-        first, total = len(self.index), int(counts.sum())
-        if first + len(words) > len(self.start):
-            size = 2 * (first + len(words))
+    def _slots(self, n: int) -> None:
+        self._shift = np.uint64(64 - n.bit_length() + 1)
+        self._k1 = np.zeros(n, np.uint64)  # slot → key (0: empty)
+        self._k2 = np.zeros(n, np.uint64)
+        self._entry = np.zeros(n, np.int32)
+
+    def _rehash(self) -> None:
+        """Slots for entries 0 … len-1 (the unknown token has no key)."""
+        self._k1[:] = 0
+        self._k2[:] = 0
+        held = np.arange(self._len)
+        held = held[held != 1]
+        self._insert(self.keys[held], held)
+
+    def _home(self, k1: np.ndarray) -> np.ndarray:
+        with np.errstate(over="ignore"):
+            return ((k1 * _FIB) >> self._shift).astype(np.int64)
+
+    def _find(self, k1: np.ndarray, k2: np.ndarray) -> np.ndarray:
+        """Entry of each key, -1 where absent: all keys probe together, one slot further a round."""
+        out = np.full(len(k1), -1, np.int64)
+        todo, slot = np.arange(len(k1)), self._home(k1)
+        mask = len(self._k1) - 1
+        while len(todo):
+            held = self._k1[slot]
+            hit = (held == k1[todo]) & (self._k2[slot] == k2[todo])
+            out[todo[hit]] = self._entry[slot[hit]]
+            more = ~hit & (held != 0)  # a different key here: look in the next slot
+            todo, slot = todo[more], (slot[more] + 1) & mask
+        return out
+
+    def _insert(self, keys: np.ndarray, entries: np.ndarray) -> None:
+        """Put keys (not held yet, distinct) in free slots; where several want one slot, the first wins."""
+        todo, slot = np.arange(len(keys)), self._home(keys[:, 0])
+        mask = len(self._k1) - 1
+        while len(todo):
+            free = self._k1[slot] == 0
+            taken = np.zeros(len(todo), bool)
+            _, winner = np.unique(slot[free], return_index=True)
+            winner = np.flatnonzero(free)[winner]
+            taken[winner] = True
+            s, w = slot[winner], todo[winner]
+            self._k1[s], self._k2[s], self._entry[s] = keys[w, 0], keys[w, 1], entries[w]
+            todo, slot = todo[~taken], (slot[~taken] + 1) & mask
+
+    def _append(self, keys: np.ndarray, ids: list[list[int]]) -> None:
+        """New entries (numbered from len(self)) with their keys and piece ids."""
+        n, first = len(ids), self._len
+        counts = np.fromiter(map(len, ids), np.int64, n)
+        total = int(counts.sum())
+        if first + n > len(self.start):
+            size = 2 * (first + n)
             self.start, self.count = np.resize(self.start, size), np.resize(self.count, size)
+            self.keys = np.resize(self.keys, (size, 2))
         if self._used + total > len(self.pieces):
             self.pieces = np.resize(self.pieces, 2 * (self._used + total))
-        self.start[first : first + len(words)] = self._used + cumulative(counts)[:-1]
-        self.count[first : first + len(words)] = counts
-        self.pieces[self._used : self._used + total] = np.fromiter(itertools.chain.from_iterable(ids), np.int32, total)
-        self._used += total
-        self.index.update(zip(words, range(first, first + len(words))))
+        self.keys[first : first + n] = keys
+        self.start[first : first + n] = self._used + cumulative(counts)[:-1]
+        self.count[first : first + n] = counts
+        self.pieces[self._used : self._used + total] = [i for piece in ids for i in piece]
+        self._len, self._used = first + n, self._used + total
 
     def _keep(self, entries: int) -> None:
-        """Forget every entry from `entries` on."""
-        entries = min(entries, len(self.index))
-        self.index = {w: e for w, e in self.index.items() if e < entries}
+        """Forget every entry from `entries` on (the separator and the unknown token stay)."""
+        self._len = entries = min(entries, self._len)
         self._used = int(self.start[entries - 1] + self.count[entries - 1])
+        self._rehash()
 
 
 class AsciiWordPiece:
@@ -94,7 +230,11 @@ class AsciiWordPiece:
 
     def __init__(self, wordpiece, lowercase: bool, prefix: list[int], suffix: list[int], room: int,
                  max_words: int):
-        self.table = WordTable(wordpiece, max_words)
+        self._hash = _Hasher()
+        sep = np.frombuffer(_SEP.encode(), np.uint8)
+        k1, k2 = self._hash(sep, np.array([0]), np.array([1]))
+        self.table = WordTable(wordpiece, max_words, (int(k1[0]), int(k2[0])))
+        self.longest = wordpiece.max_input_chars_per_word  # longer words are the unknown token
         self.lowercase, self.prefix, self.suffix, self.room = lowercase, prefix, suffix, room
 
     def encode(self, texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
@@ -106,10 +246,25 @@ class AsciiWordPiece:
             return np.zeros(0, np.int32), np.zeros(0, np.int32)
         return np.concatenate([p[0] for p in parts]), np.concatenate([p[1] for p in parts])
 
+    def _entries(self, joined: str) -> np.ndarray:
+        """Every word's table entry, the separators (entry 0) included."""
+        data = np.frombuffer(joined.encode("ascii"), np.uint8)
+        starts, ends = split_words(data)
+        long = (ends - starts) > self.longest
+        if long.any():  # [UNK] without a lookup (and without hashing what could be made to collide)
+            entries = np.ones(len(starts), np.int64)
+            short = np.flatnonzero(~long)
+            entries[short] = self._entries_of(joined, data, starts[short], ends[short])
+            return entries
+        return self._entries_of(joined, data, starts, ends)
+
+    def _entries_of(self, joined: str, data: np.ndarray, starts: np.ndarray, ends: np.ndarray) -> np.ndarray:
+        k1, k2 = self._hash(data, starts, ends)
+        return self.table.lookup(joined, starts, ends, k1, k2)
+
     def _encode_slice(self, texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
         joined = _SEP.join(texts)
-        words = WORDS.findall(joined.lower() if self.lowercase else joined)
-        entries = self.table.lookup(words)
+        entries = self._entries(joined.lower() if self.lowercase else joined)
         per_word = self.table.count[entries]
         # The text of each word: separators (no pieces) count the texts before it.
         found = np.bincount(np.cumsum(entries == 0), weights=per_word, minlength=len(texts)).astype(np.int64)
