@@ -7,7 +7,9 @@ then times the HNSW build separately), samples every GPU's utilisation with NVML
 worker's summary line (rows, forward-pass seconds, DB seconds, seconds the GPU loop waited on the
 sink or on input). Steady-state rate = rows / the span of the workers' loops, first start to last
 end (model load excluded, a worker that starts late counts); workers' sum = each worker's rows / its
-own loop, summed; wall rate = rows / the whole command's wall time. `--gpus 1,2,1,2` repeats counts:
+own loop, summed; all running = rows of the chunks that committed while every worker's loop ran
+(later start to earlier end, from the ledger's commit times) over that time — the steady state of a
+long job, without one worker's start-up or last chunk alone; wall rate = rows / the whole command's wall time. `--gpus 1,2,1,2` repeats counts:
 scaling is against the first count's mean rate, and pair by pair against the run just before;
 `--warmup N` first runs an untimed N-row ingest, so a fresh machine's cold caches count in no result.
 """
@@ -141,6 +143,10 @@ def run_once(data: Path, gpus: int, model: str | None, env: dict, preset: str, e
     # The loops' span, from the first worker's start to the last one's end (start-up excluded, but a
     # worker that starts late counts against the rate).
     loop = round(max(w["started_at"] + w["wall_s"] for w in workers) - min(w["started_at"] for w in workers), 3)
+    # While every worker ran (the later start to the earlier end): the steady state of a long job,
+    # without the seconds where one worker starts up or finishes its last chunk alone.
+    together = (max(w["started_at"] for w in workers), min(w["started_at"] + w["wall_s"] for w in workers))
+    rows_together = _rows_finished(dsn, table, *together)
     index_s = None
     if index:
         t_idx = time.perf_counter()
@@ -152,7 +158,9 @@ def run_once(data: Path, gpus: int, model: str | None, env: dict, preset: str, e
     return {
         "gpus": gpus, "rows": rows, "wall_s": round(wall, 2), "rows_per_s_wall": round(rows / wall, 1),
         "loop_s": loop, "rows_per_s_steady": round(rows / loop, 1), "gpu_util_pct": util,
-        # each worker's own rows / its own loop, summed: the rate once all of them run
+        "all_running_s": round(together[1] - together[0], 3),
+        "rows_per_s_all_running": round(rows_together / (together[1] - together[0]), 1) if together[1] > together[0] else None,
+        # each worker's own rows / its own loop, summed
         "rows_per_s_workers_sum": round(sum(w["rows"] / w["wall_s"] for w in workers), 1),
         "start_stagger_s": round(max(w["started_at"] for w in workers) - min(w["started_at"] for w in workers), 3),
         "helpers_busy": [round(w["helper_busy_s"] / (w["helpers"] * w["wall_s"]), 3) for w in workers if w["helpers"]],
@@ -171,6 +179,15 @@ def run_once(data: Path, gpus: int, model: str | None, env: dict, preset: str, e
                              for k in ("read_s", "claim_s", "collect_s", "records_blocked_s")},
         "hnsw_index_s": index_s, "workers": workers,
     }
+
+
+def _rows_finished(dsn: str, job: str, t0: float, t1: float) -> int:
+    """Rows of the job's chunks that committed between epoch seconds t0 and t1 (the ledger's clock)."""
+    import psycopg
+
+    with psycopg.connect(dsn) as conn:
+        return conn.execute("SELECT coalesce(sum(rows_written), 0)::bigint FROM embedfleet.chunks WHERE job = %s "
+                            "AND finished >= to_timestamp(%s) AND finished < to_timestamp(%s)", [job, t0, t1]).fetchone()[0]
 
 
 def encoder_alone(data: Path, model: str | None, n: int) -> dict:
@@ -228,16 +245,21 @@ def main() -> None:
     first = [r for r in results if r["gpus"] == results[0]["gpus"]]
 
     def per_gpu(key):
-        return sum(r[key] / r["gpus"] for r in first) / len(first)
+        return None if any(r[key] is None for r in first) else sum(r[key] / r["gpus"] for r in first) / len(first)
+
+    def ratio(value, base, gpus):  # value against `gpus` × base; None when either is unknown
+        return None if value is None or not base else round(value / (base * gpus), 3)
 
     for r in results:
-        for key, name in (("rows_per_s_steady", "steady"), ("rows_per_s_workers_sum", "workers_sum"),
+        for key, name in (("rows_per_s_steady", "steady"), ("rows_per_s_all_running", "all_running"),
+                          ("rows_per_s_workers_sum", "workers_sum"),
                           ("rows_per_s_wall", "wall")):
-            r[f"scaling_vs_linear_{name}"] = round(r[key] / (per_gpu(key) * r["gpus"]), 3)
+            r[f"scaling_vs_linear_{name}"] = ratio(r[key], per_gpu(key), r["gpus"])
     for i, r in enumerate(results):  # pair by pair: against the latest run of the first GPU count before it
         base = next((b for b in reversed(results[:i]) if b["gpus"] == results[0]["gpus"]), None)
         if base is not None and r["gpus"] != base["gpus"]:
-            r["scaling_vs_previous"] = round(r["rows_per_s_steady"] * base["gpus"] / (base["rows_per_s_steady"] * r["gpus"]), 3)
+            for key, name in (("rows_per_s_steady", ""), ("rows_per_s_all_running", "_all_running")):
+                r[f"scaling_vs_previous{name}"] = ratio(r[key], base[key] and base[key] / base["gpus"], r["gpus"])
     doc = {"n": args.n, "model": model or "bundled all-MiniLM-L6-v2", "results": results}
     if args.vs_bench:
         alone = encoder_alone(data, model, args.vs_bench)
@@ -253,7 +275,9 @@ def main() -> None:
         print(f"{r['gpus']} GPU: {r['rows_per_s_steady']:,.0f} rows/s steady, {r['rows_per_s_wall']:,.0f} wall, "
               f"util {r['gpu_util_pct']}, db share {r['db_share_of_loop']}, "
               f"GPU waited on DB {r['gpu_waited_on_db_s']}s, scaling {r['scaling_vs_linear_steady']} "
-              f"(pair by pair {r.get('scaling_vs_previous', '-')}) "
+              f"(pair by pair {r.get('scaling_vs_previous', '-')}); while all ran: {r['rows_per_s_all_running']} "
+              f"rows/s over {r['all_running_s']} s, scaling {r['scaling_vs_linear_all_running']} "
+              f"(pair by pair {r.get('scaling_vs_previous_all_running', '-')}) "
               f"(sum of workers' rates {r['scaling_vs_linear_workers_sum']}, start stagger {r['start_stagger_s']} s), "
               f"helpers busy {r['helpers_busy']}, host CPU busy {r['host_cpu_busy']}, CPU µs/row {r['cpu_us_per_row']}, "
               f"records thread (max of workers) {r['records_thread_s']}, pg waits {r['pg_waits']}"

@@ -345,8 +345,8 @@ def test_embedded_server_uri_start_stop(cli):
     with psycopg.connect(dsn) as c:
         assert c.execute("SELECT 1").fetchone() == (1,)
         # tuned for bulk loads at its first start (one restart), and the DSN still reaches it
-        assert [c.execute(f"SHOW {k}").fetchone()[0] for k in ("wal_buffers", "max_wal_size", "shared_buffers")] == [
-            "64MB", "8GB", "1GB"]
+        assert [c.execute(f"SHOW {k}").fetchone()[0] for k in ("wal_buffers", "max_wal_size", "shared_buffers",
+                                                               "max_connections")] == ["64MB", "8GB", "1GB", "300"]
     assert "stopped" in cli("db", "stop", check=True).stderr
     assert "not running" in cli("db", "stop", check=True).stderr
     assert cli("db", "uri", check=True).stdout.strip() == dsn  # started again, same data directory

@@ -297,9 +297,9 @@ def run_worker(job: str, dsn: str, worker: str, device: str = "auto") -> Stats:
         raise JobError(f"no job {job!r} in this database; start it with `embedfleet ingest`")
     cfg = JobConfig.from_json(row["config"])
     preset = get_preset(cfg.preset)
-    # Measuring knobs: connections writing and units queued for each; the most tasks in preparation
-    # at once (0 or unset: 2 × helpers + 2).
-    writers, writer_depth = env_int("EMBEDFLEET_WRITERS", 3), env_int("EMBEDFLEET_WRITER_DEPTH", 2)
+    # Measuring knobs: units queued for each writer connection; the most tasks in preparation at once
+    # (0 or unset: 2 × helpers + 2).
+    writer_depth = env_int("EMBEDFLEET_WRITER_DEPTH", 2)
     tasks_ahead = env_int("EMBEDFLEET_TASKS_AHEAD", 0, least=0) or None
     # The helpers (units.py) tokenize, so the encoder needs no tokenizer pool of its own. They start
     # (seconds: each imports and loads the tokenizer) while this process loads torch and the model.
@@ -339,6 +339,10 @@ def run_worker(job: str, dsn: str, worker: str, device: str = "auto") -> Stats:
 
     heartbeat = Heartbeat(dsn, job, worker, encoder.device, cfg.lease_seconds, stats)
     heartbeat.start()
+    # Connections writing ($EMBEDFLEET_WRITERS). A GPU worker on a small model fills ~100k rows/s,
+    # and each connection's server process commits ~30k/s at most (PostgreSQL's CPU and WAL work per
+    # row): three held two GPUs to 0.54x linear, six gave 1.02x (bench/NOTES.md run 40).
+    writers = env_int("EMBEDFLEET_WRITERS", 6 if encoder.device.startswith("cuda") else 3)
     writer = Writer(lambda: TableSink(connect(dsn), cfg.table, preset.columns, vtype, job),
                     on_error=lambda u, e: on_fail(u.claim, e), on_done=on_done, threads=writers, depth=writer_depth)
 

@@ -35,7 +35,10 @@ def _pgserver():
 # This server exists to bulk-load embeddings: ~2.5 kB rows at 100k rows/s are ~250 MB/s of WAL, which
 # PostgreSQL's stock settings (4 MB of WAL buffers, a checkpoint every ~0.5 GB of WAL, 128 MB of shared
 # buffers) turn into back-to-back checkpoints. Set once per data directory, with one restart.
-BULK_SETTINGS = {"shared_buffers": "1GB", "wal_buffers": "64MB", "max_wal_size": "8GB", "checkpoint_timeout": "30min"}
+# max_connections: each GPU worker holds ~9 (six writers, claims, ledger, heartbeat), and with --meta
+# each of its helpers one more: 8 GPUs would pass the stock 100.
+BULK_SETTINGS = {"shared_buffers": "1GB", "wal_buffers": "64MB", "max_wal_size": "8GB", "checkpoint_timeout": "30min",
+                 "max_connections": "300"}
 
 
 def _user() -> str | None:
@@ -49,7 +52,8 @@ def _tune(pgserver, data: Path, uri: str) -> None:
     if os.environ.get("EMBEDFLEET_PG_TUNE") == "0":
         return
     try:
-        if "wal_buffers" in (data / "postgresql.auto.conf").read_text():
+        tuned = (data / "postgresql.auto.conf").read_text()
+        if all(name in tuned for name in BULK_SETTINGS):
             return
     except OSError:
         return
