@@ -1,6 +1,6 @@
 """The tokenizer alone, in one process: µs a text on the ingest benchmark's texts.
 
-    python bench/tokenize_cpu.py [--n 20000] [--words 32768,1048576] [--model DIR]
+    python bench/tokenize_cpu.py [--n 20000] [--words 32768,262144,1048576] [--model DIR]
 
 Texts are `synth.long_tail_texts` (what `bench/ingest.py`'s reviews contain). For each word-table size
 (EMBEDFLEET_WORD_CACHE) a fresh tokenizer makes two passes over the same texts: `cold` learns their words
@@ -50,7 +50,7 @@ def _timed(f, texts: list[str]) -> float:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--n", type=int, default=20_000)
-    ap.add_argument("--words", default="32768,1048576")
+    ap.add_argument("--words", default="32768,262144,1048576")
     ap.add_argument("--model", default=None)
     a = ap.parse_args()
     from embedfleet.encode import tokenize

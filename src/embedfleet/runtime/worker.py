@@ -340,8 +340,8 @@ def run_worker(job: str, dsn: str, worker: str, device: str = "auto") -> Stats:
     heartbeat = Heartbeat(dsn, job, worker, encoder.device, cfg.lease_seconds, stats)
     heartbeat.start()
     # Connections writing ($EMBEDFLEET_WRITERS). A GPU worker on a small model fills ~100k rows/s,
-    # and each connection's server process commits ~30k/s at most (PostgreSQL's CPU and WAL work per
-    # row): three held two GPUs to 0.54x linear, six gave 1.02x (bench/NOTES.md run 40).
+    # which kept three connections 85% busy (PostgreSQL's CPU and WAL work per row): with three, two
+    # GPUs reached 0.54x the one-GPU rate, with six 0.82x (bench/NOTES.md runs 39-40).
     writers = env_int("EMBEDFLEET_WRITERS", 6 if encoder.device.startswith("cuda") else 3)
     writer = Writer(lambda: TableSink(connect(dsn), cfg.table, preset.columns, vtype, job),
                     on_error=lambda u, e: on_fail(u.claim, e), on_done=on_done, threads=writers, depth=writer_depth)
