@@ -131,6 +131,8 @@ def test_kill9_mid_run_with_two_workers_then_rerun_gives_every_row_once(cli, dsn
     run.wait()
     total = conn.execute("SELECT count(*) FROM embedfleet.chunks").fetchone()[0]
     assert 3 <= done < total
+    options = conn.execute("SELECT reloptions FROM pg_class WHERE oid = 'big'::regclass").fetchone()[0]
+    assert "autovacuum_enabled=off" in options  # no autovacuum while a job loads the table
     # A long lease proves the rerun reclaims the dead local workers' chunks at once, not by expiry.
     t0 = time.time()
     p = cli(*args[3:], extra_env={"EMBEDFLEET_LEASE_SECONDS": "3600"}, timeout=400)
@@ -141,6 +143,8 @@ def test_kill9_mid_run_with_two_workers_then_rerun_gives_every_row_once(cli, dsn
     j = status(cli, dsn, "big")
     assert j["state"] == "done" and j["rows_written"] == n
     assert orjson.loads(cli("verify", "--table", "big", "--db", dsn, "--json").stdout)["ok"]
+    options, tuples = conn.execute("SELECT reloptions, reltuples FROM pg_class WHERE oid = 'big'::regclass").fetchone()
+    assert options == ["toast_tuple_target=8160"] and tuples == n  # autovacuum back on, and ANALYZEd
 
 
 def test_verify_catches_a_corrupted_vector(cli, dsn, conn):

@@ -25,7 +25,8 @@ from embedfleet.runtime.units import helper_count
 from embedfleet.sources.plan import ChunkSpec, expand_inputs, plan_chunks, table_name_for
 from embedfleet.store.embedded import resolve_dsn
 from embedfleet.store.ledger import Ledger, connect
-from embedfleet.store.schema import build_index, check_identifier, embedding_info, ensure_vector, table_exists
+from embedfleet.store.schema import (build_index, check_identifier, embedding_info, ensure_vector, settle_table,
+                                     table_exists)
 
 log = logging.getLogger("embedfleet")
 
@@ -143,16 +144,20 @@ def _spawn(slot: Slot, job: str, dsn: str, threads: int) -> subprocess.Popen:
 def finalize(ledger: Ledger, job: str, cfg: JobConfig) -> dict:
     """Mark the job done or failed; build the HNSW index once everything landed."""
     counts = ledger.counts(job)
+    loaded = table_exists(ledger.conn, cfg.table)
     if counts["failed"]:
         failed = ledger.failed_chunks(job)
         msg = "; ".join(f"chunk {c} ({Path(s).name}): {e}" for c, s, e in failed[:5])
+        if loaded:
+            settle_table(ledger.conn, cfg.table)
         ledger.set_job_state(job, "failed", f"{len(failed)} chunks failed: {msg}")
         return counts
     if counts["pending"] or counts["running"]:
         return counts  # stopped early (interrupted): a rerun resumes
-    if not cfg.no_index and table_exists(ledger.conn, cfg.table):
-        vtype, _ = embedding_info(ledger.conn, cfg.table)
-        build_index(ledger.conn, cfg.table, vtype)
+    if loaded:
+        settle_table(ledger.conn, cfg.table)
+        if not cfg.no_index:
+            build_index(ledger.conn, cfg.table, embedding_info(ledger.conn, cfg.table)[0])
     ledger.set_job_state(job, "done")
     return counts
 

@@ -177,8 +177,21 @@ def ensure_table(conn: psycopg.Connection, table: str, columns: Sequence, dim: i
         # its largest value, is the one moved out of line: every insert would also write the TOAST
         # table and its index, and every read fetch the vector back. Toasting only rows that do not fit
         # a page keeps vectors inline: the sink writes ~1.6x faster (bench/NOTES.md, runs 22-28).
-        conn.execute(sql.SQL("CREATE TABLE {} ({}) WITH (toast_tuple_target = 8160)").format(
+        # No autovacuum while the job loads it (`settle_table` turns it back on): PostgreSQL would
+        # vacuum the table again and again as rows arrive, and with data checksums (on by default
+        # since PostgreSQL 18) marking each new page visited logs a full copy of it to the WAL that
+        # the writers share — PostgreSQL's advice for bulk loads, then ANALYZE.
+        conn.execute(sql.SQL("CREATE TABLE {} ({}) WITH (toast_tuple_target = 8160, autovacuum_enabled = off)").format(
             ident, sql.SQL(", ").join(cols)))
+
+
+def settle_table(conn: psycopg.Connection, table: str) -> None:
+    """Once a job has loaded `table`: autovacuum back to the server's setting, and statistics for
+    the planner (ANALYZE samples a fixed number of rows: seconds even for millions)."""
+    ident = sql.Identifier(table)
+    with conn.transaction():
+        conn.execute(sql.SQL("ALTER TABLE {} RESET (autovacuum_enabled)").format(ident))
+    conn.execute(sql.SQL("ANALYZE {}").format(ident))
 
 
 def embedding_info(conn: psycopg.Connection, table: str) -> tuple[str, int]:
