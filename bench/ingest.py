@@ -12,6 +12,7 @@ own loop, summed; all running = rows of the chunks that committed while every wo
 long job, without one worker's start-up or last chunk alone; wall rate = rows / the whole command's wall time. `--gpus 1,2,1,2` repeats counts:
 scaling is against the first count's mean rate, and pair by pair against the run just before;
 `--warmup N` first runs an untimed N-row ingest, so a fresh machine's cold caches count in no result.
+Each run's table is dropped once measured, so no run pays for vacuuming an earlier one's.
 """
 
 from __future__ import annotations
@@ -155,6 +156,13 @@ def run_once(data: Path, gpus: int, model: str | None, env: dict, preset: str, e
             "from embedfleet.store.schema import build_index; "
             f"build_index(connect(start()), {table!r}, 'vector')")], env=env, check=True)
         index_s = round(time.perf_counter() - t_idx, 2)
+    # Drop the table: once its job ends autovacuum would visit all of it, during the next run (with
+    # data checksums, writing each page to the WAL again) — seen in runs 39-43, bench/NOTES.md.
+    import psycopg
+    from psycopg import sql
+
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        conn.execute(sql.SQL("DROP TABLE {}").format(sql.Identifier(table)))
     return {
         "gpus": gpus, "rows": rows, "wall_s": round(wall, 2), "rows_per_s_wall": round(rows / wall, 1),
         "loop_s": loop, "rows_per_s_steady": round(rows / loop, 1), "gpu_util_pct": util,
