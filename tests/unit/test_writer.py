@@ -21,6 +21,8 @@ class RecordingSink:
         self.log = log
 
     def commit_unit(self, unit: Unit) -> int:
+        if unit.claim.chunk < 0:
+            raise RuntimeError("this chunk fails")
         if unit.claim.chunk == 0:
             time.sleep(1.0)
         self.log.append((threading.current_thread().name, unit.claim.chunk, unit.cursor_line))
@@ -51,3 +53,11 @@ def test_units_avoid_a_busy_thread_and_a_chunks_units_stay_in_order():
     chunk99 = [(name, cursor) for name, c, cursor in log if c == 99]
     assert [c for _, c in chunk99] == [10, 20, 30, 40] and len({name for name, _ in chunk99}) == 1
     assert sorted(c for _, c, _ in log) == [0, *range(1, 13), 99, 99, 99, 99]
+
+
+def test_a_chunk_that_fails_midway_leaves_no_routing_behind():
+    log: list = []
+    writer = Writer(lambda: RecordingSink(log), on_error=lambda u, e: log.append(("error", u.claim.chunk)), threads=2)
+    writer.submit(unit(-1, 10, False))  # the first of several units; the worker sends no more once it fails
+    writer.close()
+    assert log == [("error", -1)] and writer._chunk_thread == {}

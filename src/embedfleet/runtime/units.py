@@ -261,6 +261,8 @@ class UnitPool:
             else:
                 done.set_result(time.perf_counter() - t0)
 
+        # A daemon thread, not an executor's: those are joined at exit, so a worker failing during its
+        # model load would wait for the helpers to finish starting before it could exit.
         threading.Thread(target=run, name="embedfleet-helpers-start", daemon=True).start()
         return done
 

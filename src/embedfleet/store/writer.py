@@ -180,7 +180,7 @@ class Writer:
                 pass
             return
         while (unit := q.get()) is not None:
-            t0 = time.perf_counter()
+            t0, n = time.perf_counter(), None
             try:
                 n = sink.commit_unit(unit)
             except psycopg.OperationalError as e:  # the connection itself is gone: stop the worker
@@ -195,5 +195,7 @@ class Writer:
                 self._cpu[i] = time.thread_time()
                 with self._lock:
                     self._load[i] -= 1
+                    if n is None:  # the chunk's claim is gone (on_error): forget its thread, as its
+                        self._chunk_thread.pop(unit.claim.token, None)  # later units, if any, fail too
             if self._on_done:
                 self._on_done(unit, n)
