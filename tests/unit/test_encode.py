@@ -159,7 +159,7 @@ def test_bert_ascii_shortcuts_give_the_librarys_ids(lowercase, monkeypatch):
     from tokenizers import Tokenizer
 
     from embedfleet.encode.tokenize import _tokenizer_json
-    from embedfleet.encode.wordpiece import WORDS
+    from embedfleet.encode.wordpiece import LONGEST_TEXT, WORDS
     from embedfleet.encode.models import read_spec, resolve_model
     from embedfleet.synth import long_tail_texts, review_texts
 
@@ -175,7 +175,8 @@ def test_bert_ascii_shortcuts_give_the_librarys_ids(lowercase, monkeypatch):
               "[mask] lower", "Café crème — naïve", "日本語のレビュー", "vertical\x0btab", "form\x0cfeed", "del\x7fchar",
               "bell\x07", "emoji 🎉 ok", "", "   ", "MiXeD 123 $4.99 e-mail@x.com", "word " * 400,
               "a" * 101 + " and " + "b" * 100, "supercalifragilisticexpialidocious don't!!! 3.14e-3 ~x^2",
-              "#tag @user http://example.com/p?q=1&r=[2] {x|y} `code` \\back", "ALLCAPS qwzxv xyzzyq"]
+              "#tag @user http://example.com/p?q=1&r=[2] {x|y} `code` \\back", "ALLCAPS qwzxv xyzzyq",
+              "long " * (LONGEST_TEXT // 5 + 1)]  # past the word path's length limit: the library's path
     texts = tricky + review_texts(300, seed=3) + long_tail_texts(300, seed=4)
     want = [e.ids for e in reference.encode_batch(texts)]
 
@@ -196,3 +197,16 @@ def test_bert_ascii_shortcuts_give_the_librarys_ids(lowercase, monkeypatch):
     distinct = len({w for t in ascii_texts for w in WORDS.findall(t.lower() if lowercase else t)})
     assert ids(fresh, texts) == want
     assert ids(fresh, texts) == want and len(fresh.words.table) < distinct / 2  # it did forget words
+
+
+def test_word_path_slices_hold_few_enough_texts_and_characters():
+    from embedfleet.encode.wordpiece import _SLICE, _SLICE_CHARS, _slices
+
+    texts = ["x" * 1000] * 700 + ["y" * (_SLICE_CHARS + 5)] + ["z"] * 300
+    ranges = _slices(texts)
+    assert ranges[0][0] == 0
+    assert [a for a, _ in ranges[1:]] == [b for _, b in ranges[:-1]] and ranges[-1][1] == len(texts)  # all, in order
+    for a, b in ranges:
+        assert 0 < b - a <= _SLICE
+        assert b - a == 1 or sum(map(len, texts[a:b])) <= _SLICE_CHARS  # one text may pass the limit alone
+    assert (700, 701) in ranges and _slices([]) == []

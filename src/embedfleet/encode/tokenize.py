@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from embedfleet.encode.batching import cumulative, length_order
-from embedfleet.encode.wordpiece import AsciiWordPiece
+from embedfleet.encode.wordpiece import LONGEST_TEXT, AsciiWordPiece
 from embedfleet.config import env_int
 from embedfleet.encode.models import _read_json, read_spec, resolve_model
 from embedfleet.errors import ModelError
@@ -137,7 +137,7 @@ class _Tokenizer:
         for i, t in enumerate(texts):
             if not t.isascii() or _CONTROL.search(t) is not None:
                 paths[2].append(i)
-            elif self.words is not None and (added is None or added.search(t) is None):
+            elif self.words is not None and len(t) <= LONGEST_TEXT and (added is None or added.search(t) is None):
                 paths[0].append(i)
             else:
                 paths[1].append(i)

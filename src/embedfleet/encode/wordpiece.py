@@ -30,7 +30,9 @@ from embedfleet.encode.batching import cumulative
 # split below does the same; tests count words with this.)
 WORDS = re.compile(r"[A-Za-z0-9]+|[^A-Za-z0-9 \t\n\r]")
 _SEP = "\x01"  # joins a slice's texts: a control character, so never inside a text this path takes
-_SLICE = 256  # texts per pass: the pass's arrays stay small enough for the CPU's cache
+_SLICE = 256  # texts per pass, and at most _SLICE_CHARS of them: the pass's arrays stay in the CPU's cache
+_SLICE_CHARS = 1 << 18
+LONGEST_TEXT = 1 << 16  # longer texts take the library's path: this one's arrays grow with a pass's length
 
 _SPACE, _ALNUM, _SINGLE = 0, 1, 2
 _CLASS = np.full(256, _SINGLE, np.uint8)  # byte → what it is to the pre-tokenizer
@@ -76,7 +78,7 @@ class _Hasher:
     def __call__(self, data: np.ndarray, starts: np.ndarray, ends: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         n = len(data)
         if n + 1 > self._size:
-            self._grow(2 * (n + 1))
+            self._grow(n + 1)
         values = data.astype(np.uint64)
         out = []
         with np.errstate(over="ignore"):
@@ -239,7 +241,7 @@ class AsciiWordPiece:
 
     def encode(self, texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
         """Packed int32 ids and int32 lengths, in input order."""
-        parts = [self._encode_slice(texts[i : i + _SLICE]) for i in range(0, len(texts), _SLICE)]
+        parts = [self._encode_slice(texts[i:j]) for i, j in _slices(texts)]
         if len(parts) == 1:
             return parts[0]
         if not parts:
@@ -284,3 +286,16 @@ class AsciiWordPiece:
         keep = pos < self.room
         out[(np.repeat(first + pre, found) + pos)[keep]] = tokens[keep]
         return out, lengths.astype(np.int32)
+
+
+def _slices(texts: list[str]) -> list[tuple[int, int]]:
+    """Consecutive (start, end) ranges of at most _SLICE texts and about _SLICE_CHARS characters."""
+    out, start, chars = [], 0, 0
+    for i, t in enumerate(texts):
+        if i > start and (i - start == _SLICE or chars + len(t) > _SLICE_CHARS):
+            out.append((start, i))
+            start, chars = i, 0
+        chars += len(t)
+    if texts:
+        out.append((start, len(texts)))
+    return out
