@@ -189,8 +189,11 @@ def settle_table(conn: psycopg.Connection, table: str) -> None:
     """Once a job has loaded `table`: autovacuum back to the server's setting, and statistics for
     the planner (ANALYZE samples a fixed number of rows: seconds even for millions)."""
     ident = sql.Identifier(table)
-    with conn.transaction():
-        conn.execute(sql.SQL("ALTER TABLE {} RESET (autovacuum_enabled)").format(ident))
+    options = conn.execute("SELECT reloptions FROM pg_class WHERE oid = %s::regclass",
+                           [ident.as_string(conn)]).fetchone()[0] or []
+    if "autovacuum_enabled=off" in options:  # set by ensure_table: a table someone else made is left alone
+        with conn.transaction():
+            conn.execute(sql.SQL("ALTER TABLE {} RESET (autovacuum_enabled)").format(ident))
     conn.execute(sql.SQL("ANALYZE {}").format(ident))
 
 
