@@ -187,7 +187,7 @@ def ensure_table(conn: psycopg.Connection, table: str, columns: Sequence, dim: i
 
 def settle_table(conn: psycopg.Connection, table: str) -> None:
     """Once a job has loaded `table`: autovacuum back to the server's setting, and statistics for
-    the planner (ANALYZE samples a fixed number of rows: seconds even for millions)."""
+    the planner (ANALYZE reads a fixed-size sample of rows, not the whole table)."""
     ident = sql.Identifier(table)
     options = conn.execute("SELECT reloptions FROM pg_class WHERE oid = %s::regclass",
                            [ident.as_string(conn)]).fetchone()[0] or []
