@@ -210,3 +210,15 @@ def test_word_path_slices_hold_few_enough_texts_and_characters():
         assert 0 < b - a <= _SLICE
         assert b - a == 1 or sum(map(len, texts[a:b])) <= _SLICE_CHARS  # one text may pass the limit alone
     assert (700, 701) in ranges and _slices([]) == []
+
+
+def test_word_split_is_the_pre_tokenizers_on_any_ascii():
+    """numpy's split of a pass (texts joined by the separator) finds exactly the words the regex does."""
+    from embedfleet.encode.wordpiece import WORDS, split_words
+
+    rng = np.random.default_rng(0)
+    alphabet = np.frombuffer(b"aZ09 \t\n\r\x01.,!'-$([{~\\" + bytes(range(32, 127)), np.uint8)
+    for size in [0, 1, 2, 3, 17, 1000, 20000]:
+        text = rng.choice(alphabet, size).tobytes().decode("ascii")
+        starts, ends = split_words(np.frombuffer(text.encode("ascii"), np.uint8))
+        assert list(zip(starts.tolist(), ends.tolist())) == [m.span() for m in WORDS.finditer(text)]
