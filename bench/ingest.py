@@ -157,7 +157,7 @@ def run_once(data: Path, gpus: int, model: str | None, env: dict, preset: str, e
             f"build_index(connect(start()), {table!r}, 'vector')")], env=env, check=True)
         index_s = round(time.perf_counter() - t_idx, 2)
     # Drop the table: once its job ends autovacuum would visit all of it, during the next run (with
-    # data checksums, writing each page to the WAL again) — seen in runs 39-43, bench/NOTES.md.
+    # data checksums, full page copies into the WAL) — seen in runs 39-43, bench/NOTES.md.
     import psycopg
     from psycopg import sql
 

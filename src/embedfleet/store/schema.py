@@ -179,8 +179,9 @@ def ensure_table(conn: psycopg.Connection, table: str, columns: Sequence, dim: i
         # a page keeps vectors inline: the sink writes ~1.6x faster (bench/NOTES.md, runs 22-28).
         # No autovacuum while the job loads it (`settle_table` turns it back on): PostgreSQL would
         # vacuum the table again and again as rows arrive, and with data checksums (on by default
-        # since PostgreSQL 18) marking each new page visited logs a full copy of it to the WAL that
-        # the writers share — PostgreSQL's advice for bulk loads, then ANALYZE.
+        # since PostgreSQL 18) marking a page visited logs a full copy of it, if it is the page's
+        # first change since a checkpoint, into the WAL the writers share. PostgreSQL's own advice
+        # for bulk loads: no autovacuum during, ANALYZE after.
         conn.execute(sql.SQL("CREATE TABLE {} ({}) WITH (toast_tuple_target = 8160, autovacuum_enabled = off)").format(
             ident, sql.SQL(", ").join(cols)))
 
