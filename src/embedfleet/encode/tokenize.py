@@ -18,10 +18,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from embedfleet.encode.batching import cumulative, length_order
-from embedfleet.encode.wordpiece import LONGEST_TEXT, AsciiWordPiece
 from embedfleet.config import env_int
+from embedfleet.encode.batching import cumulative, length_order
 from embedfleet.encode.models import _read_json, read_spec, resolve_model
+from embedfleet.encode.wordpiece import LONGEST_TEXT, AsciiWordPiece
 from embedfleet.errors import ModelError
 
 POOL_MIN_TEXTS = 2048  # below this the pool's pickling costs more than it saves

@@ -129,18 +129,19 @@ class WordTable:
 
     def lookup(self, text: str, starts: np.ndarray, ends: np.ndarray, k1: np.ndarray, k2: np.ndarray) -> np.ndarray:
         """The entry of every word (text[starts[i]:ends[i]], keys k1, k2), learning those not held."""
-        entries = self._find(k1, k2)
-        missing = np.flatnonzero(entries < 0)
-        if not len(missing):
-            return entries
-        words = [text[s:e] for s, e in zip(starts[missing].tolist(), ends[missing].tolist())]
-        first = dict(zip(words, missing.tolist()))  # each new word once, with one of its places
-        if self._len + len(first) > self.max_words:
-            self._keep(max(2, self.max_words // 2))
-            entries = self._find(k1, k2)  # entries just dropped are missing again
+        def unknown():
+            """Entries, where they are missing, those words, and each new word once with one of its places."""
+            entries = self._find(k1, k2)
             missing = np.flatnonzero(entries < 0)
             words = [text[s:e] for s, e in zip(starts[missing].tolist(), ends[missing].tolist())]
-            first = dict(zip(words, missing.tolist()))
+            return entries, missing, words, dict(zip(words, missing.tolist()))
+
+        entries, missing, words, first = unknown()
+        if not words:
+            return entries
+        if self._len + len(first) > self.max_words:
+            self._keep(max(2, self.max_words // 2))
+            entries, missing, words, first = unknown()  # entries just dropped are missing again
         at = np.fromiter(first.values(), np.int64, len(first))
         keys = np.stack([k1[at], k2[at]], axis=1)
         new = self._len + np.arange(len(first))
