@@ -27,6 +27,8 @@ import time
 from pathlib import Path
 
 import orjson
+import psycopg
+from psycopg import sql
 
 
 class GpuSampler(threading.Thread):
@@ -72,8 +74,6 @@ class PgWaitSampler(threading.Thread):
         self._halt = threading.Event()
 
     def run(self):
-        import psycopg
-
         with psycopg.connect(self.dsn, autocommit=True) as conn:
             while not self._halt.wait(self.period):
                 for kind, event, backend in conn.execute(
@@ -158,9 +158,6 @@ def run_once(data: Path, gpus: int, model: str | None, env: dict, preset: str, e
         index_s = round(time.perf_counter() - t_idx, 2)
     # Drop the table: once its job ends autovacuum would visit all of it, during the next run (with
     # data checksums, full page copies into the WAL) — seen in runs 39-43, bench/NOTES.md.
-    import psycopg
-    from psycopg import sql
-
     with psycopg.connect(dsn, autocommit=True) as conn:
         conn.execute(sql.SQL("DROP TABLE {}").format(sql.Identifier(table)))
     return {
@@ -191,8 +188,6 @@ def run_once(data: Path, gpus: int, model: str | None, env: dict, preset: str, e
 
 def _rows_finished(dsn: str, job: str, t0: float, t1: float) -> int:
     """Rows of the job's chunks that committed between epoch seconds t0 and t1 (the ledger's clock)."""
-    import psycopg
-
     with psycopg.connect(dsn) as conn:
         return conn.execute("SELECT coalesce(sum(rows_written), 0)::bigint FROM embedfleet.chunks WHERE job = %s "
                             "AND finished >= to_timestamp(%s) AND finished < to_timestamp(%s)", [job, t0, t1]).fetchone()[0]
