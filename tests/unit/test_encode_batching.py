@@ -4,8 +4,9 @@ import numpy as np
 import pytest
 import torch
 
-from embedfleet.encode.batching import cumulative, length_order, plan_batches, positions, segments
+from embedfleet.encode.batching import cumulative, length_order, plan_batches
 from embedfleet.encode.budget import MAX_BATCH_TOKENS, TokenBudget, max_batch_tokens, probe_batch_tokens, run_with_backoff
+from embedfleet.encode.packed.attention import token_layout
 from embedfleet.encode.tokenize import pack_sorted
 
 
@@ -29,8 +30,10 @@ def test_length_order_longest_first_and_stable():
 def test_positions_segments_offsets():
     lengths = np.array([3, 1, 2])
     assert cumulative(lengths).tolist() == [0, 3, 4, 6]
-    assert positions(lengths).tolist() == [0, 1, 2, 0, 0, 1]
-    assert segments(lengths).tolist() == [0, 0, 0, 1, 2, 2]
+    cu, seg, pos = token_layout(torch.tensor(lengths, dtype=torch.int32), 6)
+    assert cu.tolist() == [0, 3, 4, 6] and cu.dtype == seg.dtype == pos.dtype == torch.int32
+    assert pos.tolist() == [0, 1, 2, 0, 0, 1]
+    assert seg.tolist() == [0, 0, 0, 1, 2, 2]
 
 
 def test_pack_sorted_round_trip():

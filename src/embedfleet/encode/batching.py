@@ -45,15 +45,3 @@ def cumulative(lengths: np.ndarray) -> np.ndarray:
     np.cumsum(lengths, out=cu[1:])
     return cu
 
-
-def positions(lengths: np.ndarray) -> np.ndarray:
-    """Position of each packed token inside its own sequence (int32)."""
-    lengths = np.asarray(lengths, dtype=np.int64)
-    total = int(lengths.sum())
-    starts = np.repeat(cumulative(lengths)[:-1], lengths)
-    return (np.arange(total, dtype=np.int64) - starts).astype(np.int32)
-
-
-def segments(lengths: np.ndarray) -> np.ndarray:
-    """Index of the sequence each packed token belongs to (int32)."""
-    return np.repeat(np.arange(len(lengths), dtype=np.int32), np.asarray(lengths, dtype=np.int64))

@@ -17,10 +17,10 @@ import numpy as np
 import torch
 
 from embedfleet.encode import packed
-from embedfleet.encode.batching import cumulative, positions, segments
+from embedfleet.encode.batching import cumulative
 from embedfleet.encode.budget import TokenBudget, activation_bytes_per_token, probe_batch_tokens, run_with_backoff
 from embedfleet.encode.models import model_name, read_spec, resolve_model
-from embedfleet.encode.packed.attention import Packing
+from embedfleet.encode.packed.attention import Packing, token_layout
 from embedfleet.encode.pooling import finish, pool_packed
 from embedfleet.encode.tokenize import Tokenized, TokenizerSpec, model_tokenizer
 from embedfleet.errors import ModelError
@@ -43,14 +43,13 @@ def _device(device: str) -> torch.device:
 
 @dataclass
 class _Pending:
-    host: torch.Tensor  # [n, dim] float32, sorted order (pinned on CUDA)
+    host: torch.Tensor  # [n, dim] float32, input order (pinned on CUDA)
     done: torch.cuda.Event | None
-    inverse: np.ndarray
 
     def result(self) -> np.ndarray:
         if self.done is not None:
             self.done.synchronize()
-        return self.host.numpy()[self.inverse]
+        return self.host.numpy()
 
 
 class Encoder:
@@ -139,15 +138,19 @@ class Encoder:
     def _launch(self, tok: Tokenized) -> _Pending:
         n, dev, cuda = len(tok), self._dev, self._dev.type == "cuda"
         if n == 0:
-            return _Pending(torch.zeros(0, self.dim), None, tok.inverse)
+            return _Pending(torch.zeros(0, self.dim), None)
         lengths = tok.lengths
         cu = cumulative(lengths)
-        parts = [tok.ids, positions(lengths), segments(lengths), cu.astype(np.int32), lengths]
-        host = torch.empty(sum(len(p) for p in parts), dtype=torch.int32, pin_memory=cuda)
-        np.concatenate(parts, out=host.numpy())
+        total = int(cu[-1])
+        # Only ids, lengths and the input order travel; each token's sequence and position are
+        # derived on the device (a few queued kernels instead of milliseconds of numpy a unit on
+        # this thread, which feeds the GPU and shares the GIL with the writers).
+        host = torch.empty(total + 2 * n, dtype=torch.int32, pin_memory=cuda)
+        np.concatenate([tok.ids, lengths, tok.inverse], out=host.numpy(), casting="same_kind")
         with self._lock, torch.inference_mode():
             buf = host.to(dev, non_blocking=True)
-            ids, pos, seg, cu_d, len_d = buf.split([len(p) for p in parts])
+            ids, len_d, inverse = buf.split([total, n, n])
+            cu_d, seg, pos = token_layout(len_d, total)
             out = torch.empty(n, self.dim, dtype=torch.float32, device=dev)
 
             def step(s: int, e: int) -> None:
@@ -159,14 +162,14 @@ class Encoder:
 
             run_with_backoff(cu, self.budget, step, on_oom=torch.cuda.empty_cache if cuda else None)
             res = torch.empty(n, self.dim, dtype=torch.float32, pin_memory=cuda)
-            res.copy_(out, non_blocking=cuda)
+            res.copy_(out.index_select(0, inverse), non_blocking=cuda)  # back in input order
             done = None
             if cuda:
                 # Waiting on it sleeps instead of spinning: a small model's worker waits most of the
                 # time, and a spinning core is one its helpers and PostgreSQL cannot use.
                 done = torch.cuda.Event(blocking=True)
                 done.record()
-        return _Pending(res, done, tok.inverse)
+        return _Pending(res, done)
 
     def close(self) -> None:
         self._tok.close()

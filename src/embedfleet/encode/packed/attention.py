@@ -24,6 +24,18 @@ except ImportError:  # torch < 2.10
     varlen_attn, _GQA_FLAG = None, False
 
 
+def token_layout(lengths: torch.Tensor, total: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """For packed sequences of `lengths` (int32, `total` tokens in all), on their device: offsets
+    [0, l0, l0+l1, …], each token's sequence, and its position inside that sequence (all int32).
+    Built where the tensors live, so only the lengths travel; `total` known, nothing waits on the device."""
+    n, dev = len(lengths), lengths.device
+    cu = torch.zeros(n + 1, dtype=torch.int32, device=dev)
+    torch.cumsum(lengths, 0, dtype=torch.int32, out=cu[1:])
+    seg = torch.repeat_interleave(torch.arange(n, dtype=torch.int32, device=dev), lengths, output_size=total)
+    pos = torch.arange(total, dtype=torch.int32, device=dev) - cu.index_select(0, seg)
+    return cu, seg, pos
+
+
 @dataclass
 class Packing:
     """Where each packed token sits: what every layer of one batch needs, built once per batch."""
