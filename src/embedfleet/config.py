@@ -142,3 +142,17 @@ def env_int(name: str, default: int | None, least: int = 1) -> int | None:
     if value < least:
         raise InputError(f"{name}={raw!r}: expected a whole number ≥ {least}")
     return value
+
+
+def env_float(name: str, default: float) -> float:
+    """A positive number setting from the environment (a measuring knob); unset or empty: `default`."""
+    raw = os.environ.get(name, "").strip()
+    if not raw:
+        return default
+    try:
+        value = float(raw)
+    except ValueError:
+        value = 0.0
+    if not value > 0 or value == float("inf"):
+        raise InputError(f"{name}={raw!r}: expected a positive number")
+    return value

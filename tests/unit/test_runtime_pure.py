@@ -6,7 +6,7 @@ from collections import deque
 
 import pytest
 
-from embedfleet.config import JobConfig, build_config, env_int
+from embedfleet.config import JobConfig, build_config, env_float, env_int
 from embedfleet.errors import InputError
 from embedfleet.runtime.local import apply_limit, parse_devices
 from embedfleet.runtime.monitor import rate_and_eta
@@ -108,3 +108,11 @@ def test_measuring_knobs_from_the_environment(monkeypatch):
         monkeypatch.setenv("EMBEDFLEET_X", bad)
         with pytest.raises(InputError, match=r"EMBEDFLEET_X=.*whole number ≥ 1"):
             env_int("EMBEDFLEET_X", 3)
+    monkeypatch.setenv("EMBEDFLEET_X", " 0.0001 ")
+    assert env_float("EMBEDFLEET_X", 0.0005) == 0.0001
+    monkeypatch.delenv("EMBEDFLEET_X")
+    assert env_float("EMBEDFLEET_X", 0.0005) == 0.0005
+    for bad in ("0", "-1e-3", "fast", "inf", "nan"):
+        monkeypatch.setenv("EMBEDFLEET_X", bad)
+        with pytest.raises(InputError, match=r"EMBEDFLEET_X=.*positive number"):
+            env_float("EMBEDFLEET_X", 0.0005)

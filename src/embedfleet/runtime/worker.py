@@ -30,7 +30,7 @@ from typing import Iterator
 
 import orjson
 
-from embedfleet.config import JobConfig, env_int
+from embedfleet.config import JobConfig, env_float, env_int
 from embedfleet.errors import EmbedfleetError, JobError
 from embedfleet.encode.tokenize import tokenizer_spec
 from embedfleet.runtime.units import Task, UnitContext, UnitPool, settle_gc, stream_tasks
@@ -289,7 +289,7 @@ def run_worker(job: str, dsn: str, worker: str, device: str = "auto") -> Stats:
     # Threads here mostly wait on the GPU, helpers and sockets; after each wait one must take the GIL
     # back from whichever thread is running Python, which by default may hold it 5 ms. A shorter
     # switch interval keeps those hand-offs (many per unit) from stalling the pipeline.
-    sys.setswitchinterval(0.0005)
+    sys.setswitchinterval(env_float("EMBEDFLEET_SWITCH_INTERVAL", 0.0005))
     conn = connect(dsn)
     ledger = Ledger(conn)
     row = ledger.job(job)
