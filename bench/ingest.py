@@ -114,6 +114,50 @@ def _postgres_cpu_s() -> float:
     return total / os.sysconf("SC_CLK_TCK")
 
 
+def _disk_written_bytes(path: str) -> int | None:
+    """Bytes written so far to the block device holding `path` (/sys/dev/block/…/stat, field 7: 512-byte
+    sectors); None where the path's device is not a block device (overlay, tmpfs)."""
+    dev = os.stat(path).st_dev
+    try:
+        return int(Path(f"/sys/dev/block/{os.major(dev)}:{os.minor(dev)}/stat").read_text().split()[6]) * 512
+    except (OSError, IndexError):
+        return None
+
+
+def _wal_counters(conn) -> dict:
+    """The server's WAL position and cumulative WAL/checkpoint counters, to difference over a run."""
+    lsn, = conn.execute("SELECT pg_current_wal_lsn()").fetchone()
+    wal = conn.execute("SELECT wal_fpi, wal_buffers_full FROM pg_stat_wal").fetchone()
+    ckpt = conn.execute("SELECT num_timed + num_requested FROM pg_stat_checkpointer").fetchone()
+    return {"lsn": lsn, "fpi": int(wal[0]), "buffers_full": int(wal[1]), "checkpoints": int(ckpt[0])}
+
+
+def _wal_used(dsn: str, before: dict, rows: int, wall: float, disk0: int | None, data_dir: str) -> dict:
+    """WAL bytes per row, WAL buffers found full, checkpoints and the disk's write rate over a run."""
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        after = _wal_counters(conn)
+        wal_bytes = conn.execute("SELECT pg_wal_lsn_diff(%s, %s)", [after["lsn"], before["lsn"]]).fetchone()[0]
+    disk1 = _disk_written_bytes(data_dir)
+    return {"wal_bytes_per_row": round(float(wal_bytes) / max(1, rows), 1),
+            "wal_mb_per_s": round(float(wal_bytes) / wall / 1e6, 1),
+            "wal_fpi": after["fpi"] - before["fpi"], "wal_buffers_full": after["buffers_full"] - before["buffers_full"],
+            "checkpoints": after["checkpoints"] - before["checkpoints"],
+            "disk_write_mb_per_s": None if disk0 is None or disk1 is None else round((disk1 - disk0) / wall / 1e6, 1)}
+
+
+def set_server(env: dict, settings: list[str]) -> None:
+    """ALTER SYSTEM SET each NAME=VALUE on the embedded server, then restart it (a measuring knob:
+    e.g. --pg-set wal_init_zero=off,wal_buffers=256MB)."""
+    cli = [sys.executable, "-m", "embedfleet.cli", "db"]
+    dsn = subprocess.run(cli + ["uri"], capture_output=True, text=True, env=env, check=True).stdout.strip()
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        for item in settings:
+            name, value = item.split("=", 1)
+            conn.execute(sql.SQL("ALTER SYSTEM SET {} = {}").format(sql.Identifier(name), sql.Literal(value)))
+    subprocess.run(cli + ["stop"], env=env, check=True, capture_output=True)
+    subprocess.run(cli + ["start"], env=env, check=True, capture_output=True)
+
+
 def run_once(data: Path, gpus: int, model: str | None, env: dict, preset: str, extra: list[str],
              cpu: bool = False, index: bool = True) -> dict:
     table = f"bench_{gpus}gpu_{int(time.time())}"
@@ -128,6 +172,10 @@ def run_once(data: Path, gpus: int, model: str | None, env: dict, preset: str, e
                          env=env, check=True).stdout.strip()
     pg_waits = PgWaitSampler(dsn)
     pg_waits.start()
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        wal0 = _wal_counters(conn)
+        data_dir = conn.execute("SHOW data_directory").fetchone()[0]
+    disk0 = _disk_written_bytes(data_dir)
     t0, host0, pg0 = time.perf_counter(), _jiffies(), _postgres_cpu_s()
     p = subprocess.run(cmd, capture_output=True, text=True, env=env)
     wall = time.perf_counter() - t0
@@ -141,6 +189,7 @@ def run_once(data: Path, gpus: int, model: str | None, env: dict, preset: str, e
     workers = [orjson.loads(line.split(" ", 1)[1]) for line in p.stderr.splitlines()
                if line.startswith("embedfleet-worker-summary ")]
     rows = summary["rows_written"]
+    wal = _wal_used(dsn, wal0, rows, wall, disk0, data_dir)
     # The loops' span, from the first worker's start to the last one's end (start-up excluded, but a
     # worker that starts late counts against the rate).
     loop = round(max(w["started_at"] + w["wall_s"] for w in workers) - min(w["started_at"] for w in workers), 3)
@@ -180,6 +229,7 @@ def run_once(data: Path, gpus: int, model: str | None, env: dict, preset: str, e
                            "helpers": round(sum(w["helper_cpu_s"] for w in workers) / rows * 1e6, 1),
                            "postgres": round((pg1 - pg0) / rows * 1e6, 1)} if rows else None,
         "pg_waits": waits,  # client connections: share of samples per wait event (CPU: none)
+        "wal": wal,  # over the whole command: WAL volume, WAL buffers found full, checkpoints, disk writes
         "records_thread_s": {k: round(max(w.get(k, 0) for w in workers), 3)
                              for k in ("read_s", "claim_s", "collect_s", "records_blocked_s")},
         "hnsw_index_s": index_s, "workers": workers,
@@ -222,12 +272,15 @@ def main() -> None:
     ap.add_argument("--work", default="/tmp/efbench")
     ap.add_argument("--out", default=None)
     ap.add_argument("--chunk-bytes", default=None)
+    ap.add_argument("--batch-tokens", default=None, help="passed to ingest (default: its auto)")
     ap.add_argument("--cpu", action="store_true", help="smoke-test the script without GPUs")
     ap.add_argument("--no-index", action="store_true", help="skip timing the HNSW build")
     ap.add_argument("--vs-bench", type=int, default=0, metavar="N",
                     help="also time the encoder alone (embedfleet bench's code) on the first N texts of this corpus")
     ap.add_argument("--warmup", type=int, default=0, metavar="N",
                     help="first an untimed ingest of N rows on the most GPUs (a fresh machine's caches: files, compiled kernels)")
+    ap.add_argument("--pg-set", default=None, metavar="NAME=VALUE,…",
+                    help="ALTER SYSTEM these settings on the embedded server and restart it before the runs")
     args = ap.parse_args()
     from embedfleet.synth import cached_reviews
 
@@ -240,7 +293,10 @@ def main() -> None:
         model = str(build_random_model(args.shape, work / args.shape))
     env = dict(os.environ, EMBEDFLEET_HOME=str(work / "home"))
     extra = ["--chunk-bytes", args.chunk_bytes] if args.chunk_bytes else []
+    extra += ["--batch-tokens", args.batch_tokens] if args.batch_tokens else []
     counts = [int(g) for g in args.gpus.split(",")]
+    if args.pg_set:
+        set_server(env, args.pg_set.split(","))
     if args.warmup:
         run_once(data, max(counts), model, env, "amazon-reviews", extra + ["--limit", str(args.warmup)], args.cpu, False)
     results = [run_once(data, g, model, env, "amazon-reviews", extra, args.cpu, not args.no_index) for g in counts]
@@ -263,7 +319,7 @@ def main() -> None:
         if base is not None and r["gpus"] != base["gpus"]:
             for key, name in (("rows_per_s_steady", ""), ("rows_per_s_all_running", "_all_running")):
                 r[f"scaling_vs_previous{name}"] = ratio(r[key], base[key] and base[key] / base["gpus"], r["gpus"])
-    doc = {"n": args.n, "model": model or "bundled all-MiniLM-L6-v2", "results": results}
+    doc = {"n": args.n, "model": model or "bundled all-MiniLM-L6-v2", "pg_set": args.pg_set, "results": results}
     if args.vs_bench:
         alone = encoder_alone(data, model, args.vs_bench)
         doc["encoder_alone"] = alone
@@ -283,7 +339,7 @@ def main() -> None:
               f"(pair by pair {r.get('scaling_vs_previous_all_running', '-')}) "
               f"(sum of workers' rates {r['scaling_vs_linear_workers_sum']}, start stagger {r['start_stagger_s']} s), "
               f"helpers busy {r['helpers_busy']}, host CPU busy {r['host_cpu_busy']}, CPU µs/row {r['cpu_us_per_row']}, "
-              f"records thread (max of workers) {r['records_thread_s']}, pg waits {r['pg_waits']}"
+              f"records thread (max of workers) {r['records_thread_s']}, pg waits {r['pg_waits']}, wal {r['wal']}"
               + (f", vs encoder alone {r['vs_encoder_alone_texts']} (texts) {r['vs_encoder_alone_tokens']} (tokens)"
                  if "vs_encoder_alone_texts" in r else ""))
 
