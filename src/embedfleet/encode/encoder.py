@@ -43,7 +43,7 @@ def _device(device: str) -> torch.device:
 
 @dataclass
 class _Pending:
-    host: torch.Tensor  # [n, dim] float32, input order (pinned on CUDA)
+    host: torch.Tensor  # [n, dim] float32, input order (pinned on CUDA; result() is a view of it)
     done: torch.cuda.Event | None
 
     def result(self) -> np.ndarray:
