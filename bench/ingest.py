@@ -99,9 +99,10 @@ def _jiffies() -> tuple[int, int]:
     return sum(v) - v[3] - v[4], sum(v)  # idle and iowait are not busy
 
 
-def _postgres_cpu_s() -> float:
-    """CPU seconds used so far by every postgres process on this host, and by those that have exited."""
-    total = 0
+def _postgres_cpu_s() -> dict[int, float]:
+    """CPU seconds used so far by each postgres process on this host (with, for the postmaster, its
+    children that have exited)."""
+    out = {}
     for pid in filter(str.isdigit, os.listdir("/proc")):
         try:
             stat = open(f"/proc/{pid}/stat").read()
@@ -110,8 +111,15 @@ def _postgres_cpu_s() -> float:
         if stat[stat.index("(") + 1 : stat.rindex(")")] == "postgres":
             fields = stat[stat.rindex(")") + 2 :].split()
             # utime, stime, and cutime, cstime: the postmaster's reaped children (connections that closed)
-            total += sum(int(f) for f in fields[11:15])
-    return total / os.sysconf("SC_CLK_TCK")
+            out[int(pid)] = sum(int(f) for f in fields[11:15]) / os.sysconf("SC_CLK_TCK")
+    return out
+
+
+def _cpu_used(before: dict[int, float], after: dict[int, float]) -> float:
+    """CPU seconds between two `_postgres_cpu_s` readings: per process, so that a server restarted
+    before the run (its old processes gone) does not count against it (a connection that closes
+    during the run counts whole, through the postmaster's children's time: milliseconds)."""
+    return sum(max(0.0, t - before.get(pid, 0.0)) for pid, t in after.items())
 
 
 def _disk_written_bytes(path: str) -> int | None:
@@ -227,7 +235,7 @@ def run_once(data: Path, gpus: int, model: str | None, env: dict, preset: str, e
         "host_cpu_busy": round((host1[0] - host0[0]) / max(1, host1[1] - host0[1]), 3),
         "cpu_us_per_row": {"workers": round(sum(w["cpu_s"] for w in workers) / rows * 1e6, 1),
                            "helpers": round(sum(w["helper_cpu_s"] for w in workers) / rows * 1e6, 1),
-                           "postgres": round((pg1 - pg0) / rows * 1e6, 1)} if rows else None,
+                           "postgres": round(_cpu_used(pg0, pg1) / rows * 1e6, 1)} if rows else None,
         "pg_waits": waits,  # client connections: share of samples per wait event (CPU: none)
         "wal": wal,  # over the whole command: WAL volume, WAL buffers found full, checkpoints, disk writes
         "records_thread_s": {k: round(max(w.get(k, 0) for w in workers), 3)
