@@ -33,6 +33,23 @@ def test_minilm_bf16_matches_st():
     assert ((ours * _st(MINILM, _texts())).sum(1)).min() >= 0.999
 
 
+@pytest.mark.skipif(not MINILM.is_dir(), reason="fp16 MiniLM not prepared (.models/)")
+def test_warmup_leaves_no_compiling_for_the_first_units():
+    """torch.compile compiles again for a second token count (automatic dynamic shapes): warm-up pays
+    for that too, so that a job's first units, of other sizes, find every graph ready."""
+    from torch._dynamo.utils import counters
+
+    from embedfleet.encode.encoder import Encoder
+
+    enc = Encoder(str(MINILM))
+    enc.warmup()
+    graphs = counters["stats"]["unique_graphs"]
+    assert graphs > 0  # the counter is kept (this process compiled at least the warm-up's graphs)
+    for n in (5, 700, 3000):
+        enc.encode(["a review of yet another length, " * (1 + i % 40) for i in range(n)])
+    assert counters["stats"]["unique_graphs"] == graphs
+
+
 @pytest.mark.parametrize("pooling", ["lasttoken", "mean"])
 def test_tiny_qwen3_varlen_matches_st(tmp_path, pooling):
     from embedfleet.encode.encoder import Encoder

@@ -106,6 +106,10 @@ class Encoder:
         self._tok.start()
         if self._dev.type == "cuda":
             self.encode(["warm up"] * 64 + ["warm up " * 200] * 8)
+            # A second token count has torch.compile recompile its graphs for any count (automatic
+            # dynamic shapes): here, not in a job's first unit on the thread that feeds the GPU
+            # (a profile of a two-GPU ingest caught that recompile there, bench/NOTES.md run 45).
+            self.encode(["warm up again"] * 24)
 
     def embed_async(self, tok: Tokenized) -> "_Pending":
         """Queue `tok` on the device and return at once; `.result()` waits for its vectors. Queue the
