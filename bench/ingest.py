@@ -140,11 +140,10 @@ def _wal_counters(conn) -> dict:
     return {"lsn": lsn, "fpi": int(wal[0]), "buffers_full": int(wal[1]), "checkpoints": int(ckpt[0])}
 
 
-def _wal_used(dsn: str, before: dict, rows: int, wall: float, disk0: int | None, data_dir: str) -> dict:
+def _wal_used(conn, before: dict, rows: int, wall: float, disk0: int | None, data_dir: str) -> dict:
     """WAL bytes per row, WAL buffers found full, checkpoints and the disk's write rate over a run."""
-    with psycopg.connect(dsn, autocommit=True) as conn:
-        after = _wal_counters(conn)
-        wal_bytes = conn.execute("SELECT pg_wal_lsn_diff(%s, %s)", [after["lsn"], before["lsn"]]).fetchone()[0]
+    after = _wal_counters(conn)
+    wal_bytes = conn.execute("SELECT pg_wal_lsn_diff(%s, %s)", [after["lsn"], before["lsn"]]).fetchone()[0]
     disk1 = _disk_written_bytes(data_dir)
     return {"wal_bytes_per_row": round(float(wal_bytes) / max(1, rows), 1),
             "wal_mb_per_s": round(float(wal_bytes) / wall / 1e6, 1),
@@ -153,17 +152,21 @@ def _wal_used(dsn: str, before: dict, rows: int, wall: float, disk0: int | None,
             "disk_write_mb_per_s": None if disk0 is None or disk1 is None else round((disk1 - disk0) / wall / 1e6, 1)}
 
 
+def _db(env: dict, command: str) -> str:
+    """`embedfleet db COMMAND` for the bench's embedded server; its output (the DSN for `uri`)."""
+    return subprocess.run([sys.executable, "-m", "embedfleet.cli", "db", command], capture_output=True, text=True,
+                          env=env, check=True).stdout.strip()
+
+
 def set_server(env: dict, settings: list[str]) -> None:
     """ALTER SYSTEM SET each NAME=VALUE on the embedded server, then restart it (a measuring knob:
     e.g. --pg-set wal_init_zero=off,wal_buffers=256MB)."""
-    cli = [sys.executable, "-m", "embedfleet.cli", "db"]
-    dsn = subprocess.run(cli + ["uri"], capture_output=True, text=True, env=env, check=True).stdout.strip()
-    with psycopg.connect(dsn, autocommit=True) as conn:
+    with psycopg.connect(_db(env, "uri"), autocommit=True) as conn:
         for item in settings:
             name, value = item.split("=", 1)
             conn.execute(sql.SQL("ALTER SYSTEM SET {} = {}").format(sql.Identifier(name), sql.Literal(value)))
-    subprocess.run(cli + ["stop"], env=env, check=True, capture_output=True)
-    subprocess.run(cli + ["start"], env=env, check=True, capture_output=True)
+    _db(env, "stop")
+    _db(env, "start")
 
 
 def run_once(data: Path, gpus: int, model: str | None, env: dict, preset: str, extra: list[str],
@@ -176,8 +179,7 @@ def run_once(data: Path, gpus: int, model: str | None, env: dict, preset: str, e
         cmd += ["--model", model]
     sampler = GpuSampler(list(range(gpus)))
     sampler.start()
-    dsn = subprocess.run([sys.executable, "-m", "embedfleet.cli", "db", "uri"], capture_output=True, text=True,
-                         env=env, check=True).stdout.strip()
+    dsn = _db(env, "uri")
     pg_waits = PgWaitSampler(dsn)
     pg_waits.start()
     with psycopg.connect(dsn, autocommit=True) as conn:
@@ -197,14 +199,15 @@ def run_once(data: Path, gpus: int, model: str | None, env: dict, preset: str, e
     workers = [orjson.loads(line.split(" ", 1)[1]) for line in p.stderr.splitlines()
                if line.startswith("embedfleet-worker-summary ")]
     rows = summary["rows_written"]
-    wal = _wal_used(dsn, wal0, rows, wall, disk0, data_dir)
+    conn = psycopg.connect(dsn, autocommit=True)  # for what is read and dropped once the run is over
+    wal = _wal_used(conn, wal0, rows, wall, disk0, data_dir)
     # The loops' span, from the first worker's start to the last one's end (start-up excluded, but a
     # worker that starts late counts against the rate).
     loop = round(max(w["started_at"] + w["wall_s"] for w in workers) - min(w["started_at"] for w in workers), 3)
     # While every worker ran (the later start to the earlier end): the steady state of a long job,
     # without the seconds where one worker starts up or finishes its last chunk alone.
     together = (max(w["started_at"] for w in workers), min(w["started_at"] + w["wall_s"] for w in workers))
-    rows_together = _rows_finished(dsn, table, *together)
+    rows_together = _rows_finished(conn, table, *together)
     index_s = None
     if index:
         t_idx = time.perf_counter()
@@ -215,7 +218,7 @@ def run_once(data: Path, gpus: int, model: str | None, env: dict, preset: str, e
         index_s = round(time.perf_counter() - t_idx, 2)
     # Drop the table: once its job ends autovacuum would visit all of it, during the next run (with
     # data checksums, full page copies into the WAL) — seen in runs 39-43, bench/NOTES.md.
-    with psycopg.connect(dsn, autocommit=True) as conn:
+    with conn:
         conn.execute(sql.SQL("DROP TABLE {}").format(sql.Identifier(table)))
     return {
         "gpus": gpus, "rows": rows, "wall_s": round(wall, 2), "rows_per_s_wall": round(rows / wall, 1),
@@ -244,11 +247,10 @@ def run_once(data: Path, gpus: int, model: str | None, env: dict, preset: str, e
     }
 
 
-def _rows_finished(dsn: str, job: str, t0: float, t1: float) -> int:
+def _rows_finished(conn, job: str, t0: float, t1: float) -> int:
     """Rows of the job's chunks that committed between epoch seconds t0 and t1 (the ledger's clock)."""
-    with psycopg.connect(dsn) as conn:
-        return conn.execute("SELECT coalesce(sum(rows_written), 0)::bigint FROM embedfleet.chunks WHERE job = %s "
-                            "AND finished >= to_timestamp(%s) AND finished < to_timestamp(%s)", [job, t0, t1]).fetchone()[0]
+    return conn.execute("SELECT coalesce(sum(rows_written), 0)::bigint FROM embedfleet.chunks WHERE job = %s "
+                        "AND finished >= to_timestamp(%s) AND finished < to_timestamp(%s)", [job, t0, t1]).fetchone()[0]
 
 
 def encoder_alone(data: Path, model: str | None, n: int) -> dict:
