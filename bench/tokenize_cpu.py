@@ -22,15 +22,18 @@ os.environ["TOKENIZERS_PARALLELISM"] = "false"  # single-threaded, as in a helpe
 
 
 class _Learning:
-    """Counts the words a WordTable learns and the time it takes (current code only)."""
+    """Counts the words the word table learns and the time it takes to split them into pieces."""
 
     def __init__(self):
         self.words, self.seconds = 0, 0.0
-        try:
+        try:  # the trie; before it, WordTable._learn (the library word by word), and before that _add
             from embedfleet.encode.wordpiece import WordTable
+            from embedfleet.encode.wordpiece import PieceTrie as owner
+            name = "__call__"
         except ImportError:
-            return
-        learn = getattr(WordTable, "_learn", None) or WordTable._add  # _add: before the hashed table
+            owner = WordTable
+            name = "_learn" if hasattr(WordTable, "_learn") else "_add"
+        learn = getattr(owner, name)
 
         def counted(table, words):
             t0 = time.perf_counter()
@@ -38,7 +41,7 @@ class _Learning:
             self.words, self.seconds = self.words + len(words), self.seconds + time.perf_counter() - t0
             return out
 
-        setattr(WordTable, learn.__name__, counted)
+        setattr(owner, name, counted)
 
 
 def _timed(f, texts: list[str]) -> float:

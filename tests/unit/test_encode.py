@@ -199,6 +199,34 @@ def test_bert_ascii_shortcuts_give_the_librarys_ids(lowercase, monkeypatch):
     assert ids(fresh, texts) == want and len(fresh.words.table) < distinct / 2  # it did forget words
 
 
+def test_piece_trie_splits_words_as_the_librarys_wordpiece():
+    """Many words at once, the same pieces as the library's WordPiece word by word: MiniLM's vocabulary
+    on long-tailed and random words, and a tiny cased one where words end up [UNK] (no piece starts at
+    some place) or hold a character no piece has (the library's own answer)."""
+    from tokenizers import Tokenizer, models
+
+    from embedfleet.encode.models import resolve_model
+    from embedfleet.encode.wordpiece import WORDS, PieceTrie
+    from embedfleet.synth import long_tail_texts
+
+    def check(model, vocab, words):
+        ids, counts = PieceTrie(model, vocab)(words)
+        want = [[t.id for t in model.tokenize(w)] for w in words]
+        assert counts.tolist() == list(map(len, want)) and ids.tolist() == [i for p in want for i in p]
+
+    full = Tokenizer.from_file(str(resolve_model(None) / "tokenizer.json"))
+    rng = np.random.default_rng(0)
+    letters = np.array(list("abcdefghijklmnopqrstuvwxyz0123456789"))
+    random_words = ["".join(rng.choice(letters, k)) for k in rng.integers(1, 40, 500)]
+    tail = list(dict.fromkeys(w for t in long_tail_texts(500, seed=9) for w in WORDS.findall(t.lower())))
+    check(full.model, full.get_vocab(with_added_tokens=False), tail + random_words + ["!", "$", "a" * 100])
+
+    vocab = {"[UNK]": 0, "a": 1, "b": 2, "ab": 3, "##b": 4, "##c": 5, "##bc": 6, "C": 7, "##A": 8, "9": 9, "##é": 10}
+    tiny = models.WordPiece(vocab, unk_token="[UNK]", max_input_chars_per_word=100)
+    check(tiny, vocab, ["abc", "abbc", "ba", "c", "Cab", "CA", "ca", "a!", "9", "99", "abx", "b", "abcbc", "x"])
+    check(tiny, vocab, [])
+
+
 def test_word_path_slices_hold_few_enough_texts_and_characters():
     from embedfleet.encode.wordpiece import _SLICE, _SLICE_CHARS, _slices
 

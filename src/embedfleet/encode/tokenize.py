@@ -121,7 +121,7 @@ class _Tokenizer:
             return None
         added = [t.content for t in self.full.get_added_tokens_decoder().values()]
         self._added = re.compile("|".join(map(re.escape, added)), re.IGNORECASE) if added else None
-        words = AsciiWordPiece(model, lowercase, prefix, suffix, room,
+        words = AsciiWordPiece(model, self.full.get_vocab(with_added_tokens=False), lowercase, prefix, suffix, room,
                                env_int("EMBEDFLEET_WORD_CACHE", _CACHE_WORDS, least=2))
         check = ["Hello, World! It's $4.99 (ok?) e-mail@x.com", "word " * (max_length + 10), "", "x" * 150]
         if _split(*words.encode(check)) != [e.ids for e in self.twin.encode_batch(check)]:

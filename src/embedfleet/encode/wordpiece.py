@@ -4,14 +4,15 @@ For a BERT tokenizer (BertNormalizer, BertPreTokenizer, WordPiece) on ASCII text
 characters, the normalizer only lowercases and the pre-tokenizer only splits words from
 punctuation. So a slice of texts is joined by a separator and lowercased; numpy finds the words
 (a table of byte classes) and hashes each one (two 64-bit polynomial hashes from prefix sums); each
-hash is looked up in an open-addressing table whose entries hold the word's pieces, which the
-library's own WordPiece gave when the word was first met; [CLS] … [SEP], truncation and packing
-are array operations. Only words the table lacks become Python strings.
+hash is looked up in an open-addressing table whose entries hold the word's pieces; [CLS] … [SEP],
+truncation and packing are array operations. Only words the table lacks become Python strings, and
+all of a slice's new words are split into pieces at once, by WordPiece's own greedy longest match
+walked over a trie of the vocabulary (`PieceTrie`).
 
 `bench/tokenize_cpu.py` on the 2-core VM, 20,000 long-tailed review texts: 4.7 µs a text once every
-word is known (the dict-of-strings table before this, with `re.findall`: 11.5), 19.4 µs while a
-262,144-word table learns them (~7 words a text from the library's WordPiece at ~1.4 µs each, now
-the largest cost); the library alone takes ~86.
+word is known (the dict-of-strings table before this, with `re.findall`: 11.5); 12.6 µs while a
+262,144-word table learns them, ~7 words a text (19.9 when each new word went to the library's
+WordPiece, ~1.3 µs a word); the library alone takes ~86.
 
 `tokenize._Tokenizer` decides which texts come here and checks at load that the ids agree with the
 library's.
@@ -102,6 +103,106 @@ def split_words(data: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return np.flatnonzero((alnum & ~before) | single), np.flatnonzero((alnum & ~after) | single) + 1
 
 
+class PieceTrie:
+    """WordPiece's split of many words at once: the library's greedy longest match, walked over a trie.
+
+    At each place in a word WordPiece takes the longest vocabulary piece that starts there (after
+    the first, pieces with the `##` prefix), and a word with a place where none does is the unknown
+    token. Every word here walks the trie of the vocabulary's pieces a character per round, all words
+    together in numpy, remembering the last piece it passed; where it can go no further that piece is
+    taken and the walk starts again after it. The library, asked word by word, costs ~1.3 µs a word
+    (its own Rust loop tries every shorter substring, and a Python object per piece comes back);
+    this ~0.6 over a slice's ~1,800 new words (`bench/tokenize_cpu.py`, 2-core VM). Only pieces of
+    letters and digits are in the trie: a word with any other character (a punctuation mark, once)
+    goes to the library."""
+
+    _WORD_START, _GOING_ON = 1, 2  # the two roots; node 0 is "no way on"
+
+    def __init__(self, wordpiece, vocab: dict[str, int]):
+        self._library = wordpiece
+        self.unk = wordpiece.token_to_id(wordpiece.unk_token)
+        going_on = wordpiece.continuing_subword_prefix
+        plain = re.compile(r"[A-Za-z0-9]+")
+        pieces = []  # (root, characters, id)
+        for piece, i in vocab.items():
+            root = self._WORD_START
+            if going_on and piece.startswith(going_on) and len(piece) > len(going_on):
+                root, piece = self._GOING_ON, piece[len(going_on) :]
+            if plain.fullmatch(piece):
+                pieces.append((root, piece, i))
+        chars = sorted({c for _, piece, _ in pieces for c in piece})
+        self._cols = len(chars) + 1  # the last column, any other byte, leads nowhere
+        self._column = np.full(256, len(chars), np.intp)
+        self._column[np.frombuffer("".join(chars).encode("ascii"), np.uint8)] = np.arange(len(chars))
+        child: dict[tuple[int, str], int] = {}
+        piece_id = [-1, -1, -1]  # node → the piece ending there, -1 if none
+        for root, piece, i in pieces:
+            node = root
+            for c in piece:
+                node = child.setdefault((node, c), len(piece_id))
+                if node == len(piece_id):
+                    piece_id.append(-1)
+            piece_id[node] = i
+        self._piece = np.array(piece_id, np.int32)
+        self._next = np.zeros(len(piece_id) * self._cols, np.intp)  # node × column → next node
+        if child:
+            at = np.array([node * self._cols + self._column[ord(c)] for node, c in child], np.intp)
+            self._next[at] = np.fromiter(child.values(), np.intp, len(child))
+
+    def __call__(self, words: list[str]) -> tuple[np.ndarray, np.ndarray]:
+        """The piece ids of every word (ASCII, no whitespace), one word after another, and how many each has."""
+        n = len(words)
+        data = np.frombuffer(("\x00".join(words) + "\x00").encode("ascii"), np.uint8)  # a stop after each word
+        lengths = np.fromiter(map(len, words), np.intp, n)
+        starts = cumulative(lengths + 1)[:-1]
+        column = self._column[data]
+        # Words with a character no piece has (the stop after each counts once) go to the library.
+        library = np.add.reduceat(column == self._cols - 1, starts) > 1 if n else np.zeros(0, bool)
+        w = np.flatnonzero(~library)  # the words still walking, and for each:
+        at, end = starts[w], starts[w] + lengths[w]  # the next character, the word's end
+        node = np.full(len(w), self._WORD_START)  # where it is in the trie
+        last_end, last_node = at.copy(), np.zeros(len(w), np.intp)  # the last piece passed (node 0: none yet)
+        k = np.zeros(len(w), np.intp)  # pieces the word has so far
+        found: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []  # (word, its k-th piece, node), round by round
+        unknown = library.copy()  # words that are one [UNK] (or the library's)
+        piece_of, cols = self._piece, self._cols
+        while len(w):
+            node = self._next[node * cols + column[at]]
+            on = node != 0
+            at += on
+            passed = piece_of[node] >= 0
+            last_end = np.where(passed, at, last_end)
+            last_node = np.where(passed, node, last_node)
+            if on.all():
+                continue
+            stop = np.flatnonzero(~on)
+            got = stop[last_node[stop] != 0]
+            unknown[w[stop[last_node[stop] == 0]]] = True  # no piece starts here: the whole word is [UNK]
+            found.append((w[got], k[got], last_node[got]))
+            at[got] = last_end[got]
+            again = got[at[got] < end[got]]  # go on after the piece taken
+            node[again], last_node[again], k[again] = self._GOING_ON, 0, k[again] + 1
+            if len(again) < len(stop):
+                keep = np.ones(len(w), bool)
+                keep[stop] = False
+                keep[again] = True
+                w, at, end, node, last_end, last_node, k = (
+                    a[keep] for a in (w, at, end, node, last_end, last_node, k))
+        fw, fk, fnode = (np.concatenate(a) for a in zip(*found)) if found else [np.zeros(0, np.intp)] * 3
+        keep = ~unknown[fw]  # an [UNK] word drops the pieces it had found before
+        fw, fk, fnode = fw[keep], fk[keep], fnode[keep]
+        odd = {i: ([t.id for t in self._library.tokenize(words[i])] if library[i] else [self.unk])
+               for i in np.flatnonzero(unknown).tolist()}
+        counts = np.bincount(fw, minlength=n)
+        counts[list(odd)] = [len(p) for p in odd.values()]
+        first = cumulative(counts)
+        ids = np.empty(int(first[-1]), np.int32)
+        ids[first[fw] + fk] = piece_of[fnode]
+        for i, p in odd.items():
+            ids[first[i] : first[i] + len(p)] = p
+        return ids, counts
+
+
 class WordTable:
     """A word's two hashes → its entry; entry → its piece ids, a slice of one flat array.
 
@@ -111,17 +212,17 @@ class WordTable:
     words met first, which are mostly the frequent ones (Zipf). The bound is soft: one slice's new
     words are always added whole."""
 
-    def __init__(self, wordpiece, max_words: int, separator: tuple[int, int]):
-        self._model, self.max_words = wordpiece, max_words
+    def __init__(self, pieces: "PieceTrie", max_words: int, separator: tuple[int, int]):
+        self._pieces, self.max_words = pieces, max_words
         self._slots(1 << max(10, (2 * max_words - 1).bit_length()))
         self.keys = np.zeros((1024, 2), np.uint64)  # entry → its key, to rebuild the slots
         self.start = np.zeros(1024, np.int32)  # entry → first piece in `pieces`
         self.count = np.zeros(1024, np.int32)  # entry → number of pieces
         self.pieces = np.zeros(4096, np.int32)
         self._len = self._used = 0  # entries, pieces in use
-        unk = self._model.token_to_id(self._model.unk_token)
-        self._append(np.array([separator], np.uint64), [[]])
-        self._append(np.zeros((1, 2), np.uint64), [[unk]])  # no key: never found by a lookup
+        self._append(np.array([separator], np.uint64), np.zeros(0, np.int32), np.zeros(1, np.int64))
+        unk = np.array([pieces.unk], np.int32)
+        self._append(np.zeros((1, 2), np.uint64), unk, np.ones(1, np.int64))  # no key: never found by a lookup
         self._insert(np.array([separator], np.uint64), np.array([0]))
 
     def __len__(self) -> int:
@@ -145,7 +246,7 @@ class WordTable:
         at = np.fromiter(first.values(), np.int64, len(first))
         keys = np.stack([k1[at], k2[at]], axis=1)
         new = self._len + np.arange(len(first))
-        self._append(keys, self._learn(list(first)))
+        self._append(keys, *self._pieces(list(first)))
         if 2 * self._len > len(self._k1):  # a slice's new words overran the bound: keep probing short
             self._slots(1 << (2 * self._len).bit_length())
             self._rehash()
@@ -154,10 +255,6 @@ class WordTable:
         number = dict(zip(first, new.tolist()))
         entries[missing] = np.fromiter(map(number.__getitem__, words), np.int64, len(words))
         return entries
-
-    def _learn(self, words: list[str]) -> list[list[int]]:
-        """Each word's pieces from the library's WordPiece (~1.5 µs a word)."""
-        return [[t.id for t in self._model.tokenize(w)] for w in words]
 
     def _slots(self, n: int) -> None:
         self._shift = np.uint64(64 - n.bit_length() + 1)
@@ -204,11 +301,10 @@ class WordTable:
             self._k1[s], self._k2[s], self._entry[s] = keys[w, 0], keys[w, 1], entries[w]
             todo, slot = todo[~taken], (slot[~taken] + 1) & mask
 
-    def _append(self, keys: np.ndarray, ids: list[list[int]]) -> None:
-        """New entries (numbered from len(self)) with their keys and piece ids."""
-        n, first = len(ids), self._len
-        counts = np.fromiter(map(len, ids), np.int64, n)
-        total = int(counts.sum())
+    def _append(self, keys: np.ndarray, ids: np.ndarray, counts: np.ndarray) -> None:
+        """New entries (numbered from len(self)) with their keys, and their piece ids: `counts[i]` of
+        them for the i-th, one after another in `ids`."""
+        n, first, total = len(counts), self._len, len(ids)
         if first + n > len(self.start):
             size = 2 * (first + n)
             self.start, self.count = np.resize(self.start, size), np.resize(self.count, size)
@@ -218,7 +314,7 @@ class WordTable:
         self.keys[first : first + n] = keys
         self.start[first : first + n] = self._used + cumulative(counts)[:-1]
         self.count[first : first + n] = counts
-        self.pieces[self._used : self._used + total] = [i for piece in ids for i in piece]
+        self.pieces[self._used : self._used + total] = ids
         self._len, self._used = first + n, self._used + total
 
     def _keep(self, entries: int) -> None:
@@ -231,12 +327,12 @@ class WordTable:
 class AsciiWordPiece:
     """Ids of clean ASCII texts, `prefix` + their pieces (truncated to `room`) + `suffix`, packed."""
 
-    def __init__(self, wordpiece, lowercase: bool, prefix: list[int], suffix: list[int], room: int,
-                 max_words: int):
+    def __init__(self, wordpiece, vocab: dict[str, int], lowercase: bool, prefix: list[int], suffix: list[int],
+                 room: int, max_words: int):
         self._hash = _Hasher()
         sep = np.frombuffer(_SEP.encode(), np.uint8)
         k1, k2 = self._hash(sep, np.array([0]), np.array([1]))
-        self.table = WordTable(wordpiece, max_words, (int(k1[0]), int(k2[0])))
+        self.table = WordTable(PieceTrie(wordpiece, vocab), max_words, (int(k1[0]), int(k2[0])))
         self.longest = wordpiece.max_input_chars_per_word  # longer words are the unknown token
         self.lowercase, self.prefix, self.suffix, self.room = lowercase, prefix, suffix, room
 
