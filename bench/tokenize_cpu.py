@@ -26,13 +26,15 @@ class _Learning:
 
     def __init__(self):
         self.words, self.seconds = 0, 0.0
-        try:  # the trie; before it, WordTable._learn (the library word by word), and before that _add
-            from embedfleet.encode.wordpiece import WordTable
-            from embedfleet.encode.wordpiece import PieceTrie as owner
-            name = "__call__"
-        except ImportError:
-            owner = WordTable
-            name = "_learn" if hasattr(WordTable, "_learn") else "_add"
+        try:
+            from embedfleet.encode import wordpiece
+        except ImportError:  # older code: no word table to count
+            return
+        if hasattr(wordpiece, "PieceTrie"):  # new words split by the trie
+            owner, name = wordpiece.PieceTrie, "__call__"
+        else:  # by the library, word by word (`_add`: before the hashed table)
+            owner = wordpiece.WordTable
+            name = "_learn" if hasattr(owner, "_learn") else "_add"
         learn = getattr(owner, name)
 
         def counted(table, words):

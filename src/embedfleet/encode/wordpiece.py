@@ -212,7 +212,7 @@ class WordTable:
     words met first, which are mostly the frequent ones (Zipf). The bound is soft: one slice's new
     words are always added whole."""
 
-    def __init__(self, pieces: "PieceTrie", max_words: int, separator: tuple[int, int]):
+    def __init__(self, pieces: PieceTrie, max_words: int, separator: tuple[int, int]):
         self._pieces, self.max_words = pieces, max_words
         self._slots(1 << max(10, (2 * max_words - 1).bit_length()))
         self.keys = np.zeros((1024, 2), np.uint64)  # entry → its key, to rebuild the slots
