@@ -11,6 +11,7 @@ word cache meets rare words about as often as it would in real reviews (or more)
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import numpy as np
@@ -151,9 +152,16 @@ def write_amazon_meta(path: str | Path, products: int = 1000, seed: int = 0) -> 
 
 
 def cached_reviews(directory: str | Path, n: int) -> Path:
-    """`directory`/reviews_long_tail_<n>.jsonl, written once (5,000 products) and reused by later runs."""
+    """`directory`/reviews_long_tail_<n>.jsonl, written once (5,000 products) and reused by later runs.
+    Written under another name and renamed when complete: a run stopped while writing it (a time
+    limit) or another process still writing it never leaves a short file under this name."""
     path = Path(directory) / f"reviews_long_tail_{n}.jsonl"  # the name changes whenever the texts do
     if not path.exists():
         path.parent.mkdir(parents=True, exist_ok=True)
-        write_amazon_reviews(path, n, products=5000)
+        partial = path.with_name(f"{path.name}.{os.getpid()}.partial")
+        try:
+            write_amazon_reviews(partial, n, products=5000)
+            os.replace(partial, path)
+        finally:
+            partial.unlink(missing_ok=True)
     return path

@@ -99,6 +99,26 @@ def test_synth_corpus_round_trip(tmp_path):
     assert all(r.values["product_title"].startswith("Product ") for r in recs)
 
 
+def test_cached_corpus_is_never_left_short(tmp_path, monkeypatch):
+    """A benchmark corpus is written once and reused; a write that stops half way (a time limit)
+    leaves nothing under its name, so the next run writes it whole instead of reading a short file."""
+    from embedfleet import synth
+
+    def stopped(path, n, products):
+        path.write_text('{"rating": 5.0}\n')
+        raise KeyboardInterrupt
+
+    with monkeypatch.context() as m:
+        m.setattr(synth, "write_amazon_reviews", stopped)
+        with pytest.raises(KeyboardInterrupt):
+            synth.cached_reviews(tmp_path, 30)
+    assert list(tmp_path.iterdir()) == []
+    path = synth.cached_reviews(tmp_path, 30)
+    assert path.read_bytes() == write_amazon_reviews(tmp_path / "again.jsonl", 30, products=5000).read_bytes()
+    written = path.stat().st_mtime_ns
+    assert synth.cached_reviews(tmp_path, 30) == path and path.stat().st_mtime_ns == written  # reused
+
+
 def test_example_corpus():
     meta = dict(load_meta(str(EXAMPLES / "meta_Cell_Phones_and_Accessories.jsonl"), AMAZON))
     assert len(meta) == 40
