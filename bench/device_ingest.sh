@@ -9,6 +9,10 @@ set -o pipefail
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl-ingest/*.whl || exit 1
 export PYTHONPATH=/tmp/site:$PWD/src PYTHONUNBUFFERED=1 EMBEDFLEET_GPU_MINILM=$PWD/.models/all-MiniLM-L6-v2-fp16 \
   EMBEDFLEET_MODEL=$PWD/.models/all-MiniLM-L6-v2-fp16
+# The image's torch has no bytecode cache it can write: every worker compiled torch's Python sources
+# again at start-up (7.3 s of a cold Encoder(), bench/NOTES.md run 49), which an installed torch does
+# not. A writable cache makes later processes start as they would on a user's machine.
+export PYTHONPYCACHEPREFIX=/tmp/pycache
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 N_MINILM=${1:-1000000}
 N_QWEN=${2:-400000}
