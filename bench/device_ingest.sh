@@ -9,9 +9,10 @@ set -o pipefail
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl-ingest/*.whl || exit 1
 export PYTHONPATH=/tmp/site:$PWD/src PYTHONUNBUFFERED=1 EMBEDFLEET_GPU_MINILM=$PWD/.models/all-MiniLM-L6-v2-fp16 \
   EMBEDFLEET_MODEL=$PWD/.models/all-MiniLM-L6-v2-fp16
-# The image's torch has no bytecode cache it can write: every worker compiled torch's Python sources
-# again at start-up (7.3 s of a cold Encoder(), bench/NOTES.md run 49), which an installed torch does
-# not. A writable cache makes later processes start as they would on a user's machine.
+# The image's torch comes without bytecode: a cold Encoder() spent 7.3 s compiling torch's Python
+# sources (bench/NOTES.md run 49), and workers of later runs still took 7-12 s to load the model. An
+# installed torch has its bytecode; a writable cache lets processes after the first start that way
+# (not measured yet).
 export PYTHONPYCACHEPREFIX=/tmp/pycache
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 N_MINILM=${1:-1000000}
