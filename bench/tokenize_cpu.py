@@ -5,7 +5,7 @@
 Texts are `synth.long_tail_texts` (what `bench/ingest.py`'s reviews contain). For each word-table size
 (EMBEDFLEET_WORD_CACHE) a fresh tokenizer makes two passes over the same texts: `cold` learns their words
 as a helper does at the start of a job; `warm` finds every word the table kept (all of them when it is
-big enough), and how many words a text it learned from the library's WordPiece and what that cost.
+big enough), and how many words a text it learned (split into pieces by the trie) and what that cost.
 `library` is the tokenizers library's own path on the same texts, for scale.
 
 Also runs against an older checkout, to compare with the code before it:

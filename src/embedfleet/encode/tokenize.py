@@ -78,10 +78,10 @@ class _Tokenizer:
     normalizer only lowercases and the pre-tokenizer only splits words from punctuation, so:
 
     - `words`: such texts go to `wordpiece.AsciiWordPiece` (words found and hashed by numpy, a table
-      of their pieces that the library's own WordPiece fills): ~5.5 µs a review with every word known,
-      ~20–27 while the table learns the long-tailed benchmark texts, ~90 through the library
-      (bench/tokenize_cpu.py). Texts that could hold an added token ([MASK], …) skip this path: the
-      library matches those before anything else.
+      of their pieces, new words split by WordPiece's longest match over a trie of the vocabulary):
+      ~4.7 µs a review with every word known, ~12.6 while the table learns the long-tailed benchmark
+      texts, ~86 through the library (bench/tokenize_cpu.py, 2-core VM). Texts that could hold an
+      added token ([MASK], …) skip this path: the library matches those before anything else.
     - `twin`: the library with a normalizer that only lowercases, for those texts (70 → 48 µs).
 
     Every other text takes the library's full path. The ids are the same (tests/unit/test_encode.py),
