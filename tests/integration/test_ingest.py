@@ -357,6 +357,32 @@ def test_embedded_server_uri_start_stop(cli):
     cli("db", "stop", check=True)
 
 
+def test_workers_write_on_fewer_connections_when_the_server_has_few(cli, tmp_path):
+    import psycopg
+
+    # Two CPU workers want 3 writer connections each, plus 3 others each and the launcher's: 13, more
+    # than a server of 12 connections takes. They must share what it has, not fail to connect.
+    env = {"EMBEDFLEET_PG_TUNE": "0"}
+    dsn = cli("db", "uri", check=True, extra_env=env).stdout.strip()
+    try:
+        with psycopg.connect(dsn, autocommit=True) as c:
+            c.execute("ALTER SYSTEM SET max_connections = 12")
+        cli("db", "stop", check=True)
+        assert cli("db", "uri", check=True, extra_env=env).stdout.strip() == dsn
+        with psycopg.connect(dsn) as c:
+            assert c.execute("SHOW max_connections").fetchone()[0] == "12"
+        p = cli("ingest", REVIEWS, "--db", dsn, "--devices", "cpu", "--workers", "2", "--chunk-bytes", "20000",
+                "--no-index", check=True, extra_env=env)
+        summaries = [orjson.loads(line.split(" ", 1)[1]) for line in p.stderr.splitlines()
+                     if line.startswith("embedfleet-worker-summary ")]
+        assert [s["writers"] for s in summaries] == [1, 1]
+        with psycopg.connect(dsn) as c:
+            n = c.execute('SELECT count(*) FROM "Cell_Phones_and_Accessories"').fetchone()[0]
+        assert n == len(_ids(REVIEWS))
+    finally:
+        cli("db", "stop")
+
+
 def test_embedded_server_is_not_restarted_under_a_connected_client(cli):
     import psycopg
 

@@ -8,7 +8,7 @@ import pytest
 
 from embedfleet.config import JobConfig, build_config, env_float, env_int
 from embedfleet.errors import InputError
-from embedfleet.runtime.local import apply_limit, parse_devices
+from embedfleet.runtime.local import apply_limit, parse_devices, writers_each
 from embedfleet.runtime.monitor import rate_and_eta
 from embedfleet.sources.plan import ChunkSpec
 from embedfleet.store.schema import check_identifier
@@ -116,3 +116,11 @@ def test_measuring_knobs_from_the_environment(monkeypatch):
         monkeypatch.setenv("EMBEDFLEET_X", bad)
         with pytest.raises(InputError, match=r"EMBEDFLEET_X=.*positive number"):
             env_float("EMBEDFLEET_X", 0.0005)
+
+
+def test_writer_connections_fit_what_the_server_has_free():
+    assert writers_each(12, 2, free=290, others_each=3) == 12  # the embedded server: room for all
+    assert writers_each(12, 8, free=90, others_each=3) == 8  # 8 GPUs on a stock server (100 connections)
+    assert 8 * (writers_each(12, 8, free=90, others_each=3) + 3) <= 90
+    assert writers_each(12, 8, free=90, others_each=3 + 8) == 1  # --meta: a connection per helper too
+    assert writers_each(3, 2, free=4, others_each=3) == 1  # never none: the worker could not write at all

@@ -25,8 +25,9 @@ from embedfleet.runtime.units import helper_count
 from embedfleet.sources.plan import ChunkSpec, expand_inputs, plan_chunks, table_name_for
 from embedfleet.store.embedded import resolve_dsn
 from embedfleet.store.ledger import Ledger, connect
-from embedfleet.store.schema import (build_index, check_identifier, embedding_info, ensure_vector, settle_table,
-                                     table_exists)
+from embedfleet.store.schema import (build_index, check_identifier, embedding_info, ensure_vector, free_connections,
+                                     settle_table, table_exists)
+from embedfleet.store.writer import default_writers
 
 log = logging.getLogger("embedfleet")
 
@@ -124,7 +125,13 @@ class Slot:
     restarts: int = 0
 
 
-def _spawn(slot: Slot, job: str, dsn: str, threads: int) -> subprocess.Popen:
+def writers_each(wanted: int, workers: int, free: int, others_each: int) -> int:
+    """Writer connections for each of `workers` workers: `wanted`, or as many as the server's `free`
+    connections leave once each worker has its `others_each` other connections; never under one."""
+    return max(1, min(wanted, free // workers - others_each))
+
+
+def _spawn(slot: Slot, job: str, dsn: str, threads: int, writers: int) -> subprocess.Popen:
     env = dict(os.environ)
     device = slot.device
     if device.startswith("cuda:"):
@@ -136,6 +143,7 @@ def _spawn(slot: Slot, job: str, dsn: str, threads: int) -> subprocess.Popen:
     env.setdefault("TOKENIZERS_PARALLELISM", "false")
     # Each worker's helper processes get a share of this machine's cores, not all of them.
     env.setdefault("EMBEDFLEET_PREP_WORKERS", str(helper_count(threads)))
+    env.setdefault("EMBEDFLEET_WRITERS", str(writers))
     cmd = [sys.executable, "-m", "embedfleet.runtime.worker", "--job", job, "--db", dsn,
            "--worker-id", slot.worker, "--device", device]
     return subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL)
@@ -174,9 +182,13 @@ def ingest(cfg: JobConfig) -> dict:
     counts = ledger.counts(job)
     if counts["pending"] or counts["running"]:
         threads = max(1, (os.cpu_count() or 1) // len(devices))
+        # A worker also holds its ledger, claims and heartbeat connections, and with --meta one per
+        # helper; a stock server allows 100 connections in all, which 8 GPU workers' writers would pass.
+        others = 3 + (helper_count(threads) if cfg.meta else 0)
+        writers = writers_each(default_writers(devices[0])[0], len(devices), free_connections(conn) - 2, others)  # 2 spare: a psql, `status`
         slots = [Slot(f"{os.uname().nodename}-w{i}", d) for i, d in enumerate(devices)]
         ledger.set_job_state(job, "running")
-        _run_slots(slots, ledger, job, dsn, threads, cfg.quiet)
+        _run_slots(slots, ledger, job, dsn, threads, writers, cfg.quiet)
     counts = finalize(ledger, job, cfg)
     progress = ledger.progress(job)
     conn.close()
@@ -189,9 +201,10 @@ def ingest(cfg: JobConfig) -> dict:
     return progress
 
 
-def _run_slots(slots: list[Slot], ledger: Ledger, job: str, dsn: str, threads: int, quiet: bool) -> None:
+def _run_slots(slots: list[Slot], ledger: Ledger, job: str, dsn: str, threads: int, writers: int,
+               quiet: bool) -> None:
     for s in slots:
-        s.proc = _spawn(s, job, dsn, threads)
+        s.proc = _spawn(s, job, dsn, threads, writers)
     try:
         with Monitor(job, quiet=quiet) as mon:
             while any(s.proc is not None for s in slots):
@@ -211,7 +224,7 @@ def _run_slots(slots: list[Slot], ledger: Ledger, job: str, dsn: str, threads: i
                     if code != EmbedfleetError.exit_code and (left["pending"] or left["running"]) \
                             and s.restarts < MAX_RESTARTS:
                         s.restarts += 1
-                        s.proc = _spawn(s, job, dsn, threads)
+                        s.proc = _spawn(s, job, dsn, threads, writers)
                 mon.update(ledger.progress(job))
             mon.update(ledger.progress(job), force=True)
     finally:

@@ -38,7 +38,7 @@ from embedfleet.sources.plan import ChunkSpec
 from embedfleet.sources.presets import get_preset
 from embedfleet.store.ledger import Claim, Ledger, connect, process_started
 from embedfleet.store.schema import ensure_table, vector_type
-from embedfleet.store.writer import TableSink, Unit, Writer
+from embedfleet.store.writer import TableSink, Unit, Writer, default_writers
 
 log = logging.getLogger("embedfleet.worker")
 
@@ -297,9 +297,7 @@ def run_worker(job: str, dsn: str, worker: str, device: str = "auto") -> Stats:
         raise JobError(f"no job {job!r} in this database; start it with `embedfleet ingest`")
     cfg = JobConfig.from_json(row["config"])
     preset = get_preset(cfg.preset)
-    # Measuring knobs: units queued for each writer connection; the most tasks in preparation at once
-    # (0 or unset: 2 × helpers + 2).
-    writer_depth = env_int("EMBEDFLEET_WRITER_DEPTH", 2)
+    # A measuring knob: the most tasks in preparation at once (0 or unset: 2 × helpers + 2).
     tasks_ahead = env_int("EMBEDFLEET_TASKS_AHEAD", 0, least=0) or None
     # The helpers (units.py) tokenize, so the encoder needs no tokenizer pool of its own. They start
     # (seconds: each imports and loads the tokenizer) while this process loads torch and the model.
@@ -339,10 +337,9 @@ def run_worker(job: str, dsn: str, worker: str, device: str = "auto") -> Stats:
 
     heartbeat = Heartbeat(dsn, job, worker, encoder.device, cfg.lease_seconds, stats)
     heartbeat.start()
-    # Connections writing ($EMBEDFLEET_WRITERS). A GPU worker on a small model fills ~100k rows/s,
-    # which kept three connections 85% busy (PostgreSQL's CPU and WAL work per row): with three, two
-    # GPUs reached 0.54x the one-GPU rate, with six 0.82x (bench/NOTES.md runs 39-40).
-    writers = env_int("EMBEDFLEET_WRITERS", 6 if encoder.device.startswith("cuda") else 3)
+    writers, writer_depth = default_writers(encoder.device)
+    writers = env_int("EMBEDFLEET_WRITERS", writers)  # the launcher sets it to fit the server's connections
+    writer_depth = env_int("EMBEDFLEET_WRITER_DEPTH", writer_depth)
     writer = Writer(lambda: TableSink(connect(dsn), cfg.table, preset.columns, vtype, job),
                     on_error=lambda u, e: on_fail(u.claim, e), on_done=on_done, threads=writers, depth=writer_depth)
 
@@ -427,7 +424,7 @@ def run_worker(job: str, dsn: str, worker: str, device: str = "auto") -> Stats:
         "db_s": round(writer.db_seconds, 3), "sink_wait_s": round(stats.sink_wait_seconds, 3),
         "read_s": round(stats.read_seconds, 3), "claim_s": round(stats.claim_seconds, 3),
         "collect_s": round(stats.collect_seconds, 3), "records_blocked_s": round(ahead.blocked_s, 3),
-        "helpers": pool.workers,
+        "helpers": pool.workers, "writers": writers,
         "claims_ahead_mean": round(throttle.mean, 2), "claims_ahead_end": throttle.limit,
         "helper_busy_s": round(stats.helper_seconds, 3), "helper_cpu_s": round(stats.helper_cpu_seconds, 3),
         "cpu_s": round(cpu, 3),  # this process, all its threads (its helpers are in helper_cpu_s)

@@ -145,6 +145,16 @@ def vector_type(conn: psycopg.Connection, dtype: str) -> str:
     return "vector"
 
 
+def free_connections(conn: psycopg.Connection) -> int:
+    """Connections the server can still accept from an ordinary role: max_connections, less those
+    reserved (for superusers, and since PostgreSQL 16 for pg_use_reserved_connections) and those open."""
+    return conn.execute(
+        "SELECT current_setting('max_connections')::int - current_setting('superuser_reserved_connections')::int"
+        " - coalesce(current_setting('reserved_connections', true)::int, 0)"
+        " - (SELECT count(*) FROM pg_stat_activity WHERE backend_type = 'client backend')::int"
+    ).fetchone()[0]
+
+
 def table_exists(conn: psycopg.Connection, table: str) -> bool:
     return conn.execute("SELECT to_regclass(%s) IS NOT NULL", [sql.Identifier(table).as_string(conn)]).fetchone()[0]
 
