@@ -35,9 +35,9 @@ def _pgserver():
 # This server exists to bulk-load embeddings: ~2.5 kB rows at 100k rows/s are ~250 MB/s of WAL, which
 # PostgreSQL's stock settings (4 MB of WAL buffers, a checkpoint every ~0.5 GB of WAL, 128 MB of shared
 # buffers) turn into back-to-back checkpoints. Set once per data directory, with one restart.
-# max_connections: each GPU worker holds 15 (twelve writers, claims, ledger, heartbeat), and with
-# --meta each of its helpers one more: 8 GPUs want ~180. (On a server with fewer, the launcher gives
-# each worker fewer writers.)
+# max_connections: each GPU worker holds 9 (six writers, claims, ledger, heartbeat), and with --meta
+# each of its helpers one more: 8 GPUs want ~140, past the stock 100. (On a server with fewer, the
+# launcher gives each worker fewer writers.)
 BULK_SETTINGS = {"shared_buffers": "1GB", "wal_buffers": "64MB", "max_wal_size": "8GB", "checkpoint_timeout": "30min",
                  "max_connections": "300"}
 

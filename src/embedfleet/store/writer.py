@@ -25,14 +25,13 @@ from embedfleet.store.ledger import Claim
 # Connections writing ($EMBEDFLEET_WRITERS) and units queued for each ($EMBEDFLEET_WRITER_DEPTH). A
 # GPU worker on a small model fills ~100k rows/s: three connections were 85% busy with PostgreSQL's
 # CPU and WAL work a row (two GPUs 0.54x the one-GPU rate; six: 0.82x, bench/NOTES.md runs 39-40).
-# Six with two units each still left the GPU loops waiting 1.1-1.6 s a run while the server
-# checkpointed; twelve with four each waited 0.014 s there (run 50), but more connections contend for
-# PostgreSQL's WAL insertion locks and the worker's GIL: on another machine, which hardly stalled, they
-# lost 5-11% of the two-GPU rate (run 51). Six connections with eight units each keep that slack
-# (~50 units, ~0.4 GB) without the contention.
+# More slack (12 x 4, 6 x 8) kept the GPU loops from waiting on the server (<= 0.015 s a run, against
+# 0.01-1.6 s), yet two GPUs gave 0.74-0.89x the one-GPU rate against 0.80-0.93x with 6 x 2: the loops
+# waited longer for input instead, and twelve connections contended for PostgreSQL's WAL insertion
+# locks (bench/NOTES.md runs 50-52). So 6 x 2 stays.
 def default_writers(device: str) -> tuple[int, int]:
     """(connections, units queued for each) for a worker embedding on `device`."""
-    return (6, 8) if device.startswith("cuda") else (3, 2)
+    return (6, 2) if device.startswith("cuda") else (3, 2)
 
 
 class LeaseLost(Exception):
