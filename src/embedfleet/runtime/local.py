@@ -183,9 +183,10 @@ def ingest(cfg: JobConfig) -> dict:
     if counts["pending"] or counts["running"]:
         threads = max(1, (os.cpu_count() or 1) // len(devices))
         # A worker also holds its ledger, claims and heartbeat connections, and with --meta one per
-        # helper; a stock server allows 100 connections in all, which 8 GPU workers' writers would pass.
+        # helper: 8 GPU workers with --meta would pass the 100 connections of a stock server. Two are
+        # left spare (a psql, `embedfleet status`).
         others = 3 + (helper_count(threads) if cfg.meta else 0)
-        writers = writers_each(default_writers(devices[0])[0], len(devices), free_connections(conn) - 2, others)  # 2 spare: a psql, `status`
+        writers = writers_each(default_writers(devices[0])[0], len(devices), free_connections(conn) - 2, others)
         slots = [Slot(f"{os.uname().nodename}-w{i}", d) for i, d in enumerate(devices)]
         ledger.set_job_state(job, "running")
         _run_slots(slots, ledger, job, dsn, threads, writers, cfg.quiet)
