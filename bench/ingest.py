@@ -1,6 +1,6 @@
 """Ingest throughput on 1..N GPUs: synthetic Amazon reviews → `embedfleet ingest` → embedded PostgreSQL.
 
-    python bench/ingest.py --n 200000 --gpus 1,2 [--model DIR | --shape qwen3-0.6b] [--out results.json]
+    python bench/ingest.py --n 200000 --gpus 1,2 [--model DIR | --shape qwen3-0.6b] [--shards K] [--out results.json]
 
 For each GPU count it runs the real CLI once (fresh table, --no-index so the rate is the pipeline's,
 then times the HNSW build separately), samples every GPU's utilisation with NVML, and reads each
@@ -169,11 +169,11 @@ def set_server(env: dict, settings: list[str]) -> None:
     _db(env, "start")
 
 
-def run_once(data: Path, gpus: int, model: str | None, env: dict, preset: str, extra: list[str],
+def run_once(data: list[Path], gpus: int, model: str | None, env: dict, preset: str, extra: list[str],
              cpu: bool = False, index: bool = True) -> dict:
     table = f"bench_{gpus}gpu_{int(time.time())}"
     devices = f"cpu --workers {gpus}" if cpu else "cuda:" + ",".join(str(i) for i in range(gpus))
-    cmd = [sys.executable, "-m", "embedfleet.cli", "ingest", str(data), "--preset", preset, "--table", table,
+    cmd = [sys.executable, "-m", "embedfleet.cli", "ingest", *map(str, data), "--preset", preset, "--table", table,
            "--devices", *devices.split(), "--no-index", "--json", *extra]
     if model:
         cmd += ["--model", model]
@@ -289,13 +289,15 @@ def main() -> None:
                     help="also time the encoder alone (embedfleet bench's code) on the first N texts of this corpus")
     ap.add_argument("--warmup", type=int, default=0, metavar="N",
                     help="first an untimed ingest of N rows on the most GPUs (a fresh machine's caches: files, compiled kernels)")
+    ap.add_argument("--shards", type=int, default=1, metavar="K",
+                    help="the N reviews as K files written in parallel (other texts than one file's): for long runs")
     ap.add_argument("--pg-set", default=None, metavar="NAME=VALUE,…",
                     help="ALTER SYSTEM these settings on the embedded server and restart it before the runs")
     args = ap.parse_args()
-    from embedfleet.synth import cached_reviews
+    from embedfleet.synth import cached_review_shards, cached_reviews
 
     work = Path(args.work)
-    data = cached_reviews(work, args.n)
+    data = [cached_reviews(work, args.n)] if args.shards == 1 else cached_review_shards(work, args.n, args.shards)
     model = args.model
     if args.shape:
         from embedfleet.encode.shapes import build_random_model
@@ -329,9 +331,9 @@ def main() -> None:
         if base is not None and r["gpus"] != base["gpus"]:
             for key, name in (("rows_per_s_steady", ""), ("rows_per_s_all_running", "_all_running")):
                 r[f"scaling_vs_previous{name}"] = ratio(r[key], base[key] and base[key] / base["gpus"], r["gpus"])
-    doc = {"n": args.n, "model": model or "bundled all-MiniLM-L6-v2", "pg_set": args.pg_set, "results": results}
+    doc = {"n": args.n, "shards": args.shards, "model": model or "bundled all-MiniLM-L6-v2", "pg_set": args.pg_set, "results": results}
     if args.vs_bench:
-        alone = encoder_alone(data, model, args.vs_bench)
+        alone = encoder_alone(data[0], model, args.vs_bench)
         doc["encoder_alone"] = alone
         for r in results:  # per GPU: the pipeline's steady rate against the encoder by itself
             r["vs_encoder_alone_texts"] = round(r["rows_per_s_steady"] / r["gpus"] / alone["texts_s"], 3)

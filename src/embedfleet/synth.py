@@ -11,7 +11,9 @@ word cache meets rare words about as often as it would in real reviews (or more)
 from __future__ import annotations
 
 import json
+import multiprocessing
 import os
+from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -151,17 +153,40 @@ def write_amazon_meta(path: str | Path, products: int = 1000, seed: int = 0) -> 
     return path
 
 
-def cached_reviews(directory: str | Path, n: int) -> Path:
-    """`directory`/reviews_long_tail_<n>.jsonl, written once (5,000 products) and reused by later runs.
-    Written under another name and renamed when complete: a run stopped while writing it (a time
-    limit) or another process still writing it never leaves a short file under this name."""
-    path = Path(directory) / f"reviews_long_tail_{n}.jsonl"  # the name changes whenever the texts do
+def _write_once(path: Path, write) -> Path:
+    """`write(partial)` unless `path` exists, then rename `partial` to `path`: a run stopped while
+    writing (a time limit) or another process still writing never leaves a short file under `path`."""
     if not path.exists():
         path.parent.mkdir(parents=True, exist_ok=True)
         partial = path.with_name(f"{path.name}.{os.getpid()}.partial")
         try:
-            write_amazon_reviews(partial, n, products=5000)
+            write(partial)
             os.replace(partial, path)
         finally:
             partial.unlink(missing_ok=True)
     return path
+
+
+def cached_reviews(directory: str | Path, n: int) -> Path:
+    """`directory`/reviews_long_tail_<n>.jsonl, written once (5,000 products) and reused by later runs."""
+    path = Path(directory) / f"reviews_long_tail_{n}.jsonl"  # the name changes whenever the texts do
+    return _write_once(path, lambda partial: write_amazon_reviews(partial, n, products=5000))
+
+
+def _write_shard(path: Path, n: int, seed: int) -> Path:
+    return _write_once(path, lambda partial: write_amazon_reviews(partial, n, seed=seed, products=5000))
+
+
+def cached_review_shards(directory: str | Path, n: int, shards: int) -> list[Path]:
+    """`n` reviews as `shards` files, written side by side by one process each and reused like
+    `cached_reviews`; shard i has seed i, so its texts and ids are its own. For runs long enough that
+    the workers' start-up weighs little: one process writes 20-30k reviews a second, so millions would
+    take minutes."""
+    sizes = [n // shards + (i < n % shards) for i in range(shards)]
+    paths = [Path(directory) / f"reviews_long_tail_{n}_{i + 1}of{shards}.jsonl" for i in range(shards)]
+    missing = [i for i, path in enumerate(paths) if not path.exists()]
+    if missing:
+        spawn = multiprocessing.get_context("spawn")  # the caller may hold threads: no fork
+        with ProcessPoolExecutor(min(len(missing), os.cpu_count() or 1), mp_context=spawn) as pool:
+            list(pool.map(_write_shard, [paths[i] for i in missing], [sizes[i] for i in missing], missing))
+    return paths

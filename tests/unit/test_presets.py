@@ -119,6 +119,21 @@ def test_cached_corpus_is_never_left_short(tmp_path, monkeypatch):
     assert synth.cached_reviews(tmp_path, 30) == path and path.stat().st_mtime_ns == written  # reused
 
 
+def test_corpus_shards_are_written_side_by_side_with_their_own_ids(tmp_path):
+    from embedfleet import synth
+
+    paths = synth.cached_review_shards(tmp_path, 31, 3)
+    lines = [p.read_text().splitlines() for p in paths]
+    assert [len(x) for x in lines] == [11, 10, 10]
+    ids = [(r["user_id"], r["asin"], r["timestamp"]) for x in lines for r in map(json.loads, x)]
+    assert len(set(ids)) == 31  # one corpus of 31 reviews: no id twice across shards
+    assert lines[1] != lines[2][: len(lines[1])]  # each shard its own texts
+    # each shard is write_amazon_reviews with its seed, and is reused, not written again
+    assert paths[2].read_bytes() == write_amazon_reviews(tmp_path / "again.jsonl", 10, seed=2, products=5000).read_bytes()
+    written = [p.stat().st_mtime_ns for p in paths]
+    assert synth.cached_review_shards(tmp_path, 31, 3) == paths and [p.stat().st_mtime_ns for p in paths] == written
+
+
 def test_example_corpus():
     meta = dict(load_meta(str(EXAMPLES / "meta_Cell_Phones_and_Accessories.jsonl"), AMAZON))
     assert len(meta) == 40
