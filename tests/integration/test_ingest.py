@@ -376,8 +376,16 @@ def test_workers_write_on_fewer_connections_when_the_server_has_few(cli, tmp_pat
         summaries = [orjson.loads(line.split(" ", 1)[1]) for line in p.stderr.splitlines()
                      if line.startswith("embedfleet-worker-summary ")]
         assert [s["writers"] for s in summaries] == [1, 1]
+        # Asked for more writers than the server has (by hand, as for `embedfleet worker` on another
+        # host): the worker writes on the connections it gets instead of dying.
+        p = cli("ingest", REVIEWS, "--db", dsn, "--devices", "cpu", "--table", "by_hand", "--no-index", check=True,
+                extra_env={**env, "EMBEDFLEET_WRITERS": "20"})
+        (summary,) = [orjson.loads(line.split(" ", 1)[1]) for line in p.stderr.splitlines()
+                      if line.startswith("embedfleet-worker-summary ")]
+        assert 1 <= summary["writers"] < 20 and "writing on" in p.stderr
         with psycopg.connect(dsn) as c:
             n = c.execute('SELECT count(*) FROM "Cell_Phones_and_Accessories"').fetchone()[0]
+            assert c.execute("SELECT count(*) FROM by_hand").fetchone()[0] == n
         assert n == len(_ids(REVIEWS))
     finally:
         cli("db", "stop")

@@ -8,6 +8,7 @@ import time
 import uuid
 
 import numpy as np
+import pytest
 
 from embedfleet.store.copyrows import EncodedRows
 from embedfleet.store.ledger import Claim
@@ -19,6 +20,10 @@ class RecordingSink:
 
     def __init__(self, log: list):
         self.log = log
+        self.conn = self  # close() stands in for the connection's
+
+    def close(self) -> None:
+        self.log.append(("closed", self))
 
     def commit_unit(self, unit: Unit) -> int:
         if unit.claim.chunk < 0:
@@ -61,3 +66,37 @@ def test_a_chunk_that_fails_midway_leaves_no_routing_behind():
     writer.submit(unit(-1, 10, False))  # the first of several units; the worker sends no more once it fails
     writer.close()
     assert log == [("error", -1)] and writer._chunk_thread == {}
+
+
+def test_a_server_out_of_connections_part_way_leaves_fewer_writers_not_none():
+    log: list = []
+    made: list = []
+
+    def server_with(free: int):
+        def factory():
+            if len(made) == free:
+                raise RuntimeError("sorry, too many clients already")
+            made.append(RecordingSink(log))
+            return made[-1]
+
+        made.clear()
+        return factory
+
+    writer = Writer(server_with(2), on_error=lambda u, e: log.append(("error", e)), threads=6)
+    assert writer.connections == 2 and not log
+    for chunk in range(1, 9):
+        writer.submit(unit(chunk, 1, True))
+    writer.close()
+    assert sorted(c for _, c, _ in log) == list(range(1, 9))  # every unit committed, on the two
+    # `spare` connections go back to the server for what the caller opens later, but never the last
+    for spare, kept in ((1, 3), (5, 1)):
+        log.clear()
+        writer = Writer(server_with(4), on_error=lambda u, e: log.append(("error", e)), threads=6, spare=spare)
+        assert writer.connections == kept and log == [("closed", s) for s in reversed(made[kept:])]
+        writer.close()
+
+    def unreachable():
+        raise RuntimeError("connection refused")
+
+    with pytest.raises(RuntimeError, match="refused"):  # not even one: the worker cannot write at all
+        Writer(unreachable, on_error=lambda u, e: None, threads=6)

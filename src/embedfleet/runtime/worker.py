@@ -341,7 +341,8 @@ def run_worker(job: str, dsn: str, worker: str, device: str = "auto") -> Stats:
     writers = env_int("EMBEDFLEET_WRITERS", writers)  # the launcher sets it to fit the server's connections
     writer_depth = env_int("EMBEDFLEET_WRITER_DEPTH", writer_depth)
     writer = Writer(lambda: TableSink(connect(dsn), cfg.table, preset.columns, vtype, job),
-                    on_error=lambda u, e: on_fail(u.claim, e), on_done=on_done, threads=writers, depth=writer_depth)
+                    on_error=lambda u, e: on_fail(u.claim, e), on_done=on_done, threads=writers, depth=writer_depth,
+                    spare=1 + (pool.workers if cfg.meta else 0))  # the claims' connection, the helpers' with --meta
 
     def finish(unit: Unit, handle) -> None:
         """Read a unit's vectors (waiting for the device if needed) and hand it to the writer."""
@@ -424,7 +425,7 @@ def run_worker(job: str, dsn: str, worker: str, device: str = "auto") -> Stats:
         "db_s": round(writer.db_seconds, 3), "sink_wait_s": round(stats.sink_wait_seconds, 3),
         "read_s": round(stats.read_seconds, 3), "claim_s": round(stats.claim_seconds, 3),
         "collect_s": round(stats.collect_seconds, 3), "records_blocked_s": round(ahead.blocked_s, 3),
-        "helpers": pool.workers, "writers": writers,
+        "helpers": pool.workers, "writers": writer.connections,
         "claims_ahead_mean": round(throttle.mean, 2), "claims_ahead_end": throttle.limit,
         "helper_busy_s": round(stats.helper_seconds, 3), "helper_cpu_s": round(stats.helper_cpu_seconds, 3),
         "cpu_s": round(cpu, 3),  # this process, all its threads (its helpers are in helper_cpu_s)

@@ -7,6 +7,7 @@ the database; `TableSink.commit_unit` is the whole transaction and can be called
 
 from __future__ import annotations
 
+import logging
 import queue
 import threading
 import time
@@ -20,6 +21,8 @@ from psycopg import sql
 from embedfleet.records import Reject
 from embedfleet.store.copyrows import EncodedRows, assemble, vector_fields
 from embedfleet.store.ledger import Claim
+
+log = logging.getLogger("embedfleet.writer")
 
 
 # Connections writing ($EMBEDFLEET_WRITERS) and units queued for each ($EMBEDFLEET_WRITER_DEPTH). A
@@ -134,8 +137,23 @@ class Writer:
     only when the chosen thread has `depth` units waiting: the back-pressure that keeps memory bounded."""
 
     def __init__(self, sink_factory: Callable[[], TableSink], on_error: Callable[[Unit, BaseException], None],
-                 on_done: Callable[[Unit, int], None] | None = None, depth: int = 2, threads: int = 3):
-        self._factory, self._on_error, self._on_done = sink_factory, on_error, on_done
+                 on_done: Callable[[Unit, int], None] | None = None, depth: int = 2, threads: int = 3,
+                 spare: int = 0):
+        self._on_error, self._on_done = on_error, on_done
+        # Connect here, one after another: a server that runs out of connections part way (other
+        # clients, another host's workers) leaves this worker fewer writers, not dead — and `spare`
+        # connections given back for those the caller opens later. Not even one is the caller's error.
+        sinks = [sink_factory()]
+        while len(sinks) < threads:
+            try:
+                sinks.append(sink_factory())
+            except Exception as e:
+                while spare and len(sinks) > 1:
+                    sinks.pop().conn.close()
+                    spare -= 1
+                log.warning("writing on %d connections, not %d: %s", len(sinks), threads, e)
+                break
+        threads = len(sinks)
         self._queues = [queue.Queue(maxsize=depth) for _ in range(threads)]
         self._seconds = [0.0] * threads
         self._cpu = [0.0] * threads
@@ -143,10 +161,14 @@ class Writer:
         self._chunk_thread: dict = {}  # claim token → thread, while that chunk has units still to come
         self._lock = threading.Lock()
         self.fatal: BaseException | None = None
-        self._threads = [threading.Thread(target=self._run, args=(i,), name=f"embedfleet-writer-{i}", daemon=True)
-                         for i in range(threads)]
+        self._threads = [threading.Thread(target=self._run, args=(i, sink), name=f"embedfleet-writer-{i}", daemon=True)
+                         for i, sink in enumerate(sinks)]
         for t in self._threads:
             t.start()
+
+    @property
+    def connections(self) -> int:
+        return len(self._threads)
 
     @property
     def db_seconds(self) -> float:
@@ -182,15 +204,8 @@ class Writer:
         if self.fatal is not None:
             raise self.fatal
 
-    def _run(self, i: int) -> None:
+    def _run(self, i: int, sink: TableSink) -> None:
         q = self._queues[i]
-        try:
-            sink = self._factory()
-        except BaseException as e:  # cannot even connect: every submit will see this
-            self.fatal = e
-            while q.get() is not None:
-                pass
-            return
         while (unit := q.get()) is not None:
             t0, n = time.perf_counter(), None
             try:
