@@ -331,7 +331,8 @@ def main() -> None:
         if base is not None and r["gpus"] != base["gpus"]:
             for key, name in (("rows_per_s_steady", ""), ("rows_per_s_all_running", "_all_running")):
                 r[f"scaling_vs_previous{name}"] = ratio(r[key], base[key] and base[key] / base["gpus"], r["gpus"])
-    doc = {"n": args.n, "shards": args.shards, "model": model or "bundled all-MiniLM-L6-v2", "pg_set": args.pg_set, "results": results}
+    doc = {"n": args.n, "shards": args.shards, "model": model or "bundled all-MiniLM-L6-v2", "pg_set": args.pg_set,
+           "results": results}
     if args.vs_bench:
         alone = encoder_alone(data[0], model, args.vs_bench)
         doc["encoder_alone"] = alone

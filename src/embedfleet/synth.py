@@ -179,9 +179,9 @@ def _write_shard(path: Path, n: int, seed: int) -> Path:
 
 def cached_review_shards(directory: str | Path, n: int, shards: int) -> list[Path]:
     """`n` reviews as `shards` files, written side by side by one process each and reused like
-    `cached_reviews`; shard i has seed i, so its texts and ids are its own. For runs long enough that
-    the workers' start-up weighs little: one process writes 20-30k reviews a second, so millions would
-    take minutes."""
+    `cached_reviews`; shard i (from 0) has seed i, so its texts and ids are its own. For runs long
+    enough that the workers' start-up weighs little: one process writes 20-30k reviews a second, so
+    millions would take minutes."""
     sizes = [n // shards + (i < n % shards) for i in range(shards)]
     paths = [Path(directory) / f"reviews_long_tail_{n}_{i + 1}of{shards}.jsonl" for i in range(shards)]
     missing = [i for i, path in enumerate(paths) if not path.exists()]
