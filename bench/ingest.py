@@ -210,11 +210,10 @@ def run_once(data: list[Path], gpus: int, model: str | None, env: dict, preset: 
     rows_together = _rows_finished(conn, table, *together)
     index_s = None
     if index:
+        from embedfleet.store.schema import build_index
+
         t_idx = time.perf_counter()
-        subprocess.run([sys.executable, "-c", (
-            "from embedfleet.store.embedded import start; from embedfleet.store.ledger import connect; "
-            "from embedfleet.store.schema import build_index; "
-            f"build_index(connect(start()), {table!r}, 'vector')")], env=env, check=True)
+        build_index(conn, table, "vector")  # on this connection: the time is the build's, no interpreter start
         index_s = round(time.perf_counter() - t_idx, 2)
     # Drop the table: once its job ends autovacuum would visit all of it, during the next run (with
     # data checksums, full page copies into the WAL) — seen in runs 39-43, bench/NOTES.md.
