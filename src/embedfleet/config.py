@@ -133,26 +133,31 @@ def validate(cfg: JobConfig) -> JobConfig:
     return cfg
 
 
-def env_int(name: str, default: int | None, least: int = 1) -> int | None:
-    """A whole-number setting from the environment (the measuring knobs); unset or empty: `default`."""
+def _env_number(name: str, default, parse, valid, expected: str):
+    """A number setting from the environment (the measuring knobs); unset or empty: `default`. `parse`
+    returns None for text that is no number; anything `valid` refuses is a one-line error."""
     raw = os.environ.get(name, "").strip()
     if not raw:
         return default
-    value = int(raw) if raw.lstrip("-").isdigit() else least - 1
-    if value < least:
-        raise InputError(f"{name}={raw!r}: expected a whole number ≥ {least}")
+    value = parse(raw)
+    if value is None or not valid(value):
+        raise InputError(f"{name}={raw!r}: expected {expected}")
     return value
+
+
+def _float_or_none(raw: str) -> float | None:
+    try:
+        return float(raw)
+    except ValueError:
+        return None
+
+
+def env_int(name: str, default: int | None, least: int = 1) -> int | None:
+    """A whole number ≥ `least` (digits only, no sign but a minus)."""
+    return _env_number(name, default, lambda raw: int(raw) if raw.lstrip("-").isdigit() else None,
+                       lambda v: v >= least, f"a whole number ≥ {least}")
 
 
 def env_float(name: str, default: float) -> float:
-    """A positive number setting from the environment (a measuring knob); unset or empty: `default`."""
-    raw = os.environ.get(name, "").strip()
-    if not raw:
-        return default
-    try:
-        value = float(raw)
-    except ValueError:
-        value = 0.0
-    if not value > 0 or value == float("inf"):
-        raise InputError(f"{name}={raw!r}: expected a positive number")
-    return value
+    """A positive, finite number."""
+    return _env_number(name, default, _float_or_none, lambda v: 0 < v < float("inf"), "a positive number")
