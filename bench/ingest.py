@@ -93,6 +93,60 @@ class PgWaitSampler(threading.Thread):
                 for k, v in sorted(self.counts.items(), key=lambda kv: -kv[1]) if v / total >= 0.005}
 
 
+class GilSampler(threading.Thread):
+    """Which threads of each worker process hold the GIL, from `start` s after the ingest begins for
+    `seconds` s: `py-spy record --gil --threads --nonblocking` (samples only threads holding it).
+    A thread's share = its GIL-holding samples over rate x seconds; the process's sum is how busy its
+    one GIL was — near 1.0, the worker's own Python, not the GPU or the helpers, sets the pace."""
+
+    def __init__(self, parent: int, start: float, seconds: float, py_spy: str, rate: int = 200):
+        super().__init__(daemon=True)
+        self.parent, self.start_s, self.seconds, self.py_spy, self.rate = parent, start, seconds, py_spy, rate
+        self.result: dict = {}
+
+    def run(self):
+        import psutil
+
+        time.sleep(self.start_s)
+        try:
+            workers = [c for c in psutil.Process(self.parent).children(recursive=True)
+                       if "embedfleet.runtime.worker" in " ".join(c.cmdline())]
+        except psutil.Error:
+            return
+        procs = {w.pid: subprocess.Popen([self.py_spy, "record", "--gil", "--threads", "--nonblocking", "-r",
+                                          str(self.rate), "-d", str(int(self.seconds)), "-f", "raw", "-o",
+                                          f"/tmp/gil-{w.pid}.txt", "-p", str(w.pid)],
+                                         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE) for w in workers}
+        for pid, proc in procs.items():
+            err = proc.communicate()[1].decode(errors="replace")
+            try:
+                lines = Path(f"/tmp/gil-{pid}.txt").read_text().splitlines()
+            except OSError:
+                self.result[pid] = {"error": err[-300:]}
+                continue
+            self.result[pid] = _gil_shares(lines, self.rate * int(self.seconds))
+
+
+def _gil_shares(lines: list[str], possible: int) -> dict:
+    """py-spy raw lines ("thread (tid): name;frame;…;frame count") → GIL share per thread name, and
+    the innermost frames that held it most."""
+    threads: dict[str, int] = {}
+    leaves: dict[str, int] = {}
+    for line in lines:
+        stack, _, count = line.rpartition(" ")
+        if not count.isdigit():
+            continue
+        frames = stack.split(";")
+        thread = frames[0].rpartition("): ")[2]
+        threads[thread] = threads.get(thread, 0) + int(count)
+        leaf = f"{thread}: {frames[-1]}"
+        leaves[leaf] = leaves.get(leaf, 0) + int(count)
+    top = sorted(leaves.items(), key=lambda kv: -kv[1])[:25]
+    return {"gil_busy": round(sum(threads.values()) / possible, 3),
+            "threads": {k: round(v / possible, 3) for k, v in sorted(threads.items(), key=lambda kv: -kv[1])},
+            "top_leaves": {k: round(v / possible, 4) for k, v in top}}
+
+
 def _jiffies() -> tuple[int, int]:
     """(busy, total) CPU ticks of the whole host since boot."""
     v = [int(x) for x in open("/proc/stat").readline().split()[1:]]
@@ -170,9 +224,11 @@ def set_server(env: dict, settings: list[str]) -> None:
 
 
 def run_once(data: list[Path], gpus: int, model: str | None, env: dict, preset: str, extra: list[str],
-             cpu: bool = False, index: bool = True) -> dict:
+             cpu: bool = False, index: bool = True, per_gpu: int = 1, gil: tuple | None = None) -> dict:
     table = f"bench_{gpus}gpu_{int(time.time())}"
     devices = f"cpu --workers {gpus}" if cpu else "cuda:" + ",".join(str(i) for i in range(gpus))
+    if per_gpu > 1 and not cpu:
+        devices += f" --workers {gpus * per_gpu}"
     cmd = [sys.executable, "-m", "embedfleet.cli", "ingest", *map(str, data), "--preset", preset, "--table", table,
            "--devices", *devices.split(), "--no-index", "--json", *extra]
     if model:
@@ -187,8 +243,15 @@ def run_once(data: list[Path], gpus: int, model: str | None, env: dict, preset: 
         data_dir = conn.execute("SHOW data_directory").fetchone()[0]
     disk0 = _disk_written_bytes(data_dir)
     t0, host0, pg0 = time.perf_counter(), _jiffies(), _postgres_cpu_s()
-    p = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    gil_sampler = GilSampler(proc.pid, *gil) if gil else None
+    if gil_sampler:
+        gil_sampler.start()
+    stdout, stderr = proc.communicate()
+    p = subprocess.CompletedProcess(cmd, proc.returncode, stdout, stderr)
     wall = time.perf_counter() - t0
+    if gil_sampler:
+        gil_sampler.join()
     host1, pg1 = _jiffies(), _postgres_cpu_s()
     util = sampler.stop()
     waits = pg_waits.stop()
@@ -242,7 +305,8 @@ def run_once(data: list[Path], gpus: int, model: str | None, env: dict, preset: 
         "wal": wal,  # over the whole command: WAL volume, WAL buffers found full, checkpoints, disk writes
         "records_thread_s": {k: round(max(w.get(k, 0) for w in workers), 3)
                              for k in ("read_s", "claim_s", "collect_s", "records_blocked_s")},
-        "hnsw_index_s": index_s, "workers": workers,
+        "hnsw_index_s": index_s, "workers_per_gpu": 1 if cpu else per_gpu,
+        "gil": gil_sampler.result if gil_sampler else None, "workers": workers,
     }
 
 
@@ -290,6 +354,10 @@ def main() -> None:
                     help="first an untimed ingest of N rows on the most GPUs (a fresh machine's caches: files, compiled kernels)")
     ap.add_argument("--shards", type=int, default=1, metavar="K",
                     help="the N reviews as K files written in parallel (other texts than one file's): for long runs")
+    ap.add_argument("--workers-per-gpu", default="1", metavar="K[,K…]",
+                    help="worker processes on each GPU, per run in --gpus order (cycled): e.g. 1,1,2,2")
+    ap.add_argument("--gil", default=None, metavar="START:SECONDS:PY_SPY",
+                    help="sample which worker threads hold the GIL (py-spy at this path), START s into each run")
     ap.add_argument("--pg-set", default=None, metavar="NAME=VALUE,…",
                     help="ALTER SYSTEM these settings on the embedded server and restart it before the runs")
     args = ap.parse_args()
@@ -310,7 +378,13 @@ def main() -> None:
         set_server(env, args.pg_set.split(","))
     if args.warmup:
         run_once(data, max(counts), model, env, "amazon-reviews", extra + ["--limit", str(args.warmup)], args.cpu, False)
-    results = [run_once(data, g, model, env, "amazon-reviews", extra, args.cpu, not args.no_index) for g in counts]
+    per = [int(k) for k in args.workers_per_gpu.split(",")]
+    gil = None
+    if args.gil:
+        start, seconds, py_spy = args.gil.split(":", 2)
+        gil = (float(start), float(seconds), py_spy)
+    results = [run_once(data, g, model, env, "amazon-reviews", extra, args.cpu, not args.no_index,
+                        per[i % len(per)], gil) for i, g in enumerate(counts)]
     # Against the first GPU count's rate per GPU, averaged over its runs (--gpus 1,2,1,2 repeats them).
     first = [r for r in results if r["gpus"] == results[0]["gpus"]]
 
@@ -343,7 +417,8 @@ def main() -> None:
         Path(args.out).write_text(text)
     print(text)
     for r in results:
-        print(f"{r['gpus']} GPU: {r['rows_per_s_steady']:,.0f} rows/s steady, {r['rows_per_s_wall']:,.0f} wall, "
+        gil = {pid: (g.get("gil_busy"), g.get("threads")) for pid, g in (r["gil"] or {}).items()}
+        print(f"{r['gpus']} GPU ({r['workers_per_gpu']} worker(s) each): {r['rows_per_s_steady']:,.0f} rows/s steady, {r['rows_per_s_wall']:,.0f} wall, "
               f"util {r['gpu_util_pct']}, db share {r['db_share_of_loop']}, "
               f"GPU waited on DB {r['gpu_waited_on_db_s']}s, scaling {r['scaling_vs_linear_steady']} "
               f"(pair by pair {r.get('scaling_vs_previous', '-')}); while all ran: {r['rows_per_s_all_running']} "
@@ -351,7 +426,7 @@ def main() -> None:
               f"(pair by pair {r.get('scaling_vs_previous_all_running', '-')}) "
               f"(sum of workers' rates {r['scaling_vs_linear_workers_sum']}, start stagger {r['start_stagger_s']} s), "
               f"helpers busy {r['helpers_busy']}, host CPU busy {r['host_cpu_busy']}, CPU µs/row {r['cpu_us_per_row']}, "
-              f"records thread (max of workers) {r['records_thread_s']}, pg waits {r['pg_waits']}, wal {r['wal']}"
+              f"records thread (max of workers) {r['records_thread_s']}, GIL {gil}, pg waits {r['pg_waits']}, wal {r['wal']}"
               + (f", vs encoder alone {r['vs_encoder_alone_texts']} (texts) {r['vs_encoder_alone_tokens']} (tokens)"
                  if "vs_encoder_alone_texts" in r else ""))
 

@@ -37,7 +37,7 @@ def instant_forward(self, tok):
     rng = np.random.default_rng(len(tok))
     v = rng.standard_normal((len(tok), self.dim)).astype(np.float32)
     v /= np.linalg.norm(v, axis=1, keepdims=True)
-    return encoder_mod._Pending(torch.from_numpy(v), None, tok.inverse)
+    return encoder_mod._Pending(torch.from_numpy(v), None)
 
 
 class EmulatedDevice:
@@ -59,7 +59,7 @@ class EmulatedDevice:
             def synchronize():
                 time.sleep(max(0.0, done_at - time.perf_counter()))
 
-        return encoder_mod._Pending(pending.host, Done(), tok.inverse)
+        return encoder_mod._Pending(pending.host, Done())
 
 
 def main() -> None:
