@@ -340,17 +340,30 @@ def test_a_second_host_joins_with_embedfleet_worker_and_shares_the_chunks(cli, d
     assert conn.execute("SELECT count(*), count(DISTINCT id) FROM j").fetchone() == (1200, 1200)
 
 
+def _shared_buffers_mb(conn) -> int:
+    return conn.execute("SELECT setting::bigint * 8192 >> 20 FROM pg_settings WHERE name = 'shared_buffers'").fetchone()[0]
+
+
 def test_embedded_server_uri_start_stop(cli):
+    from embedfleet.store.embedded import memory_bytes, shared_buffers_mb
+
     p = cli("db", "uri", check=True)
     dsn = p.stdout.strip()
     assert dsn.startswith("postgresql://") and len(p.stdout.strip().splitlines()) == 1  # only the DSN
     import psycopg
 
-    with psycopg.connect(dsn) as c:
+    with psycopg.connect(dsn, autocommit=True) as c:
         assert c.execute("SELECT 1").fetchone() == (1,)
         # tuned for bulk loads at its first start (one restart), and the DSN still reaches it
-        assert [c.execute(f"SHOW {k}").fetchone()[0] for k in ("wal_buffers", "max_wal_size", "shared_buffers",
-                                                               "max_connections")] == ["64MB", "8GB", "1GB", "300"]
+        assert [c.execute(f"SHOW {k}").fetchone()[0] for k in ("wal_buffers", "max_wal_size",
+                                                               "max_connections")] == ["64MB", "8GB", "300"]
+        assert _shared_buffers_mb(c) == shared_buffers_mb(memory_bytes())
+        # A data directory tuned by an earlier version (other values) is tuned again at the next start.
+        c.execute("ALTER SYSTEM SET shared_buffers = '128MB'")
+    assert "stopped" in cli("db", "stop", check=True).stderr
+    assert cli("db", "uri", check=True).stdout.strip() == dsn
+    with psycopg.connect(dsn) as c:
+        assert _shared_buffers_mb(c) == shared_buffers_mb(memory_bytes())
     assert "stopped" in cli("db", "stop", check=True).stderr
     assert "not running" in cli("db", "stop", check=True).stderr
     assert cli("db", "uri", check=True).stdout.strip() == dsn  # started again, same data directory

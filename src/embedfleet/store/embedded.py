@@ -32,14 +32,49 @@ def _pgserver():
     return pgserver
 
 
-# This server exists to bulk-load embeddings: ~2.5 kB rows at 100k rows/s are ~250 MB/s of WAL, which
-# PostgreSQL's stock settings (4 MB of WAL buffers, a checkpoint every ~0.5 GB of WAL, 128 MB of shared
-# buffers) turn into back-to-back checkpoints. Set once per data directory, with one restart.
+# This server exists to bulk-load embeddings: ~2.6 kB of WAL and as much table a row at 100k rows/s,
+# which PostgreSQL's stock settings (4 MB of WAL buffers, a checkpoint every ~0.5 GB of WAL, 128 MB of
+# shared buffers) turn into back-to-back checkpoints. Set once per data directory, with one restart.
 # max_connections: each GPU worker holds 9 (six writers, claims, ledger, heartbeat), and with --meta
 # each of its helpers one more: 8 GPUs want ~140, past the stock 100. (On a server with fewer, the
 # launcher gives each worker fewer writers.)
-BULK_SETTINGS = {"shared_buffers": "1GB", "wal_buffers": "64MB", "max_wal_size": "8GB", "checkpoint_timeout": "30min",
-                 "max_connections": "300"}
+BULK_SETTINGS = {"wal_buffers": "64MB", "max_wal_size": "8GB", "checkpoint_timeout": "30min", "max_connections": "300"}
+
+
+def shared_buffers_mb(memory: int) -> int:
+    """A quarter of the machine's memory (PostgreSQL's own advice), from 1 GB to 16 GB. With 1 GB, the
+    writers' backends kept finding only dirty pages to evict, and before writing one out a backend
+    must flush the WAL up to it: on 2 H100s the GPU waited 1.6-2.8 s of a 4M-row load on the database;
+    with 16 GB (more than a checkpoint's worth of new rows, ~4 GB, so the checkpointer has written a
+    page before it is needed again) 0.03-0.05 s, and both GPU counts ran faster (bench/NOTES.md, run 54)."""
+    return max(1024, min(16384, memory // 4 >> 20))
+
+
+def memory_bytes() -> int:
+    """This machine's memory, or the container's limit (cgroup v2 or v1) where that is lower."""
+    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    for path in ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"):
+        try:
+            limit = Path(path).read_text().strip()
+        except OSError:
+            continue
+        if limit.isdigit():
+            total = min(total, int(limit))
+    return total
+
+
+def bulk_settings() -> dict[str, str]:
+    return {**BULK_SETTINGS, "shared_buffers": f"{shared_buffers_mb(memory_bytes())}MB"}
+
+
+def _settings_in(auto_conf: str) -> dict[str, str]:
+    """name → value of what ALTER SYSTEM wrote in postgresql.auto.conf (lines `name = 'value'`)."""
+    out = {}
+    for line in auto_conf.splitlines():
+        name, eq, value = line.partition("=")
+        if eq and not line.lstrip().startswith("#"):
+            out[name.strip()] = value.strip().strip("'")
+    return out
 
 
 def _user() -> str | None:
@@ -48,15 +83,16 @@ def _user() -> str | None:
 
 
 def _tune(pgserver, data: Path, uri: str) -> None:
-    """Apply BULK_SETTINGS and restart, unless done already or someone else is connected (a restart
-    would cut them off: try again next time). EMBEDFLEET_PG_TUNE=0 leaves the server as it is."""
+    """Apply `bulk_settings()` and restart, unless they are set already or someone else is connected (a
+    restart would cut them off: try again next time). EMBEDFLEET_PG_TUNE=0 leaves the server as it is."""
     if os.environ.get("EMBEDFLEET_PG_TUNE") == "0":
         return
+    wanted = bulk_settings()
     try:
-        tuned = (data / "postgresql.auto.conf").read_text()
-        if all(name in tuned for name in BULK_SETTINGS):
-            return
+        have = _settings_in((data / "postgresql.auto.conf").read_text())
     except OSError:
+        return
+    if all(have.get(name) == value for name, value in wanted.items()):
         return
     import psycopg
     from psycopg import sql
@@ -66,7 +102,7 @@ def _tune(pgserver, data: Path, uri: str) -> None:
                               "AND pid <> pg_backend_pid()").fetchone()[0]
         if others:
             return
-        for name, value in BULK_SETTINGS.items():
+        for name, value in wanted.items():
             conn.execute(sql.SQL("ALTER SYSTEM SET {} = {}").format(sql.Identifier(name), sql.Literal(value)))
     pgserver.pg_ctl(["-w", "restart"], pgdata=data, user=_user())
 
