@@ -1,6 +1,7 @@
 """Ingest throughput on 1..N GPUs: synthetic Amazon reviews → `embedfleet ingest` → embedded PostgreSQL.
 
     python bench/ingest.py --n 200000 --gpus 1,2 [--model DIR | --shape qwen3-0.6b] [--shards K] [--out results.json]
+        [--workers-per-gpu 1,1,2,2] [--gil START:SECONDS:PY_SPY] [--pg-set NAME=VALUE,…] [--warmup N]
 
 For each GPU count it runs the real CLI once (fresh table, --no-index so the rate is the pipeline's,
 then times the HNSW build separately), samples every GPU's utilisation with NVML, and reads each
@@ -418,7 +419,8 @@ def main() -> None:
     print(text)
     for r in results:
         gil = {pid: (g.get("gil_busy"), g.get("threads")) for pid, g in (r["gil"] or {}).items()}
-        print(f"{r['gpus']} GPU ({r['workers_per_gpu']} worker(s) each): {r['rows_per_s_steady']:,.0f} rows/s steady, {r['rows_per_s_wall']:,.0f} wall, "
+        print(f"{r['gpus']} GPU ({r['workers_per_gpu']} worker(s) each): {r['rows_per_s_steady']:,.0f} rows/s steady, "
+              f"{r['rows_per_s_wall']:,.0f} wall, "
               f"util {r['gpu_util_pct']}, db share {r['db_share_of_loop']}, "
               f"GPU waited on DB {r['gpu_waited_on_db_s']}s, scaling {r['scaling_vs_linear_steady']} "
               f"(pair by pair {r.get('scaling_vs_previous', '-')}); while all ran: {r['rows_per_s_all_running']} "
@@ -426,7 +428,8 @@ def main() -> None:
               f"(pair by pair {r.get('scaling_vs_previous_all_running', '-')}) "
               f"(sum of workers' rates {r['scaling_vs_linear_workers_sum']}, start stagger {r['start_stagger_s']} s), "
               f"helpers busy {r['helpers_busy']}, host CPU busy {r['host_cpu_busy']}, CPU µs/row {r['cpu_us_per_row']}, "
-              f"records thread (max of workers) {r['records_thread_s']}, GIL {gil}, pg waits {r['pg_waits']}, wal {r['wal']}"
+              f"records thread (max of workers) {r['records_thread_s']}, GIL {gil}, pg waits {r['pg_waits']}, "
+              f"wal {r['wal']}"
               + (f", vs encoder alone {r['vs_encoder_alone_texts']} (texts) {r['vs_encoder_alone_tokens']} (tokens)"
                  if "vs_encoder_alone_texts" in r else ""))
 

@@ -34,7 +34,8 @@ def _pgserver():
 
 # This server exists to bulk-load embeddings: ~2.6 kB of WAL and as much table a row at 100k rows/s,
 # which PostgreSQL's stock settings (4 MB of WAL buffers, a checkpoint every ~0.5 GB of WAL, 128 MB of
-# shared buffers) turn into back-to-back checkpoints. Set at the first start of a data directory (and again when the wanted values change), with one restart.
+# shared buffers) turn into back-to-back checkpoints. Set at a data directory's first start (again
+# whenever the wanted values change), with one restart.
 # max_connections: each GPU worker holds 9 (six writers, claims, ledger, heartbeat), and with --meta
 # each of its helpers one more: 8 GPUs want ~140, past the stock 100. (On a server with fewer, the
 # launcher gives each worker fewer writers.)
