@@ -167,14 +167,14 @@ def _write_once(path: Path, write) -> Path:
     return path
 
 
-def cached_reviews(directory: str | Path, n: int) -> Path:
-    """`directory`/reviews_long_tail_<n>.jsonl, written once (5,000 products) and reused by later runs."""
-    path = Path(directory) / f"reviews_long_tail_{n}.jsonl"  # the name changes whenever the texts do
-    return _write_once(path, lambda partial: write_amazon_reviews(partial, n, products=5000))
-
-
-def _write_shard(path: Path, n: int, seed: int) -> Path:
+def _cached(path: Path, n: int, seed: int = 0) -> Path:
+    """`n` reviews of `seed` (5,000 products) at `path`, written once and reused by later runs."""
     return _write_once(path, lambda partial: write_amazon_reviews(partial, n, seed=seed, products=5000))
+
+
+def cached_reviews(directory: str | Path, n: int) -> Path:
+    """`directory`/reviews_long_tail_<n>.jsonl, written once and reused by later runs."""
+    return _cached(Path(directory) / f"reviews_long_tail_{n}.jsonl", n)  # the name changes whenever the texts do
 
 
 def cached_review_shards(directory: str | Path, n: int, shards: int) -> list[Path]:
@@ -188,5 +188,5 @@ def cached_review_shards(directory: str | Path, n: int, shards: int) -> list[Pat
     if missing:
         spawn = multiprocessing.get_context("spawn")  # the caller may hold threads: no fork
         with ProcessPoolExecutor(min(len(missing), os.cpu_count() or 1), mp_context=spawn) as pool:
-            list(pool.map(_write_shard, [paths[i] for i in missing], [sizes[i] for i in missing], missing))
+            list(pool.map(_cached, [paths[i] for i in missing], [sizes[i] for i in missing], missing))
     return paths
