@@ -104,7 +104,7 @@ def test_cached_corpus_is_never_left_short(tmp_path, monkeypatch):
     leaves nothing under its name, so the next run writes it whole instead of reading a short file."""
     from embedfleet import synth
 
-    def stopped(path, n, products):
+    def stopped(path, n, seed=0, products=1000):  # write_amazon_reviews's signature
         path.write_text('{"rating": 5.0}\n')
         raise KeyboardInterrupt
 
