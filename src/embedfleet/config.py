@@ -19,12 +19,19 @@ import orjson
 from embedfleet.errors import InputError
 
 DEFAULT_CHUNK_BYTES = 2 << 20  # ~6k reviews: fine-grained claiming, short pipeline fill
+# A CPU embeds ~100 reviews/s: 2 MB chunks would show no progress for a minute; 256 kB commit every few seconds.
+CPU_CHUNK_BYTES = 256 << 10
 DEFAULT_LEASE_SECONDS = 30.0
+
+
+def default_chunk_bytes(device: str) -> int:
+    """Bytes of input per chunk (and per committed unit of a stream) when --chunk-bytes is not given."""
+    return CPU_CHUNK_BYTES if device == "cpu" else DEFAULT_CHUNK_BYTES
 
 
 @dataclass
 class JobConfig:
-    inputs: list[str]
+    inputs: list[str] = dataclasses.field(default_factory=list)
     meta: str | None = None
     preset: str | None = None  # None: amazon-reviews when --meta is given, else generic
     text_template: str | None = None
@@ -36,8 +43,8 @@ class JobConfig:
     job: str | None = None
     devices: str = "auto"
     workers: int | None = None
-    batch_tokens: str = "auto"
-    chunk_bytes: int = DEFAULT_CHUNK_BYTES
+    batch_tokens: int | str = "auto"
+    chunk_bytes: int | None = None  # None: default_chunk_bytes(device) of the planning launcher / the worker
     limit: int | None = None
     no_index: bool = False
     quiet: bool = False
@@ -92,16 +99,29 @@ def load_yaml(path: str | None) -> dict[str, Any]:
     return out
 
 
+def typed(cls, values: dict[str, Any], source: str):
+    """`cls(**values)` with every value's type checked against the field's annotation (strict: "5" is
+    no int, 3.7 no int, "false" no bool); a wrong one is a one-line error naming the key and `source`."""
+    import msgspec
+
+    if isinstance(values.get("inputs"), str):
+        values = {**values, "inputs": [values["inputs"]]}
+    try:
+        return msgspec.convert(values, cls, strict=True)
+    except msgspec.ValidationError as e:
+        msg, _, where = str(e).partition(" - at `$.")
+        key = where.split("`")[0].split(".")[0].split("[")[0]
+        flag = key.replace("_", "-")
+        raise InputError(f"{source}: key '{key}' (--{flag}): {msg[:1].lower()}{msg[1:].replace('`', '')}") from None
+
+
 def build_config(flags: dict[str, Any], yaml_path: str | None = None) -> JobConfig:
-    """Merge YAML and flags (flags win when given), then validate."""
-    merged = load_yaml(yaml_path)
+    """Merge YAML and flags (flags win when given), check each value's type, then validate."""
+    merged = typed(JobConfig, load_yaml(yaml_path), yaml_path).__dict__ if yaml_path else {}
     merged.update({k: v for k, v in flags.items() if v is not None and v != [] and v is not False})
-    if isinstance(merged.get("inputs"), str):
-        merged["inputs"] = [merged["inputs"]]
     if not merged.get("inputs"):
         raise InputError("no input given: embedfleet ingest FILE... (or `inputs:` in --config)")
-    cfg = JobConfig(**merged)
-    return validate(cfg)
+    return validate(typed(JobConfig, merged, "flags"))
 
 
 _DEVICES = re.compile(r"^(auto|cpu|cuda|cuda:\d+(,\d+)*)$")
@@ -115,7 +135,7 @@ def validate(cfg: JobConfig) -> JobConfig:
     bt = str(cfg.batch_tokens)
     if bt != "auto" and not (bt.isdigit() and int(bt) >= 16):
         raise InputError(f"--batch-tokens {bt!r}: use auto or a number of tokens ≥ 16")
-    if int(cfg.chunk_bytes) < 1024:
+    if cfg.chunk_bytes is not None and int(cfg.chunk_bytes) < 1024:
         raise InputError("--chunk-bytes must be at least 1024")
     if cfg.limit is not None and int(cfg.limit) < 0:
         raise InputError("--limit must be ≥ 0")

@@ -98,6 +98,29 @@ def test_yaml_with_unknown_key_is_refused(tmp_path):
         build_config({}, str(y))
 
 
+@pytest.mark.parametrize("line, key, expected", [
+    ('limit: "five"', "limit", "expected int | null, got str"),
+    ("table: [a, b]", "table", "expected str | null, got array"),
+    ("limit: 3.7", "limit", "expected int | null, got float"),
+    ('no_index: "false"', "no_index", "expected bool, got str"),
+    ("no-index: 1", "no_index", "expected bool, got int"),
+    ("workers: [2]", "workers", "expected int | null, got array"),
+])
+def test_yaml_values_of_the_wrong_type_are_refused_naming_the_key(tmp_path, line, key, expected):
+    y = tmp_path / "job.yaml"
+    y.write_text(f"inputs: [a.jsonl]\n{line}\n")
+    with pytest.raises(InputError) as err:
+        build_config({}, str(y))
+    assert str(err.value) == f"{y}: key '{key}' (--{key.replace('_', '-')}): {expected}"
+
+
+def test_yaml_values_of_the_right_type_pass(tmp_path):
+    y = tmp_path / "job.yaml"
+    y.write_text("inputs: a.jsonl\nlimit: 5\nno_index: true\nbatch-tokens: 4096\ntable: t\n")
+    cfg = build_config({}, str(y))
+    assert (cfg.inputs, cfg.limit, cfg.no_index, cfg.batch_tokens, cfg.table) == (["a.jsonl"], 5, True, 4096, "t")
+
+
 def test_measuring_knobs_from_the_environment(monkeypatch):
     monkeypatch.delenv("EMBEDFLEET_X", raising=False)
     assert env_int("EMBEDFLEET_X", 3) == 3
