@@ -25,6 +25,10 @@ from embedfleet.encode.wordpiece import LONGEST_TEXT, AsciiWordPiece
 from embedfleet.errors import ModelError
 
 POOL_MIN_TEXTS = 2048  # below this the pool's pickling costs more than it saves
+# Characters of a text that can reach the model: past max_length tokens everything is cut anyway, and the
+# library tokenizes the whole text first (a 50 MB review took 5 GB and 18 s). 64 characters a token is far
+# more than any prose needs (~5); only runs of whitespace or of 100+-character words could lose tokens.
+CHARS_PER_TOKEN = 64
 
 
 @dataclass
@@ -250,6 +254,8 @@ class TextTokenizer:
 
     def encode_unsorted(self, texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
         """Packed ids and lengths in input order."""
+        cap = self.max_length * CHARS_PER_TOKEN
+        texts = [t if len(t) <= cap else t[:cap] for t in texts]
         if self.lowercase:
             texts = [t.lower() for t in texts]
         if self.workers == 0 or len(texts) < POOL_MIN_TEXTS:
