@@ -56,6 +56,21 @@ def resolve_model(model: str | os.PathLike | None) -> Path:
         ) from None
 
 
+WEIGHTS = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json")
+
+
+def check_model(model) -> ModelSpec:
+    """What a worker will need, checked without loading the weights: the directory, its config and
+    tokenizer files, and a weights file. A job must not start with a model none of its workers can load."""
+    spec = read_spec(resolve_model(model))
+    if not any((spec.hf_dir / name).exists() for name in WEIGHTS):
+        raise ModelError(f"model directory {spec.hf_dir} has no weights ({' or '.join(WEIGHTS[::2])})")
+    from embedfleet.encode.tokenize import model_tokenizer
+
+    model_tokenizer(spec)  # reads tokenizer.json (or converts a slow tokenizer): none is an error here
+    return spec
+
+
 def model_name(model, path: Path) -> str:
     """A short name for logs and tables: the hub id or directory name the user gave."""
     if model is None and not os.environ.get("EMBEDFLEET_MODEL"):

@@ -12,9 +12,12 @@ from psycopg import sql
 from embedfleet.errors import DatabaseError, InputError
 
 SCHEMA = "embedfleet"
+LEDGER_VERSION = 2  # bump with each change below; ensure_ledger brings an older ledger up to it
+PG_MIN = 130000  # PostgreSQL 13
+PGVECTOR_MIN, HALFVEC_MIN = (0, 5), (0, 7)  # HNSW came in pgvector 0.5, halfvec in 0.7
 
+# Every statement is idempotent: it creates a new ledger and brings an older one up to date.
 LEDGER_DDL = """
-CREATE SCHEMA IF NOT EXISTS embedfleet;
 CREATE TABLE IF NOT EXISTS embedfleet.jobs (
     job          text PRIMARY KEY,
     table_name   text NOT NULL,
@@ -92,6 +95,12 @@ CREATE TABLE IF NOT EXISTS embedfleet.meta_loaded (
     skipped bigint NOT NULL,
     loaded  timestamptz NOT NULL DEFAULT now()
 );
+-- version 2: when a worker started embedding a chunk (a crash counts against that one only),
+-- and what each worker reports when it ends
+ALTER TABLE embedfleet.chunks ADD COLUMN IF NOT EXISTS started timestamptz;
+ALTER TABLE embedfleet.workers ADD COLUMN IF NOT EXISTS error text;
+ALTER TABLE embedfleet.workers ADD COLUMN IF NOT EXISTS summary jsonb;
+CREATE TABLE IF NOT EXISTS embedfleet.ledger_version (version integer NOT NULL);
 """
 
 
@@ -101,20 +110,169 @@ def check_identifier(name: str, what: str = "table") -> str:
         raise InputError(f"--{what} name is empty")
     if "\x00" in name:
         raise InputError(f"--{what} {name!r}: NUL characters cannot appear in a name")
-    if len(name.encode()) > 63:
+    if max(len(part.encode()) for part in name.split(".", 1)) > 63:
         raise InputError(f"--{what} {name!r}: longer than PostgreSQL's 63-byte limit; pass a shorter --{what}")
     if name.lower().startswith("pg_"):
         raise InputError(f"--{what} {name!r}: names starting with pg_ are reserved by PostgreSQL")
     return name
 
 
+def split_table(conn: psycopg.Connection, table: str) -> tuple[str | None, str]:
+    """(schema, name): `schema.name` where `schema` exists in the database, else the whole string is one
+    name in the search path (a file stem such as "reviews.v2" stays one table name)."""
+    schema, dot, name = table.partition(".")
+    if dot and name and conn.execute("SELECT 1 FROM pg_namespace WHERE nspname = %s", [schema]).fetchone():
+        return schema, name
+    return None, table
+
+
+def table_sql(conn: psycopg.Connection, table: str) -> sql.Identifier:
+    """The table's identifier, schema-qualified where `table` names an existing schema."""
+    return sql.Identifier(*(p for p in split_table(conn, table) if p is not None))
+
+
+def _regclass(conn: psycopg.Connection, table: str) -> str:
+    return table_sql(conn, table).as_string(conn)
+
+
+def ledger_version(conn: psycopg.Connection) -> int:
+    """0: no ledger; 1: a ledger from before versioning; else the version it records."""
+    if not conn.execute("SELECT to_regclass('embedfleet.ledger_version') IS NOT NULL").fetchone()[0]:
+        return 1 if conn.execute("SELECT to_regclass('embedfleet.jobs') IS NOT NULL").fetchone()[0] else 0
+    row = conn.execute("SELECT max(version) FROM embedfleet.ledger_version").fetchone()
+    return row[0] or 1
+
+
+def ledger_exists(conn: psycopg.Connection) -> bool:
+    """For the commands that only read (status, search, verify): they never create the ledger."""
+    return ledger_version(conn) > 0
+
+
 def ensure_ledger(conn: psycopg.Connection) -> None:
-    """Create the ledger once; an advisory lock keeps concurrent workers from racing on DDL."""
+    """Create the ledger, or bring an older one up to date; an advisory lock keeps concurrent workers
+    from racing on DDL. A current ledger needs no privilege beyond reading and writing its tables, and
+    a schema an admin created for the role is used as it is (CREATE SCHEMA IF NOT EXISTS would still
+    need CREATE on the database)."""
+    if ledger_version(conn) >= LEDGER_VERSION:
+        return
     with conn.transaction():
         conn.execute("SELECT pg_advisory_xact_lock(hashtext('embedfleet.ledger'))")
-        exists = conn.execute("SELECT to_regclass('embedfleet.meta_loaded') IS NOT NULL").fetchone()[0]
-        if not exists:
-            conn.execute(LEDGER_DDL)
+        if ledger_version(conn) >= LEDGER_VERSION:
+            return
+        check_ledger_privileges(conn)
+        if not _schema_exists(conn, SCHEMA):
+            conn.execute("CREATE SCHEMA embedfleet")
+        conn.execute(LEDGER_DDL)
+        conn.execute("DELETE FROM embedfleet.ledger_version")
+        conn.execute("INSERT INTO embedfleet.ledger_version VALUES (%s)", [LEDGER_VERSION])
+
+
+def _schema_exists(conn: psycopg.Connection, schema: str) -> bool:
+    return conn.execute("SELECT 1 FROM pg_namespace WHERE nspname = %s", [schema]).fetchone() is not None
+
+
+def _quote(conn: psycopg.Connection, name: str) -> str:
+    """`name` as a user would type it in a GRANT: quoted only where PostgreSQL needs it."""
+    return conn.execute("SELECT quote_ident(%s)", [name]).fetchone()[0]
+
+
+def _role_and_database(conn: psycopg.Connection) -> tuple[str, str]:
+    return conn.execute("SELECT current_user, current_database()").fetchone()
+
+
+def check_ledger_privileges(conn: psycopg.Connection) -> None:
+    """What creating or updating the ledger needs, as one line naming the GRANT that gives it."""
+    role, db = _role_and_database(conn)
+    quote = lambda name: _quote(conn, name)  # noqa: E731
+    if not _schema_exists(conn, SCHEMA):
+        if not conn.execute("SELECT has_database_privilege(current_database(), 'CREATE')").fetchone()[0]:
+            raise DatabaseError(
+                f"role {role} cannot create the ledger's schema {SCHEMA} (no CREATE on database {db}): "
+                f"GRANT CREATE ON DATABASE {quote(db)} TO {quote(role)}; or have an admin run "
+                f"CREATE SCHEMA {SCHEMA} AUTHORIZATION {quote(role)}")
+        return
+    if ledger_version(conn) < LEDGER_VERSION and not conn.execute(
+            "SELECT has_schema_privilege(%s, 'CREATE') AND has_schema_privilege(%s, 'USAGE')",
+            [SCHEMA, SCHEMA]).fetchone()[0]:
+        raise DatabaseError(
+            f"role {role} cannot create or update the ledger's tables in schema {SCHEMA} (no CREATE on it): "
+            f"GRANT USAGE, CREATE ON SCHEMA {SCHEMA} TO {quote(role)}")
+
+
+def check_write_privileges(conn: psycopg.Connection, table: str, index: bool) -> None:
+    """Before any work: can this role write the ledger and `table` (and index it)? One line naming the
+    missing privilege, on what, and the GRANT that fixes it."""
+    role, _ = _role_and_database(conn)
+    quote = lambda name: _quote(conn, name)  # noqa: E731
+    if ledger_version(conn) < LEDGER_VERSION:
+        check_ledger_privileges(conn)
+    else:
+        missing = [t for (t,) in conn.execute(
+            "SELECT t FROM unnest(ARRAY['jobs', 'chunks', 'rejects', 'workers', 'meta', 'meta_loaded']) t "
+            "WHERE NOT has_table_privilege('embedfleet.' || t, 'SELECT, INSERT, UPDATE')").fetchall()]
+        if missing:
+            raise DatabaseError(
+                f"role {role} cannot write the ledger (no SELECT, INSERT, UPDATE on embedfleet.{missing[0]}): "
+                f"GRANT SELECT, INSERT, UPDATE, DELETE ON ALL TABLES IN SCHEMA {SCHEMA} TO {quote(role)}")
+    schema, name = split_table(conn, table)
+    target = table_sql(conn, table).as_string(conn)
+    if table_exists(conn, table):
+        if not conn.execute("SELECT has_table_privilege(%s, 'SELECT, INSERT, UPDATE')", [target]).fetchone()[0]:
+            raise DatabaseError(f"role {role} cannot write table {target} (no INSERT, UPDATE on it): "
+                                f"GRANT SELECT, INSERT, UPDATE ON {target} TO {quote(role)}; or pass another --table")
+        owner = conn.execute("SELECT pg_has_role(relowner, 'USAGE') FROM pg_class WHERE oid = %s::regclass",
+                             [target]).fetchone()[0]
+        if index and not owner and vector_index(conn, table) is None:
+            raise DatabaseError(f"role {role} does not own table {target}, and only its owner can build the "
+                                f"search index at the end: ALTER TABLE {target} OWNER TO {quote(role)}; "
+                                "or pass --no-index")
+        return
+    schema = schema or conn.execute("SELECT current_schema()").fetchone()[0]
+    if schema is None:
+        raise DatabaseError(f"role {role} has no schema to create table {name!r} in (the search_path names none "
+                            "that exists): pass --table SCHEMA.NAME")
+    if not conn.execute("SELECT has_schema_privilege(%s, 'CREATE') AND has_schema_privilege(%s, 'USAGE')",
+                        [schema, schema]).fetchone()[0]:
+        raise DatabaseError(
+            f"role {role} cannot create table {name!r} in schema {schema} (no CREATE on schema {schema}): "
+            f"GRANT USAGE, CREATE ON SCHEMA {quote(schema)} TO {quote(role)}; or pass --table SCHEMA.{name} "
+            f"for a schema {role} can create tables in")
+
+
+def _version(text: str) -> tuple[int, ...]:
+    return tuple(int(x) for x in text.split(".")[:3] if x.isdigit())
+
+
+def pgvector_problem(version: tuple[int, ...], dtype: str) -> str | None:
+    """Why this pgvector cannot serve a job (None: it can)."""
+    shown = ".".join(map(str, version))
+    if version < PGVECTOR_MIN:
+        return (f"pgvector {shown} is too old: embedfleet's search index (HNSW) needs pgvector ≥ 0.5; "
+                "install a newer pgvector, then ALTER EXTENSION vector UPDATE")
+    if dtype == "half" and version < HALFVEC_MIN:
+        return (f"--dtype half needs pgvector ≥ 0.7 for halfvec; this server has {shown} "
+                "(ALTER EXTENSION vector UPDATE after installing a newer pgvector, or use --dtype float)")
+    return None
+
+
+def check_server(conn: psycopg.Connection, dtype: str) -> tuple[int, ...]:
+    """Before any work: PostgreSQL ≥ 13, and pgvector installed (or installable) at a version that has HNSW
+    (and halfvec for --dtype half). Returns pgvector's version."""
+    num, shown = conn.execute("SELECT current_setting('server_version_num')::int, "
+                              "current_setting('server_version')").fetchone()
+    if num < PG_MIN:
+        raise DatabaseError(f"PostgreSQL {shown.split()[0]} is too old: embedfleet needs PostgreSQL 13 or newer")
+    installed, available = conn.execute(
+        "SELECT (SELECT extversion FROM pg_extension WHERE extname = 'vector'), "
+        "(SELECT default_version FROM pg_available_extensions WHERE name = 'vector')").fetchone()
+    if installed is None and available is None:
+        raise DatabaseError("pgvector is not installed on this server: install it "
+                            "(https://github.com/pgvector/pgvector), or run without --db for the embedded server")
+    have = _version(installed or available)
+    problem = pgvector_problem(have, dtype)
+    if problem:
+        raise DatabaseError(problem)
+    return have
 
 
 def ensure_vector(conn: psycopg.Connection) -> tuple[int, ...]:
@@ -126,23 +284,21 @@ def ensure_vector(conn: psycopg.Connection) -> tuple[int, ...]:
                 conn.execute("SELECT pg_advisory_xact_lock(hashtext('embedfleet.vector'))")
                 conn.execute("CREATE EXTENSION IF NOT EXISTS vector")
         except psycopg.Error as e:
+            role, db = _role_and_database(conn)
             raise DatabaseError(
-                f"pgvector is not available on this server ({e.diag.message_primary}); "
-                "install it (https://github.com/pgvector/pgvector) or run without --db for the embedded server"
+                f"pgvector is not enabled in database {db} and role {role} cannot enable it "
+                f"({e.diag.message_primary}): have an admin run CREATE EXTENSION vector in {db}, "
+                "or run without --db for the embedded server"
             ) from None
         row = conn.execute("SELECT extversion FROM pg_extension WHERE extname = 'vector'").fetchone()
-    return tuple(int(x) for x in row[0].split(".")[:3] if x.isdigit())
+    return _version(row[0])
 
 
 def vector_type(conn: psycopg.Connection, dtype: str) -> str:
-    version = ensure_vector(conn)
-    if dtype == "half":
-        if version < (0, 7):
-            raise DatabaseError(
-                f"--dtype half needs pgvector ≥ 0.7 for halfvec; this server has {'.'.join(map(str, version))}"
-            )
-        return "halfvec"
-    return "vector"
+    problem = pgvector_problem(ensure_vector(conn), dtype)
+    if problem:
+        raise DatabaseError(problem)
+    return "halfvec" if dtype == "half" else "vector"
 
 
 def free_connections(conn: psycopg.Connection) -> int:
@@ -156,13 +312,13 @@ def free_connections(conn: psycopg.Connection) -> int:
 
 
 def table_exists(conn: psycopg.Connection, table: str) -> bool:
-    return conn.execute("SELECT to_regclass(%s) IS NOT NULL", [sql.Identifier(table).as_string(conn)]).fetchone()[0]
+    return conn.execute("SELECT to_regclass(%s) IS NOT NULL", [_regclass(conn, table)]).fetchone()[0]
 
 
 def ensure_table(conn: psycopg.Connection, table: str, columns: Sequence, dim: int, vtype: str) -> None:
     """Create the target table if needed; refuse one whose embedding has another dimension or type."""
     check_identifier(table)
-    ident = sql.Identifier(table)
+    ident = table_sql(conn, table)
     with conn.transaction():
         conn.execute("SELECT pg_advisory_xact_lock(hashtext(%s))", [f"embedfleet.table.{table}"])
         if table_exists(conn, table):
@@ -187,25 +343,13 @@ def ensure_table(conn: psycopg.Connection, table: str, columns: Sequence, dim: i
         # its largest value, is the one moved out of line: every insert would also write the TOAST
         # table and its index, and every read fetch the vector back. Toasting only rows that do not fit
         # a page keeps vectors inline: the sink writes ~1.6x faster (bench/NOTES.md, runs 22-28).
-        # No autovacuum while the job loads it (`settle_table` turns it back on): PostgreSQL would
+        # No autovacuum while the job loads it (`finish_table` turns it back on): PostgreSQL would
         # vacuum the table again and again as rows arrive, and with data checksums (on by default
         # since PostgreSQL 18) marking a page visited logs a full copy of it, if it is the page's
         # first change since a checkpoint, into the WAL the writers share. PostgreSQL's own advice
         # for bulk loads: no autovacuum during, ANALYZE after.
         conn.execute(sql.SQL("CREATE TABLE {} ({}) WITH (toast_tuple_target = 8160, autovacuum_enabled = off)").format(
             ident, sql.SQL(", ").join(cols)))
-
-
-def settle_table(conn: psycopg.Connection, table: str) -> None:
-    """Once a job has loaded `table`: autovacuum back to the server's setting, and statistics for
-    the planner (ANALYZE reads a fixed-size sample of rows, not the whole table)."""
-    ident = sql.Identifier(table)
-    options = conn.execute("SELECT reloptions FROM pg_class WHERE oid = %s::regclass",
-                           [ident.as_string(conn)]).fetchone()[0] or []
-    if "autovacuum_enabled=off" in options:  # set by ensure_table: a table someone else made is left alone
-        with conn.transaction():
-            conn.execute(sql.SQL("ALTER TABLE {} RESET (autovacuum_enabled)").format(ident))
-    conn.execute(sql.SQL("ANALYZE {}").format(ident))
 
 
 def embedding_info(conn: psycopg.Connection, table: str) -> tuple[str, int]:
@@ -215,28 +359,63 @@ def embedding_info(conn: psycopg.Connection, table: str) -> tuple[str, int]:
     row = conn.execute(
         "SELECT t.typname, a.atttypmod FROM pg_attribute a JOIN pg_type t ON t.oid = a.atttypid "
         "WHERE a.attrelid = %s::regclass AND a.attname = 'embedding' AND NOT a.attisdropped",
-        [sql.Identifier(table).as_string(conn)],
+        [_regclass(conn, table)],
     ).fetchone()
     if row is None:
         raise DatabaseError(f"table {table!r} has no embedding column")
     return row[0], row[1]
 
 
-def build_index(conn: psycopg.Connection, table: str, vtype: str) -> None:
-    """HNSW (cosine) with a generous maintenance_work_mem and parallel maintenance workers."""
-    name = sql.Identifier(f"{table[:40]}_embedding_hnsw")
+def vector_index(conn: psycopg.Connection, table: str) -> str | None:
+    """The name of an HNSW index on `table`'s embedding column, or None: what a search can use."""
+    row = conn.execute(
+        "SELECT c.relname FROM pg_index i JOIN pg_class c ON c.oid = i.indexrelid JOIN pg_am am ON am.oid = c.relam "
+        "JOIN pg_attribute a ON a.attrelid = i.indrelid AND a.attnum = ANY(i.indkey) "
+        "WHERE i.indrelid = %s::regclass AND am.amname = 'hnsw' AND a.attname = 'embedding' ORDER BY 1 LIMIT 1",
+        [_regclass(conn, table)],
+    ).fetchone()
+    return row[0] if row else None
+
+
+def finish_table(conn: psycopg.Connection, table: str, index: bool) -> str | None:
+    """Once a job has loaded `table`: autovacuum back to the server's setting, statistics for the planner
+    (ANALYZE reads a fixed-size sample), and an HNSW (cosine) index on the embedding unless it has one.
+    Under a lock per table, so two runs finishing together do this one after the other: the second finds
+    the index built. Returns the index's name (None without `index`)."""
+    ident = table_sql(conn, table)
+    lock = [f"embedfleet.finish.{ident.as_string(conn)}"]
+    with conn.transaction():
+        conn.execute("SELECT pg_advisory_xact_lock(hashtext(%s))", lock)
+        options = conn.execute("SELECT reloptions FROM pg_class WHERE oid = %s::regclass",
+                               [ident.as_string(conn)]).fetchone()[0] or []
+        if "autovacuum_enabled=off" in options:  # set by ensure_table: a table someone else made is left alone
+            conn.execute(sql.SQL("ALTER TABLE {} RESET (autovacuum_enabled)").format(ident))
+        conn.execute(sql.SQL("ANALYZE {}").format(ident))
+    if not index:
+        return None
+    vtype = embedding_info(conn, table)[0]
+    for workers in (max(0, min(7, (os.cpu_count() or 2) - 1)), 0):
+        try:
+            with conn.transaction():
+                conn.execute("SELECT pg_advisory_xact_lock(hashtext(%s))", lock)
+                if (name := vector_index(conn, table)) is not None:
+                    return name
+                _create_index(conn, ident, vtype, workers)
+                name = vector_index(conn, table)
+            if name is None:  # cannot happen unless PostgreSQL changed what CREATE INDEX makes
+                raise DatabaseError(f"the HNSW index of {table!r} was created but cannot be found")
+            return name
+        except (psycopg.errors.OutOfMemory, psycopg.errors.DiskFull):
+            if workers == 0:
+                raise
+            # A small /dev/shm (containers) cannot hold a parallel build's shared memory: build serially.
+    return None
+
+
+def _create_index(conn: psycopg.Connection, ident: sql.Identifier, vtype: str, workers: int) -> None:
+    """HNSW (cosine), named by PostgreSQL (unique in the schema, so tables whose names share a long
+    prefix cannot collide), with a generous maintenance_work_mem and parallel maintenance workers."""
     ops = sql.SQL("halfvec_cosine_ops" if vtype == "halfvec" else "vector_cosine_ops")
-    stmt = sql.SQL("CREATE INDEX IF NOT EXISTS {} ON {} USING hnsw (embedding {})").format(
-        name, sql.Identifier(table), ops
-    )
-    workers = max(0, min(7, (os.cpu_count() or 2) - 1))
-    try:
-        with conn.transaction():
-            conn.execute("SET LOCAL maintenance_work_mem = '1GB'")
-            conn.execute(sql.SQL("SET LOCAL max_parallel_maintenance_workers = {}").format(sql.Literal(workers)))
-            conn.execute(stmt)
-    except (psycopg.errors.OutOfMemory, psycopg.errors.DiskFull):
-        # A small /dev/shm (containers) cannot hold a parallel build's shared memory: build serially.
-        with conn.transaction():
-            conn.execute("SET LOCAL max_parallel_maintenance_workers = 0")
-            conn.execute(stmt)
+    conn.execute("SET LOCAL maintenance_work_mem = '1GB'")
+    conn.execute(sql.SQL("SET LOCAL max_parallel_maintenance_workers = {}").format(sql.Literal(workers)))
+    conn.execute(sql.SQL("CREATE INDEX ON {} USING hnsw (embedding {})").format(ident, ops))

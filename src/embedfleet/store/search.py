@@ -10,13 +10,14 @@ from psycopg import sql
 from psycopg.rows import dict_row
 
 from embedfleet.errors import DatabaseError, InputError
-from embedfleet.store.schema import embedding_info, ensure_ledger
+from embedfleet.store.schema import embedding_info, ledger_exists, table_sql
 
 
 def table_model(conn: psycopg.Connection, table: str) -> str | None:
     """The model as the user named it for the newest job that wrote `table` (None: the default),
     so a query is embedded by the same model resolution as the documents were."""
-    ensure_ledger(conn)
+    if not ledger_exists(conn):
+        return None
     row = conn.execute(
         "SELECT config->>'model' FROM embedfleet.jobs WHERE table_name = %s ORDER BY created DESC LIMIT 1",
         [table],
@@ -35,7 +36,7 @@ def search(conn: psycopg.Connection, table: str, query_vec: np.ndarray, k: int =
     cols = [r[0] for r in conn.execute(
         "SELECT attname FROM pg_attribute WHERE attrelid = %s::regclass AND attnum > 0 AND NOT attisdropped "
         "AND attname <> 'embedding' ORDER BY attnum",
-        [sql.Identifier(table).as_string(conn)],
+        [table_sql(conn, table).as_string(conn)],
     ).fetchall()]
     from pgvector import Vector
     from pgvector.psycopg import register_vector
@@ -48,7 +49,7 @@ def search(conn: psycopg.Connection, table: str, query_vec: np.ndarray, k: int =
     ).format(
         cols=sql.SQL(", ").join(map(sql.Identifier, cols)),
         vt=sql.SQL(vtype),
-        t=sql.Identifier(table),
+        t=table_sql(conn, table),
         where=sql.SQL("WHERE ({})").format(sql.SQL(where)) if where else sql.SQL(""),
     )
     with conn.cursor(row_factory=dict_row) as cur:
@@ -74,16 +75,15 @@ def search(conn: psycopg.Connection, table: str, query_vec: np.ndarray, k: int =
 def verify(conn: psycopg.Connection, table: str, tol: float = 1e-3, max_ids: int = 100) -> dict:
     """Row count against the ledger, dimension, unit norms, NaN and zero vectors.
     Returns a report with `ok` and, per problem, the offending ids (at most `max_ids` each)."""
-    ensure_ledger(conn)
     vtype, dim = embedding_info(conn, table)
-    t = sql.Identifier(table)
+    t = table_sql(conn, table)
     norm = sql.SQL("l2_norm(embedding)" if vtype == "halfvec" else "vector_norm(embedding)")
     rows = conn.execute(sql.SQL("SELECT count(*) FROM {}").format(t)).fetchone()[0]
     ledger_rows, jobs = conn.execute(
         "SELECT coalesce(sum(c.rows_written), 0), count(DISTINCT j.job) FROM embedfleet.jobs j "
         "LEFT JOIN embedfleet.chunks c ON c.job = j.job WHERE j.table_name = %s",
         [table],
-    ).fetchone()
+    ).fetchone() if ledger_exists(conn) else (0, 0)
     # One scan computes every per-row check.
     bad = conn.execute(
         sql.SQL(

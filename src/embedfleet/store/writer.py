@@ -21,6 +21,7 @@ from psycopg import sql
 from embedfleet.records import Reject
 from embedfleet.store.copyrows import EncodedRows, assemble, vector_fields
 from embedfleet.store.ledger import Claim
+from embedfleet.store.schema import table_sql
 
 log = logging.getLogger("embedfleet.writer")
 
@@ -61,17 +62,18 @@ class TableSink:
 
     def __init__(self, conn: psycopg.Connection, table: str, columns: Sequence, vtype: str, job: str):
         self.conn, self.table, self.vtype, self.job = conn, table, vtype, job
+        target = table_sql(conn, table)
         # The embedding goes last: rows come encoded without it (copyrows.assemble appends it).
         names = ["id", "content"] + [c.name for c in columns] + ["embedding"]
         ident = sql.SQL(", ").join(map(sql.Identifier, names))
         self.stage = sql.Identifier("_ef_stage")  # a temp table: private to this connection, which writes one table
         conn.execute(
             sql.SQL("CREATE TEMP TABLE IF NOT EXISTS {} (LIKE {}) ON COMMIT DELETE ROWS").format(
-                self.stage, sql.Identifier(table)
+                self.stage, target
             )
         )
         self.copy_sql = sql.SQL("COPY {} ({}) FROM STDIN (FORMAT BINARY)").format(self.stage, ident)
-        self.copy_direct_sql = sql.SQL("COPY {} ({}) FROM STDIN (FORMAT BINARY)").format(sql.Identifier(table), ident)
+        self.copy_direct_sql = sql.SQL("COPY {} ({}) FROM STDIN (FORMAT BINARY)").format(target, ident)
         # Safe: a crash loses at most the last moments of commits, rows and ledger mark together.
         conn.execute("SET synchronous_commit = off")
         updates = sql.SQL(", ").join(
@@ -81,7 +83,7 @@ class TableSink:
         self.upsert_sql = sql.SQL(
             "WITH up AS (INSERT INTO {t} ({c}) SELECT {c} FROM {s} ON CONFLICT (id) DO UPDATE SET {u} "
             "RETURNING (xmax = 0) AS inserted) SELECT count(*) FILTER (WHERE inserted) FROM up"
-        ).format(t=sql.Identifier(table), c=ident, s=self.stage, u=updates)
+        ).format(t=target, c=ident, s=self.stage, u=updates)
 
     def _copy(self, target: sql.Composable, data: bytes) -> None:
         with self.conn.cursor() as cur, cur.copy(target) as copy:

@@ -1,0 +1,50 @@
+"""Checks on a job's inputs before it is planned: a job that cannot produce a row should stop with one
+line that says why, not embed nothing for a while and exit 0."""
+
+from __future__ import annotations
+
+import itertools
+import os
+
+from embedfleet.config import JobConfig
+from embedfleet.errors import InputError
+from embedfleet.records import to_records
+from embedfleet.sources import ChunkSpec, input_kind, read_chunk
+from embedfleet.sources.presets import get_preset
+
+SAMPLE = 200  # records read from the first input
+_HEAD_BYTES = 1 << 20  # of a plain JSONL file: enough for the sample
+
+
+def first_records(path: str, n: int = SAMPLE) -> list:
+    """Up to `n` records from the start of `path`, without planning the whole file."""
+    kind = input_kind(path)
+    if kind == "jsonl":
+        spec = ChunkSpec(path, kind, 0, min(os.path.getsize(path), _HEAD_BYTES), 1)
+    elif kind == "parquet":
+        spec = ChunkSpec(path, kind, 0, 1, 1)
+    else:
+        spec = ChunkSpec(path, kind, 0, -1, 1)
+    return list(itertools.islice(read_chunk(spec), n))
+
+
+def check_inputs_have_text(cfg: JobConfig) -> None:
+    """If every record at the start of the first input is rejected for one and the same reason (a text
+    or id field the file does not have), stop now, naming the field and the fields the records have."""
+    path = cfg.inputs[0]
+    try:
+        raws = [r for r in first_records(path) if r.error is None]
+    except Exception:  # an unreadable file is the planner's and the workers' to report
+        return
+    if not raws:
+        return
+    records, rejects = to_records(raws, get_preset(cfg.preset), template=cfg.text_template,
+                                  text_field=cfg.text_field, id_field=cfg.id_field)
+    reasons = {r.reason for r in rejects}
+    if records or len(reasons) != 1:
+        return
+    fields = sorted({k for r in raws for k in r.data})
+    shown = ", ".join(fields[:30]) + (", …" if len(fields) > 30 else "")
+    hint = "pass --text-field FIELD or --text-template" if "text" in next(iter(reasons)) else "pass --id-field FIELD"
+    raise InputError(f"{os.path.basename(path)}: all of the first {len(raws)} records are rejected "
+                     f"({next(iter(reasons))}); the records have fields: {shown}; {hint}")
