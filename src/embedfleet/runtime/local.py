@@ -17,16 +17,17 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from embedfleet.config import JobConfig
+from embedfleet.config import JobConfig, default_chunk_bytes
 from embedfleet.errors import EmbedfleetError, InputError, JobError
 from embedfleet.records import validate_template
 from embedfleet.runtime.monitor import Monitor
+from embedfleet.runtime.preflight import check_inputs_have_text
 from embedfleet.runtime.units import helper_count
 from embedfleet.sources.plan import ChunkSpec, expand_inputs, plan_chunks, table_name_for
 from embedfleet.store.embedded import resolve_dsn
 from embedfleet.store.ledger import Ledger, connect
-from embedfleet.store.schema import (build_index, check_identifier, embedding_info, ensure_vector, free_connections,
-                                     settle_table, table_exists)
+from embedfleet.store.schema import (check_identifier, check_server, check_write_privileges, ensure_vector,
+                                     finish_table, free_connections, table_exists)
 from embedfleet.store.writer import default_writers
 
 log = logging.getLogger("embedfleet")
@@ -85,16 +86,26 @@ def meta_identity(path: str) -> str:
     return hashlib.sha256(f"{os.path.abspath(path)}|{st.st_size}|{st.st_mtime_ns}".encode()).hexdigest()[:16]
 
 
-def prepare(cfg: JobConfig, ledger: Ledger) -> str:
-    """Resolve names, load the meta file, and plan the job (or find it planned). Returns the job name."""
+def check_job(cfg: JobConfig, conn) -> None:
+    """Everything that can be known wrong before a job exists: names, the server (PostgreSQL, pgvector,
+    privileges), the model and the inputs' text. An error here leaves no job behind."""
     cfg.inputs = expand_inputs(cfg.inputs)
     cfg.table = check_identifier(cfg.table or table_name_for(cfg.inputs[0]))
     cfg.job = cfg.job or cfg.table
-    from embedfleet.encode.models import resolve_model
+    check_server(conn, cfg.dtype)
+    from embedfleet.encode.models import check_model
 
-    resolve_model(cfg.model)  # an unknown model fails here, once, not in every worker
+    check_model(cfg.model)  # an unusable model fails here, once, not in every worker after planning
     if cfg.text_template:
         validate_template(cfg.text_template)
+    check_write_privileges(conn, cfg.table, index=not cfg.no_index)
+    ensure_vector(conn)
+    if not cfg.meta:  # with --meta the text may come from the product fields, joined later
+        check_inputs_have_text(cfg)
+
+
+def prepare(cfg: JobConfig, ledger: Ledger, device: str) -> str:
+    """Load the meta file and plan the job (or find it planned). Returns the job name."""
     meta_id = None
     if cfg.meta:
         from embedfleet.sources.presets import get_preset, load_meta
@@ -107,7 +118,8 @@ def prepare(cfg: JobConfig, ledger: Ledger) -> str:
             rows = load_meta(meta_path, get_preset(cfg.preset), on_skip=lambda line, why: skipped.append(line))
             n = ledger.load_meta(meta_id, meta_path, rows, lambda: len(skipped))
             log.info("loaded %d products from %s", n, meta_path)
-    plan = [] if ledger.job(cfg.job) else apply_limit(plan_chunks(cfg.inputs, cfg.chunk_bytes), cfg.limit)
+    chunk_bytes = cfg.chunk_bytes or default_chunk_bytes(device)
+    plan = [] if ledger.job(cfg.job) else apply_limit(plan_chunks(cfg.inputs, chunk_bytes), cfg.limit)
     if not ledger.create_job(cfg.job, cfg, plan, meta_id):  # it exists with the same settings: resume
         released = ledger.release_dead_local(cfg.job)
         retried = ledger.retry_failed(cfg.job)
@@ -150,35 +162,40 @@ def _spawn(slot: Slot, job: str, dsn: str, threads: int, writers: int) -> subpro
 
 
 def finalize(ledger: Ledger, job: str, cfg: JobConfig) -> dict:
-    """Mark the job done or failed; build the HNSW index once everything landed."""
+    """Mark the job done or failed; once everything landed, make the table searchable (statistics,
+    autovacuum back, the HNSW index) — safe when two runs of the job finish together."""
     counts = ledger.counts(job)
     loaded = table_exists(ledger.conn, cfg.table)
     if counts["failed"]:
         failed = ledger.failed_chunks(job)
         msg = "; ".join(f"chunk {c} ({Path(s).name}): {e}" for c, s, e in failed[:5])
         if loaded:
-            settle_table(ledger.conn, cfg.table)
+            finish_table(ledger.conn, cfg.table, index=False)
         ledger.set_job_state(job, "failed", f"{len(failed)} chunks failed: {msg}")
         return counts
     if counts["pending"] or counts["running"]:
-        return counts  # stopped early (interrupted): a rerun resumes
+        errors = ledger.worker_errors(job)
+        if errors:  # every worker stopped on an error it cannot get past (a model or device it cannot use)
+            ledger.set_job_state(job, "failed", "; ".join(f"{w}: {e}" for w, e in errors[:3]))
+        return counts  # otherwise stopped early (interrupted): a rerun resumes
     if loaded:
-        settle_table(ledger.conn, cfg.table)
-        if not cfg.no_index:
-            build_index(ledger.conn, cfg.table, embedding_info(ledger.conn, cfg.table)[0])
+        index = finish_table(ledger.conn, cfg.table, index=not cfg.no_index)
+        if index:
+            log.info("table %s is searchable (HNSW index %s)", cfg.table, index)
     ledger.set_job_state(job, "done")
     return counts
 
 
 def ingest(cfg: JobConfig) -> dict:
-    """Run an ingest job on this machine. Returns the job's final progress dict."""
+    """Run an ingest job on this machine. Returns the job's final progress dict (with each worker's
+    summary under "workers")."""
     cfg.inputs = expand_inputs(cfg.inputs)  # a missing file or GPU fails before any server starts
     devices = parse_devices(cfg.devices, cfg.workers)
     dsn = resolve_dsn(cfg.db)
     conn = connect(dsn)
-    ensure_vector(conn)
+    check_job(cfg, conn)
     ledger = Ledger(conn)
-    job = prepare(cfg, ledger)
+    job = prepare(cfg, ledger, devices[0])
     counts = ledger.counts(job)
     if counts["pending"] or counts["running"]:
         threads = max(1, (os.cpu_count() or 1) // len(devices))
@@ -187,16 +204,22 @@ def ingest(cfg: JobConfig) -> dict:
         # left spare (a psql, `embedfleet status`).
         others = 3 + (helper_count(threads) if cfg.meta else 0)
         writers = writers_each(default_writers(devices[0])[0], len(devices), free_connections(conn) - 2, others)
-        slots = [Slot(f"{os.uname().nodename}-w{i}", d) for i, d in enumerate(devices)]
+        # Unique across launchers and hosts: two runs of one job at once must not share a worker's row.
+        slots = [Slot(f"{os.uname().nodename}-{os.getpid()}-w{i}", d) for i, d in enumerate(devices)]
         ledger.set_job_state(job, "running")
+        ledger.register_workers(job, [(s.worker, s.device) for s in slots])
         _run_slots(slots, ledger, job, dsn, threads, writers, cfg.quiet)
     counts = finalize(ledger, job, cfg)
     progress = ledger.progress(job)
+    progress["summaries"] = ledger.summaries(job)
+    errors = ledger.worker_errors(job)
     conn.close()
     if counts["failed"]:
         raise JobError(f"job {job!r} finished with {counts['failed']} failed chunks; "
                        f"`embedfleet status --job {job}` shows why; rerun to retry them")
     if counts["pending"] or counts["running"]:
+        if errors:
+            raise JobError(f"job {job!r} stopped: {errors[0][1]}")
         raise JobError(f"job {job!r} stopped with {counts['pending'] + counts['running']} chunks left "
                        "(all workers died); rerun the same command to resume")
     return progress
@@ -204,10 +227,11 @@ def ingest(cfg: JobConfig) -> dict:
 
 def _run_slots(slots: list[Slot], ledger: Ledger, job: str, dsn: str, threads: int, writers: int,
                quiet: bool) -> None:
-    for s in slots:
-        s.proc = _spawn(s, job, dsn, threads, writers)
     try:
         with Monitor(job, quiet=quiet) as mon:
+            mon.update(ledger.progress(job))  # where this run starts from
+            for s in slots:
+                s.proc = _spawn(s, job, dsn, threads, writers)
             while any(s.proc is not None for s in slots):
                 time.sleep(0.5)
                 for s in slots:
@@ -216,15 +240,21 @@ def _run_slots(slots: list[Slot], ledger: Ledger, job: str, dsn: str, threads: i
                     pid, s.proc = s.proc.pid, None
                     if code == 0:
                         continue
-                    requeued = ledger.fail_dead_worker(job, pid, f"worker {s.worker} exited with code {code}")
-                    log.error("worker %s (%s) exited with code %s; chunks %s re-queued",
-                              s.worker, s.device, code, requeued or "none")
-                    left = ledger.counts(job)
                     # Exit code 2 is a worker's one-line EmbedfleetError (model or device it cannot
-                    # use): restarting cannot help. Anything else (a crash) gets restarted.
+                    # use), which it recorded itself: restarting cannot help. A crash is restarted.
+                    error = f"worker {s.worker} exited with code {code}"
+                    if code != EmbedfleetError.exit_code:
+                        ledger.worker_ended(job, s.worker, "exited", error)
+                    culprit, requeued = ledger.fail_dead_worker(job, pid, error)
+                    log.error("%s (%s): %s; %s", error, s.device,
+                              f"chunk {culprit} (the one it was embedding) counts a failure" if culprit is not None
+                              else "no chunk was being embedded",
+                              f"chunks {requeued} re-queued" if requeued else "nothing else re-queued")
+                    left = ledger.counts(job)
                     if code != EmbedfleetError.exit_code and (left["pending"] or left["running"]) \
                             and s.restarts < MAX_RESTARTS:
                         s.restarts += 1
+                        ledger.register_workers(job, [(s.worker, s.device)])
                         s.proc = _spawn(s, job, dsn, threads, writers)
                 mon.update(ledger.progress(job))
             mon.update(ledger.progress(job), force=True)

@@ -30,7 +30,7 @@ from typing import Iterator
 
 import orjson
 
-from embedfleet.config import JobConfig, env_float, env_int
+from embedfleet.config import JobConfig, default_chunk_bytes, env_float, env_int
 from embedfleet.errors import EmbedfleetError, JobError
 from embedfleet.encode.tokenize import tokenizer_spec
 from embedfleet.runtime.units import Task, UnitContext, UnitPool, settle_gc, stream_tasks
@@ -61,7 +61,8 @@ class Stats:
 # ---- stage 1: claim chunks, have their units prepared (claims, records threads + helper processes) 
 
 
-def claimed_tasks(ledger: Ledger, job: str, worker: str, cfg: JobConfig, on_fail, stats: Stats) -> Iterator:
+def claimed_tasks(ledger: Ledger, job: str, worker: str, cfg: JobConfig, unit_bytes: int, on_fail,
+                  stats: Stats) -> Iterator:
     """(claim, task) pairs until no chunk is left, and None whenever nothing can be claimed right
     now (the caller then finishes what it has in flight: those chunks count as running too). Keeps
     looking while chunks are still running: one of ours may fail and come back, and a dead worker's
@@ -82,8 +83,8 @@ def claimed_tasks(ledger: Ledger, job: str, worker: str, cfg: JobConfig, on_fail
         if claim.kind == "jsonl":  # a byte range of about chunk_bytes: one unit, read by the helper
             yield claim, Task(spec, claim.cursor_line, claim.last_line)
             continue
-        try:  # a stream: read here in order, committed every chunk_bytes so a crash resumes from there
-            for task in stream_tasks(spec, claim.cursor_line, claim.last_line, cfg.chunk_bytes):
+        try:  # a stream: read here in order, committed every unit_bytes so a crash resumes from there
+            for task in stream_tasks(spec, claim.cursor_line, claim.last_line, unit_bytes):
                 yield claim, task
         except Exception as e:  # unreadable file, decompression error…: the chunk fails, the job goes on
             on_fail(claim, e)
@@ -128,8 +129,8 @@ class Throttle:
         return self._sum / self._n if self._n else float(self.limit)
 
 
-def produce_units(dsn: str, job: str, worker: str, cfg: JobConfig, pool: UnitPool, throttle: Throttle,
-                  on_fail, stats: Stats) -> Iterator[Unit]:
+def produce_units(dsn: str, job: str, worker: str, cfg: JobConfig, unit_bytes: int, pool: UnitPool,
+                  throttle: Throttle, on_fail, stats: Stats) -> Iterator[Unit]:
     """Units in claim order, prepared up to `throttle.limit` tasks ahead on the pool's helpers."""
     conn = connect(dsn)
     # A claim is a commit. Made durable, it would wait for the server to flush all the WAL written
@@ -142,14 +143,17 @@ def produce_units(dsn: str, job: str, worker: str, cfg: JobConfig, pool: UnitPoo
     # Claims come from their own thread, up to three ahead (two queued, one in hand): a query waited
     # for here would hold back both the next unit for the GPU and the next task for an idle helper.
     # At the job's end those few chunks are this worker's, like the tasks in its window.
-    claims = Prefetch(claimed_tasks(ledger, job, worker, cfg, on_fail, stats), depth=2, name="embedfleet-claims")
+    claims = Prefetch(claimed_tasks(ledger, job, worker, cfg, unit_bytes, on_fail, stats), depth=2,
+                      name="embedfleet-claims")
+    started: set = set()  # claim tokens whose chunk has gone to the GPU (marked in the ledger)
 
     def collect() -> Iterator[Unit]:
         claim, task, future = window.popleft()
         t0 = time.perf_counter()
         try:
             p = pool.result(future)
-        except BrokenProcessPool:
+        except BrokenProcessPool as e:  # a helper died on this chunk (killed, out of memory): it is the culprit
+            on_fail(claim, e)
             raise
         except Exception as e:  # a bad file in a helper: the chunk fails, the job goes on
             on_fail(claim, e)
@@ -158,6 +162,9 @@ def produce_units(dsn: str, job: str, worker: str, cfg: JobConfig, pool: UnitPoo
             stats.collect_seconds += time.perf_counter() - t0
         stats.helper_seconds += p.busy_s
         stats.helper_cpu_seconds += p.cpu_s
+        if claim.token not in started:
+            started.add(claim.token)
+            ledger.mark_started(claim)
         yield Unit(claim, p.rows, p.seen, p.rejects, p.cursor_line, task.last, p.tok.num_tokens, p.tok)
 
     try:
@@ -250,17 +257,20 @@ class Heartbeat(threading.Thread):
         self.ledger.worker_beat(self.job, self.worker, self.device, s.state, s.rows, s.tokens, self._gpu())
 
     def run(self) -> None:
+        self.beat()  # registered (live) before the first claim: others count this worker in their share
         while not self._halt.wait(min(5.0, self.lease / 3)):
             try:
                 self.beat()
             except Exception as e:  # a missed beat is not fatal; the lease is three beats long
                 log.warning("heartbeat failed: %s", e)
 
-    def stop(self) -> None:
+    def stop(self, summary: dict | None = None, error: str | None = None) -> None:
+        """The last beat, then the worker's last word in the ledger: its summary, or the error it stopped on."""
         self._halt.set()
         self.join()
         try:
             self.beat()
+            self.ledger.worker_ended(self.job, self.worker, "failed" if error else "finished", error, summary)
         finally:
             self.ledger.conn.close()
 
@@ -372,7 +382,9 @@ def run_worker(job: str, dsn: str, worker: str, device: str = "auto") -> Stats:
         t_start, epoch_start = time.perf_counter(), time.time()
         cpu_start, loop_cpu_start = time.process_time(), time.thread_time()
         throttle = Throttle(pool.workers, tasks_ahead)
-        ahead = Prefetch(timed(produce_units(dsn, job, worker, cfg, pool, throttle, on_fail, stats), stats), depth=1)
+        unit_bytes = cfg.chunk_bytes or default_chunk_bytes("cpu" if encoder.device == "cpu" else "cuda")
+        ahead = Prefetch(timed(produce_units(dsn, job, worker, cfg, unit_bytes, pool, throttle, on_fail, stats),
+                               stats), depth=1)
         units = iter(ahead)
         pending = None  # (unit, handle) queued on the device whose result is not read yet
         t_cycle = time.perf_counter()
@@ -411,9 +423,11 @@ def run_worker(job: str, dsn: str, worker: str, device: str = "auto") -> Stats:
             finish(*pending)
         loop_cpu = time.thread_time() - loop_cpu_start
         writer.close()
+    except BaseException as e:
+        stats.state = "failed"
+        heartbeat.stop(error=f"{type(e).__name__}: {e}"[:2000])
+        raise
     finally:
-        stats.state = "finished"
-        heartbeat.stop()
         pool.close()
         encoder.close()
         conn.close()
@@ -434,8 +448,9 @@ def run_worker(job: str, dsn: str, worker: str, device: str = "auto") -> Stats:
         "started_at": round(epoch_start, 3),  # wall-clock start: to line several workers up
         "startup": {k: round(v, 3) for k, v in startup.items()},
     }
-    if not cfg.quiet:  # one parseable line per worker (bench/ingest.py reads them)
-        print("embedfleet-worker-summary " + orjson.dumps(summary).decode(), file=sys.stderr, flush=True)
+    stats.state = "finished"
+    heartbeat.stop(summary)  # in the ledger (`ingest --json` shows it), not on the user's terminal
+    log.debug("worker summary: %s", orjson.dumps(summary).decode())
     return stats
 
 
@@ -452,8 +467,18 @@ def main(argv: list[str] | None = None) -> int:
         run_worker(a.job, a.db, a.worker_id, a.device)
     except EmbedfleetError as e:
         print(f"error: {e}", file=sys.stderr)
+        _record_failure(a.db, a.job, a.worker_id, str(e))
         return e.exit_code
     return 0
+
+
+def _record_failure(dsn: str, job: str, worker: str, error: str) -> None:
+    """A worker that could not start (model, device) says why in the ledger, where the launcher reads it."""
+    try:
+        with connect(dsn) as conn:
+            Ledger(conn).worker_ended(job, worker, "failed", error)
+    except EmbedfleetError:
+        pass  # the database itself is what failed: the launcher reports the exit code
 
 
 if __name__ == "__main__":

@@ -20,7 +20,7 @@ from psycopg.types.json import Jsonb
 
 from embedfleet.config import JobConfig
 from embedfleet.errors import JobError
-from embedfleet.store.schema import ensure_ledger
+from embedfleet.store.schema import ensure_ledger, ledger_exists
 
 MAX_FAILURES = 3
 STALE_SECONDS = 120  # a running job with no heartbeat for this long is reported as interrupted
@@ -157,16 +157,31 @@ class Ledger:
     # ---- chunks -----------------------------------------------------------------------------
 
     def claim(self, job: str, worker: str, lease_seconds: float) -> Claim | None:
-        """Take the next pending chunk, or one whose lease expired."""
+        """Take the next pending chunk, or one whose lease expired — unless this worker already holds its
+        share of what is left: (pending + running) / live workers, rounded up. Claiming ahead keeps a
+        worker's helpers and GPU busy, but with few chunks left it would leave the others idle (two CPU
+        workers on a 4-chunk file ran one after the other). Live: registered and beating within a lease."""
         row = self.conn.execute(
             """
+            WITH held AS (
+                SELECT count(*) AS n FROM embedfleet.chunks
+                 WHERE job = %(job)s AND worker = %(worker)s AND state = 'running' AND lease_until >= now()),
+            live AS (
+                SELECT greatest(1, count(*)) AS n FROM embedfleet.workers
+                 WHERE job = %(job)s AND state NOT IN ('finished', 'exited', 'failed')
+                   AND heartbeat >= now() - make_interval(secs => %(lease)s)),
+            left_ AS (  -- chunks not done, counted only as far as the rule needs
+                SELECT count(*) AS n FROM (SELECT 1 FROM embedfleet.chunks
+                 WHERE job = %(job)s AND state IN ('pending', 'running')
+                 LIMIT (SELECT held.n * live.n + 1 FROM held, live)) s)
             UPDATE embedfleet.chunks c
                SET state = 'running', claim = gen_random_uuid(), worker = %(worker)s, host = %(host)s,
-                   pid = %(pid)s, pid_started = %(pid_started)s,
+                   pid = %(pid)s, pid_started = %(pid_started)s, started = NULL,
                    lease_until = now() + make_interval(secs => %(lease)s), error = NULL
               FROM (SELECT job, chunk FROM embedfleet.chunks
                      WHERE job = %(job)s
                        AND (state = 'pending' OR (state = 'running' AND lease_until < now()))
+                       AND (SELECT left_.n > held.n * live.n FROM left_, held, live)
                      ORDER BY chunk
                      LIMIT 1
                      FOR UPDATE SKIP LOCKED) next
@@ -179,6 +194,12 @@ class Ledger:
         ).fetchone()
         return Claim(*row) if row else None
 
+    def mark_started(self, claim: Claim) -> None:
+        """This worker begins embedding the chunk: if it dies now, the failure counts against this one."""
+        self.conn.execute(
+            "UPDATE embedfleet.chunks SET started = now() WHERE job = %s AND chunk = %s AND claim = %s "
+            "AND started IS NULL", [claim.job, claim.chunk, claim.token])
+
     def renew(self, job: str, worker: str, lease_seconds: float) -> None:
         self.conn.execute(
             "UPDATE embedfleet.chunks SET lease_until = now() + make_interval(secs => %s) "
@@ -190,7 +211,7 @@ class Ledger:
         """Count a failure against a chunk: back to pending, or failed after MAX_FAILURES."""
         row = self.conn.execute(
             "UPDATE embedfleet.chunks SET failures = failures + 1, error = %s, claim = NULL, worker = NULL, "
-            "state = CASE WHEN failures + 1 >= %s THEN 'failed' ELSE 'pending' END "
+            "started = NULL, state = CASE WHEN failures + 1 >= %s THEN 'failed' ELSE 'pending' END "
             "WHERE job = %s AND chunk = %s AND claim = %s RETURNING state",
             [error[:2000], MAX_FAILURES, claim.job, claim.chunk, claim.token],
         ).fetchone()
@@ -206,21 +227,36 @@ class Ledger:
         dead = [chunk for chunk, pid, started in rows if pid is None or not _alive(pid, started)]
         if dead:
             self.conn.execute(
-                "UPDATE embedfleet.chunks SET state = 'pending', claim = NULL, worker = NULL "
+                "UPDATE embedfleet.chunks SET state = 'pending', claim = NULL, worker = NULL, started = NULL "
                 "WHERE job = %s AND chunk = ANY(%s) AND state = 'running'",
                 [job, dead],
             )
         return len(dead)
 
-    def fail_dead_worker(self, job: str, pid: int, error: str) -> list[int]:
-        """A worker process died while holding chunks: count a failure on each and requeue them."""
+    def fail_dead_worker(self, job: str, pid: int, error: str) -> tuple[int | None, list[int]]:
+        """A worker process died holding chunks. A failure counts only against the chunk it started
+        embedding last (a chunk that kills every worker that embeds it ends up failed); the chunks it
+        had only claimed ahead, or that wait in its writers, go back to pending without a mark.
+        Returns (the chunk counted as failed or None, the chunks re-queued)."""
         rows = self.conn.execute(
-            "UPDATE embedfleet.chunks SET failures = failures + 1, error = %s, claim = NULL, worker = NULL, "
-            "state = CASE WHEN failures + 1 >= %s THEN 'failed' ELSE 'pending' END "
-            "WHERE job = %s AND host = %s AND pid = %s AND state = 'running' RETURNING chunk",
-            [error, MAX_FAILURES, job, HOST, pid],
+            """
+            WITH culprit AS (
+                SELECT chunk FROM embedfleet.chunks
+                 WHERE job = %(job)s AND host = %(host)s AND pid = %(pid)s AND state = 'running' AND started IS NOT NULL
+                 ORDER BY started DESC, chunk DESC LIMIT 1)
+            UPDATE embedfleet.chunks c
+               SET failures = failures + (c.chunk IN (SELECT chunk FROM culprit))::int,
+                   error = CASE WHEN c.chunk IN (SELECT chunk FROM culprit) THEN %(error)s ELSE c.error END,
+                   state = CASE WHEN c.chunk IN (SELECT chunk FROM culprit) AND failures + 1 >= %(max)s
+                                THEN 'failed' ELSE 'pending' END,
+                   claim = NULL, worker = NULL, started = NULL
+             WHERE job = %(job)s AND host = %(host)s AND pid = %(pid)s AND state = 'running'
+         RETURNING chunk, chunk IN (SELECT chunk FROM culprit)
+            """,
+            dict(job=job, host=HOST, pid=pid, error=error, max=MAX_FAILURES),
         ).fetchall()
-        return [r[0] for r in rows]
+        culprit = next((chunk for chunk, counted in rows if counted), None)
+        return culprit, sorted(chunk for chunk, counted in rows if not counted)
 
     def retry_failed(self, job: str) -> int:
         """A rerun gives failed chunks another round of attempts."""
@@ -266,6 +302,34 @@ class Ledger:
             [job, worker, HOST, os.getpid(), device, state, rows, tokens, gpu_util],
         )
 
+    def register_workers(self, job: str, workers: list[tuple[str, str]]) -> None:
+        """The launcher's workers, as (worker id, device), before they start: each counts as live from now,
+        so the first to start does not claim the others' share of a small job."""
+        with self.conn.cursor() as cur:
+            cur.executemany(
+                "INSERT INTO embedfleet.workers (job, worker, host, device, state) VALUES (%s, %s, %s, %s, 'starting') "
+                "ON CONFLICT (job, worker) DO UPDATE SET state = 'starting', heartbeat = now(), error = NULL, "
+                "summary = NULL, host = EXCLUDED.host, device = EXCLUDED.device",
+                [(job, worker, HOST, device) for worker, device in workers])
+
+    def worker_ended(self, job: str, worker: str, state: str, error: str | None = None,
+                     summary: dict | None = None) -> None:
+        """A worker's last word: finished (with its summary), failed (with its error) or exited (seen dead)."""
+        self.conn.execute(
+            "UPDATE embedfleet.workers SET state = %s, error = coalesce(%s, error), "
+            "summary = coalesce(%s, summary), heartbeat = now() WHERE job = %s AND worker = %s",
+            [state, error, None if summary is None else Jsonb(summary), job, worker])
+
+    def worker_errors(self, job: str) -> list[tuple[str, str]]:
+        """(worker, error) of the workers that stopped on an error."""
+        return self.conn.execute("SELECT worker, error FROM embedfleet.workers WHERE job = %s AND error IS NOT NULL "
+                                 "ORDER BY worker", [job]).fetchall()
+
+    def summaries(self, job: str) -> list[dict]:
+        """What each worker of the job reported when it finished (rows, seconds, start-up steps, …)."""
+        return [r[0] for r in self.conn.execute(
+            "SELECT summary FROM embedfleet.workers WHERE job = %s AND summary IS NOT NULL ORDER BY worker", [job])]
+
     def progress(self, job: str) -> dict:
         with self.conn.cursor(row_factory=dict_row) as cur:
             totals = cur.execute(
@@ -293,8 +357,10 @@ def _alive(pid: int, started: float | None) -> bool:
 
 
 def jobs_overview(conn: psycopg.Connection, job: str | None = None) -> list[dict]:
-    """What `embedfleet status` prints: one dict per job (contract fields first)."""
-    ensure_ledger(conn)
+    """What `embedfleet status` prints: one dict per job (contract fields first). Reads only: a role with
+    SELECT on the ledger is enough, and a database without a ledger has no jobs."""
+    if not ledger_exists(conn):
+        return []
     with conn.cursor(row_factory=dict_row) as cur:
         rows = cur.execute(
             """
@@ -306,7 +372,10 @@ def jobs_overview(conn: psycopg.Connection, job: str | None = None) -> list[dict
                    coalesce(sum(c.rejected), 0) AS rejected,
                    j.started, j.finished,
                    extract(epoch FROM now() - coalesce(
-                       (SELECT max(heartbeat) FROM embedfleet.workers w WHERE w.job = j.job), j.started)) AS idle_s
+                       (SELECT max(heartbeat) FROM embedfleet.workers w WHERE w.job = j.job), j.started)) AS idle_s,
+                   (SELECT coalesce(jsonb_agg(jsonb_build_object('chunk', f.chunk, 'source', f.source,
+                                                                 'error', f.error) ORDER BY f.chunk), '[]')
+                      FROM embedfleet.chunks f WHERE f.job = j.job AND f.state = 'failed') AS failures
               FROM embedfleet.jobs j LEFT JOIN embedfleet.chunks c ON c.job = j.job
              WHERE %(job)s::text IS NULL OR j.job = %(job)s
              GROUP BY j.job ORDER BY j.created
@@ -325,5 +394,6 @@ def jobs_overview(conn: psycopg.Connection, job: str | None = None) -> list[dict
             "started": r["started"].isoformat() if r["started"] else None,
             "finished": r["finished"].isoformat() if r["finished"] else None,
             "chunks_failed": int(r["chunks_failed"]), "model": r["model"], "dim": r["dim"], "error": r["error"],
+            "failures": r["failures"],
         })
     return out
