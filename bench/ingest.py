@@ -4,8 +4,8 @@
         [--workers-per-gpu 1,1,2,2] [--gil START:SECONDS:PY_SPY] [--pg-set NAME=VALUE,…] [--warmup N]
 
 For each GPU count it runs the real CLI once (fresh table, --no-index so the rate is the pipeline's,
-then times the HNSW build separately), samples every GPU's utilisation with NVML, and reads each
-worker's summary line (rows, forward-pass seconds, DB seconds, seconds the GPU loop waited on the
+then times ANALYZE and the HNSW build separately), samples every GPU's utilisation with NVML, and reads each
+worker's summary from `ingest --json` (rows, forward-pass seconds, DB seconds, seconds the GPU loop waited on the
 sink or on input). Steady-state rate = rows / the span of the workers' loops, first start to last
 end (model load excluded, a worker that starts late counts); workers' sum = each worker's rows / its
 own loop, summed; all running = rows of the chunks that committed while every worker's loop ran
@@ -260,8 +260,7 @@ def run_once(data: list[Path], gpus: int, model: str | None, env: dict, preset: 
     if p.returncode != 0:
         raise SystemExit(f"ingest failed ({p.returncode})")
     summary = orjson.loads(p.stdout)
-    workers = [orjson.loads(line.split(" ", 1)[1]) for line in p.stderr.splitlines()
-               if line.startswith("embedfleet-worker-summary ")]
+    workers = summary["workers"]
     rows = summary["rows_written"]
     conn = psycopg.connect(dsn, autocommit=True)  # for what is read and dropped once the run is over
     wal = _wal_used(conn, wal0, rows, wall, disk0, data_dir)
@@ -274,10 +273,10 @@ def run_once(data: list[Path], gpus: int, model: str | None, env: dict, preset: 
     rows_together = _rows_finished(conn, table, *together)
     index_s = None
     if index:
-        from embedfleet.store.schema import build_index
+        from embedfleet.store.schema import finish_table
 
         t_idx = time.perf_counter()
-        build_index(conn, table, "vector")  # on this connection: the time is the build's, no interpreter start
+        finish_table(conn, table, index=True)  # on this connection: the time is the build's, no interpreter start
         index_s = round(time.perf_counter() - t_idx, 2)
     # Drop the table: once its job ends autovacuum would visit all of it, during the next run (with
     # data checksums, full page copies into the WAL) — seen in runs 39-43, bench/NOTES.md.

@@ -82,12 +82,15 @@ def ingest(
     progress = run_ingest(cfg)
     summary = {"job": cfg.job, "table": cfg.table, "chunks_total": progress["chunks_total"],
                "chunks_done": progress["chunks_done"], "rows_written": progress["rows_written"],
-               "rejected": progress["rejected"]}
+               "rejected": progress["rejected"], "workers": progress["summaries"]}
     if json_out:
         _emit(summary)
     else:
+        import shlex
+
         typer.echo(f"{cfg.job}: {summary['rows_written']:,} rows in table {cfg.table!r} "
-                   f"({summary['rejected']} rejected) — try: embedfleet search \"…\" --table {cfg.table}", err=True)
+                   f"({summary['rejected']} rejected) — try: embedfleet search \"…\" --table {shlex.quote(cfg.table)}",
+                   err=True)
 
 
 @app.command()
@@ -124,14 +127,11 @@ def status(
     if json_out:
         _emit({"jobs": jobs})
         return
-    from rich.console import Console
-    from rich.table import Table
+    from embedfleet.runtime.monitor import status_table
 
-    t = Table("job", "table", "state", "chunks", "rows", "rejected", "started", "finished")
-    for j in jobs:
-        t.add_row(j["job"], j["table"], j["state"], f"{j['chunks_done']}/{j['chunks_total']}",
-                  f"{j['rows_written']:,}", str(j["rejected"]), (j["started"] or "")[:19], (j["finished"] or "")[:19])
-    Console().print(t if jobs else "no jobs yet: embedfleet ingest FILE")
+    from rich.console import Console
+
+    Console().print(status_table(jobs) if jobs else "no jobs yet: embedfleet ingest FILE")
 
 
 @app.command()
@@ -239,6 +239,21 @@ def bench(
         typer.echo(format_bench(result))
 
 
+def _database_error(e: Exception) -> str | None:
+    """One line for a database error met mid-command (the server stopped or restarted, a privilege
+    missing), or None for anything else."""
+    import psycopg
+
+    if not isinstance(e, psycopg.Error):
+        return None
+    first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+    if isinstance(e, psycopg.OperationalError):
+        return f"the database connection was lost ({first}); once the server is back, rerun the same command to resume"
+    if isinstance(e, psycopg.errors.InsufficientPrivilege):
+        return f"the database refused: {first}; ask its admin for the privilege, or pass --db with a role that has it"
+    return None
+
+
 def main() -> None:
     try:
         rc = app(standalone_mode=False)  # returns typer.Exit's code instead of raising it
@@ -259,7 +274,8 @@ def main() -> None:
             sys.exit(e.exit_code)
         if _state["debug"]:
             raise
-        typer.echo(f"error: {type(e).__name__}: {e} (rerun with --debug for the traceback)", err=True)
+        line = _database_error(e) or f"{type(e).__name__}: {e} (rerun with --debug for the traceback)"
+        typer.echo(f"error: {line}", err=True)
         sys.exit(1)
 
 

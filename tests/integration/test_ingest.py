@@ -385,16 +385,13 @@ def test_workers_write_on_fewer_connections_when_the_server_has_few(cli, tmp_pat
         with psycopg.connect(dsn) as c:
             assert c.execute("SHOW max_connections").fetchone()[0] == "12"
         p = cli("ingest", REVIEWS, "--db", dsn, "--devices", "cpu", "--workers", "2", "--chunk-bytes", "20000",
-                "--no-index", check=True, extra_env=env)
-        summaries = [orjson.loads(line.split(" ", 1)[1]) for line in p.stderr.splitlines()
-                     if line.startswith("embedfleet-worker-summary ")]
-        assert [s["writers"] for s in summaries] == [1, 1]
+                "--no-index", "--json", check=True, extra_env=env)
+        assert [s["writers"] for s in orjson.loads(p.stdout)["workers"]] == [1, 1]
         # Asked for more writers than the server has (by hand, as for `embedfleet worker` on another
         # host): the worker writes on the connections it gets instead of dying.
-        p = cli("ingest", REVIEWS, "--db", dsn, "--devices", "cpu", "--table", "by_hand", "--no-index", check=True,
-                extra_env={**env, "EMBEDFLEET_WRITERS": "20"})
-        (summary,) = [orjson.loads(line.split(" ", 1)[1]) for line in p.stderr.splitlines()
-                      if line.startswith("embedfleet-worker-summary ")]
+        p = cli("ingest", REVIEWS, "--db", dsn, "--devices", "cpu", "--table", "by_hand", "--no-index", "--json",
+                check=True, extra_env={**env, "EMBEDFLEET_WRITERS": "20"})
+        (summary,) = orjson.loads(p.stdout)["workers"]
         assert 1 <= summary["writers"] < 20 and "writing on" in p.stderr
         with psycopg.connect(dsn) as c:
             n = c.execute('SELECT count(*) FROM "Cell_Phones_and_Accessories"').fetchone()[0]
@@ -431,10 +428,10 @@ def test_helper_processes_prepare_exactly_what_the_inline_path_does(cli, dsn, co
     common = (REVIEWS, FAULTS, gz, "--meta", META, "--preset", "amazon-reviews", "--db", dsn,
               "--no-index", "--chunk-bytes", "30000")
     for table, helpers in (("inline", "0"), ("helpers", "2")):
-        p = cli("ingest", *common, "--table", table, check=True, extra_env={"EMBEDFLEET_PREP_WORKERS": helpers})
-        summary = [orjson.loads(line.split(" ", 1)[1]) for line in p.stderr.splitlines()
-                   if line.startswith("embedfleet-worker-summary ")]
-        assert [w["helpers"] for w in summary] == [int(helpers)]
+        p = cli("ingest", *common, "--table", table, "--json", check=True,
+                extra_env={"EMBEDFLEET_PREP_WORKERS": helpers})
+        assert [w["helpers"] for w in orjson.loads(p.stdout)["workers"]] == [int(helpers)]
+        assert "embedfleet-worker-summary" not in p.stderr and '"rows_per_s"' not in p.stderr  # off the terminal
     counts = {t: status(cli, dsn, t) for t in ("inline", "helpers")}
     assert counts["helpers"]["rows_written"] == counts["inline"]["rows_written"] > 400
     assert counts["helpers"]["rejected"] == counts["inline"]["rejected"] == 6

@@ -161,3 +161,53 @@ def test_settings_written_by_alter_system_are_read_back():
                  "shared_buffers = '16384MB'\nmax_connections = '300'\n")
     assert _settings_in(auto_conf) == {"shared_buffers": "16384MB", "max_connections": "300"}
     assert _settings_in("") == {}
+
+
+@pytest.mark.parametrize("version, dtype, problem", [
+    ((0, 4, 4), "float", "pgvector 0.4.4 is too old"),
+    ((0, 5, 0), "float", None),
+    ((0, 6, 2), "half", "--dtype half needs pgvector ≥ 0.7"),
+    ((0, 6, 2), "float", None),
+    ((0, 8, 0), "half", None),
+])
+def test_the_server_check_names_a_pgvector_that_cannot_serve_the_job(version, dtype, problem):
+    from embedfleet.store.schema import pgvector_problem
+
+    got = pgvector_problem(version, dtype)
+    assert (got is None) if problem is None else problem in got
+
+
+def test_the_final_progress_line_shows_rows_over_the_runs_own_time():
+    import io
+
+    from embedfleet.runtime.monitor import Monitor
+
+    clock = iter([0.0, 5.0, 60.0, 190.0, 195.0])  # start-up, then the rows arrive in bursts of commits
+    rows = iter([0, 0, 5000, 19000, 20000])
+    out = io.StringIO()
+    mon = Monitor("j", stream=out, clock=lambda: next(clock))
+    for i in range(5):
+        n = next(rows)
+        mon.update({"rows_seen": n, "tokens": 10 * n, "chunks_done": i, "chunks_total": 4, "rejected": 0,
+                    "chunks_failed": 0, "workers": []}, force=i == 4)
+    last = out.getvalue().strip().splitlines()[-1]
+    assert "(103/s, 1,026 tok/s over 195 s)" in last  # 20,000 rows / 195 s, not the last window's burst
+
+
+def test_status_fits_80_columns_without_cutting_names_or_dates():
+    from rich.console import Console
+
+    from embedfleet.runtime.monitor import status_table
+
+    name = "amazon_reviews_2023_cell_phones_accessories_part1"
+    jobs = [{"job": name, "table": name, "state": "failed", "chunks_done": 3, "chunks_total": 4,
+             "rows_written": 123456, "rejected": 2, "started": "2026-11-26T20:17:05+00:00",
+             "finished": "2026-11-26T20:19:05+00:00", "error": "1 chunks failed",
+             "failures": [{"chunk": 3, "source": "/data/bad.jsonl.gz", "error": "InputError: unreadable after line 9"}]}]
+    console = Console(width=80, record=True)
+    console.print(status_table(jobs))
+    text = console.export_text()
+    assert max(map(len, text.splitlines())) <= 80
+    assert name in "".join(line.split()[0] for line in text.splitlines()[1:4])  # wrapped, whole
+    assert "11-26 20:17" in text and "11-26 20:19" in text
+    assert "chunk 3 (bad.jsonl.gz) failed: InputError: unreadable after line 9" in " ".join(text.split())
