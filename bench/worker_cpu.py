@@ -20,46 +20,47 @@ from pathlib import Path
 
 import numpy as np
 
-from embedfleet.config import build_config
-from embedfleet.runtime.local import prepare
-from embedfleet.runtime.worker import run_worker
+from embedfleet.config import Settings, build_config
+from embedfleet.runtime.job import prepare
+from embedfleet.runtime.worker import Worker
 from embedfleet.store.embedded import resolve_dsn
-from embedfleet.store.ledger import Ledger, connect
+from embedfleet.store.ledger import Ledger
 from embedfleet.synth import write_amazon_reviews
 
 
-def instant_forward(self, tok):
-    """Stands in for Encoder._launch: unit vectors for every text, no device work."""
-    import torch
+class _Ready:
+    def __init__(self, vectors, done_at=0.0):
+        self.vectors, self.done_at = vectors, done_at
 
-    from embedfleet.encode import encoder as encoder_mod
-
-    rng = np.random.default_rng(len(tok))
-    v = rng.standard_normal((len(tok), self.dim)).astype(np.float32)
-    v /= np.linalg.norm(v, axis=1, keepdims=True)
-    return encoder_mod._Pending(torch.from_numpy(v), None)
+    def result(self):
+        time.sleep(max(0.0, self.done_at - time.perf_counter()))
+        return self.vectors
 
 
-class EmulatedDevice:
-    """A GPU that embeds `tokens_per_s` tokens a second, one launch after another (no real work):
-    a launch's vectors are ready when the device has worked through everything queued before it."""
+class EmulatedEncoder:
+    """Unit vectors for every text at no cost (`tokens_per_s` None), or a device that embeds
+    `tokens_per_s` tokens a second, one launch after another: a launch's vectors are ready when the
+    device has worked through everything queued before it. Injected into the real Worker."""
 
-    def __init__(self, tokens_per_s: float):
-        self.rate, self.free_at = tokens_per_s, 0.0
+    name, device = "emulated", "cuda"
 
-    def forward(self, enc, tok):
-        from embedfleet.encode import encoder as encoder_mod
+    def __init__(self, dim: int = 384, tokens_per_s: float | None = None):
+        self.dim, self.rate, self.free_at = dim, tokens_per_s, 0.0
 
+    def embed_async(self, tok):
+        rng = np.random.default_rng(len(tok))
+        v = rng.standard_normal((len(tok), self.dim)).astype(np.float32)
+        v /= np.linalg.norm(v, axis=1, keepdims=True)
+        if not self.rate:
+            return _Ready(v)
         self.free_at = max(time.perf_counter(), self.free_at) + tok.num_tokens / self.rate
-        pending = instant_forward(enc, tok)
-        done_at = self.free_at
+        return _Ready(v, self.free_at)
 
-        class Done:
-            @staticmethod
-            def synchronize():
-                time.sleep(max(0.0, done_at - time.perf_counter()))
+    def warmup(self):
+        pass
 
-        return encoder_mod._Pending(pending.host, Done())
+    def close(self):
+        pass
 
 
 def main() -> None:
@@ -70,23 +71,18 @@ def main() -> None:
     ap.add_argument("--gpu-tokens-per-s", type=float, default=None,
                     help="emulate a device of this speed instead of an instant one (to see the claim throttle work)")
     a = ap.parse_args()
-    # torch only here, not at the top: the worker's helpers re-import this script as their main module.
-    from embedfleet.encode import encoder as encoder_mod
-
-    if a.gpu_tokens_per_s:
-        device = EmulatedDevice(a.gpu_tokens_per_s)
-        encoder_mod.Encoder._launch = lambda self, tok: device.forward(self, tok)
-    else:
-        encoder_mod.Encoder._launch = instant_forward
+    encoder = EmulatedEncoder(tokens_per_s=a.gpu_tokens_per_s)
     dsn = resolve_dsn(a.db)
     with tempfile.TemporaryDirectory() as tmp:
         src = write_amazon_reviews(Path(tmp) / "r.jsonl", a.n)
         job = f"cpu_ceiling_{int(time.time())}"
         cfg = build_config(dict(inputs=[str(src)], preset="amazon-reviews", model=a.model, table=job, job=job,
                                 no_index=True, devices="cpu"))
-        prepare(cfg, Ledger(connect(dsn)))
+        prepare(cfg, Ledger.connect(dsn), "cuda")
         t0, c0 = time.perf_counter(), time.process_time()
-        stats = run_worker(job, dsn, "ceiling", "cpu")
+        worker = Worker(job, dsn, "ceiling", "cpu", Settings.from_env(), encoder=lambda cfg, device, s: encoder)
+        worker.run()
+        stats = worker.stats
         wall, cpu = time.perf_counter() - t0, time.process_time() - c0
     print(f"{stats.rows:,} rows in {wall:.1f} s: {stats.rows / wall:,.0f} rows/s with an instant forward pass "
           f"({os.cpu_count()} cores; input wait {stats.wait_seconds:.1f} s); the worker process itself "

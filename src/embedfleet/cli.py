@@ -14,6 +14,7 @@ Errors a user can act on print one line and exit non-zero (no traceback unless -
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import sys
 from typing import List, Optional
@@ -66,12 +67,16 @@ def ingest(
     dim: Optional[int] = typer.Option(None, "--dim", help="Matryoshka: keep the first N dimensions"),
     prompt: Optional[str] = typer.Option(None, "--prompt", help="prompt name or text prepended to documents"),
     config: Optional[str] = typer.Option(None, "--config", help="YAML file with any of these flags (flags win)"),
+    ray: Optional[str] = typer.Option(None, "--ray", help="run the workers as Ray actors: auto (RAY_ADDRESS or a "
+                                      "local cluster) or the cluster's ADDRESS; pip install embedfleet[ray]"),
+    metrics_port: Optional[int] = typer.Option(None, "--metrics-port", help="serve Prometheus metrics on this port"),
     quiet: bool = typer.Option(False, "--quiet", help="no progress display"),
     json_out: bool = typer.Option(False, "--json", help="print the final job summary as JSON"),
 ) -> None:
     """Embed INPUT files into a pgvector table. Re-running the same command resumes."""
-    from embedfleet.config import build_config
-    from embedfleet.runtime.local import ingest as run_ingest
+    from embedfleet.config import Settings, build_config
+    from embedfleet.runtime.job import run_job
+    from embedfleet.sources.plan import expand_inputs
 
     cfg = build_config(dict(
         inputs=inputs, meta=meta, preset=preset, text_template=text_template, text_field=text_field,
@@ -79,7 +84,18 @@ def ingest(
         batch_tokens=batch_tokens, chunk_bytes=chunk_bytes, limit=limit, no_index=no_index, dtype=dtype,
         dim=dim, prompt=prompt, quiet=quiet,
     ), config)
-    progress = run_ingest(cfg)
+    settings = Settings.from_env(metrics_port=metrics_port)
+    cfg.inputs = expand_inputs(cfg.inputs)  # a missing file or GPU fails before any server starts
+    with contextlib.redirect_stdout(sys.stderr):  # stdout carries our one JSON document, whatever a library prints
+        if ray:
+            from embedfleet.runtime.ray_launcher import RayLauncher
+
+            launcher = RayLauncher(ray, cfg.devices, cfg.workers, settings)
+        else:
+            from embedfleet.runtime.local import LocalLauncher, parse_devices
+
+            launcher = LocalLauncher(parse_devices(cfg.devices, cfg.workers), settings)
+        progress = run_job(cfg, settings, launcher)
     summary = {"job": cfg.job, "table": cfg.table, "chunks_total": progress["chunks_total"],
                "chunks_done": progress["chunks_done"], "rows_written": progress["rows_written"],
                "rejected": progress["rejected"], "workers": progress["summaries"]}
@@ -97,41 +113,65 @@ def ingest(
 def worker(
     job: str = typer.Option(..., "--job", help="the job to join"),
     db: Optional[str] = DbOpt,
-    device: str = typer.Option("auto", "--device", help="auto | cpu | cuda | cuda:N"),
-    worker_id: Optional[str] = typer.Option(None, "--worker-id", help="name shown in status (default host-pid)"),
+    devices: str = typer.Option("auto", "--devices", "--device", help="auto | cpu | cuda | cuda:0,1,… (one worker each)"),
+    workers: Optional[int] = typer.Option(None, "--workers", help="worker processes (default: one per device)"),
+    worker_id: Optional[str] = typer.Option(None, "--worker-id", help="name prefix shown in status (default host-pid)"),
+    metrics_port: Optional[int] = typer.Option(None, "--metrics-port", help="serve Prometheus metrics on this port"),
+    quiet: bool = typer.Option(False, "--quiet", help="no progress display"),
 ) -> None:
-    """Join a running job from this host: claim chunks until none are left."""
-    import os
-    import socket
+    """Join a running job from this host, one worker per local device: claim chunks until none are left."""
+    from contextlib import nullcontext
 
-    from embedfleet.runtime.worker import run_worker
+    from embedfleet.config import Settings, validate_devices
+    from embedfleet.runtime.local import LocalLauncher, parse_devices
     from embedfleet.store.embedded import resolve_dsn
+    from embedfleet.store.ledger import Ledger
 
-    run_worker(job, resolve_dsn(db), worker_id or f"{socket.gethostname()}-{os.getpid()}", device)
+    settings = Settings.from_env(metrics_port=metrics_port)
+    launcher = LocalLauncher(parse_devices(validate_devices(devices), workers), settings, prefix=worker_id)
+    dsn = resolve_dsn(db)
+    ledger = Ledger.connect(dsn, settings.db_patience_seconds, host=settings.host_id)
+    try:
+        if ledger.job(job) is None:
+            raise EmbedfleetError(f"no job named {job!r} in this database; `embedfleet status` lists them")
+        if settings.metrics_port is not None:
+            from embedfleet.runtime.metrics import serve_metrics
+
+            serving = serve_metrics(settings.metrics_port, dsn, job)
+        else:
+            serving = nullcontext()
+        with serving:
+            launcher.run(ledger, job, dsn, quiet)
+    finally:
+        ledger.close()
 
 
 @app.command()
 def status(
     job: Optional[str] = typer.Option(None, "--job"),
     db: Optional[str] = DbOpt,
+    watch: bool = typer.Option(False, "--watch", help="redraw jobs and every worker (host, device, GPU) each second"),
     json_out: bool = typer.Option(False, "--json", help="one JSON document on stdout"),
 ) -> None:
-    """Jobs in the ledger: chunks, rows, rejects, state."""
+    """Jobs in the ledger: chunks, rows, rejects, state — and with --watch the fleet working on them."""
     from embedfleet.store.embedded import resolve_dsn
     from embedfleet.store.ledger import connect, jobs_overview
 
     with connect(resolve_dsn(db)) as conn:
         jobs = jobs_overview(conn, job)
-    if job and not jobs:
-        raise EmbedfleetError(f"no job named {job!r}; `embedfleet status` lists them")
-    if json_out:
-        _emit({"jobs": jobs})
-        return
-    from embedfleet.runtime.monitor import status_table
+        if job and not jobs:
+            raise EmbedfleetError(f"no job named {job!r}; `embedfleet status` lists them")
+        if json_out:
+            _emit({"jobs": jobs})
+            return
+        from rich.console import Console
 
-    from rich.console import Console
+        from embedfleet.runtime.monitor import status_table, watch as watch_fleet
 
-    Console().print(status_table(jobs) if jobs else "no jobs yet: embedfleet ingest FILE")
+        if watch:
+            watch_fleet(lambda: jobs_overview(conn, job))
+            return
+        Console().print(status_table(jobs) if jobs else "no jobs yet: embedfleet ingest FILE")
 
 
 @app.command()

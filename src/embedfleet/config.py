@@ -1,7 +1,11 @@
-"""JobConfig: every knob of an ingest job, from flags or a YAML file, validated once.
+"""The two kinds of settings, each read and validated once, then passed explicitly.
 
-The job's config is stored in the ledger, so a worker on any host needs only the job name and
-the database to run the same job (`embedfleet worker --job NAME --db DSN`).
+- JobConfig: what a job makes (inputs, model, template, table…), from flags or a YAML file. It is
+  stored in the ledger, so a worker on any host needs only the job name and the database to run the
+  same job (`embedfleet worker --job NAME --db DSN`).
+- Settings: how a worker runs (lease, helpers, writers…), the tuning knobs, from flags and the
+  EMBEDFLEET_* variables of the process that reads them (`Settings.from_env`, the only place that
+  reads them). The launcher hands its Settings to each worker it starts; a Ray actor gets the object.
 """
 
 from __future__ import annotations
@@ -10,6 +14,7 @@ import dataclasses
 import hashlib
 import os
 import re
+import socket
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -51,7 +56,6 @@ class JobConfig:
     dtype: str = "float"  # stored vector type: float -> vector, half -> halfvec
     dim: int | None = None  # Matryoshka truncation
     prompt: str | None = None  # prompt name for documents (models with a "document" prompt use it by default)
-    lease_seconds: float = DEFAULT_LEASE_SECONDS
 
     # Fields that change what lands in the table. Two runs agreeing on these are the same job.
     _IDENTITY = (
@@ -127,9 +131,14 @@ def build_config(flags: dict[str, Any], yaml_path: str | None = None) -> JobConf
 _DEVICES = re.compile(r"^(auto|cpu|cuda|cuda:\d+(,\d+)*)$")
 
 
+def validate_devices(devices: str) -> str:
+    if not _DEVICES.match(str(devices)):
+        raise InputError(f"--devices {devices!r}: use auto, cpu, cuda or cuda:0,1,…")
+    return devices
+
+
 def validate(cfg: JobConfig) -> JobConfig:
-    if not _DEVICES.match(str(cfg.devices)):
-        raise InputError(f"--devices {cfg.devices!r}: use auto, cpu, cuda or cuda:0,1,…")
+    validate_devices(cfg.devices)
     if cfg.workers is not None and int(cfg.workers) < 1:
         raise InputError("--workers must be at least 1")
     bt = str(cfg.batch_tokens)
@@ -149,8 +158,84 @@ def validate(cfg: JobConfig) -> JobConfig:
         raise InputError(f"--preset {cfg.preset!r}: choose amazon-reviews or generic")
     if cfg.meta and cfg.preset != "amazon-reviews":
         raise InputError("--meta joins product metadata and needs --preset amazon-reviews")
-    cfg.lease_seconds = float(os.environ.get("EMBEDFLEET_LEASE_SECONDS", cfg.lease_seconds))
     return cfg
+
+
+def _knob(default, env: str, doc: str):
+    return dataclasses.field(default=default, metadata={"env": env, "doc": doc})
+
+
+@dataclass(frozen=True)
+class Settings:
+    """Every tuning knob: its default, its variable and what it does (README's table lists the same)."""
+
+    lease_seconds: float = _knob(DEFAULT_LEASE_SECONDS, "EMBEDFLEET_LEASE_SECONDS",
+                                 "how long a claimed chunk stays a worker's without a heartbeat (renewed every third)")
+    db_patience_seconds: float = _knob(300.0, "EMBEDFLEET_DB_PATIENCE",
+                                       "how long a worker keeps reconnecting to a database that went away")
+    helpers: int | None = _knob(None, "EMBEDFLEET_PREP_WORKERS",
+                                "helper processes per worker (default: half its cores, at most 8, none under 4; 0: in-process)")
+    tasks_ahead: int | None = _knob(None, "EMBEDFLEET_TASKS_AHEAD",
+                                    "most units in preparation at once (default: 2 × helpers + 2)")
+    writers: int | None = _knob(None, "EMBEDFLEET_WRITERS",
+                                "writer connections per worker (default: 6 on a GPU, 3 on a CPU, fewer on a full server)")
+    writer_depth: int | None = _knob(None, "EMBEDFLEET_WRITER_DEPTH", "units queued per writer connection (default 2)")
+    switch_interval: float = _knob(0.0005, "EMBEDFLEET_SWITCH_INTERVAL",
+                                   "seconds a worker thread may hold the GIL before handing it over")
+    word_cache: int = _knob(1 << 18, "EMBEDFLEET_WORD_CACHE", "distinct words each tokenizer remembers")
+    compile: bool = _knob(True, "EMBEDFLEET_COMPILE", "torch.compile the forward pass on CUDA (0: eager)")
+    triton: bool = _knob(True, "EMBEDFLEET_TRITON", "Qwen3's fused q/k-norm + RoPE Triton kernel on CUDA (0: off)")
+    host_id: str = _knob(socket.gethostname(), "EMBEDFLEET_HOST_ID",
+                         "this host's name in the ledger: a dead worker's chunks are freed at once only on its own host")
+    metrics_port: int | None = _knob(None, "EMBEDFLEET_METRICS_PORT",
+                                     "serve Prometheus metrics of the job on this port (ingest, worker)")
+
+    @classmethod
+    def from_env(cls, environ=None, **flags) -> "Settings":
+        """The knobs of this process: flags given (not None) win over EMBEDFLEET_* variables, which win
+        over the defaults. A value that does not parse is a one-line error naming the variable."""
+        environ = os.environ if environ is None else environ
+        values = {}
+        for f in dataclasses.fields(cls):
+            if flags.get(f.name) is not None:
+                values[f.name] = flags[f.name]
+            elif (raw := environ.get(f.metadata["env"], "").strip()):
+                values[f.name] = _parse_knob(f.metadata["env"], raw, f.type)
+        return _checked(cls(**values))
+
+    def to_json(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> "Settings":
+        return typed(cls, d, "settings")
+
+
+def _parse_knob(name: str, raw: str, kind: str):
+    """An environment variable's text as the knob's type ("int | None", "float", "bool", "str")."""
+    if kind.startswith("str"):
+        return raw
+    try:
+        if kind.startswith("bool"):
+            return {"1": True, "true": True, "yes": True, "0": False, "false": False, "no": False}[raw.lower()]
+        return float(raw) if kind.startswith("float") else int(raw)
+    except (KeyError, ValueError):
+        expected = "1 or 0" if kind.startswith("bool") else "a number" if kind.startswith("float") else "a whole number"
+        raise InputError(f"{name}={raw!r}: expected {expected}") from None
+
+
+def _checked(s: Settings) -> Settings:
+    for name, least in (("helpers", 0), ("tasks_ahead", 0), ("writers", 1), ("writer_depth", 1), ("word_cache", 2),
+                        ("metrics_port", 0)):
+        value = getattr(s, name)
+        if value is not None and value < least:
+            env = next(f.metadata["env"] for f in dataclasses.fields(s) if f.name == name)
+            raise InputError(f"{env}={value}: expected a whole number ≥ {least}")
+    for name in ("lease_seconds", "db_patience_seconds", "switch_interval"):
+        if not 0 < getattr(s, name) < float("inf"):
+            env = next(f.metadata["env"] for f in dataclasses.fields(s) if f.name == name)
+            raise InputError(f"{env}={getattr(s, name)}: expected a positive number")
+    return s
 
 
 def _env_number(name: str, default, parse, valid, expected: str):

@@ -8,7 +8,8 @@ import pytest
 
 from embedfleet.config import JobConfig, build_config, env_float, env_int
 from embedfleet.errors import InputError
-from embedfleet.runtime.local import apply_limit, parse_devices, writers_each
+from embedfleet.runtime.job import apply_limit
+from embedfleet.runtime.local import parse_devices, writers_each
 from embedfleet.runtime.monitor import rate_and_eta
 from embedfleet.sources.plan import ChunkSpec
 from embedfleet.store.embedded import _settings_in, shared_buffers_mb
@@ -211,3 +212,21 @@ def test_status_fits_80_columns_without_cutting_names_or_dates():
     assert name in "".join(line.split()[0] for line in text.splitlines()[1:4])  # wrapped, whole
     assert "11-26 20:17" in text and "11-26 20:19" in text
     assert "chunk 3 (bad.jsonl.gz) failed: InputError: unreadable after line 9" in " ".join(text.split())
+
+
+def test_every_knob_is_read_once_and_listed_in_the_readme():
+    import dataclasses
+    from pathlib import Path
+
+    from embedfleet.config import Settings
+
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    for f in dataclasses.fields(Settings):
+        assert f"| `{f.metadata['env']}` |" in readme, f"README's settings table lacks {f.metadata['env']}"
+    s = Settings.from_env({"EMBEDFLEET_LEASE_SECONDS": "3", "EMBEDFLEET_COMPILE": "0", "EMBEDFLEET_WRITERS": "2"},
+                          writers=5)
+    assert (s.lease_seconds, s.compile, s.writers) == (3.0, False, 5)  # a flag wins over the variable
+    assert Settings.from_json(s.to_json()) == s  # what a launcher hands its workers comes back whole
+    for env, bad in (("EMBEDFLEET_WRITERS", "two"), ("EMBEDFLEET_LEASE_SECONDS", "-1"), ("EMBEDFLEET_COMPILE", "maybe")):
+        with pytest.raises(InputError, match=env):
+            Settings.from_env({env: bad})

@@ -12,7 +12,7 @@ from embedfleet.encode.tokenize import Tokenized
 from embedfleet.records import Reject
 from embedfleet.runtime.units import Prepared, helper_count, spool, stream_tasks, unspool
 from embedfleet.sources.jsonl import block_records
-from embedfleet.runtime.worker import Throttle
+from embedfleet.runtime.flow import Throttle
 from embedfleet.sources.plan import ChunkSpec
 from embedfleet.store.copyrows import EncodedRows
 
@@ -102,7 +102,7 @@ def test_throttle_keeps_helpers_busy_when_they_are_the_bottleneck():
 def test_prefetch_backlog_counts_the_item_its_producer_holds():
     import threading
 
-    from embedfleet.runtime.worker import Prefetch
+    from embedfleet.runtime.flow import Prefetch
 
     release = threading.Event()
 
@@ -147,12 +147,9 @@ def test_a_helper_spools_its_unit_and_falls_back_to_the_pipe_when_it_cannot(tmp_
     assert isinstance(out, Prepared) and out.rows.blob == direct.rows.blob
 
 
-def test_helpers_per_worker_come_from_its_share_of_the_cores(monkeypatch):
-    monkeypatch.delenv("EMBEDFLEET_PREP_WORKERS", raising=False)
+def test_helpers_per_worker_come_from_its_share_of_the_cores():
     # 32 cores, 2 GPUs: 16 each -> 8 helpers; 16 cores, 2 GPUs: 4 each; a 2-core share: inline
     assert [helper_count(c) for c in (64, 16, 8, 4, 3, 1)] == [8, 8, 4, 2, 0, 0]
-    monkeypatch.setenv("EMBEDFLEET_PREP_WORKERS", "3")
-    assert helper_count(64) == helper_count() == 3
 
 
 def test_helpers_leave_when_their_worker_is_killed(tmp_path):

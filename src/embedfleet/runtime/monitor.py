@@ -138,3 +138,45 @@ def status_table(jobs: list[dict]) -> Group:
         if j["state"] == "failed" and not j.get("failures") and j.get("error"):
             notes.append(Text(f"{j['job']}: {j['error']}", style="red"))
     return Group(t, *notes)
+
+
+def _num(value, fmt: str = "{:,.0f}") -> str:
+    return "–" if value is None else fmt.format(value)
+
+
+def fleet_table(jobs: list[dict]) -> Table:
+    """The fleet: a row per (host, device) working on a running job — its rates and, for a GPU, what
+    NVML says — read from the workers' heartbeats in the ledger, so it shows every host from anywhere."""
+    t = Table(box=None, pad_edge=False, title="workers", title_justify="left")
+    for name in ("host", "device", "worker", "job", "state", "rows", "rows/s", "tok/s", "GPU %", "mem GiB", "°C", "W",
+                 "beat"):
+        t.add_column(name, overflow="fold" if name in ("host", "worker", "job", "state") else "ellipsis",
+                     justify="left" if name in ("host", "device", "worker", "job", "state") else "right")
+    for j in jobs:
+        if j["state"] not in ("running", "interrupted"):
+            continue
+        for w in j.get("workers") or []:
+            mem = (f"{w['gpu_mem_used'] / 1024:.1f}/{w['gpu_mem_total'] / 1024:.0f}"
+                   if w.get("gpu_mem_used") is not None and w.get("gpu_mem_total") else "–")
+            t.add_row(w.get("host") or "", w.get("device") or "", w["worker"], j["job"], w.get("state") or "",
+                      _num(w.get("rows")), _num(w.get("rows_s")), _num(w.get("tokens_s")), _num(w.get("gpu_util")),
+                      mem, _num(w.get("gpu_temp")), _num(w.get("gpu_power")),
+                      _num(w.get("beat_age_s"), "{:.0f}s"))
+    return t
+
+
+def watch(read, interval: float = 1.0, console: Console | None = None) -> None:
+    """`embedfleet status --watch`: jobs and the fleet, redrawn every `interval` seconds until Ctrl-C."""
+    console = console or Console()
+
+    def view():
+        jobs = read()
+        return Group(status_table(jobs) if jobs else Text("no jobs yet"), Text(""), fleet_table(jobs))
+
+    try:
+        with Live(view(), console=console, refresh_per_second=4, screen=False) as live:
+            while True:
+                time.sleep(interval)
+                live.update(view())
+    except KeyboardInterrupt:
+        pass

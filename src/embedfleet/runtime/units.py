@@ -37,7 +37,6 @@ from dataclasses import dataclass
 import numpy as np
 import psutil
 
-from embedfleet.config import env_int
 from embedfleet.encode.tokenize import Tokenized, TokenizerSpec, default_workers, spawn_works
 from embedfleet.records import Reject, to_records
 from embedfleet.sources import RawRecord, read_chunk
@@ -58,6 +57,7 @@ class UnitContext:
     tokenizer: TokenizerSpec
     dsn: str | None = None  # for the meta join: each helper opens its own connection when first needed
     meta_id: str | None = None
+    db_patience: float = 0.0  # how long that connection keeps reconnecting to a database that went away
 
 
 @dataclass
@@ -133,9 +133,9 @@ class Preparer:
 
     def _meta_lookup(self, keys: set[str]) -> dict[str, dict]:
         if self._ledger is None:
-            from embedfleet.store.ledger import Ledger, connect
+            from embedfleet.store.ledger import Ledger
 
-            self._ledger = Ledger(connect(self.ctx.dsn))
+            self._ledger = Ledger.connect(self.ctx.dsn, self.ctx.db_patience)
         return self._ledger.meta_lookup(self.ctx.meta_id, keys)
 
     @staticmethod
@@ -222,10 +222,9 @@ def _helper_ready(_) -> int:
 
 
 def helper_count(cores: int | None = None) -> int:
-    """$EMBEDFLEET_PREP_WORKERS, else half of `cores` (this worker's share of the machine; default:
-    all of it) up to 8, and none under 4 cores: the tokenizer pool's rule."""
-    env = env_int("EMBEDFLEET_PREP_WORKERS", None, least=0)
-    return default_workers(cores) if env is None else env
+    """Half of `cores` (this worker's share of the machine; default: all of it) up to 8, and none under
+    4 cores: the tokenizer pool's rule. Settings.helpers, where set, overrides it."""
+    return default_workers(cores)
 
 
 class UnitPool:

@@ -7,11 +7,14 @@ still carries that token — a worker that lost its lease (paused, partitioned) 
 
 from __future__ import annotations
 
+import functools
+import logging
 import os
 import socket
+import time
 import uuid
 from dataclasses import dataclass
-from typing import Iterable
+from typing import Callable, Iterable
 
 import psutil
 import psycopg
@@ -19,10 +22,13 @@ from psycopg.rows import dict_row
 from psycopg.types.json import Jsonb
 
 from embedfleet.config import JobConfig
-from embedfleet.errors import JobError
+from embedfleet.errors import DatabaseError, JobError
 from embedfleet.store.schema import ensure_ledger, ledger_exists
 
+log = logging.getLogger("embedfleet.ledger")
+
 MAX_FAILURES = 3
+FLEET_GAUGES = ("rows_s", "tokens_s", "gpu_util", "gpu_mem_used", "gpu_mem_total", "gpu_temp", "gpu_power")
 STALE_SECONDS = 120  # a running job with no heartbeat for this long is reported as interrupted
 HOST = socket.gethostname()
 
@@ -42,8 +48,6 @@ class Claim:
 
 
 def connect(dsn: str, **kw) -> psycopg.Connection:
-    from embedfleet.errors import DatabaseError
-
     try:
         return psycopg.connect(dsn, autocommit=True, **kw)
     except psycopg.OperationalError as e:
@@ -60,10 +64,75 @@ def process_started(pid: int) -> float | None:
         return None
 
 
+def lost(conn: psycopg.Connection, err: BaseException) -> bool:
+    """Whether `err` means the connection is gone (the server stopped, restarted, or cannot be reached),
+    as opposed to a statement that failed on a working connection."""
+    return isinstance(err, (psycopg.OperationalError, psycopg.InterfaceError)) and (conn.closed or conn.broken)
+
+
+class Reconnect:
+    """Connects again to a database that went away, with backoff, for at most `patience` seconds per
+    outage; `setup(conn)` runs on each new connection. Past that, a DatabaseError ends the caller."""
+
+    def __init__(self, dsn: str, patience: float, setup: Callable[[psycopg.Connection], None] | None = None):
+        self.dsn, self.patience, self.setup = dsn, patience, setup
+
+    def first(self) -> psycopg.Connection:
+        conn = connect(self.dsn)
+        if self.setup:
+            self.setup(conn)
+        return conn
+
+    def __call__(self, err: BaseException) -> psycopg.Connection:
+        if self.patience <= 0:
+            raise DatabaseError(f"lost the database ({str(err).strip().splitlines()[0] if str(err).strip() else err!r}); "
+                                "rerun the same command to resume once it is back") from None
+        deadline, pause = time.monotonic() + self.patience, 0.25
+        log.warning("lost the database (%s); reconnecting for up to %.0f s", str(err).strip().splitlines()[0]
+                    if str(err).strip() else type(err).__name__, self.patience)
+        while True:
+            time.sleep(pause)
+            try:
+                return self.first()
+            except DatabaseError:
+                if time.monotonic() + pause > deadline:
+                    raise DatabaseError(f"the database has been unreachable for {self.patience:.0f} s; "
+                                        "rerun the same command to resume once it is back") from None
+                pause = min(5.0, pause * 2)
+
+
+def _resilient(method):
+    """Run a ledger call again on a new connection when the old one was lost mid-call. Every call is
+    safe to repeat: reads, idempotent updates, and claims that recognise their own token."""
+
+    @functools.wraps(method)
+    def call(self, *args, **kwargs):
+        while True:
+            try:
+                return method(self, *args, **kwargs)
+            except (psycopg.OperationalError, psycopg.InterfaceError) as e:
+                if self._reconnect is None or not lost(self.conn, e):
+                    raise
+                self.conn = self._reconnect(e)
+
+    return call
+
+
 class Ledger:
-    def __init__(self, conn: psycopg.Connection):
-        self.conn = conn
+    """The ledger's queries on one connection. Made with `Ledger.connect(dsn, patience)`, it rides through
+    a database restart (reconnecting, then repeating the call); made on a connection, it does not."""
+
+    def __init__(self, conn: psycopg.Connection, reconnect: Reconnect | None = None, host: str | None = None):
+        self.conn, self._reconnect, self.host = conn, reconnect, host or HOST
         ensure_ledger(conn)
+
+    @classmethod
+    def connect(cls, dsn: str, patience: float = 0.0, setup=None, host: str | None = None) -> "Ledger":
+        reconnect = Reconnect(dsn, patience, setup)
+        return cls(reconnect.first(), reconnect, host)
+
+    def close(self) -> None:
+        self.conn.close()
 
     # ---- jobs -------------------------------------------------------------------------------
 
@@ -161,9 +230,17 @@ class Ledger:
         share of what is left: (pending + running) / live workers, rounded up. Claiming ahead keeps a
         worker's helpers and GPU busy, but with few chunks left it would leave the others idle (two CPU
         workers on a 4-chunk file ran one after the other). Live: registered and beating within a lease."""
+        return self._claim(job, worker, lease_seconds, uuid.uuid4())
+
+    @_resilient
+    def _claim(self, job: str, worker: str, lease_seconds: float, token: uuid.UUID) -> Claim | None:
+        # The token is made here, not by the server: repeated after a connection lost mid-claim, the call
+        # finds the chunk its first try took (the claim committed, its answer was lost) instead of a second.
         row = self.conn.execute(
             """
-            WITH held AS (
+            WITH prior AS (
+                SELECT job, chunk FROM embedfleet.chunks WHERE job = %(job)s AND state = 'running' AND claim = %(token)s),
+            held AS (
                 SELECT count(*) AS n FROM embedfleet.chunks
                  WHERE job = %(job)s AND worker = %(worker)s AND state = 'running' AND lease_until >= now()),
             live AS (
@@ -173,23 +250,28 @@ class Ledger:
             left_ AS (  -- chunks not done, counted only as far as the rule needs
                 SELECT count(*) AS n FROM (SELECT 1 FROM embedfleet.chunks
                  WHERE job = %(job)s AND state IN ('pending', 'running')
-                 LIMIT (SELECT held.n * live.n + 1 FROM held, live)) s)
-            UPDATE embedfleet.chunks c
-               SET state = 'running', claim = gen_random_uuid(), worker = %(worker)s, host = %(host)s,
-                   pid = %(pid)s, pid_started = %(pid_started)s, started = NULL,
-                   lease_until = now() + make_interval(secs => %(lease)s), error = NULL
-              FROM (SELECT job, chunk FROM embedfleet.chunks
-                     WHERE job = %(job)s
-                       AND (state = 'pending' OR (state = 'running' AND lease_until < now()))
-                       AND (SELECT left_.n > held.n * live.n FROM left_, held, live)
-                     ORDER BY chunk
-                     LIMIT 1
-                     FOR UPDATE SKIP LOCKED) next
-             WHERE c.job = next.job AND c.chunk = next.chunk
-         RETURNING c.job, c.chunk, c.source, c.kind, c.start_pos, c.end_pos, c.first_line, c.last_line,
-                   c.cursor_line, c.claim
+                 LIMIT (SELECT held.n * live.n + 1 FROM held, live)) s),
+            taken AS (
+                UPDATE embedfleet.chunks c
+                   SET state = 'running', claim = %(token)s, worker = %(worker)s, host = %(host)s,
+                       pid = %(pid)s, pid_started = %(pid_started)s, started = NULL,
+                       lease_until = now() + make_interval(secs => %(lease)s), error = NULL
+                  FROM (SELECT job, chunk FROM embedfleet.chunks
+                         WHERE job = %(job)s
+                           AND (state = 'pending' OR (state = 'running' AND lease_until < now()))
+                           AND (SELECT left_.n > held.n * live.n FROM left_, held, live)
+                           AND NOT EXISTS (SELECT 1 FROM prior)
+                         ORDER BY chunk
+                         LIMIT 1
+                         FOR UPDATE SKIP LOCKED) next
+                 WHERE c.job = next.job AND c.chunk = next.chunk
+             RETURNING c.job, c.chunk)
+            SELECT c.job, c.chunk, c.source, c.kind, c.start_pos, c.end_pos, c.first_line, c.last_line,
+                   c.cursor_line, %(token)s::uuid
+              FROM embedfleet.chunks c JOIN (SELECT * FROM taken UNION ALL SELECT * FROM prior) t
+                ON c.job = t.job AND c.chunk = t.chunk
             """,
-            dict(job=job, worker=worker, host=HOST, pid=os.getpid(),
+            dict(job=job, worker=worker, host=self.host, pid=os.getpid(), token=token,
                  pid_started=process_started(os.getpid()), lease=lease_seconds),
         ).fetchone()
         return Claim(*row) if row else None
@@ -222,7 +304,7 @@ class Ledger:
         without waiting for their lease (the rerun after a kill -9)."""
         rows = self.conn.execute(
             "SELECT chunk, pid, pid_started FROM embedfleet.chunks WHERE job = %s AND state = 'running' AND host = %s",
-            [job, HOST],
+            [job, self.host],
         ).fetchall()
         dead = [chunk for chunk, pid, started in rows if pid is None or not _alive(pid, started)]
         if dead:
@@ -253,10 +335,43 @@ class Ledger:
              WHERE job = %(job)s AND host = %(host)s AND pid = %(pid)s AND state = 'running'
          RETURNING chunk, chunk IN (SELECT chunk FROM culprit)
             """,
-            dict(job=job, host=HOST, pid=pid, error=error, max=MAX_FAILURES),
+            dict(job=job, host=self.host, pid=pid, error=error, max=MAX_FAILURES),
         ).fetchall()
         culprit = next((chunk for chunk, counted in rows if counted), None)
         return culprit, sorted(chunk for chunk, counted in rows if not counted)
+
+    def take_over(self, job: str, worker: str) -> tuple[int | None, list[int]]:
+        """A worker starting under an id whose earlier process died (a restarted Ray actor, a relaunched
+        slot) frees what that process held, as `fail_dead_worker` does: a failure only for the chunk it
+        was embedding. Returns (that chunk or None, the chunks re-queued)."""
+        rows = self.conn.execute(
+            """
+            WITH mine AS (
+                SELECT chunk, started FROM embedfleet.chunks
+                 WHERE job = %(job)s AND worker = %(worker)s AND state = 'running'
+                   AND (host IS DISTINCT FROM %(host)s OR pid IS DISTINCT FROM %(pid)s)),
+            culprit AS (SELECT chunk FROM mine WHERE started IS NOT NULL ORDER BY started DESC, chunk DESC LIMIT 1)
+            UPDATE embedfleet.chunks c
+               SET failures = failures + (c.chunk IN (SELECT chunk FROM culprit))::int,
+                   error = CASE WHEN c.chunk IN (SELECT chunk FROM culprit)
+                                THEN 'the worker embedding it died' ELSE c.error END,
+                   state = CASE WHEN c.chunk IN (SELECT chunk FROM culprit) AND failures + 1 >= %(max)s
+                                THEN 'failed' ELSE 'pending' END,
+                   claim = NULL, worker = NULL, started = NULL
+             WHERE job = %(job)s AND chunk IN (SELECT chunk FROM mine)
+         RETURNING chunk, chunk IN (SELECT chunk FROM culprit)
+            """,
+            dict(job=job, worker=worker, host=self.host, pid=os.getpid(), max=MAX_FAILURES),
+        ).fetchall()
+        culprit = next((chunk for chunk, counted in rows if counted), None)
+        return culprit, sorted(chunk for chunk, counted in rows if not counted)
+
+    def release_workers(self, job: str, workers: list[str]) -> int:
+        """Chunks held by these workers go back to pending now (their launcher stopped them: Ctrl-C);
+        a commit they still try fails its fence."""
+        return self.conn.execute(
+            "UPDATE embedfleet.chunks SET state = 'pending', claim = NULL, worker = NULL, started = NULL "
+            "WHERE job = %s AND state = 'running' AND worker = ANY(%s)", [job, workers]).rowcount
 
     def retry_failed(self, job: str) -> int:
         """A rerun gives failed chunks another round of attempts."""
@@ -290,16 +405,24 @@ class Ledger:
     # ---- workers (for the progress display) --------------------------------------------------
 
     def worker_beat(self, job: str, worker: str, device: str, state: str, rows: int, tokens: int,
-                    gpu_util: float | None) -> None:
+                    gauges: dict | None = None) -> None:
+        """A worker's heartbeat row: what the fleet view shows. `gauges`: rows_s, tokens_s and the GPU's
+        gpu_util, gpu_mem_used, gpu_mem_total (MiB), gpu_temp (°C), gpu_power (W), where known."""
+        g = {k: None for k in FLEET_GAUGES} | (gauges or {})
         self.conn.execute(
             """
-            INSERT INTO embedfleet.workers (job, worker, host, pid, device, state, rows, tokens, gpu_util)
-            VALUES (%s, %s, %s, %s, %s, %s, %s, %s, %s)
+            INSERT INTO embedfleet.workers (job, worker, host, pid, device, state, rows, tokens, rows_s, tokens_s,
+                                            gpu_util, gpu_mem_used, gpu_mem_total, gpu_temp, gpu_power)
+            VALUES (%(job)s, %(worker)s, %(host)s, %(pid)s, %(device)s, %(state)s, %(rows)s, %(tokens)s, %(rows_s)s,
+                    %(tokens_s)s, %(gpu_util)s, %(gpu_mem_used)s, %(gpu_mem_total)s, %(gpu_temp)s, %(gpu_power)s)
             ON CONFLICT (job, worker) DO UPDATE SET state = EXCLUDED.state, rows = EXCLUDED.rows,
-                tokens = EXCLUDED.tokens, gpu_util = EXCLUDED.gpu_util, heartbeat = now(),
-                host = EXCLUDED.host, pid = EXCLUDED.pid, device = EXCLUDED.device
+                tokens = EXCLUDED.tokens, heartbeat = now(), host = EXCLUDED.host, pid = EXCLUDED.pid,
+                device = EXCLUDED.device, rows_s = EXCLUDED.rows_s, tokens_s = EXCLUDED.tokens_s,
+                gpu_util = EXCLUDED.gpu_util, gpu_mem_used = EXCLUDED.gpu_mem_used,
+                gpu_mem_total = EXCLUDED.gpu_mem_total, gpu_temp = EXCLUDED.gpu_temp, gpu_power = EXCLUDED.gpu_power
             """,
-            [job, worker, HOST, os.getpid(), device, state, rows, tokens, gpu_util],
+            dict(job=job, worker=worker, host=self.host, pid=os.getpid(), device=device, state=state, rows=rows,
+                 tokens=tokens, **{k: g[k] for k in FLEET_GAUGES}),
         )
 
     def register_workers(self, job: str, workers: list[tuple[str, str]]) -> None:
@@ -310,7 +433,7 @@ class Ledger:
                 "INSERT INTO embedfleet.workers (job, worker, host, device, state) VALUES (%s, %s, %s, %s, 'starting') "
                 "ON CONFLICT (job, worker) DO UPDATE SET state = 'starting', heartbeat = now(), error = NULL, "
                 "summary = NULL, host = EXCLUDED.host, device = EXCLUDED.device",
-                [(job, worker, HOST, device) for worker, device in workers])
+                [(job, worker, self.host, device) for worker, device in workers])
 
     def worker_ended(self, job: str, worker: str, state: str, error: str | None = None,
                      summary: dict | None = None) -> None:
@@ -341,12 +464,18 @@ class Ledger:
                 [job],
             ).fetchone()
             workers = cur.execute(
-                "SELECT worker, host, pid, device, state, rows, tokens, gpu_util, heartbeat FROM embedfleet.workers "
+                "SELECT worker, host, pid, device, state, rows, tokens, rows_s, tokens_s, gpu_util, gpu_mem_used, "
+                "gpu_mem_total, gpu_temp, gpu_power, heartbeat, error FROM embedfleet.workers "
                 "WHERE job = %s ORDER BY worker",
                 [job],
             ).fetchall()
         totals["workers"] = workers
         return totals
+
+
+for _name, _method in list(vars(Ledger).items()):  # every query method; _claim is wrapped above
+    if callable(_method) and not _name.startswith("_") and _name not in ("connect", "close", "claim"):
+        setattr(Ledger, _name, _resilient(_method))
 
 
 def _alive(pid: int, started: float | None) -> bool:
@@ -375,7 +504,12 @@ def jobs_overview(conn: psycopg.Connection, job: str | None = None) -> list[dict
                        (SELECT max(heartbeat) FROM embedfleet.workers w WHERE w.job = j.job), j.started)) AS idle_s,
                    (SELECT coalesce(jsonb_agg(jsonb_build_object('chunk', f.chunk, 'source', f.source,
                                                                  'error', f.error) ORDER BY f.chunk), '[]')
-                      FROM embedfleet.chunks f WHERE f.job = j.job AND f.state = 'failed') AS failures
+                      FROM embedfleet.chunks f WHERE f.job = j.job AND f.state = 'failed') AS failures,
+                   -- every column a worker row has (older ledgers have fewer: to_jsonb takes what is there)
+                   (SELECT coalesce(jsonb_agg((to_jsonb(w) - 'job' - 'summary')
+                                              || jsonb_build_object('beat_age_s', extract(epoch FROM now() - w.heartbeat))
+                                              ORDER BY w.worker), '[]')
+                      FROM embedfleet.workers w WHERE w.job = j.job) AS workers
               FROM embedfleet.jobs j LEFT JOIN embedfleet.chunks c ON c.job = j.job
              WHERE %(job)s::text IS NULL OR j.job = %(job)s
              GROUP BY j.job ORDER BY j.created
@@ -394,6 +528,6 @@ def jobs_overview(conn: psycopg.Connection, job: str | None = None) -> list[dict
             "started": r["started"].isoformat() if r["started"] else None,
             "finished": r["finished"].isoformat() if r["finished"] else None,
             "chunks_failed": int(r["chunks_failed"]), "model": r["model"], "dim": r["dim"], "error": r["error"],
-            "failures": r["failures"],
+            "failures": r["failures"], "workers": r["workers"],
         })
     return out

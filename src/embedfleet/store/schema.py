@@ -12,7 +12,7 @@ from psycopg import sql
 from embedfleet.errors import DatabaseError, InputError
 
 SCHEMA = "embedfleet"
-LEDGER_VERSION = 2  # bump with each change below; ensure_ledger brings an older ledger up to it
+LEDGER_VERSION = 3  # bump with each change below; ensure_ledger brings an older ledger up to it
 PG_MIN = 130000  # PostgreSQL 13
 PGVECTOR_MIN, HALFVEC_MIN = (0, 5), (0, 7)  # HNSW came in pgvector 0.5, halfvec in 0.7
 
@@ -101,6 +101,13 @@ ALTER TABLE embedfleet.chunks ADD COLUMN IF NOT EXISTS started timestamptz;
 ALTER TABLE embedfleet.workers ADD COLUMN IF NOT EXISTS error text;
 ALTER TABLE embedfleet.workers ADD COLUMN IF NOT EXISTS summary jsonb;
 CREATE TABLE IF NOT EXISTS embedfleet.ledger_version (version integer NOT NULL);
+-- version 3: the fleet view — each worker's rates and its GPU as NVML sees it, at its last heartbeat
+ALTER TABLE embedfleet.workers ADD COLUMN IF NOT EXISTS rows_s real;
+ALTER TABLE embedfleet.workers ADD COLUMN IF NOT EXISTS tokens_s real;
+ALTER TABLE embedfleet.workers ADD COLUMN IF NOT EXISTS gpu_mem_used integer;
+ALTER TABLE embedfleet.workers ADD COLUMN IF NOT EXISTS gpu_mem_total integer;
+ALTER TABLE embedfleet.workers ADD COLUMN IF NOT EXISTS gpu_temp real;
+ALTER TABLE embedfleet.workers ADD COLUMN IF NOT EXISTS gpu_power real;
 """
 
 

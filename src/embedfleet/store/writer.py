@@ -18,9 +18,10 @@ import numpy as np
 import psycopg
 from psycopg import sql
 
+from embedfleet.errors import EmbedfleetError
 from embedfleet.records import Reject
 from embedfleet.store.copyrows import EncodedRows, assemble, vector_fields
-from embedfleet.store.ledger import Claim
+from embedfleet.store.ledger import Claim, Reconnect, lost
 from embedfleet.store.schema import table_sql
 
 log = logging.getLogger("embedfleet.writer")
@@ -40,6 +41,19 @@ def default_writers(device: str) -> tuple[int, int]:
 
 class LeaseLost(Exception):
     """Another worker holds the chunk now: this unit's transaction was rolled back."""
+
+
+class _Committed(Exception):
+    """This unit's commit had already gone through (its acknowledgement was lost with the connection)."""
+
+
+@dataclass
+class Failure:
+    """A unit (or a chunk) that could not be done, with why: a value handed to the worker's loop, the one
+    owner that records failures in the ledger."""
+
+    claim: Claim
+    error: BaseException
 
 
 @dataclass
@@ -116,18 +130,34 @@ class TableSink:
                         "ON CONFLICT (job, source, line) DO UPDATE SET reason = EXCLUDED.reason, raw = EXCLUDED.raw",
                         [(self.job, r.source, r.line, r.reason, r.raw) for r in unit.rejects],
                     )
+            # Only forward: a unit repeated after a lost connection whose commit had gone through finds
+            # the chunk's cursor already at its line, and changes nothing.
             row = conn.execute(
-                "UPDATE embedfleet.chunks SET cursor_line = %s, rows_written = rows_written + %s, "
-                "rows_seen = rows_seen + %s, rejected = rejected + %s, tokens = tokens + %s, "
-                "state = CASE WHEN %s THEN 'done' ELSE state END, "
-                "finished = CASE WHEN %s THEN now() ELSE NULL END "
-                "WHERE job = %s AND chunk = %s AND claim = %s AND state = 'running' RETURNING 1",
-                [unit.cursor_line, inserted, unit.seen, len(unit.rejects), unit.tokens,
-                 unit.last, unit.last, claim.job, claim.chunk, claim.token],
+                "UPDATE embedfleet.chunks SET cursor_line = %(cursor)s, rows_written = rows_written + %(inserted)s, "
+                "rows_seen = rows_seen + %(seen)s, rejected = rejected + %(rejected)s, tokens = tokens + %(tokens)s, "
+                "state = CASE WHEN %(last)s THEN 'done' ELSE state END, "
+                "finished = CASE WHEN %(last)s THEN now() ELSE NULL END "
+                "WHERE job = %(job)s AND chunk = %(chunk)s AND claim = %(token)s AND state = 'running' "
+                "AND (cursor_line < %(cursor)s OR (%(last)s AND cursor_line = %(cursor)s)) RETURNING 1",
+                dict(cursor=unit.cursor_line, inserted=inserted, seen=unit.seen, rejected=len(unit.rejects),
+                     tokens=unit.tokens, last=unit.last, job=claim.job, chunk=claim.chunk, token=claim.token),
             ).fetchone()
             if row is None:
+                held = conn.execute(
+                    "SELECT cursor_line >= %s AND (state = 'done' OR NOT %s) FROM embedfleet.chunks "
+                    "WHERE job = %s AND chunk = %s AND claim = %s", [unit.cursor_line, unit.last, claim.job,
+                                                                     claim.chunk, claim.token]).fetchone()
+                if held and held[0]:
+                    raise _Committed
                 raise LeaseLost(f"chunk {claim.chunk} was taken over by another worker; its unit was not written")
         return inserted
+
+    def commit_once(self, unit: Unit) -> int | None:
+        """`commit_unit`, or None when the unit had been committed already (nothing written twice)."""
+        try:
+            return self.commit_unit(unit)
+        except _Committed:
+            return None
 
 
 class Writer:
@@ -136,12 +166,17 @@ class Writer:
     that a chunk's later units follow its first: they commit in order, so a chunk's cursor never
     moves backwards. (Fixed turns, chunk number modulo threads, made every unit wait whenever one
     commit was slow — a checkpoint, a WAL flush — while the other threads sat idle.) `submit` blocks
-    only when the chosen thread has `depth` units waiting: the back-pressure that keeps memory bounded."""
+    only when the chosen thread has `depth` units waiting: the back-pressure that keeps memory bounded.
 
-    def __init__(self, sink_factory: Callable[[], TableSink], on_error: Callable[[Unit, BaseException], None],
-                 on_done: Callable[[Unit, int], None] | None = None, depth: int = 2, threads: int = 3,
-                 spare: int = 0):
-        self._on_error, self._on_done = on_error, on_done
+    A unit that cannot be written becomes a `Failure` in `failures`, for the worker's loop to record.
+    A lost connection is not a failure: the thread connects again (`reconnect`, with backoff) and
+    commits the same unit; only a database gone past its patience stops the worker (`fatal`)."""
+
+    def __init__(self, sink: Callable[[psycopg.Connection], TableSink], reconnect: Reconnect,
+                 on_done: Callable[[Unit, int], None] | None = None, depth: int = 2, threads: int = 3, spare: int = 0):
+        self._on_done, self._reconnect = on_done, reconnect
+        sink_factory = self._sink = lambda conn=None: sink(conn or reconnect.first())
+        self.failures: queue.SimpleQueue[Failure] = queue.SimpleQueue()
         # Connect here, one after another: a server that runs out of connections part way (other
         # clients, another host's workers) leaves this worker fewer writers, not dead — and `spare`
         # connections given back for those the caller opens later. Not even one is the caller's error.
@@ -206,25 +241,33 @@ class Writer:
         if self.fatal is not None:
             raise self.fatal
 
+    def _commit(self, sink: TableSink, unit: Unit) -> tuple[TableSink, int | None]:
+        """(the sink to go on with, rows inserted — None if the unit had been committed already)."""
+        while True:
+            try:
+                return sink, sink.commit_once(unit)
+            except (psycopg.OperationalError, psycopg.InterfaceError) as e:
+                if not lost(sink.conn, e):
+                    raise
+                sink = self._sink(self._reconnect(e))  # waits (with backoff) until the server answers, or raises
+
     def _run(self, i: int, sink: TableSink) -> None:
         q = self._queues[i]
         while (unit := q.get()) is not None:
             t0, n = time.perf_counter(), None
             try:
-                n = sink.commit_unit(unit)
-            except psycopg.OperationalError as e:  # the connection itself is gone: stop the worker
-                self.fatal = e
-                self._on_error(unit, e)
-                continue
+                sink, n = self._commit(sink, unit)
             except Exception as e:
-                self._on_error(unit, e)
+                if isinstance(e, EmbedfleetError) or (isinstance(e, psycopg.OperationalError) and lost(sink.conn, e)):
+                    self.fatal = e  # the database is gone for good: stop the worker
+                self.failures.put(Failure(unit.claim, e))
                 continue
             finally:
                 self._seconds[i] += time.perf_counter() - t0
                 self._cpu[i] = time.thread_time()
                 with self._lock:
                     self._load[i] -= 1
-                    if n is None:  # the chunk's claim is gone (on_error): forget its thread, as its
+                    if n is None:  # the chunk's claim is gone (a failure): forget its thread, as its
                         self._chunk_thread.pop(unit.claim.token, None)  # later units, if any, fail too
             if self._on_done:
-                self._on_done(unit, n)
+                self._on_done(unit, n or 0)

@@ -1,0 +1,174 @@
+"""A job's life, the same whatever runs its workers: check everything that can be checked before a job
+exists, plan it into the ledger (or find it planned: a rerun resumes), have a launcher run workers
+until no chunk is left, then finish it (statistics, the HNSW index, its final state).
+
+    run_job(cfg, settings, LocalLauncher(...))   # cli.py ingest; runtime/local.py
+    run_job(cfg, settings, RayLauncher(...))     # cli.py ingest --ray; runtime/ray_launcher.py
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+from contextlib import nullcontext
+from pathlib import Path
+from typing import Protocol
+
+from embedfleet.config import JobConfig, Settings, default_chunk_bytes
+from embedfleet.errors import JobError
+from embedfleet.records import validate_template
+from embedfleet.runtime.preflight import check_inputs_have_text
+from embedfleet.sources.plan import ChunkSpec, expand_inputs, plan_chunks, table_name_for
+from embedfleet.store.embedded import resolve_dsn
+from embedfleet.store.ledger import Ledger, Reconnect
+from embedfleet.store.schema import check_identifier, check_server, check_write_privileges, ensure_vector, finish_table, table_exists
+
+__all__ = ["Launcher", "run_job", "check_job", "prepare", "finalize", "apply_limit"]
+
+log = logging.getLogger("embedfleet")
+
+
+class Launcher(Protocol):
+    """What runs a job's workers: the local processes, or Ray actors across a cluster."""
+
+    device_kind: str  # "cpu" or "cuda": sizes the job's chunks when --chunk-bytes is not given
+
+    def run(self, ledger: Ledger, job: str, dsn: str, quiet: bool) -> None:
+        """Run workers until no chunk of `job` is left (or none can run), showing progress."""
+
+
+def run_job(cfg: JobConfig, settings: Settings, launcher: Launcher) -> dict:
+    """Run one ingest job to its end. Returns the job's final progress (each worker's summary under
+    "summaries"); a job that ends with failed chunks, or stops with chunks left, is a JobError."""
+    dsn = resolve_dsn(cfg.db)
+    reconnect = Reconnect(dsn, settings.db_patience_seconds)
+    conn = reconnect.first()
+    try:
+        check_job(cfg, conn)  # before the ledger exists: a job that cannot run leaves nothing behind
+    except BaseException:
+        conn.close()
+        raise
+    ledger = Ledger(conn, reconnect, settings.host_id)
+    try:
+        job = prepare(cfg, ledger, launcher.device_kind)
+        counts = ledger.counts(job)
+        if counts["pending"] or counts["running"]:
+            ledger.set_job_state(job, "running")
+            with _metrics(settings.metrics_port, dsn, job):
+                launcher.run(ledger, job, dsn, cfg.quiet)
+        counts = finalize(ledger, job, cfg)
+        progress = ledger.progress(job)
+        progress["summaries"] = ledger.summaries(job)
+        errors = ledger.worker_errors(job)
+    finally:
+        ledger.close()
+    if counts["failed"]:
+        raise JobError(f"job {job!r} finished with {counts['failed']} failed chunks; "
+                       f"`embedfleet status --job {job}` shows why; rerun to retry them")
+    if counts["pending"] or counts["running"]:
+        if errors:
+            raise JobError(f"job {job!r} stopped: {errors[0][1]}")
+        raise JobError(f"job {job!r} stopped with {counts['pending'] + counts['running']} chunks left "
+                       "(all workers died); rerun the same command to resume")
+    return progress
+
+
+def _metrics(port: int | None, dsn: str, job: str):
+    if port is None:
+        return nullcontext()
+    from embedfleet.runtime.metrics import serve_metrics
+
+    return serve_metrics(port, dsn, job)
+
+
+def apply_limit(chunks: list[ChunkSpec], limit: int | None) -> list[tuple[ChunkSpec, int | None]]:
+    """Keep the chunks holding the first `limit` lines, the last one capped (`last_line`).
+    A chunk's line count is known when the next chunk continues the same file; otherwise the cap
+    falls inside it and planning stops there."""
+    if limit is None:
+        return [(c, None) for c in chunks]
+    out, remaining = [], limit
+    for i, c in enumerate(chunks):
+        if remaining <= 0:
+            break
+        nxt = chunks[i + 1] if i + 1 < len(chunks) else None
+        known = nxt is not None and nxt.source == c.source and c.kind == "jsonl"
+        out.append((c, c.first_line + remaining - 1))
+        if not known:
+            break
+        remaining -= nxt.first_line - c.first_line
+    return out
+
+
+def meta_identity(path: str) -> str:
+    st = os.stat(path)
+    return hashlib.sha256(f"{os.path.abspath(path)}|{st.st_size}|{st.st_mtime_ns}".encode()).hexdigest()[:16]
+
+
+def check_job(cfg: JobConfig, conn) -> None:
+    """Everything that can be known wrong before a job exists: names, the server (PostgreSQL, pgvector,
+    privileges), the model and the inputs' text. An error here leaves no job behind."""
+    cfg.inputs = expand_inputs(cfg.inputs)
+    cfg.table = check_identifier(cfg.table or table_name_for(cfg.inputs[0]))
+    cfg.job = cfg.job or cfg.table
+    check_server(conn, cfg.dtype)
+    from embedfleet.encode.models import check_model
+
+    check_model(cfg.model)  # an unusable model fails here, once, not in every worker after planning
+    if cfg.text_template:
+        validate_template(cfg.text_template)
+    check_write_privileges(conn, cfg.table, index=not cfg.no_index)
+    ensure_vector(conn)
+    if not cfg.meta:  # with --meta the text may come from the product fields, joined later
+        check_inputs_have_text(cfg)
+
+
+def prepare(cfg: JobConfig, ledger: Ledger, device: str) -> str:
+    """Load the meta file and plan the job (or find it planned). Returns the job name."""
+    meta_id = None
+    if cfg.meta:
+        from embedfleet.sources.presets import get_preset, load_meta
+
+        (meta_path,) = expand_inputs([cfg.meta])
+        cfg.meta = meta_path
+        meta_id = meta_identity(meta_path)
+        if not ledger.meta_loaded(meta_id):
+            skipped = []
+            rows = load_meta(meta_path, get_preset(cfg.preset), on_skip=lambda line, why: skipped.append(line))
+            n = ledger.load_meta(meta_id, meta_path, rows, lambda: len(skipped))
+            log.info("loaded %d products from %s", n, meta_path)
+    chunk_bytes = cfg.chunk_bytes or default_chunk_bytes(device)
+    plan = [] if ledger.job(cfg.job) else apply_limit(plan_chunks(cfg.inputs, chunk_bytes), cfg.limit)
+    if not ledger.create_job(cfg.job, cfg, plan, meta_id):  # it exists with the same settings: resume
+        released = ledger.release_dead_local(cfg.job)
+        retried = ledger.retry_failed(cfg.job)
+        if released or retried:
+            log.info("resuming %s: %d chunks of dead workers re-queued, %d failed chunks retried",
+                     cfg.job, released, retried)
+    return cfg.job
+
+
+def finalize(ledger: Ledger, job: str, cfg: JobConfig) -> dict:
+    """Mark the job done or failed; once everything landed, make the table searchable (statistics,
+    autovacuum back, the HNSW index) — safe when two runs of the job finish together."""
+    counts = ledger.counts(job)
+    loaded = table_exists(ledger.conn, cfg.table)
+    if counts["failed"]:
+        failed = ledger.failed_chunks(job)
+        msg = "; ".join(f"chunk {c} ({Path(s).name}): {e}" for c, s, e in failed[:5])
+        if loaded:
+            finish_table(ledger.conn, cfg.table, index=False)
+        ledger.set_job_state(job, "failed", f"{len(failed)} chunks failed: {msg}")
+        return counts
+    if counts["pending"] or counts["running"]:
+        errors = ledger.worker_errors(job)
+        if errors:  # every worker stopped on an error it cannot get past (a model or device it cannot use)
+            ledger.set_job_state(job, "failed", "; ".join(f"{w}: {e}" for w, e in errors[:3]))
+        return counts  # otherwise stopped early (interrupted): a rerun resumes
+    if loaded:
+        index = finish_table(ledger.conn, cfg.table, index=not cfg.no_index)
+        if index:
+            log.info("table %s is searchable (HNSW index %s)", cfg.table, index)
+    ledger.set_job_state(job, "done")
+    return counts

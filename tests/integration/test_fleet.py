@@ -1,0 +1,192 @@
+"""Past one machine (issue 19): the Worker as one object driven in-process, workers joining from other
+"hosts", fencing under SIGSTOP, a PostgreSQL restart mid-job, the fleet view in a real terminal, and
+Prometheus metrics. Real processes, a real PostgreSQL; the in-process loop uses the HashEncoder."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+
+import numpy as np
+import orjson
+import psycopg
+import pytest
+
+from embedfleet.synth import write_amazon_reviews
+
+
+def _plan(dsn: str, src, job: str, **flags) -> None:
+    """Plan a job into the ledger, as `ingest` does before it starts workers."""
+    from embedfleet.config import build_config
+    from embedfleet.runtime.job import check_job, prepare
+    from embedfleet.store.ledger import Ledger
+
+    cfg = build_config(dict(inputs=[str(src)], preset="amazon-reviews", table=job, job=job, no_index=True, **flags))
+    ledger = Ledger.connect(dsn)
+    check_job(cfg, ledger.conn)
+    prepare(cfg, ledger, "cpu")
+    ledger.close()
+
+
+def _wait_for(conn, query: str, args=(), timeout: float = 240):
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        try:
+            row = conn.execute(query, args).fetchone()
+        except psycopg.Error:
+            row = None
+        if row and row[0] is not None:
+            return row if len(row) > 1 else row[0]
+        time.sleep(0.2)
+    raise AssertionError(f"timed out waiting for: {query}")
+
+
+def test_the_whole_worker_loop_runs_in_process_with_a_hash_encoder(dsn, conn, tmp_path):
+    from embedfleet.config import Settings
+    from embedfleet.encode.fake import HashEncoder, hash_vectors
+    from embedfleet.encode.tokenize import tokenizer_spec
+    from embedfleet.runtime.worker import Worker
+
+    src = write_amazon_reviews(tmp_path / "inproc.jsonl", 300, seed=6)
+    _plan(dsn, src, "inproc", chunk_bytes=20000)
+    encoder = HashEncoder()
+    summary = Worker("inproc", dsn, "w0", "cpu", Settings.from_env({}, helpers=0),
+                     encoder=lambda cfg, device, settings: encoder).run()
+    assert summary["rows"] == 300 == encoder.texts
+    assert conn.execute("SELECT count(*), count(DISTINCT id) FROM inproc").fetchone() == (300, 300)
+    state, rows = conn.execute("SELECT state, summary->>'rows' FROM embedfleet.workers WHERE worker = 'w0'").fetchone()
+    assert (state, rows) == ("finished", "300")
+    # every stored vector is the one the fake made from that row's own tokens: rows and vectors stay paired
+    content, stored = conn.execute("SELECT content, embedding::text FROM inproc ORDER BY id LIMIT 1").fetchone()
+    tok = tokenizer_spec(None).build(0).tokenize([content])
+    want = hash_vectors(tok.ids, tok.lengths, 384)[0]
+    assert np.allclose(np.array(orjson.loads(stored), np.float32), want, atol=1e-6)
+
+
+def test_two_workers_of_distinct_hosts_join_one_job_exactly_once(dsn, conn, tmp_path):
+    src = write_amazon_reviews(tmp_path / "joined.jsonl", 900, seed=12)
+    _plan(dsn, src, "joined", chunk_bytes=15000)
+    runs = [subprocess.Popen([sys.executable, "-m", "embedfleet.cli", "worker", "--job", "joined", "--db", dsn,
+                              "--devices", "cpu", "--quiet"],
+                             env=dict(os.environ, EMBEDFLEET_HOST_ID=host, EMBEDFLEET_HOME=str(tmp_path / host)),
+                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+            for host in ("host-a", "host-b")]
+    errs = [r.communicate(timeout=600)[1] for r in runs]
+    assert [r.returncode for r in runs] == [0, 0], [e[-2000:] for e in errs]
+    by_host = dict(conn.execute("SELECT host, sum(rows) FROM embedfleet.workers WHERE job = 'joined' GROUP BY host"))
+    assert set(by_host) == {"host-a", "host-b"} and all(n > 0 for n in by_host.values()) and sum(by_host.values()) == 900
+    assert conn.execute("SELECT count(*), count(DISTINCT id) FROM joined").fetchone() == (900, 900)
+    assert conn.execute("SELECT sum(rows_written) FROM embedfleet.chunks WHERE job = 'joined'").fetchone()[0] == 900
+
+
+def test_a_worker_frozen_past_its_lease_cannot_commit_over_the_new_owner(cli, dsn, conn, tmp_path):
+    src = write_amazon_reviews(tmp_path / "frozen.jsonl", 1500, seed=13)
+    run = subprocess.Popen(
+        [sys.executable, "-m", "embedfleet.cli", "ingest", str(src), "--preset", "amazon-reviews", "--db", dsn,
+         "--devices", "cpu", "--workers", "2", "--chunk-bytes", "20000", "--no-index", "--quiet"],
+        env=dict(os.environ, EMBEDFLEET_HOME=str(tmp_path / "home"), EMBEDFLEET_LEASE_SECONDS="3"),
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    chunk, pid, token = _wait_for(
+        conn, "SELECT chunk, pid, claim::text FROM embedfleet.chunks WHERE job = 'frozen' AND state = 'running' "
+              "AND started IS NOT NULL AND worker LIKE '%%-w0' LIMIT 1")
+    os.kill(pid, signal.SIGSTOP)
+    try:  # past its lease, the other worker takes the chunk over (a new fencing token)
+        _wait_for(conn, "SELECT 1 FROM embedfleet.chunks WHERE job = 'frozen' AND chunk = %s "
+                        "AND (claim IS NULL OR claim::text <> %s)", [chunk, token], timeout=120)
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    _, err = run.communicate(timeout=600)
+    assert run.returncode == 0, err[-3000:]
+    assert conn.execute("SELECT count(*), count(DISTINCT id) FROM frozen").fetchone() == (1500, 1500)
+    assert conn.execute("SELECT sum(rows_written) FROM embedfleet.chunks WHERE job = 'frozen'").fetchone()[0] == 1500
+    assert orjson.loads(cli("verify", "--table", "frozen", "--db", dsn, "--json").stdout)["ok"]
+
+
+def test_postgresql_stopped_and_started_mid_run_loses_and_duplicates_nothing(cli, tmp_path):
+    dsn = cli("db", "uri", check=True).stdout.strip()
+    src = write_amazon_reviews(tmp_path / "restart.jsonl", 1500, seed=14)
+    run = subprocess.Popen(
+        [sys.executable, "-m", "embedfleet.cli", "ingest", str(src), "--preset", "amazon-reviews", "--db", dsn,
+         "--devices", "cpu", "--workers", "2", "--chunk-bytes", "20000", "--no-index", "--quiet"],
+        env=dict(os.environ, EMBEDFLEET_HOME=str(tmp_path / "home")),
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        with psycopg.connect(dsn, autocommit=True) as c:
+            _wait_for(c, "SELECT 1 FROM embedfleet.chunks WHERE state = 'done' LIMIT 1")
+        assert "stopped" in cli("db", "stop", check=True).stderr
+        time.sleep(3)
+        assert run.poll() is None  # the run waits for its database instead of dying
+        cli("db", "start", check=True)
+        _, err = run.communicate(timeout=600)
+        assert run.returncode == 0, err[-3000:]
+        assert "reconnecting" in err
+        with psycopg.connect(dsn, autocommit=True) as c:
+            assert c.execute("SELECT count(*), count(DISTINCT id) FROM restart").fetchone() == (1500, 1500)
+            assert c.execute("SELECT sum(rows_written), sum(rows_seen) FROM embedfleet.chunks").fetchone() == (1500, 1500)
+        assert orjson.loads(cli("verify", "--table", "restart", "--json", check=True).stdout)["ok"]
+    finally:
+        if run.poll() is None:
+            run.kill()
+        cli("db", "stop")
+
+
+@pytest.mark.skipif(shutil.which("tmux") is None, reason="needs tmux (.ci/run installs it)")
+def test_status_watch_in_a_real_terminal_shows_a_row_per_worker(dsn, conn, tmp_path):
+    src = write_amazon_reviews(tmp_path / "watched.jsonl", 2000, seed=15)
+    run = subprocess.Popen(
+        [sys.executable, "-m", "embedfleet.cli", "ingest", str(src), "--preset", "amazon-reviews", "--db", dsn,
+         "--devices", "cpu", "--workers", "2", "--chunk-bytes", "20000", "--no-index", "--quiet"],
+        env=dict(os.environ, EMBEDFLEET_HOME=str(tmp_path / "home")), stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL)
+    session = f"ef-watch-{os.getpid()}"
+    try:
+        workers = set()
+        deadline = time.time() + 240
+        while len(workers) < 2 and time.time() < deadline:  # both workers are running and beating
+            time.sleep(0.5)
+            try:
+                workers = {w for (w,) in conn.execute("SELECT worker FROM embedfleet.workers WHERE job = 'watched' "
+                                                      "AND state NOT IN ('starting', 'finished')")}
+            except psycopg.Error:  # no ledger yet
+                continue
+        assert len(workers) == 2
+        cmd = f"{sys.executable} -m embedfleet.cli status --watch --db '{dsn}'"
+        subprocess.run(["tmux", "new-session", "-d", "-s", session, "-x", "220", "-y", "40", cmd], check=True,
+                       env=dict(os.environ, TERM="xterm-256color"))
+        screen = ""
+        deadline = time.time() + 60
+        while time.time() < deadline and not all(w in screen for w in workers):
+            time.sleep(1)
+            screen = subprocess.run(["tmux", "capture-pane", "-p", "-t", session], capture_output=True,
+                                    text=True).stdout
+        assert "watched" in screen and "running" in screen
+        rows = [line for line in screen.splitlines() if any(w in line for w in workers)]
+        assert len(rows) == 2 and all(" cpu " in line for line in rows), screen
+    finally:
+        subprocess.run(["tmux", "kill-session", "-t", session], capture_output=True)
+        run.kill()
+        run.wait()
+
+
+def test_metrics_show_the_jobs_progress_and_every_worker(cli, dsn, conn, tmp_path):
+    from embedfleet.runtime.metrics import serve_metrics
+
+    src = write_amazon_reviews(tmp_path / "scraped.jsonl", 120, seed=16)
+    cli("ingest", src, "--preset", "amazon-reviews", "--db", dsn, "--devices", "cpu", "--workers", "2",
+        "--chunk-bytes", "15000", "--no-index", "--quiet", check=True)
+    with serve_metrics(0, dsn, "scraped", host="127.0.0.1") as server:
+        port = server.server_address[1]
+        text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+    assert 'embedfleet_rows_total{job="scraped"} 120.0' in text
+    assert 'embedfleet_chunks{job="scraped",state="done"}' in text
+    workers = [w for (w,) in conn.execute("SELECT worker FROM embedfleet.workers WHERE job = 'scraped'")]
+    assert len(workers) == 2
+    for w in workers:
+        assert f'worker="{w}"' in text
+    rows = [float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith("embedfleet_worker_rows_total{")]
+    assert sum(rows) == 120
