@@ -62,7 +62,7 @@ def predict(run: str, table: str, where: str | None = None, out: str | None = No
     if source.dim != meta["dim"]:
         raise InputError(f"table {table!r} holds {source.dim}-dimensional vectors; the head in {run!r} "
                          f"takes {meta['dim']}")
-    ds = load(table, label=meta["label"] if has_label else None, where=where, db=dsn, cache="ram", device=dev,
+    ds = load(table, label=meta["label"] if has_label else None, where=where, db=dsn, cache="auto", device=dev,
               task=task if has_label else None, keys=True, null_labels="keep",
               classes=meta["classes"] if has_label and task == "classify" else None)
     cuda = dev.type == "cuda"

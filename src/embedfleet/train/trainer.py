@@ -93,6 +93,10 @@ def train(settings: TrainSettings) -> dict | None:
     from embedfleet.runtime.local import parse_devices
 
     devices = parse_devices(settings.devices, settings.workers)
+    gpus = [d for d in devices if d != "cpu"]
+    if len(set(gpus)) < len(gpus):
+        raise InputError(f"--workers {settings.workers}: training runs one process per GPU; "
+                         f"{len(set(gpus))} GPU(s) in --devices {settings.devices}")
     settings.out = settings.out or default_out(settings.table, settings.label)
     if len(devices) == 1:
         return run_rank(settings, devices[0])
