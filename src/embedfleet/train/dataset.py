@@ -158,6 +158,17 @@ def host_take(x: torch.Tensor, index: np.ndarray, out: torch.Tensor | None = Non
     return out
 
 
+def _offer(q: queue.Queue, item, stop: threading.Event) -> bool:
+    """Put `item` unless the consumer has gone (`stop`): a producer thread never blocks for good."""
+    while not stop.is_set():
+        try:
+            q.put(item, timeout=0.1)
+            return True
+        except queue.Full:
+            continue
+    return False
+
+
 class _Store:
     """A tier's storage of the vectors of every row read (views index into it)."""
 
@@ -222,17 +233,10 @@ class _StreamStore(_Store):
         def load():
             try:
                 for w in windows:
-                    item = (w, *self._window(under[w:w + window_rows]))
-                    while not stop.is_set():
-                        try:
-                            loaded.put(item, timeout=0.1)
-                            break
-                        except queue.Full:
-                            continue
-                    if stop.is_set():
+                    if not _offer(loaded, (w, *self._window(under[w:w + window_rows])), stop):
                         return
             except BaseException as e:  # noqa: BLE001 - handed to the consumer, raised there
-                loaded.put(e)
+                _offer(loaded, e, stop)
 
         thread = threading.Thread(target=load, daemon=True, name="embedfleet-stream")
         thread.start()
@@ -291,16 +295,10 @@ def _ahead(gather, starts, ends, row_shape, dtype, device) -> Iterator[torch.Ten
                         ev = torch.cuda.Event()
                         ev.record(stream)
                     copied[slot] = ev
-                    while not stop.is_set():
-                        try:
-                            ready.put((x, ev), timeout=0.1)
-                            break
-                        except queue.Full:
-                            continue
-                    if stop.is_set():
+                    if not _offer(ready, (x, ev), stop):
                         return
         except BaseException as e:  # noqa: BLE001 - handed to the consumer, raised there
-            ready.put((e, None))
+            _offer(ready, (e, None), stop)
 
     thread = threading.Thread(target=produce, daemon=True, name="embedfleet-gather")
     thread.start()

@@ -106,6 +106,7 @@ def train(settings: TrainSettings) -> dict | None:
 
 def _as_rank(settings: TrainSettings) -> dict | None:
     rank = int(os.environ["RANK"])
+    settings.out = settings.out or default_out(settings.table, settings.label)  # rank 0's is the one used
     device = os.environ.get("EMBEDFLEET_TRAIN_DEVICE")
     if device is None:  # torchrun: one process per local GPU, or CPU
         from embedfleet.train.dataset import resolve_device
