@@ -343,9 +343,14 @@ class EmbeddingDataset:
                    cache: str = "auto", device: str | torch.device = "auto", split: str | Split | None = None,
                    dtype=None, *, task: str | None = None, seed: int = 0, window_rows: int | None = None,
                    connections: int | None = None) -> EmbeddingDataset:
-        """Read `table`'s vectors (and `label`) once. `split`: "train" / "val" (or a Split with its
-        val_fraction) keeps that side of the deterministic split by row id; `task`: classify
-        (default with a label; `classes` are the sorted label values) or regress."""
+        """Read `table`'s vectors (and `label`) once. `where`: a SQL filter, run read-only. `db`: a DSN
+        (default $EMBEDFLEET_DB, else the embedded server). `cache`: the tier; `device`: where batches
+        go (auto: cuda if there is one). `split`: "train" / "val" (or a Split with its val_fraction)
+        keeps that side of the deterministic split by row id. `dtype`: how the vectors are kept
+        (float32, float16 or bfloat16; default float32, float16 for a halfvec column). `task`:
+        classify (the default with a label; `classes` are the sorted label values) or regress.
+        `window_rows` changes the order's windows (a multiple of 256 rows; default ~1 GB of float32
+        vectors); `connections` the read's connections (default EMBEDFLEET_TRAIN_READERS)."""
         return load(table, label=label, where=where, db=db, cache=cache, device=device, split=split, dtype=dtype,
                     task=task, seed=seed, window_rows=window_rows, connections=connections)
 
@@ -444,9 +449,12 @@ class EmbeddingDataset:
         """This dataset's vectors in its order, where the tier keeps them (the stream tier reads them)."""
         if isinstance(self._store, _StreamStore):
             return self._store._window(self._rows if self._rows is not None else np.arange(self._n_all))[1]
+        x = self._store.x
         if self._rows is None:
-            return self._store.x
-        return self._store.x.index_select(0, torch.from_numpy(self._rows).to(self._store.x.device))
+            return x
+        if x.device.type == "cpu":
+            return host_take(x, self._rows)
+        return x.index_select(0, torch.from_numpy(self._rows).to(x.device))
 
     def close(self) -> None:
         self._store.close()
