@@ -1,0 +1,7 @@
+"""Training on stored embeddings: one bulk read into GPU memory (or pinned RAM, or streamed
+windows), device-side batches, and small heads trained with DDP (`embedfleet train`)."""
+
+from embedfleet.train.dataset import EmbeddingDataset
+from embedfleet.train.read import Split
+
+__all__ = ["EmbeddingDataset", "Split"]

@@ -1,0 +1,634 @@
+"""EmbeddingDataset: a table's vectors, read once, iterated as device-side batches.
+
+Glossary (see order.py for order, block, window and step):
+    tier      where the vectors live: "gpu" (device memory: a batch is one index_select there),
+              "ram" (host memory, pinned on CUDA: a side thread gathers each batch into a pinned
+              buffer and copies it on a side stream, ahead of use) or "stream" (the database:
+              windows of the epoch's order are read by TID, one ahead, in the read's snapshot).
+              "auto" picks the first that fits. Every tier gives the same batches.
+    view      a dataset over some rows of another's storage (`subset`): the trainer reads a table
+              once and views its training and validation rows.
+
+With torch.distributed initialised, `from_table` reads once for all ranks: each rank copies its
+share of the table's page ranges in one snapshot, then the ranks broadcast their shares.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Iterator, Sequence
+
+import numpy as np
+import torch
+
+from embedfleet.errors import DatabaseError, InputError
+from embedfleet.train import order as ordering
+from embedfleet.train.read import Columns, Ids, Plan, Source, Split, TableRead, default_connections, describe
+
+__all__ = ["EmbeddingDataset", "Split", "TIERS", "load"]
+
+log = logging.getLogger(__name__)
+
+TIERS = ("auto", "gpu", "ram", "stream")
+GPU_HEADROOM = 2 << 30  # device memory left for the model, optimizer, activations and the allocator
+RAM_SHARE = 0.6  # share of available host memory the ram tier may take (all local ranks together)
+PREFETCH = 3  # batches (ram tier) gathered and copied ahead of the one in use
+
+
+def _dist():
+    d = torch.distributed
+    return d if d.is_available() and d.is_initialized() else None
+
+
+def resolve_device(device: str | torch.device | None) -> torch.device:
+    if device is None or str(device) == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    dev = torch.device(device)
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise InputError(f"device {device!s}: this machine has no CUDA device (use cpu)")
+        if dev.index is None:
+            dev = torch.device("cuda", torch.cuda.current_device())
+        if dev.index >= torch.cuda.device_count():
+            raise InputError(f"device {device!s}: this machine has {torch.cuda.device_count()} CUDA devices")
+    elif dev.type != "cpu":
+        raise InputError(f"device {device!s}: use auto, cpu, cuda or cuda:N")
+    return dev
+
+
+def resolve_dtype(dtype, vtype: str) -> torch.dtype:
+    if dtype is None:
+        return torch.float16 if vtype == "halfvec" else torch.float32
+    if isinstance(dtype, torch.dtype):
+        out = dtype
+    else:
+        out = {"float32": torch.float32, "float": torch.float32, "float16": torch.float16, "half": torch.float16,
+               "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}.get(str(dtype).replace("torch.", ""))
+    if out not in (torch.float32, torch.float16, torch.bfloat16):
+        raise InputError(f"dtype {dtype!r}: use float32, float16 or bfloat16")
+    return out
+
+
+def choose_tier(cache: str, device: torch.device, nbytes: int, local_ranks: int = 1) -> str:
+    """The tier for `nbytes` of vectors: the one asked for, or with "auto" the fastest that fits
+    (device memory with GPU_HEADROOM to spare; RAM_SHARE of available host memory for every rank
+    of this host; else the database)."""
+    if cache not in TIERS:
+        raise InputError(f"cache {cache!r}: use {', '.join(TIERS)}")
+    if cache == "gpu" and device.type != "cuda":
+        none = "" if torch.cuda.is_available() else " and this machine has none"
+        raise InputError(f"cache 'gpu' needs a CUDA device{none}; use cache 'ram' or 'auto'")
+    if cache != "auto":
+        return cache
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        if nbytes + GPU_HEADROOM <= free:
+            return "gpu"
+    import psutil
+
+    if nbytes * local_ranks <= RAM_SHARE * psutil.virtual_memory().available:
+        return "ram"
+    return "stream"
+
+
+def make_put(dst: torch.Tensor):
+    """put(offset, big-endian float values) writing rows into `dst` (host or device), from any thread."""
+    if dst.device.type == "cpu" and dst.dtype in (torch.float32, torch.float16):
+        arr = dst.numpy()
+
+        def put_host(o: int, values: np.ndarray) -> None:
+            np.copyto(arr[o:o + len(values)], values, casting="unsafe")
+
+        return put_host
+    local = threading.local()
+
+    def put_staged(o: int, values: np.ndarray) -> None:
+        k = len(values)
+        native = values.dtype.newbyteorder("=")
+        stage = getattr(local, "stage", None)
+        if stage is None or stage.shape[0] < k or stage.dtype != native or stage.shape[1:] != values.shape[1:]:
+            stage = local.stage = np.empty(values.shape, native)
+        np.copyto(stage[:k], values)
+        dst[o:o + k].copy_(torch.from_numpy(stage[:k]))
+
+    return put_staged
+
+
+def _bits(t: torch.Tensor) -> np.ndarray:
+    """A host tensor as a numpy array of same-size integers (numpy has no bfloat16)."""
+    return t.view(torch.int16 if t.element_size() == 2 else torch.int32).numpy()
+
+
+def gather_threads() -> int:
+    """Threads gathering a batch on the host (EMBEDFLEET_TRAIN_GATHER_THREADS): one copies ~5 GB/s of
+    random rows, and the ram tier must keep up with the host-to-device copy."""
+    import os
+
+    from embedfleet.config import env_int
+
+    return env_int("EMBEDFLEET_TRAIN_GATHER_THREADS", max(1, min(8, (os.cpu_count() or 2) // 2)))
+
+
+_pool_lock = threading.Lock()
+_gather_pool: ThreadPoolExecutor | None = None
+
+
+def host_take(x: torch.Tensor, index: np.ndarray, out: torch.Tensor | None = None) -> torch.Tensor:
+    """x[index] for a host tensor: np.take (it releases the GIL) over row slices on a few threads;
+    torch's index_select on the host was 10x slower on a busy 2-core machine (OpenMP contention)."""
+    global _gather_pool
+    if out is None:
+        out = torch.empty((len(index), *x.shape[1:]), dtype=x.dtype)
+    src, dst = _bits(x), _bits(out)
+    threads = gather_threads()
+    if threads == 1 or len(index) * x[0].numel() * x.element_size() < (4 << 20):
+        np.take(src, index, axis=0, out=dst)
+        return out
+    with _pool_lock:
+        if _gather_pool is None:
+            _gather_pool = ThreadPoolExecutor(threads, thread_name_prefix="embedfleet-take")
+    cuts = [len(index) * i // threads for i in range(threads + 1)]
+    jobs = [_gather_pool.submit(np.take, src, index[a:b], 0, dst[a:b]) for a, b in zip(cuts, cuts[1:]) if b > a]
+    for j in jobs:
+        j.result()
+    return out
+
+
+def _offer(q: queue.Queue, item, stop: threading.Event) -> bool:
+    """Put `item` unless the consumer has gone (`stop`): a producer thread never blocks for good."""
+    while not stop.is_set():
+        try:
+            q.put(item, timeout=0.1)
+            return True
+        except queue.Full:
+            continue
+    return False
+
+
+class _Store:
+    """A tier's storage of the vectors of every row read (views index into it)."""
+
+    tier = ""
+
+    def __init__(self, x: torch.Tensor | None, device: torch.device):
+        self.x, self.device = x, device
+
+    def batches(self, under: np.ndarray, starts, ends, window_rows: int) -> Iterator[torch.Tensor]:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        pass
+
+
+class _DeviceStore(_Store):
+    tier = "gpu"
+
+    def batches(self, under, starts, ends, window_rows):
+        idx = torch.from_numpy(under).to(self.device, non_blocking=True)
+        for a, b in zip(starts.tolist(), ends.tolist()):
+            yield self.x.index_select(0, idx[a:b])
+
+
+class _HostStore(_Store):
+    tier = "ram"
+
+    def batches(self, under, starts, ends, window_rows):
+        if self.device.type != "cuda":
+            for a, b in zip(starts.tolist(), ends.tolist()):
+                yield host_take(self.x, under[a:b])
+            return
+        yield from _ahead(lambda a, b, out: host_take(self.x, under[a:b], out),
+                          starts, ends, self.x.shape[1:], self.x.dtype, self.device)
+
+
+class _StreamStore(_Store):
+    tier = "stream"
+
+    def __init__(self, reader: TableRead, tids: np.ndarray, dim: int, dtype: torch.dtype, device: torch.device):
+        super().__init__(None, device)
+        self.reader, self.tids, self.dim, self.dtype = reader, tids, dim, dtype
+        self.lock = threading.Lock()  # one window read at a time on the snapshot's connection
+
+    def close(self) -> None:
+        self.reader.close()
+
+    def _window(self, rows: np.ndarray) -> tuple[np.ndarray, torch.Tensor]:
+        """The vectors of `rows` (any order): (sorted rows, their vectors in that order)."""
+        u = np.unique(rows)
+        buf = torch.empty((len(u), self.dim), dtype=self.dtype, pin_memory=self.device.type == "cuda")
+        with self.lock:
+            self.reader.read_vectors(self.tids[u], make_put(buf))
+        return u, buf
+
+    def batches(self, under, starts, ends, window_rows):
+        n = len(under)
+        windows = list(range(0, n, window_rows))
+        loaded: queue.Queue = queue.Queue(maxsize=1)  # one window read ahead of the ones in use
+        stop = threading.Event()
+
+        def load():
+            try:
+                for w in windows:
+                    if not _offer(loaded, (w, *self._window(under[w:w + window_rows])), stop):
+                        return
+            except BaseException as e:  # noqa: BLE001 - handed to the consumer, raised there
+                _offer(loaded, e, stop)
+
+        thread = threading.Thread(target=load, daemon=True, name="embedfleet-stream")
+        thread.start()
+        resident: dict[int, tuple[np.ndarray, torch.Tensor]] = {}
+        try:
+            for a, b in zip(starts.tolist(), ends.tolist()):
+                first = a - a % window_rows
+                for w in list(resident):
+                    if w < first:
+                        del resident[w]
+                last = (b - 1) - (b - 1) % window_rows if b > a else first
+                while any(w not in resident for w in range(first, last + 1, window_rows)):
+                    item = loaded.get()
+                    if isinstance(item, BaseException):
+                        raise item
+                    resident[item[0]] = item[1:]
+                parts = []
+                for w in range(first, last + 1, window_rows):
+                    lo, hi = max(a, w), min(b, w + window_rows)
+                    if hi <= lo:
+                        continue
+                    u, buf = resident[w]
+                    parts.append(host_take(buf, np.searchsorted(u, under[lo:hi])))
+                x = parts[0] if len(parts) == 1 else (torch.cat(parts) if parts else
+                                                      torch.empty((0, self.dim), dtype=self.dtype))
+                yield x.to(self.device, non_blocking=True)
+        finally:
+            stop.set()
+            thread.join(timeout=60)
+
+
+def _ahead(gather, starts, ends, row_shape, dtype, device) -> Iterator[torch.Tensor]:
+    """Batches gathered on the host by a side thread into pinned buffers, copied to `device` on a
+    side stream, PREFETCH ahead of the one in use: the device does not wait for the host's gather."""
+    steps = list(zip(starts.tolist(), ends.tolist()))
+    if not steps:
+        return
+    width = max(b - a for a, b in steps)
+    ring = [torch.empty((width, *row_shape), dtype=dtype, pin_memory=True) for _ in range(PREFETCH + 1)]
+    copied: list[torch.cuda.Event | None] = [None] * len(ring)
+    stream = torch.cuda.Stream(device)
+    ready: queue.Queue = queue.Queue(maxsize=PREFETCH)
+    stop = threading.Event()
+
+    def produce():
+        try:
+            with torch.cuda.device(device):
+                for i, (a, b) in enumerate(steps):
+                    slot = i % len(ring)
+                    if copied[slot] is not None:
+                        copied[slot].synchronize()  # the copy out of this buffer is done
+                    host = ring[slot][:b - a]
+                    gather(a, b, host)
+                    with torch.cuda.stream(stream):
+                        x = host.to(device, non_blocking=True)
+                        ev = torch.cuda.Event()
+                        ev.record(stream)
+                    copied[slot] = ev
+                    if not _offer(ready, (x, ev), stop):
+                        return
+        except BaseException as e:  # noqa: BLE001 - handed to the consumer, raised there
+            _offer(ready, (e, None), stop)
+
+    thread = threading.Thread(target=produce, daemon=True, name="embedfleet-gather")
+    thread.start()
+    try:
+        for _ in steps:
+            x, ev = ready.get()
+            if isinstance(x, BaseException):
+                raise x
+            current = torch.cuda.current_stream(device)
+            current.wait_event(ev)
+            x.record_stream(current)  # x was allocated on the side stream, is used on this one
+            yield x
+    finally:
+        stop.set()
+        thread.join(timeout=60)
+
+
+class EmbeddingDataset:
+    """A table's vectors (and labels) read in one bulk read; `batches` yields device tensors."""
+
+    def __init__(self, store: _Store, source: Source, n_all: int, rows: np.ndarray | None, labels: torch.Tensor | None,
+                 classes: list | None, ids: Ids, keys: np.ndarray, tids: np.ndarray, stats: dict, seed: int,
+                 window_rows: int):
+        self._store, self.source = store, source
+        self._n_all = n_all
+        self._rows = rows  # None: every row of the storage, in order
+        self.labels = labels
+        self.classes = classes
+        self.ids = ids
+        self.keys = keys
+        self.tids = tids
+        self.stats = stats
+        self.seed = seed
+        self.window_rows = window_rows
+        self._orders: dict[tuple[int, bool], Future] = {}
+        self._pool: ThreadPoolExecutor | None = None
+
+    # ---- the contract ----------------------------------------------------------------------------
+
+    @classmethod
+    def from_table(cls, table: str, label: str | None = None, where: str | None = None, db: str | None = None,
+                   cache: str = "auto", device: str | torch.device = "auto", split: str | Split | None = None,
+                   dtype=None, *, task: str | None = None, seed: int = 0, window_rows: int | None = None,
+                   connections: int | None = None) -> EmbeddingDataset:
+        """Read `table`'s vectors (and `label`) once. `where`: a SQL filter, run read-only. `db`: a DSN
+        (default $EMBEDFLEET_DB, else the embedded server). `cache`: the tier; `device`: where batches
+        go (auto: cuda if there is one). `split`: "train" / "val" (or a Split with its val_fraction)
+        keeps that side of the deterministic split by row id. `dtype`: how the vectors are kept
+        (float32, float16 or bfloat16; default float32, float16 for a halfvec column). `task`:
+        classify (the default with a label; `classes` are the sorted label values) or regress.
+        `window_rows` changes the order's windows (a multiple of 256 rows; default ~1 GB of float32
+        vectors); `connections` the read's connections (default EMBEDFLEET_TRAIN_READERS)."""
+        return load(table, label=label, where=where, db=db, cache=cache, device=device, split=split, dtype=dtype,
+                    task=task, seed=seed, window_rows=window_rows, connections=connections)
+
+    def __len__(self) -> int:
+        return self._n_all if self._rows is None else len(self._rows)
+
+    @property
+    def dim(self) -> int:
+        return self.source.dim
+
+    @property
+    def cache(self) -> str:
+        return self._store.tier
+
+    @property
+    def device(self) -> torch.device:
+        return self._store.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self._store.dtype if isinstance(self._store, _StreamStore) else self._store.x.dtype
+
+    @property
+    def task(self) -> str | None:
+        return self.source.task
+
+    def batches(self, batch_size: int, shuffle: bool = True, epoch: int = 0, rank: int | None = None,
+                world_size: int | None = None,
+                drop_last: bool = False) -> Iterator[tuple[torch.Tensor, torch.Tensor | None]]:
+        """This rank's (x, y) batches of one epoch, on the dataset's device (y None without a label).
+        `batch_size` is per rank. Every rank gets the same number of batches; all ranks together see
+        each row once (drop_last=False); the order depends only on (seed, epoch)."""
+        if batch_size < 1:
+            raise InputError(f"batch size {batch_size}: use at least 1")
+        dist = _dist()
+        if world_size is None:
+            world_size = dist.get_world_size() if dist else 1
+        if rank is None:
+            rank = dist.get_rank() if dist and world_size == dist.get_world_size() else 0
+        n = len(self)
+        positions = self._order(epoch, shuffle)
+        starts, ends = ordering.step_bounds(n, batch_size, rank, world_size, drop_last)
+        under = positions if self._rows is None else self._rows[positions]
+        xs = self._store.batches(under, starts, ends, self.window_rows)
+        if self.labels is None:
+            for x in xs:
+                yield x, None
+            return
+        pos = torch.from_numpy(positions).to(self.labels.device, non_blocking=True)
+        for (a, b), x in zip(zip(starts.tolist(), ends.tolist()), xs):
+            yield x, self.labels.index_select(0, pos[a:b])
+
+    # ---- beyond the contract ---------------------------------------------------------------------
+
+    def subset(self, index: np.ndarray) -> EmbeddingDataset:
+        """A view of some of this dataset's rows (ascending positions or a boolean mask), sharing storage."""
+        index = np.asarray(index)
+        index = np.flatnonzero(index) if index.dtype == bool else index.astype(np.int64)
+        if len(index) > 1 and np.any(np.diff(index) <= 0):
+            raise ValueError("subset positions must be ascending and distinct")
+        rows = index if self._rows is None else self._rows[index]
+        labels = None
+        if self.labels is not None:
+            labels = self.labels.index_select(0, torch.from_numpy(index).to(self.labels.device))
+        view = EmbeddingDataset(self._store, self.source, self._n_all, rows, labels, self.classes, self.ids.take(index),
+                                self.keys[index] if len(self.keys) else self.keys, self.tids[index],
+                                dict(self.stats, rows=len(index)), self.seed, self.window_rows)
+        return view
+
+    def split_by_key(self, val_fraction: float) -> tuple[EmbeddingDataset, EmbeddingDataset]:
+        """(training view, validation view) by the deterministic split rule (see Split)."""
+        if len(self.keys) != len(self):
+            raise ValueError("this dataset was read without split keys")
+        val = Split.is_val(self.keys, val_fraction)
+        return self.subset(~val), self.subset(val)
+
+    def with_cache(self, cache: str) -> EmbeddingDataset:
+        """The same rows with the vectors copied to another tier ("gpu" or "ram"), without reading
+        the table again."""
+        if isinstance(self._store, _StreamStore) or cache not in ("gpu", "ram"):
+            raise InputError("with_cache copies from the gpu or ram tier to the gpu or ram tier")
+        x, dev = self._store.x, self._store.device
+        nbytes = x.numel() * x.element_size()
+        if choose_tier(cache, dev, nbytes) != cache:
+            raise InputError(f"cache {cache!r} on {dev}")
+        if cache == "gpu":
+            store: _Store = _DeviceStore(x.to(dev), dev)
+        else:
+            host = torch.empty(x.shape, dtype=x.dtype, pin_memory=dev.type == "cuda")
+            host.copy_(x)
+            store = _HostStore(host, dev)
+        return EmbeddingDataset(store, self.source, self._n_all, self._rows, self.labels, self.classes, self.ids,
+                                self.keys, self.tids, dict(self.stats), self.seed, self.window_rows)
+
+    def vectors(self) -> torch.Tensor:
+        """This dataset's vectors in its order, where the tier keeps them (the stream tier reads them)."""
+        if isinstance(self._store, _StreamStore):
+            return self._store._window(self._rows if self._rows is not None else np.arange(self._n_all))[1]
+        x = self._store.x
+        if self._rows is None:
+            return x
+        if x.device.type == "cpu":
+            return host_take(x, self._rows)
+        return x.index_select(0, torch.from_numpy(self._rows).to(x.device))
+
+    def close(self) -> None:
+        self._store.close()
+        if self._pool is not None:
+            self._pool.shutdown(wait=False)
+
+    def __repr__(self) -> str:
+        return (f"EmbeddingDataset({self.source.table!r}, rows={len(self)}, dim={self.dim}, cache={self.cache!r}, "
+                f"device={str(self.device)!r}, label={self.source.label!r})")
+
+    def _order(self, epoch: int, shuffle: bool) -> np.ndarray:
+        """The epoch's order, computed on a side thread one epoch ahead (10M rows take ~0.2 s)."""
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(1, thread_name_prefix="embedfleet-order")
+        n, seed, w = len(self), self.seed, self.window_rows
+
+        def compute(e):
+            return ordering.epoch_order(n, seed, e, ordering.BLOCK_ROWS, w, shuffle)
+
+        key = (epoch, shuffle)
+        fut = self._orders.get(key) or self._pool.submit(compute, epoch)
+        self._orders = {key: fut}
+        if shuffle:
+            self._orders[(epoch + 1, shuffle)] = self._pool.submit(compute, epoch + 1)
+        return fut.result()
+
+
+def _local_world() -> int:
+    import os
+
+    return int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+
+
+def load(table: str, label: str | None = None, where: str | None = None, db: str | None = None,
+         cache: str = "auto", device: str | torch.device = "auto", split: str | Split | None = None, dtype=None,
+         task: str | None = None, seed: int = 0, window_rows: int | None = None, connections: int | None = None,
+         keys: bool = False, null_labels: str = "skip", classes: Sequence | None = None) -> EmbeddingDataset:
+    """EmbeddingDataset.from_table with the knobs the trainer and predict use: `keys` reads each
+    row's split key (for `split_by_key`), `null_labels="keep"` keeps rows without a label (class
+    -1, or NaN), `classes` fixes the class list (a saved head's)."""
+    from embedfleet.store.embedded import resolve_dsn
+    from embedfleet.store.ledger import connect
+
+    if cache not in TIERS:
+        raise InputError(f"cache {cache!r}: use {', '.join(TIERS)}")
+    if isinstance(split, str):
+        split = Split(split)
+    dev = resolve_device(device)
+    dsn = resolve_dsn(db)
+    with connect(dsn) as conn:
+        source = describe(conn, table, label, where, task)
+    torch_dtype = resolve_dtype(dtype, source.vtype)
+    connections = connections or default_connections()
+    dist = _dist()
+    world = dist.get_world_size() if dist else 1
+    rank = dist.get_rank() if dist else 0
+    t0 = time.perf_counter()
+    reader, plan, error = None, None, None
+    if rank == 0:
+        try:
+            reader = TableRead(dsn, source, split, null_labels, connections, classes=classes, with_keys=keys)
+            plan = reader.plan(parts=connections * world)
+        except Exception as e:  # noqa: BLE001 - every rank raises it (no rank may wait on a collective)
+            error = e
+    if world > 1:
+        box = [error, plan, reader.snapshot if reader else None]
+        dist.broadcast_object_list(box, src=0)
+        error, plan, snapshot = box
+        if rank != 0 and error is None:
+            try:
+                reader = TableRead(dsn, source, split, null_labels, connections, snapshot=snapshot,
+                                   classes=plan.classes, with_keys=keys)
+            except Exception as e:  # noqa: BLE001
+                error = e
+        error = _agree(error)  # also: every rank has imported the snapshot before rank 0 moves on
+    if error is not None:
+        if reader is not None:
+            reader.close()
+        raise error
+    n = plan.n
+    itemsize = torch.empty((), dtype=torch_dtype).element_size()
+    tier = choose_tier(cache, dev, n * source.dim * itemsize, _local_world())
+    if dist and world > 1:
+        tiers = [None] * world
+        dist.all_gather_object(tiers, tier)  # one rank's memory may not fit what another's does
+        order = ["stream", "ram", "gpu"]
+        tier = min(tiers, key=order.index)
+    cols, x = None, None
+    try:
+        if tier == "gpu":
+            x = torch.empty((n, source.dim), dtype=torch_dtype, device=dev)
+        elif tier == "ram":
+            x = torch.empty((n, source.dim), dtype=torch_dtype, pin_memory=dev.type == "cuda")
+        mine = ordering.shard_bounds(len(plan.ranges), rank, world)
+        cols = reader.read(plan, make_put(x) if x is not None else None, range(*mine))
+    except torch.OutOfMemoryError:
+        error = InputError(f"{n:,} vectors of {source.dim} dimensions do not fit the {tier} tier; "
+                           "use cache 'stream' or 'auto'")
+    except Exception as e:  # noqa: BLE001 - every rank raises it
+        error = e
+    if world > 1:
+        error = _agree(error)
+    if error is not None:
+        reader.close()
+        raise error
+    if world > 1:
+        _share(plan, cols, x, dev, world)
+    if x is None:
+        reader.keep_first()
+        store: _Store = _StreamStore(reader, cols.tids, source.dim, torch_dtype, dev)
+    else:
+        reader.close()
+        store = _DeviceStore(x, dev) if tier == "gpu" else _HostStore(x, dev)
+    labels = None
+    if cols.labels is not None:
+        y = torch.from_numpy(cols.labels if source.task == "classify" else cols.labels.astype(np.float32))
+        labels = y.to(dev)
+    seconds = time.perf_counter() - t0
+    stats = {"rows": n, "skipped_null_label": plan.skipped_null_label, "skipped_null_vector": plan.skipped_null_vector,
+             "read_s": round(seconds, 3), "plan_s": round(plan.seconds, 3),
+             "rows_per_s": round(n / seconds) if seconds > 0 else None,
+             "connections": connections * world, "bytes": n * source.dim * itemsize}
+    window = window_rows or ordering.default_window_rows(source.dim)
+    if window % ordering.BLOCK_ROWS:
+        raise InputError(f"window_rows {window}: use a multiple of {ordering.BLOCK_ROWS}")
+    log.debug("read %s: %s", table, stats)
+    return EmbeddingDataset(store, source, n, None, labels, plan.classes, cols.ids, cols.keys, cols.tids, stats, seed,
+                            window)
+
+
+def _agree(error: BaseException | None) -> BaseException | None:
+    """Every rank learns whether any rank failed (the first failure), so none waits on the others."""
+    dist = _dist()
+    errors: list = [None] * dist.get_world_size()
+    dist.all_gather_object(errors, error)
+    return next((e for e in errors if e is not None), None)
+
+
+def _share(plan: Plan, cols: Columns, x: torch.Tensor | None, device: torch.device, world: int) -> None:
+    """Each rank read a contiguous share of the ranges: broadcast every share to every rank."""
+    dist = _dist()
+    nccl = dist.get_backend() == "nccl"
+    offsets = plan.offsets + [plan.n]
+    pieces: list = [None] * world
+    for q in range(world):
+        a, b = ordering.shard_bounds(len(plan.ranges), q, world)
+        lo, hi = offsets[a], offsets[b]
+        arrays = [torch.from_numpy(cols.tids.view(np.int64)[lo:hi])]
+        if len(cols.keys):
+            arrays.append(torch.from_numpy(cols.keys.view(np.int32)[lo:hi]))
+        if cols.labels is not None:
+            arrays.append(torch.from_numpy(cols.labels[lo:hi]))
+        if x is not None:
+            arrays.append(x[lo:hi])
+        for t in arrays:
+            _broadcast_into(t, q, device if nccl else torch.device("cpu"))
+        box = [cols.ids if dist.get_rank() == q else None]
+        dist.broadcast_object_list(box, src=q)
+        pieces[q] = box[0]
+    cols.ids = Ids.concat(pieces)
+
+
+def _broadcast_into(t: torch.Tensor, src: int, comm: torch.device, chunk_bytes: int = 256 << 20) -> None:
+    """Broadcast `t` (a slice, filled on rank `src`) in place, through `comm` when `t` lives elsewhere."""
+    dist = _dist()
+    if t.numel() == 0:
+        return
+    if t.device == comm:
+        dist.broadcast(t, src)
+        return
+    rows = max(1, chunk_bytes // max(1, t[0].numel() * t.element_size()))
+    for a in range(0, t.shape[0], rows):
+        part = t[a:a + rows]
+        stage = part.to(comm) if dist.get_rank() == src else torch.empty_like(part, device=comm)
+        dist.broadcast(stage, src)
+        if dist.get_rank() != src:
+            part.copy_(stage)

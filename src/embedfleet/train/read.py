@@ -1,0 +1,663 @@
+"""One bulk read of a pgvector table: binary COPY of fixed-width rows, parsed with one np.frombuffer
+a block, on one or several connections sharing one snapshot.
+
+Glossary:
+    Source     what to read: the table, its vector column, the id and label expressions, the
+               user's --where (checked against the database by `describe`).
+    Split      the deterministic train/validation split by row id (a hash computed in SQL).
+    range      a range of heap pages (`ctid` bounds). The dataset's row order is the table's
+               physical order: ranges in page order, each read by a TID range scan (or, for a
+               whole table, a sequential scan with synchronised scans off), never in parallel
+               inside the server, so every reader and every rank sees the same order.
+    Plan       the precount: rows and labels per range, hence each range's offset in the
+               destination, the classes, and the rows skipped for a NULL label or vector.
+    TableRead  the connections (REPEATABLE READ, READ ONLY, one exported snapshot) that plan
+               and then COPY the ranges, each into its slice of the destination.
+
+The user's --where runs inside those READ ONLY transactions: it can filter, never write.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import select
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Callable, Iterable, Sequence
+
+import numpy as np
+import psycopg
+from psycopg import pq, sql
+
+from embedfleet.errors import DatabaseError, InputError
+from embedfleet.store.schema import table_exists
+from embedfleet.train.copybin import TRAILER, check_rows, header_length, row_dtype, scalar_field, vector_field
+
+__all__ = ["Source", "Split", "Plan", "Ids", "Columns", "TableRead", "describe", "class_index", "default_connections",
+           "MAX_CLASSES"]
+
+MAX_CLASSES = 10_000
+BLOCK_ROWS = 16_384  # rows parsed per np.frombuffer: ~25 MB of 384-dim float32 rows
+_KEY = "('x' || left(md5({id}), 8))::bit(32)"  # a stable 32-bit hash of the row id (md5, not hashtext)
+
+
+@dataclass(frozen=True)
+class Split:
+    """Rows whose id hashes below `val_fraction` of 2^32 are validation, the rest training."""
+
+    part: str = "train"  # "train" | "val"
+    val_fraction: float = 0.1
+
+    def __post_init__(self):
+        if self.part not in ("train", "val"):
+            raise InputError(f"split {self.part!r}: use 'train' or 'val'")
+        if not 0.0 <= self.val_fraction < 1.0:
+            raise InputError(f"--val-fraction {self.val_fraction}: use a value in [0, 1)")
+
+    @property
+    def threshold(self) -> int:
+        return int(round(self.val_fraction * 2 ** 32))
+
+    def rule(self) -> str:
+        return (f"validation: rows whose ('x' || left(md5(id), 8))::bit(32)::bigint < {self.threshold} "
+                f"(val_fraction {self.val_fraction} of 2^32); training: the others")
+
+    @staticmethod
+    def is_val(keys: np.ndarray, val_fraction: float) -> np.ndarray:
+        """The same rule applied to keys read back (uint32)."""
+        return keys.astype(np.int64) < int(round(val_fraction * 2 ** 32))
+
+    @staticmethod
+    def key_of(row_id: str) -> int:
+        """The key SQL computes for one id (tests, and predict's checks)."""
+        return int(hashlib.md5(row_id.encode()).hexdigest()[:8], 16)
+
+
+@dataclass(frozen=True)
+class Source:
+    table: str
+    column: str  # the vector column
+    vtype: str  # "vector" | "halfvec"
+    dim: int
+    id_column: str | None  # None: the row's ctid stands in for an id
+    label: str | None = None
+    label_kind: str | None = None  # "numeric" | "text"
+    task: str | None = None  # "classify" | "regress"
+    where: str | None = None
+
+    def id_sql(self) -> sql.Composable:
+        if self.id_column is None:
+            return sql.SQL("ctid::text")
+        return sql.SQL("{}::text").format(sql.Identifier(self.id_column))
+
+    def label_sql(self) -> sql.Composable:
+        cast = "float8" if self.label_kind == "numeric" else "text"
+        return sql.SQL("{}::" + cast).format(sql.Identifier(self.label))
+
+    def key_sql(self) -> sql.Composable:
+        return sql.SQL(_KEY).format(id=self.id_sql())
+
+
+def _columns(conn: psycopg.Connection, table: str) -> dict[str, tuple[str, str, int]]:
+    rows = conn.execute(
+        "SELECT a.attname, t.typname, t.typcategory, a.atttypmod FROM pg_attribute a "
+        "JOIN pg_type t ON t.oid = a.atttypid "
+        "WHERE a.attrelid = %s::regclass AND a.attnum > 0 AND NOT a.attisdropped ORDER BY a.attnum",
+        [sql.Identifier(table).as_string(conn)],
+    ).fetchall()
+    return {name: (typ, cat, mod) for name, typ, cat, mod in rows}
+
+
+def describe(conn: psycopg.Connection, table: str, label: str | None = None, where: str | None = None,
+             task: str | None = None) -> Source:
+    """Resolve what to read against the database; one-line errors for what cannot be used."""
+    if not table_exists(conn, table):
+        raise DatabaseError(f"table {table!r} does not exist; `embedfleet status` lists the jobs and their tables")
+    cols = _columns(conn, table)
+    vectors = [c for c, (typ, _, _) in cols.items() if typ in ("vector", "halfvec")]
+    if not vectors:
+        raise DatabaseError(f"table {table!r} has no vector or halfvec column to train on")
+    column = "embedding" if "embedding" in vectors else vectors[0]
+    if len(vectors) > 1 and column != "embedding":
+        raise DatabaseError(f"table {table!r} has several vector columns ({', '.join(vectors)}) and none is "
+                            "named embedding")
+    vtype, _, dim = cols[column]
+    if dim <= 0:  # a column declared without a dimension: take the first row's
+        row = conn.execute(sql.SQL("SELECT vector_dims({c}) FROM {t} WHERE {c} IS NOT NULL LIMIT 1").format(
+            c=sql.Identifier(column), t=sql.Identifier(table))).fetchone()
+        dim = row[0] if row else 0
+    id_column = "id" if "id" in cols else _primary_key(conn, table)
+    kind = None
+    if task is not None and task not in ("classify", "regress"):
+        raise InputError(f"--task {task!r}: use classify or regress")
+    if label is not None:
+        if label not in cols:
+            raise InputError(f"--label {label!r}: table {table!r} has no such column "
+                             f"(it has {', '.join(c for c in cols if c != column)})")
+        typ, cat, _ = cols[label]
+        if label == column:
+            raise InputError(f"--label {label!r} is the vector column itself")
+        kind = {"N": "numeric", "S": "text", "B": "text"}.get(cat)
+        if kind is None:
+            raise InputError(f"--label {label!r} is of type {typ}: use a numeric or text column")
+        task = task or "classify"
+        if task == "regress" and kind != "numeric":
+            raise InputError(f"--task regress needs a numeric --label; {label!r} is of type {typ}")
+    elif task is not None:
+        raise InputError(f"--task {task} needs a --label column")
+    return Source(table, column, vtype, dim, id_column, label, kind, task if label else None, where or None)
+
+
+def _primary_key(conn: psycopg.Connection, table: str) -> str | None:
+    rows = conn.execute(
+        "SELECT a.attname FROM pg_index i JOIN pg_attribute a ON a.attrelid = i.indrelid "
+        "AND a.attnum = ANY(i.indkey) WHERE i.indrelid = %s::regclass AND i.indisprimary",
+        [sql.Identifier(table).as_string(conn)]).fetchall()
+    return rows[0][0] if len(rows) == 1 else None
+
+
+def default_connections() -> int:
+    """Connections for one read (EMBEDFLEET_TRAIN_READERS): each server backend produces rows on
+    one core and the client parses on one (the GIL), so a few pay and many only contend."""
+    from embedfleet.config import env_int
+
+    return env_int("EMBEDFLEET_TRAIN_READERS", max(1, min(4, (os.cpu_count() or 2) // 4)))
+
+
+class Ids(Sequence):
+    """Row ids as one UTF-8 buffer and end offsets: no Python object per row until one is asked for."""
+
+    def __init__(self, buf: bytes = b"", ends: np.ndarray | None = None):
+        self._buf = bytes(buf)
+        self._ends = np.zeros(0, np.int64) if ends is None else np.asarray(ends, np.int64)
+
+    def __len__(self) -> int:
+        return len(self._ends)
+
+    def __getitem__(self, i):
+        if isinstance(i, slice):
+            return [self[j] for j in range(*i.indices(len(self)))]
+        if isinstance(i, np.ndarray) or isinstance(i, list):
+            return [self[int(j)] for j in i]
+        i = range(len(self))[i]
+        start = int(self._ends[i - 1]) if i else 0
+        return self._buf[start:int(self._ends[i])].decode()
+
+    def __iter__(self):
+        return iter(self.tolist())
+
+    def tolist(self) -> list[str]:
+        if not len(self):
+            return []
+        lengths = np.diff(self._ends, prepend=0)
+        text = self._buf.decode()
+        if len(text) == len(self._buf):  # ASCII: character offsets are byte offsets
+            ends = self._ends.tolist()
+            return [text[a:b] for a, b in zip([0] + ends[:-1], ends)]
+        return [self._buf[a - n:a].decode() for a, n in zip(self._ends.tolist(), lengths.tolist())]
+
+    def __eq__(self, other) -> bool:
+        return list(self) == list(other)
+
+    def take(self, index: np.ndarray) -> Ids:
+        """The ids at `index` (integer positions), as a new Ids: one gather of bytes."""
+        index = np.asarray(index, np.int64)
+        ends = self._ends
+        starts = np.concatenate([[0], ends[:-1]]) if len(ends) else ends
+        a, b = starts[index], ends[index]
+        lengths = b - a
+        new_ends = np.cumsum(lengths)
+        src = np.frombuffer(self._buf, np.uint8)
+        total = int(new_ends[-1]) if len(new_ends) else 0
+        pos = np.arange(total, dtype=np.int64) + np.repeat(a - (new_ends - lengths), lengths)
+        return Ids(src[pos].tobytes(), new_ends)
+
+    @classmethod
+    def concat(cls, parts: Iterable[Ids]) -> Ids:
+        parts = [p for p in parts if len(p)]
+        if not parts:
+            return cls()
+        bufs, ends, base = [], [], 0
+        for p in parts:
+            bufs.append(p._buf)
+            ends.append(p._ends + base)
+            base += len(p._buf)
+        return cls(b"".join(bufs), np.concatenate(ends))
+
+    def __reduce__(self):
+        return Ids, (self._buf, self._ends)
+
+
+@dataclass
+class Plan:
+    """The precount, and where each range's rows go."""
+
+    ranges: list[tuple[int, int | None]]  # heap page bounds [start, end); None: to the end
+    counts: list[int]  # rows each range will give
+    classes: list | None
+    skipped_null_label: int
+    skipped_null_vector: int
+    rows_both_sides: int  # rows selected before the train/validation split (with a label)
+    seconds: float = 0.0
+
+    @property
+    def n(self) -> int:
+        return int(sum(self.counts))
+
+    @property
+    def offsets(self) -> list[int]:
+        return np.concatenate([[0], np.cumsum(self.counts)[:-1]]).astype(int).tolist() if self.counts else []
+
+
+@dataclass
+class Columns:
+    """What a read gives besides the vectors, in the dataset's order."""
+
+    labels: np.ndarray | None  # int64 class indices (classify) or float64 values (regress)
+    keys: np.ndarray  # uint32 split keys (empty unless asked for)
+    tids: np.ndarray  # uint64: heap page << 16 | line pointer
+    ids: Ids
+    seconds: float = 0.0
+    extra: dict = field(default_factory=dict)
+
+
+class _CopyFailed(Exception):
+    def __init__(self, sqlstate: str, message: str):
+        super().__init__(message)
+        self.sqlstate, self.message = sqlstate, message
+
+
+def _user_error(sqlstate: str | None, message: str, where: str | None) -> Exception:
+    """A failure of the user's SQL (syntax, unknown column, a write in a READ ONLY transaction,
+    bad data in a cast) is an InputError naming --where; anything else a DatabaseError."""
+    if where and sqlstate and sqlstate[:2] in ("42", "22", "25", "0A", "2B"):
+        return InputError(f"--where {where!r}: {message}")
+    return DatabaseError(f"reading the table failed: {message}")
+
+
+def _first_line(e: psycopg.Error) -> str:
+    return (e.diag.message_primary or str(e).strip().splitlines()[0]) if str(e).strip() else type(e).__name__
+
+
+class TableRead:
+    """Connections sharing one snapshot, to plan and read `source` (a context manager)."""
+
+    def __init__(self, dsn: str, source: Source, split: Split | None = None, null_labels: str = "skip",
+                 connections: int = 1, snapshot: str | None = None, classes: Sequence | None = None,
+                 with_keys: bool = False):
+        from embedfleet.store.ledger import connect
+
+        self.source, self.split, self.null_labels, self.with_keys = source, split, null_labels, with_keys
+        self.fixed_classes = list(classes) if classes is not None else None
+        self.conns: list[psycopg.Connection] = []
+        try:
+            for _ in range(max(1, connections)):
+                self.conns.append(connect(dsn))
+            lead = self.conns[0]
+            self._begin(lead, snapshot)
+            self.snapshot = snapshot
+            if snapshot is None and len(self.conns) > 1:
+                self.snapshot = lead.execute("SELECT pg_export_snapshot()").fetchone()[0]
+            for c in self.conns[1:]:
+                self._begin(c, self.snapshot)
+            t = sql.Identifier(source.table).as_string(lead)
+            self.pages = lead.execute("SELECT pg_relation_size(%s::regclass) / current_setting('block_size')::int",
+                                      [t]).fetchone()[0]
+        except psycopg.Error as e:
+            self.close()
+            raise DatabaseError(f"cannot open a read of {source.table!r}: {_first_line(e)}") from None
+        except BaseException:
+            self.close()
+            raise
+
+    @staticmethod
+    def _begin(conn: psycopg.Connection, snapshot: str | None) -> None:
+        conn.execute("BEGIN ISOLATION LEVEL REPEATABLE READ READ ONLY")
+        if snapshot:
+            conn.execute(sql.SQL("SET TRANSACTION SNAPSHOT {}").format(sql.Literal(snapshot)))
+        # The physical order, the same on every connection and every rank: no index or bitmap scan a
+        # --where might invite, no parallel workers, no scan joining one already running elsewhere.
+        for setting in ("enable_indexscan", "enable_indexonlyscan", "enable_bitmapscan", "synchronize_seqscans", "jit"):
+            conn.execute(f"SET LOCAL {setting} = off")
+        conn.execute("SET LOCAL max_parallel_workers_per_gather = 0")
+        conn.execute("SET LOCAL statement_timeout = 0")
+
+    def keep_first(self) -> None:
+        """Close every connection but the first, which keeps the snapshot (the streaming tier's)."""
+        for c in self.conns[1:]:
+            c.close()
+        self.conns = self.conns[:1]
+
+    def close(self) -> None:
+        for c in self.conns:
+            try:
+                c.close()
+            except Exception:
+                pass
+        self.conns = []
+
+    def __enter__(self) -> TableRead:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # ---- SQL ----------------------------------------------------------------------------------
+
+    def _ranges(self, parts: int) -> list[tuple[int, int | None]]:
+        if parts <= 1 or self.pages < 2 * parts:
+            return [(0, None)]
+        cuts = [self.pages * i // parts for i in range(parts)]
+        return [(a, b) for a, b in zip(cuts, cuts[1:] + [None])]
+
+    @staticmethod
+    def _range_sql(rng: tuple[int, int | None]) -> sql.Composable:
+        start, end = rng
+        if start == 0 and end is None:
+            return sql.SQL("true")
+        lo = sql.SQL("ctid >= {}::tid").format(sql.Literal(f"({start},0)"))
+        return lo if end is None else sql.SQL("{} AND ctid < {}::tid").format(lo, sql.Literal(f"({end},0)"))
+
+    def _filter(self, rng, with_label: bool, with_split: bool) -> sql.Composable:
+        s = self.source
+        parts = [self._range_sql(rng), sql.SQL("{} IS NOT NULL").format(sql.Identifier(s.column))]
+        if with_label and s.label and self.null_labels == "skip":
+            parts.append(sql.SQL("{} IS NOT NULL").format(sql.Identifier(s.label)))
+        if with_split and self.split is not None:
+            op = "<" if self.split.part == "val" else ">="
+            parts.append(sql.SQL("{}::bigint " + op + " {}").format(s.key_sql(), sql.Literal(self.split.threshold)))
+        if s.where:
+            parts.append(sql.SQL("({})").format(sql.SQL(s.where)))
+        return sql.SQL(" AND ").join(parts)
+
+    def _precount_sql(self, rng) -> sql.Composable:
+        s = self.source
+        side = (sql.SQL("{}::bigint < {}").format(s.key_sql(), sql.Literal(self.split.threshold))
+                if self.split is not None else sql.SQL("NULL::bool"))
+        if s.label is None:
+            lab = sql.SQL("NULL::text")
+        elif s.task == "classify":
+            lab = s.label_sql()
+        else:
+            lab = sql.SQL("({} IS NULL)::int::text").format(sql.Identifier(s.label))
+        where = [self._range_sql(rng)] + ([sql.SQL("({})").format(sql.SQL(s.where))] if s.where else [])
+        return sql.SQL(
+            "SELECT {lab} AS label, {side} AS val, {col} IS NULL AS no_vector, count(*) FROM {t} WHERE {w} "
+            "GROUP BY 1, 2, 3 LIMIT {cap}"
+        ).format(lab=lab, side=side, col=sql.Identifier(s.column), t=sql.Identifier(s.table),
+                 w=sql.SQL(" AND ").join(where), cap=sql.Literal(4 * MAX_CLASSES + 16))
+
+    def fields(self, with_vectors: bool = True) -> list:
+        s = self.source
+        out = [scalar_field("tid", "tid")]
+        if s.label is not None:
+            out.append(scalar_field("label", "float8" if s.label_kind == "numeric" else "int4"))
+        if self.with_keys:
+            out.append(scalar_field("key", "int4"))
+        if with_vectors:
+            out.append(vector_field("vec", s.vtype, s.dim))
+        return out
+
+    def _copy_sql(self, rng, classes: list | None, with_vectors: bool) -> sql.Composable:
+        s = self.source
+        cols = [sql.SQL("ctid")]
+        if s.label is not None:
+            if s.label_kind == "text":  # a class index (numeric labels map to classes on the client)
+                pos = sql.SQL("array_position({}::text[], {}) - 1").format(sql.Literal(classes), s.label_sql())
+                cols.append(sql.SQL("coalesce({}, -1)::int4").format(pos))
+            else:
+                cols.append(sql.SQL("coalesce({}, 'NaN')").format(s.label_sql()))
+        if self.with_keys:
+            cols.append(sql.SQL("{}::int4").format(s.key_sql()))
+        if with_vectors:
+            cols.append(sql.Identifier(s.column))
+        cols.append(s.id_sql())
+        return sql.SQL("COPY (SELECT {cols} FROM {t} WHERE {w}) TO STDOUT (FORMAT BINARY)").format(
+            cols=sql.SQL(", ").join(cols), t=sql.Identifier(s.table), w=self._filter(rng, True, True))
+
+    # ---- plan ---------------------------------------------------------------------------------
+
+    def _parallel(self, fn: Callable, jobs: list) -> list:
+        """fn(conn, job) for each job, job i on connection i % len(conns), results in job order."""
+        slots = len(self.conns)
+        if slots == 1:
+            return [fn(self.conns[0], j) for j in jobs]
+        out: list = [None] * len(jobs)
+
+        def run(k):
+            for i in range(k, len(jobs), slots):
+                out[i] = fn(self.conns[k], jobs[i])
+
+        with ThreadPoolExecutor(slots) as ex:
+            for f in [ex.submit(run, k) for k in range(slots)]:
+                f.result()
+        return out
+
+    def plan(self, parts: int | None = None) -> Plan:
+        """Count what each range will give; the classes; the rows skipped. Errors here are the
+        user's (a bad --where, nothing selected, only NULL labels)."""
+        t0 = time.perf_counter()
+        s = self.source
+        ranges = self._ranges(parts or len(self.conns))
+
+        def count(conn, rng):
+            try:
+                return conn.execute(self._precount_sql(rng)).fetchall()
+            except psycopg.Error as e:
+                raise _user_error(e.sqlstate, _first_line(e), s.where) from None
+
+        per_range = self._parallel(count, ranges)
+        groups = [row for res in per_range for row in res]
+        if len(groups) > 4 * MAX_CLASSES:
+            raise InputError(f"--label {s.label!r} has more than {MAX_CLASSES:,} distinct values: "
+                             "use --task regress for a numeric target")
+        want_val = None if self.split is None else self.split.part == "val"
+        keep_null = self.null_labels == "keep"
+
+        def on_side(val) -> bool:
+            return want_val is None or val == want_val
+
+        def null_label(lab) -> bool:
+            return s.label is not None and (lab is None if s.task == "classify" else lab == "1")
+
+        has = [(lab, val, c) for lab, val, nv, c in groups if not nv]
+        labelled = [(lab, val, c) for lab, val, c in has if not null_label(lab)]
+        if not has:
+            raise InputError(f"the selection is empty: table {s.table!r} has no rows with a vector"
+                             + (f" where {s.where}" if s.where else ""))
+        if s.label is not None and not labelled:
+            raise InputError(f"--label {s.label!r} is NULL in all {sum(c for _, _, c in has):,} selected rows")
+        classes = None
+        if s.task == "classify":
+            classes = self.fixed_classes
+            if classes is None:
+                values = {lab for lab, _, _ in labelled}
+                if len(values) > MAX_CLASSES:
+                    raise InputError(f"--label {s.label!r} has {len(values):,} distinct values (more than "
+                                     f"{MAX_CLASSES:,}): use --task regress for a numeric target")
+                classes = sorted(values)
+        # per range, the rows the COPY will give (the same filters in the same snapshot)
+        counts = [sum(c for lab, val, nv, c in res if not nv and on_side(val) and (keep_null or not null_label(lab)))
+                  for res in per_range]
+        skipped_label = sum(c for lab, val, c in has if null_label(lab) and on_side(val)) if not keep_null else 0
+        skipped_vector = sum(c for lab, val, nv, c in groups if nv and on_side(val))
+        both = sum(c for _, _, c in labelled)
+        return Plan(ranges, counts, classes, skipped_label, skipped_vector, both, time.perf_counter() - t0)
+
+    # ---- read ---------------------------------------------------------------------------------
+
+    def read(self, plan: Plan, put_vectors: Callable[[int, np.ndarray], None] | None,
+             ranges: Sequence[int] | None = None) -> Columns:
+        """COPY the planned ranges (all, or the given indices) into place: `put_vectors(offset,
+        big-endian values)` for the vectors, arrays of the plan's full length for the rest."""
+        t0 = time.perf_counter()
+        s = self.source
+        n = plan.n
+        labels = None
+        if s.label is not None:
+            labels = np.full(n, -1, np.int64) if s.task == "classify" else np.full(n, np.nan, np.float64)
+        keys = np.zeros(n if self.with_keys else 0, np.uint32)
+        classes = None
+        if s.task == "classify" and s.label_kind == "numeric":
+            classes = np.asarray(plan.classes, np.float64)
+        tids = np.zeros(n, np.uint64)
+        fields = self.fields(put_vectors is not None)
+        dtype = row_dtype(fields, trailing_text=True)
+        todo = list(range(len(plan.ranges))) if ranges is None else list(ranges)
+        offsets = plan.offsets
+        pieces: dict[int, Ids] = {}
+
+        def one(conn, i):
+            query = self._copy_sql(plan.ranges[i], plan.classes, put_vectors is not None)
+            off0 = offsets[i]
+            pos = [off0]
+            id_parts: list[Ids] = []
+
+            def on_block(raw: np.ndarray, idbuf: bytearray, idlens: list):
+                k = len(idlens)
+                rows = np.frombuffer(raw, dtype, count=k)
+                problem = check_rows(rows, fields, True, np.asarray(idlens, np.int64))
+                if problem:
+                    raise DatabaseError(f"table {s.table!r}: {problem}")
+                o = pos[0]
+                if o + k > off0 + plan.counts[i]:
+                    raise DatabaseError(_CHANGED)
+                if labels is not None:
+                    labels[o:o + k] = rows["label"] if classes is None else class_index(classes, rows["label"])
+                    if self.null_labels == "skip" and s.task == "classify" and np.any(labels[o:o + k] < 0):
+                        raise DatabaseError(_CHANGED)
+                if self.with_keys:
+                    keys[o:o + k] = rows["key"].view(">u4")
+                tids[o:o + k] = (rows["tid"]["block"].astype(np.uint64) << np.uint64(16)) | rows["tid"]["offset"]
+                if put_vectors is not None:
+                    put_vectors(o, rows["vec"]["values"])
+                id_parts.append(Ids(idbuf, np.cumsum(idlens)))
+                pos[0] = o + k
+
+            try:
+                copy_rows(conn, query, dtype.itemsize, on_block)
+            except _CopyFailed as e:
+                raise _user_error(e.sqlstate, e.message, s.where) from None
+            except psycopg.Error as e:
+                raise _user_error(e.sqlstate, _first_line(e), s.where) from None
+            if pos[0] != off0 + plan.counts[i]:
+                raise DatabaseError(_CHANGED)
+            pieces[i] = Ids.concat(id_parts)
+
+        if len(self.conns) == 1 or len(todo) == 1:
+            for i in todo:
+                one(self.conns[0], i)
+        else:
+            self._parallel(lambda conn, i: one(conn, i), todo)
+        ids = Ids.concat(pieces[i] for i in sorted(pieces))
+        return Columns(labels, keys, tids, ids, time.perf_counter() - t0)
+
+    def read_vectors(self, tids: np.ndarray, put: Callable[[int, np.ndarray], None], chunk: int = 65_536) -> None:
+        """The vectors of rows given by their tids (sorted ascending, as a TID scan returns them),
+        on the first connection, in this read's snapshot: the streaming tier's windows."""
+        s = self.source
+        fields = [vector_field("vec", s.vtype, s.dim)]
+        dtype = row_dtype(fields, trailing_text=False)
+        for a in range(0, len(tids), chunk):
+            part = tids[a:a + chunk]
+            lit = "{" + ",".join(f'"({b},{o})"' for b, o in zip((part >> np.uint64(16)).tolist(),
+                                                                 (part & np.uint64(0xFFFF)).tolist())) + "}"
+            query = sql.SQL("COPY (SELECT {c} FROM {t} WHERE ctid = ANY({l}::tid[])) TO STDOUT (FORMAT BINARY)").format(
+                c=sql.Identifier(s.column), t=sql.Identifier(s.table), l=sql.Literal(lit))
+            got = [a]
+
+            def on_block(raw, _ids, _lens):
+                k = len(raw)
+                rows = np.frombuffer(raw, dtype, count=k)
+                problem = check_rows(rows, fields, False)
+                if problem:
+                    raise DatabaseError(f"table {s.table!r}: {problem}")
+                put(got[0], rows["vec"]["values"])
+                got[0] += k
+
+            try:
+                copy_rows(self.conns[0], query, dtype.itemsize, on_block, with_text=False)
+            except _CopyFailed as e:
+                raise DatabaseError(f"streaming {s.table!r} failed: {e.message}") from None
+            if got[0] != a + len(part):
+                raise DatabaseError(_CHANGED)
+
+
+_CHANGED = ("the rows read differ from the rows counted in the same snapshot: is the --where filter "
+            "volatile (random(), now())? Use a deterministic filter")
+
+
+def class_index(classes: np.ndarray, values: np.ndarray) -> np.ndarray:
+    """Index of each value in sorted `classes`; -1 for NaN (NULL) and values not among them."""
+    values = np.asarray(values, np.float64)
+    pos = np.minimum(np.searchsorted(classes, values), len(classes) - 1)
+    return np.where(classes[pos] == values, pos, -1).astype(np.int64)
+
+
+def copy_rows(conn: psycopg.Connection, query: sql.Composable, fixed: int,
+              on_block: Callable[[np.ndarray, bytearray, list], None], block_rows: int = BLOCK_ROWS,
+              with_text: bool = True) -> int:
+    """Run a binary `COPY ... TO STDOUT` and hand its rows on in blocks: on_block(raw (k, fixed)
+    uint8 — the fixed-width prefix of each row, contiguous for np.frombuffer —, the bytes after the
+    prefix of every row, concatenated, and their lengths). PostgreSQL sends one message a row; this
+    loop only copies each into a reused buffer (the per-row work psycopg's Copy.read adds is most of
+    a read's client time). Returns the rows."""
+    buf = np.empty(block_rows * fixed, np.uint8)
+    view = memoryview(buf)
+    pg = conn.pgconn
+    total = k = 0
+    tail = bytearray()
+    lens: list[int] = []
+    with conn.cursor() as cur, cur.copy(query):
+        poller = select.poll()
+        poller.register(pg.socket, select.POLLIN)
+        get = pg.get_copy_data
+        header = True
+        while True:
+            nb, d = get(1)
+            if nb > 0:
+                if header:
+                    h = header_length(d)
+                    d, nb, header = d[h:], nb - h, False
+                    if nb == 0:
+                        continue
+                if nb == 2 and bytes(d) == TRAILER:
+                    continue
+                if nb < fixed:
+                    raise DatabaseError(f"a row of {nb} bytes where at least {fixed} were expected (NULL or "
+                                        "a vector of another dimension?)")
+                view[k * fixed:(k + 1) * fixed] = d[:fixed]
+                if with_text:
+                    tail += d[fixed:]
+                    lens.append(nb - fixed)
+                k += 1
+                if k == block_rows:
+                    on_block(buf.reshape(block_rows, fixed), tail, lens)
+                    total += k
+                    k, tail, lens = 0, bytearray(), []
+                continue
+            if nb == 0:
+                poller.poll()
+                pg.consume_input()
+                continue
+            break
+        error = None
+        while True:  # the COPY's own result, then the end of results
+            while pg.is_busy():
+                poller.poll()
+                pg.consume_input()
+            res = pg.get_result()
+            if res is None:
+                break
+            if res.status == pq.ExecStatus.FATAL_ERROR and error is None:
+                error = _CopyFailed((res.error_field(pq.DiagnosticField.SQLSTATE) or b"").decode(),
+                                    (res.error_field(pq.DiagnosticField.MESSAGE_PRIMARY) or b"").decode())
+        if error is not None:
+            raise error
+    if k:
+        on_block(buf[:k * fixed].reshape(k, fixed), tail, lens if with_text else [0] * k)
+        total += k
+    return total
+

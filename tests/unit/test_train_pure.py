@@ -1,0 +1,143 @@
+"""Binary COPY parsing, ids, class indices, metrics and the tier choice: no database."""
+
+from __future__ import annotations
+
+import pickle
+
+import numpy as np
+import pytest
+import torch
+
+from embedfleet.errors import InputError
+from embedfleet.train.copybin import SIGNATURE, TRAILER, check_rows, header_length, row_dtype, scalar_field, vector_field
+from embedfleet.train.dataset import choose_tier, host_take, make_put, resolve_dtype
+from embedfleet.train.metrics import classify_metrics, regress_metrics
+from embedfleet.train.read import Ids, Split, class_index
+
+
+def _rows(vtype: str, vecs: np.ndarray, labels, ids: list[str], null_label_at: int | None = None) -> bytes:
+    """What PostgreSQL sends for COPY (SELECT ctid, label::float8, vec, id) TO STDOUT (FORMAT BINARY)."""
+    elem = ">f4" if vtype == "vector" else ">f2"
+    out = bytearray(SIGNATURE + (0).to_bytes(4, "big") + (4).to_bytes(4, "big") + b"ext!")
+    for i, (v, y, rid) in enumerate(zip(vecs, labels, ids)):
+        out += (4).to_bytes(2, "big")
+        out += (6).to_bytes(4, "big") + (i // 3).to_bytes(4, "big") + (i % 3 + 1).to_bytes(2, "big")
+        if i == null_label_at:
+            out += (-1).to_bytes(4, "big", signed=True)
+        else:
+            out += (8).to_bytes(4, "big") + np.array(y, ">f8").tobytes()
+        body = np.array(v, elem).tobytes()
+        out += (4 + len(body)).to_bytes(4, "big") + len(v).to_bytes(2, "big") + b"\0\0" + body
+        b = rid.encode()
+        out += len(b).to_bytes(4, "big") + b
+    return bytes(out + TRAILER)
+
+
+def _split(buf: bytes, fixed: int, n: int) -> tuple[np.ndarray, list[bytes]]:
+    """Rows the way copy_rows hands them on: fixed prefixes packed, the rest of each row aside."""
+    pos = header_length(buf)
+    prefix, rest = bytearray(), []
+    for _ in range(n):
+        idlen = int.from_bytes(buf[pos + fixed - 4:pos + fixed], "big")
+        prefix += buf[pos:pos + fixed]
+        rest.append(buf[pos + fixed:pos + fixed + idlen])
+        pos += fixed + idlen
+    assert buf[pos:] == TRAILER
+    return np.frombuffer(bytes(prefix), np.uint8), rest
+
+
+@pytest.mark.parametrize("vtype", ["vector", "halfvec"])
+def test_fixed_width_rows_parse_with_one_frombuffer(vtype):
+    rng = np.random.default_rng(0)
+    vecs = rng.standard_normal((7, 5)).astype(np.float16 if vtype == "halfvec" else np.float32)
+    ids = ["a", "bé", "ccc", "", "d|e|f", "x" * 40, "7"]
+    fields = [scalar_field("tid", "tid"), scalar_field("label", "float8"), vector_field("vec", vtype, 5)]
+    dtype = row_dtype(fields, trailing_text=True)
+    raw, rest = _split(_rows(vtype, vecs, range(7), ids), dtype.itemsize, 7)
+    rows = np.frombuffer(raw, dtype)
+    assert check_rows(rows, fields, True, np.array([len(r) for r in rest])) is None
+    assert np.array_equal(rows["vec"]["values"].astype(vecs.dtype), vecs)
+    assert rows["label"].tolist() == list(range(7))
+    assert rows["tid"]["block"].tolist() == [0, 0, 0, 1, 1, 1, 2] and rows["tid"]["offset"].tolist()[:4] == [1, 2, 3, 1]
+    assert [r.decode() for r in rest] == ids
+    # what make_put does with the big-endian view: native values in the destination
+    dst = torch.zeros((7, 5), dtype=torch.float32)
+    make_put(dst)(0, rows["vec"]["values"])
+    assert torch.equal(dst, torch.from_numpy(vecs.astype(np.float32)))
+    bf = torch.zeros((7, 5), dtype=torch.bfloat16)
+    make_put(bf)(0, rows["vec"]["values"])
+    assert torch.equal(bf, torch.from_numpy(vecs.astype(np.float32)).bfloat16())
+
+
+def test_a_null_or_another_dimension_is_reported():
+    fields = [scalar_field("tid", "tid"), scalar_field("label", "float8"), vector_field("vec", "vector", 3)]
+    dtype = row_dtype(fields, trailing_text=True)
+    raw, _ = _split(_rows("vector", np.ones((2, 3)), [1, 2], ["a", "b"]), dtype.itemsize, 2)
+    rows = np.frombuffer(raw, dtype).copy()
+    rows["label_len"][1] = -1
+    assert "(NULL)" in check_rows(rows, fields, True)
+    rows = np.frombuffer(raw, dtype).copy()
+    rows["vec"]["dim"][0] = 4
+    assert "dimension 4" in check_rows(rows, fields, True)
+    rows = np.frombuffer(raw, dtype).copy()
+    rows["nfields"][0] = 3
+    assert "fields" in check_rows(rows, fields, True)
+    with pytest.raises(ValueError):
+        header_length(b"NOTPGCOPY" + bytes(20))
+
+
+def test_ids_keep_order_take_and_pickle():
+    parts = [Ids(b"abcd", np.array([1, 4])), Ids(), Ids("é|z".encode(), np.array([4]))]
+    ids = Ids.concat(parts)
+    assert ids.tolist() == ["a", "bcd", "é|z"] and ids[2] == "é|z" and ids[-1] == "é|z" and len(ids) == 3
+    assert ids.take(np.array([2, 0])).tolist() == ["é|z", "a"] and ids.take(np.array([], int)).tolist() == []
+    assert pickle.loads(pickle.dumps(ids)) == ids and ids[0:2] == ["a", "bcd"]
+
+
+def test_class_index_marks_unknown_and_null():
+    classes = np.array([1.0, 2.5, 5.0])
+    assert class_index(classes, np.array([5.0, 1.0, np.nan, 3.0, 2.5, 9.0])).tolist() == [2, 0, -1, -1, 1, -1]
+
+
+def test_split_rule():
+    keys = np.array([0, 429496729, 429496730, 2 ** 32 - 1], np.uint32)
+    assert Split.is_val(keys, 0.1).tolist() == [True, True, False, False]
+    assert Split.key_of("abc") == int("900150983cd24fb0d6963f7d28e17f72"[:8], 16)
+    with pytest.raises(InputError):
+        Split("test")
+    with pytest.raises(InputError):
+        Split("val", 1.0)
+
+
+def test_classify_metrics_from_a_confusion_matrix():
+    # class 2 is predicted but never true (F1 0); class 3 neither occurs nor is predicted (left out)
+    c = np.array([[3, 1, 0, 0], [0, 2, 2, 0], [0, 0, 0, 0], [0, 0, 0, 0]])
+    m = classify_metrics(c)
+    assert m["accuracy"] == 5 / 8
+    f1 = [2 * 3 / (4 + 3), 2 * 2 / (4 + 3), 0.0]
+    assert m["macro_f1"] == pytest.approx(sum(f1) / 3) and m["confusion"] == c.tolist() and m["rows"] == 8
+    assert classify_metrics(np.zeros((2, 2)))["accuracy"] is None
+    r = regress_metrics(6.0, 20.0, 4)
+    assert r["mae"] == 1.5 and r["rmse"] == pytest.approx(5 ** 0.5) and regress_metrics(0, 0, 0)["mae"] is None
+
+
+def test_tier_choice_without_cuda():
+    cpu = torch.device("cpu")
+    if not torch.cuda.is_available():
+        with pytest.raises(InputError, match="needs a CUDA device"):
+            choose_tier("gpu", cpu, 10)
+    with pytest.raises(InputError):
+        choose_tier("disk", cpu, 10)
+    assert choose_tier("auto", cpu, 1000) == "ram"
+    assert choose_tier("auto", cpu, 1 << 60) == "stream"
+    assert choose_tier("stream", cpu, 10) == "stream"
+    assert resolve_dtype(None, "halfvec") == torch.float16 and resolve_dtype("bf16", "vector") == torch.bfloat16
+    with pytest.raises(InputError):
+        resolve_dtype("int8", "vector")
+
+
+def test_host_take_matches_indexing_for_every_dtype():
+    x = torch.arange(40, dtype=torch.float32).view(10, 4)
+    idx = np.array([9, 0, 3, 3])
+    for dt in (torch.float32, torch.float16, torch.bfloat16):
+        assert torch.equal(host_take(x.to(dt), idx), x.to(dt)[torch.from_numpy(idx)])
