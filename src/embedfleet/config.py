@@ -185,6 +185,10 @@ class Settings:
     word_cache: int = _knob(1 << 18, "EMBEDFLEET_WORD_CACHE", "distinct words each tokenizer remembers")
     compile: bool = _knob(True, "EMBEDFLEET_COMPILE", "torch.compile the forward pass on CUDA (0: eager)")
     triton: bool = _knob(True, "EMBEDFLEET_TRITON", "Qwen3's fused q/k-norm + RoPE Triton kernel on CUDA (0: off)")
+    train_readers: int | None = _knob(None, "EMBEDFLEET_TRAIN_READERS",
+                                      "connections one training read uses (default: a quarter of the cores, 1-4)")
+    train_gather_threads: int | None = _knob(None, "EMBEDFLEET_TRAIN_GATHER_THREADS",
+                                             "threads gathering a batch on the host in the ram tier (default: half the cores, ≤ 8)")
     host_id: str = _knob(socket.gethostname(), "EMBEDFLEET_HOST_ID",
                          "this host's name in the ledger: a dead worker's chunks are freed at once only on its own host")
     metrics_port: int | None = _knob(None, "EMBEDFLEET_METRICS_PORT",
@@ -226,7 +230,7 @@ def _parse_knob(name: str, raw: str, kind: str):
 
 def _checked(s: Settings) -> Settings:
     for name, least in (("helpers", 0), ("tasks_ahead", 0), ("writers", 1), ("writer_depth", 1), ("word_cache", 2),
-                        ("metrics_port", 0)):
+                        ("metrics_port", 0), ("train_readers", 1), ("train_gather_threads", 1)):
         value = getattr(s, name)
         if value is not None and value < least:
             env = next(f.metadata["env"] for f in dataclasses.fields(s) if f.name == name)

@@ -128,9 +128,9 @@ def gather_threads() -> int:
     random rows, and the ram tier must keep up with the host-to-device copy."""
     import os
 
-    from embedfleet.config import env_int
+    from embedfleet.config import Settings
 
-    return env_int("EMBEDFLEET_TRAIN_GATHER_THREADS", max(1, min(8, (os.cpu_count() or 2) // 2)))
+    return Settings.from_env().train_gather_threads or max(1, min(8, (os.cpu_count() or 2) // 2))
 
 
 _pool_lock = threading.Lock()

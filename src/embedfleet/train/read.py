@@ -32,7 +32,7 @@ import psycopg
 from psycopg import pq, sql
 
 from embedfleet.errors import DatabaseError, InputError
-from embedfleet.store.schema import table_exists
+from embedfleet.store.schema import split_table, table_exists, table_sql
 from embedfleet.train.copybin import TRAILER, check_rows, header_length, row_dtype, scalar_field, vector_field
 
 __all__ = ["Source", "Split", "Plan", "Ids", "Columns", "TableRead", "describe", "class_index", "default_connections",
@@ -86,6 +86,10 @@ class Source:
     label_kind: str | None = None  # "numeric" | "text"
     task: str | None = None  # "classify" | "regress"
     where: str | None = None
+    ident: tuple[str, ...] = ()  # the table's identifier parts (schema, name), resolved once
+
+    def table_sql(self) -> sql.Identifier:
+        return sql.Identifier(*(self.ident or (self.table,)))
 
     def id_sql(self) -> sql.Composable:
         if self.id_column is None:
@@ -105,7 +109,7 @@ def _columns(conn: psycopg.Connection, table: str) -> dict[str, tuple[str, str, 
         "SELECT a.attname, t.typname, t.typcategory, a.atttypmod FROM pg_attribute a "
         "JOIN pg_type t ON t.oid = a.atttypid "
         "WHERE a.attrelid = %s::regclass AND a.attnum > 0 AND NOT a.attisdropped ORDER BY a.attnum",
-        [sql.Identifier(table).as_string(conn)],
+        [table_sql(conn, table).as_string(conn)],
     ).fetchall()
     return {name: (typ, cat, mod) for name, typ, cat, mod in rows}
 
@@ -126,7 +130,7 @@ def describe(conn: psycopg.Connection, table: str, label: str | None = None, whe
     vtype, _, dim = cols[column]
     if dim <= 0:  # a column declared without a dimension: take the first row's
         row = conn.execute(sql.SQL("SELECT vector_dims({c}) FROM {t} WHERE {c} IS NOT NULL LIMIT 1").format(
-            c=sql.Identifier(column), t=sql.Identifier(table))).fetchone()
+            c=sql.Identifier(column), t=table_sql(conn, table))).fetchone()
         dim = row[0] if row else 0
     id_column = "id" if "id" in cols else _primary_key(conn, table)
     kind = None
@@ -147,23 +151,24 @@ def describe(conn: psycopg.Connection, table: str, label: str | None = None, whe
             raise InputError(f"--task regress needs a numeric --label; {label!r} is of type {typ}")
     elif task is not None:
         raise InputError(f"--task {task} needs a --label column")
-    return Source(table, column, vtype, dim, id_column, label, kind, task if label else None, where or None)
+    return Source(table, column, vtype, dim, id_column, label, kind, task if label else None, where or None,
+                  tuple(p for p in split_table(conn, table) if p is not None))
 
 
 def _primary_key(conn: psycopg.Connection, table: str) -> str | None:
     rows = conn.execute(
         "SELECT a.attname FROM pg_index i JOIN pg_attribute a ON a.attrelid = i.indrelid "
         "AND a.attnum = ANY(i.indkey) WHERE i.indrelid = %s::regclass AND i.indisprimary",
-        [sql.Identifier(table).as_string(conn)]).fetchall()
+        [table_sql(conn, table).as_string(conn)]).fetchall()
     return rows[0][0] if len(rows) == 1 else None
 
 
 def default_connections() -> int:
     """Connections for one read (EMBEDFLEET_TRAIN_READERS): each server backend produces rows on
     one core and the client parses on one (the GIL), so a few pay and many only contend."""
-    from embedfleet.config import env_int
+    from embedfleet.config import Settings
 
-    return env_int("EMBEDFLEET_TRAIN_READERS", max(1, min(4, (os.cpu_count() or 2) // 4)))
+    return Settings.from_env().train_readers or max(1, min(4, (os.cpu_count() or 2) // 4))
 
 
 class Ids(Sequence):
@@ -302,7 +307,7 @@ class TableRead:
                 self.snapshot = lead.execute("SELECT pg_export_snapshot()").fetchone()[0]
             for c in self.conns[1:]:
                 self._begin(c, self.snapshot)
-            t = sql.Identifier(source.table).as_string(lead)
+            t = source.table_sql().as_string(lead)
             self.pages = lead.execute("SELECT pg_relation_size(%s::regclass) / current_setting('block_size')::int",
                                       [t]).fetchone()[0]
         except psycopg.Error as e:
@@ -386,7 +391,7 @@ class TableRead:
         return sql.SQL(
             "SELECT {lab} AS label, {side} AS val, {col} IS NULL AS no_vector, count(*) FROM {t} WHERE {w} "
             "GROUP BY 1, 2, 3 LIMIT {cap}"
-        ).format(lab=lab, side=side, col=sql.Identifier(s.column), t=sql.Identifier(s.table),
+        ).format(lab=lab, side=side, col=sql.Identifier(s.column), t=s.table_sql(),
                  w=sql.SQL(" AND ").join(where), cap=sql.Literal(4 * MAX_CLASSES + 16))
 
     def fields(self, with_vectors: bool = True) -> list:
@@ -415,7 +420,7 @@ class TableRead:
             cols.append(sql.Identifier(s.column))
         cols.append(s.id_sql())
         return sql.SQL("COPY (SELECT {cols} FROM {t} WHERE {w}) TO STDOUT (FORMAT BINARY)").format(
-            cols=sql.SQL(", ").join(cols), t=sql.Identifier(s.table), w=self._filter(rng, True, True))
+            cols=sql.SQL(", ").join(cols), t=s.table_sql(), w=self._filter(rng, True, True))
 
     # ---- plan ---------------------------------------------------------------------------------
 
@@ -565,7 +570,7 @@ class TableRead:
             lit = "{" + ",".join(f'"({b},{o})"' for b, o in zip((part >> np.uint64(16)).tolist(),
                                                                  (part & np.uint64(0xFFFF)).tolist())) + "}"
             query = sql.SQL("COPY (SELECT {c} FROM {t} WHERE ctid = ANY({l}::tid[])) TO STDOUT (FORMAT BINARY)").format(
-                c=sql.Identifier(s.column), t=sql.Identifier(s.table), l=sql.Literal(lit))
+                c=sql.Identifier(s.column), t=s.table_sql(), l=sql.Literal(lit))
             got = [a]
 
             def on_block(raw, _ids, _lens):
