@@ -152,8 +152,14 @@ def test_a_jsonl_chunk_fetches_only_its_own_byte_range(tmp_path, monkeypatch):
         RangeStore.fetched.clear()
         assert list(read_chunk(c))
         assert [(s, e) for _, s, e in RangeStore.fetched] == [(c.start, c.end)]  # one request, exactly the chunk
+    # an object store is asked once per chunk of a few MB too (each request is a round trip)
+    _, url = _put("rangetest", tmp_path, "bigger.jsonl", b'{"text": "%s"}\n' % (b"z" * 1000) * 5000)
+    c = plan_chunks([url], 3 << 20)[0]
+    RangeStore.fetched.clear()
+    assert len(list(read_chunk(c))) > 3000 and [(s, e) for _, s, e in RangeStore.fetched] == [(c.start, c.end)]
     # a chunk longer than one request: pieces, still none past its end
     monkeypatch.setattr(files, "_URL_READ", 1000)
+    monkeypatch.setattr(files, "_LOCAL_READ", 1000)
     c = chunks[2]
     RangeStore.fetched.clear()
     assert [r.line for r in read_chunk(c)] == [r.line for r in read_chunk(ChunkSpec(str(tmp_path / "big.jsonl"), *_fields(c)))]

@@ -127,9 +127,16 @@ def open_random(source: str) -> IO[bytes]:
 
 def read_range(source: str, start: int, end: int | None = None, block: int | None = None) -> Iterator[bytes]:
     """The bytes [start, end) of the source (end None: to its end) in blocks of `block` (default
-    1 MiB); a URL's in range requests of at least 16 MiB, none past `end`."""
-    block = max(block or 0, _URL_READ) if is_url(source) else block or _LOCAL_READ
-    with open_random(source) as f:
+    1 MiB); a remote URL's in range requests of at least 16 MiB, none past `end`."""
+    block = block or _LOCAL_READ
+    if is_url(source):
+        fs, path = _filesystem(source)
+        f = fs.open(path, "rb", cache_type="none")
+        if not _local(fs):
+            block = max(block, _URL_READ)
+    else:
+        f = open(source, "rb")
+    with f:
         f.seek(start)
         left = -1 if end is None else end - start
         while left:
@@ -139,3 +146,8 @@ def read_range(source: str, start: int, end: int | None = None, block: int | Non
             if left > 0:
                 left -= len(data)
             yield data
+
+
+def _local(fs) -> bool:
+    """file:// has no round trips to save, and blocks past the CPU caches scan slower (bench/NOTES.md)."""
+    return "file" in ((fs.protocol,) if isinstance(fs.protocol, str) else fs.protocol)
