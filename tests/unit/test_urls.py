@@ -248,3 +248,15 @@ def test_fingerprint_changes_with_the_contents(tmp_path):
     before = files.fingerprint(url)
     RangeStore.objects[f"{tmp_path.name}/m.jsonl"] = b'{"a": 1}\n'
     assert files.fingerprint(url) != before
+
+
+def test_a_filesystem_failure_is_one_line_naming_the_input(monkeypatch):
+    class NoCredentials(Exception):  # what botocore raises is not an OSError
+        pass
+
+    def refuse(self, path, **kwargs):
+        raise NoCredentials("Unable to locate credentials")
+
+    monkeypatch.setattr(RangeStore, "info", refuse)
+    msg = _one_line_error(lambda: expand_inputs(["rangetest://bucket/x.jsonl"]), "cannot read input")
+    assert msg == "cannot read input rangetest://bucket/x.jsonl: NoCredentials: Unable to locate credentials"

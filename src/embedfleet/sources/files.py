@@ -84,8 +84,10 @@ def expand(item: str) -> list[str]:
         info = fs.info(path)
     except FileNotFoundError:
         raise InputError(f"input not found: {item}") from None
-    except OSError as e:  # permissions, credentials, network: what the filesystem says, on one line
-        raise InputError(f"cannot read input {item}: {e}") from None
+    except InputError:
+        raise
+    except Exception as e:  # noqa: BLE001 - credentials, permissions, network: the library's words, one line
+        raise InputError(f"cannot read input {item}: {type(e).__name__}: {e}") from None
     if info.get("type") == "directory":
         raise InputError(f"input is a directory: {item} (pass its files, e.g. '{item.rstrip('/')}/*.jsonl')")
     return [fs.unstrip_protocol(path)]
