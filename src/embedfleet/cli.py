@@ -49,7 +49,7 @@ def _root(debug: bool = typer.Option(False, "--debug", help="Show tracebacks."))
 
 @app.command()
 def ingest(
-    inputs: List[str] = typer.Argument(None, help="JSONL(.gz/.zst), Parquet or CSV files; globs allowed"),
+    inputs: List[str] = typer.Argument(None, help="JSONL(.gz/.zst), Parquet or CSV files or URLs (s3://, gs://, hf://, file://); globs allowed"),
     meta: Optional[str] = typer.Option(None, "--meta", help="product metadata file joined by parent_asin"),
     preset: Optional[str] = typer.Option(None, "--preset", help="amazon-reviews | generic"),
     text_template: Optional[str] = typer.Option(None, "--text-template", help='e.g. "{title}\\n\\n{text}"'),

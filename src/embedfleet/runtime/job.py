@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import hashlib
 import logging
-import os
 from contextlib import nullcontext
 from pathlib import Path
 from typing import Protocol
@@ -102,8 +101,10 @@ def apply_limit(chunks: list[ChunkSpec], limit: int | None) -> list[tuple[ChunkS
 
 
 def meta_identity(path: str) -> str:
-    st = os.stat(path)
-    return hashlib.sha256(f"{os.path.abspath(path)}|{st.st_size}|{st.st_mtime_ns}".encode()).hexdigest()[:16]
+    """Which meta file this is, contents included (a path or a URL): loaded once per identity."""
+    from embedfleet.sources import files
+
+    return hashlib.sha256(files.fingerprint(path).encode()).hexdigest()[:16]
 
 
 def check_job(cfg: JobConfig, conn) -> None:

@@ -10,6 +10,7 @@ from embedfleet.config import JobConfig
 from embedfleet.errors import InputError
 from embedfleet.records import to_records
 from embedfleet.sources import ChunkSpec, input_kind, read_chunk
+from embedfleet.sources.files import size
 from embedfleet.sources.presets import get_preset
 
 SAMPLE = 200  # records read from the first input
@@ -20,7 +21,7 @@ def first_records(path: str, n: int = SAMPLE) -> list:
     """Up to `n` records from the start of `path`, without planning the whole file."""
     kind = input_kind(path)
     if kind == "jsonl":
-        spec = ChunkSpec(path, kind, 0, min(os.path.getsize(path), _HEAD_BYTES), 1)
+        spec = ChunkSpec(path, kind, 0, min(size(path), _HEAD_BYTES), 1)
     elif kind == "parquet":
         spec = ChunkSpec(path, kind, 0, 1, 1)
     else:

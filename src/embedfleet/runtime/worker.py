@@ -40,7 +40,7 @@ from embedfleet.runtime.gpu import gpu_reader
 from embedfleet.runtime.units import Task, UnitContext, UnitPool, settle_gc, stream_tasks
 from embedfleet.sources.plan import ChunkSpec
 from embedfleet.sources.presets import get_preset
-from embedfleet.store.ledger import Claim, Ledger, Reconnect, process_started
+from embedfleet.store.ledger import Ledger, Reconnect, process_started
 from embedfleet.store.schema import ensure_table, vector_type
 from embedfleet.store.writer import Failure, TableSink, Unit, Writer, default_writers
 
@@ -210,7 +210,7 @@ class Worker:
         self._failed: set = set()  # claim tokens whose chunk failed: their remaining units are dropped
 
     def run(self) -> dict:
-        s, stats, t_begin = self.settings, self.stats, time.perf_counter()
+        s, t_begin = self.settings, time.perf_counter()
         epoch_begin = time.time()
         # Threads here mostly wait on the GPU, helpers and sockets; after each wait one must take the GIL
         # back from whichever thread is running Python, which by default may hold it 5 ms. A shorter

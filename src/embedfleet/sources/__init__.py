@@ -1,4 +1,5 @@
-"""Inputs: plan chunks over files, then stream a chunk's records. No database, no torch here."""
+"""Inputs (local paths or fsspec URLs): plan chunks over files, then stream a chunk's records.
+No database, no torch here."""
 
 from __future__ import annotations
 

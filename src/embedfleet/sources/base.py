@@ -1,4 +1,4 @@
-"""What every reader yields, and the shared pieces: opening (de)compressed streams, parsing lines.
+"""What every reader yields, and the shared pieces: opening (de)compressed streams, splitting and parsing lines.
 
 Fault semantics, the same for every reader:
 - a UTF-8 BOM at the start of a file, CRLF line ends and a last line without a newline are normal;
@@ -14,7 +14,7 @@ from __future__ import annotations
 import gzip
 import json
 import zlib
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import IO
 
@@ -26,6 +26,7 @@ except ImportError:  # pragma: no cover
     zstandard = None
 
 from embedfleet.errors import InputError
+from embedfleet.sources.files import open_sequential
 
 BOM = b"\xef\xbb\xbf"
 _READ = 1 << 20
@@ -43,36 +44,47 @@ class RawRecord:
     error: str | None  # why this line is a reject, e.g. "malformed JSON: Unexpected character at column 12"
 
 
-def open_binary(path: str) -> IO[bytes]:
-    """The file's bytes, decompressed by suffix (.gz: gzip, multi-member; .zst: zstd, multi-frame)."""
-    lower = path.lower()
+def open_binary(source: str) -> IO[bytes]:
+    """The source's bytes, decompressed by suffix (.gz: gzip, multi-member; .zst: zstd, multi-frame)."""
+    lower = source.lower()
+    if lower.endswith(".zst") and zstandard is None:
+        raise InputError(f"{source}: reading .zst needs the zstandard package (pip install zstandard)")
+    raw = open_sequential(source)
     if lower.endswith(".gz"):
-        return gzip.open(path, "rb")
+        return _GzipReader(raw)
     if lower.endswith(".zst"):
-        if zstandard is None:
-            raise InputError(f"{path}: reading .zst needs the zstandard package (pip install zstandard)")
-        fh = open(path, "rb")
-        return zstandard.ZstdDecompressor().stream_reader(fh, read_across_frames=True, closefd=True)
-    return open(path, "rb")
+        return zstandard.ZstdDecompressor().stream_reader(raw, read_across_frames=True, closefd=True)
+    return raw
 
 
-def iter_lines(stream: IO[bytes], limit: int = -1) -> Iterator[bytes]:
-    """Lines of a byte stream without their "\\n", reading at most `limit` bytes (-1: all).
+class _GzipReader(gzip.GzipFile):
+    """A GzipFile that also closes the file it reads (gzip.open does that only for a file it opened)."""
 
-    Reads fixed blocks, so memory is one block plus the longest line.
-    """
+    def __init__(self, raw: IO[bytes]):
+        super().__init__(fileobj=raw, mode="rb")
+        self._raw = raw
+
+    def close(self) -> None:
+        try:
+            super().close()
+        finally:
+            self._raw.close()
+
+
+def split_lines(blocks: Iterable[bytes]) -> Iterator[bytes]:
+    """Lines of consecutive byte blocks without their "\\n"; memory is one block plus the longest line."""
     tail = b""
-    while limit:
-        block = stream.read(_READ if limit < 0 else min(_READ, limit))
-        if not block:
-            break
-        if limit > 0:
-            limit -= len(block)
+    for block in blocks:
         lines = (tail + block).split(b"\n") if tail else block.split(b"\n")
         tail = lines.pop()
         yield from lines
     if tail:
         yield tail
+
+
+def iter_lines(stream: IO[bytes]) -> Iterator[bytes]:
+    """Lines of a whole byte stream, read in fixed blocks."""
+    return split_lines(iter(lambda: stream.read(_READ), b""))
 
 
 def parse_line(source: str, number: int, line: bytes) -> RawRecord | None:

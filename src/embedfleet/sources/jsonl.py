@@ -9,15 +9,16 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
-from embedfleet.sources.base import BOM, STREAM_ERRORS, RawRecord, iter_lines, open_binary, parse_line, stream_error
+from embedfleet.sources.base import (BOM, STREAM_ERRORS, RawRecord, iter_lines, open_binary, parse_line, split_lines,
+                                     stream_error)
+from embedfleet.sources.files import read_range
 from embedfleet.sources.plan import ChunkSpec
 
 
 def read_jsonl(spec: ChunkSpec, after_line: int = 0) -> Iterator[RawRecord]:
-    """Records of lines numbered > `after_line` in the chunk's bytes [start, end)."""
-    with open(spec.source, "rb") as f:
-        f.seek(spec.start)
-        yield from _records(spec.source, iter_lines(f, spec.end - spec.start), spec.first_line, after_line, spec.start == 0)
+    """Records of lines numbered > `after_line` in the chunk's bytes [start, end) (of a URL: a ranged read)."""
+    lines = split_lines(read_range(spec.source, spec.start, spec.end))
+    yield from _records(spec.source, lines, spec.first_line, after_line, spec.start == 0)
 
 
 def read_stream(spec: ChunkSpec, after_line: int = 0) -> Iterator[RawRecord]:

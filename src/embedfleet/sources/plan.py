@@ -1,4 +1,4 @@
-"""Planning: turn input paths into chunks a worker can claim.
+"""Planning: turn inputs (local paths or fsspec URLs, see files.py) into chunks a worker can claim.
 
 Pure apart from reading files to find boundaries: the same files and `chunk_bytes` always give the
 same chunks, so a re-run of a job finds the ledger's chunks again. A plain JSONL file is cut at
@@ -9,7 +9,6 @@ and CSV cannot be entered mid-way and are one chunk each; Parquet is cut at row-
 
 from __future__ import annotations
 
-import glob
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -17,6 +16,7 @@ from pathlib import Path
 import pyarrow.parquet as pq
 
 from embedfleet.errors import InputError
+from embedfleet.sources import files
 
 _BLOCK = 4 << 20  # read size while counting lines: big blocks keep bytes.count in C
 _JSONL = (".jsonl", ".ndjson", ".jsonlines", ".json")
@@ -28,7 +28,7 @@ SUPPORTED = ".jsonl .ndjson .jsonlines .json (each optionally .gz or .zst), .par
 
 @dataclass(frozen=True)
 class ChunkSpec:
-    source: str  # absolute path
+    source: str  # absolute path, or URL
     kind: str  # "jsonl" | "stream" (compressed jsonl) | "parquet" | "csv"
     start: int  # byte offset (jsonl) | first row group (parquet) | 0
     end: int  # exclusive byte end (jsonl) | exclusive row-group end (parquet) | -1 = to end of stream
@@ -64,20 +64,11 @@ def table_name_for(path: str | os.PathLike) -> str:
 
 
 def expand_inputs(inputs: list[str]) -> list[str]:
-    """Absolute, sorted, de-duplicated file paths; globs (with ** recursion) are expanded."""
+    """Absolute, sorted, de-duplicated file paths and URLs; globs (with ** recursion) are expanded,
+    on URLs too ("s3://bucket/wiki/*.parquet")."""
     found: set[str] = set()
     for item in inputs:
-        if glob.has_magic(item):
-            files = [p for p in glob.glob(os.path.expanduser(item), recursive=True) if os.path.isfile(p)]
-            if not files:
-                raise InputError(f"input not found: {item} (the pattern matches no files)")
-            found.update(os.path.abspath(p) for p in files)
-        elif os.path.isdir(item):
-            raise InputError(f"input is a directory: {item} (pass its files, e.g. '{item}/*.jsonl')")
-        elif os.path.isfile(item):
-            found.add(os.path.abspath(item))
-        else:
-            raise InputError(f"input not found: {item}")
+        found.update(files.expand(item))
     return sorted(found)
 
 
@@ -87,10 +78,10 @@ def plan_chunks(paths: list[str], chunk_bytes: int = 8 << 20) -> list[ChunkSpec]
         raise InputError(f"chunk size must be at least 1 byte, got {chunk_bytes}")
     chunks: list[ChunkSpec] = []
     for path in paths:
-        path = os.path.abspath(path)
+        path = files.absolute(path)
         kind = input_kind(path)
         try:
-            if os.path.getsize(path) == 0:
+            if files.size(path) == 0:
                 continue
             if kind == "jsonl":
                 chunks.extend(_jsonl_chunks(path, chunk_bytes))
@@ -113,19 +104,18 @@ def _jsonl_chunks(path: str, chunk_bytes: int) -> list[ChunkSpec]:
     start, first_line = 0, 1
     newlines = 0  # newlines before `pos`
     pos = 0  # file offset of block[0]
-    with open(path, "rb") as f:
-        while block := f.read(_BLOCK):
-            i = 0  # position in block up to which newlines are counted
-            while True:
-                j = block.find(b"\n", max(start + chunk_bytes - 1 - pos, i))
-                if j < 0:
-                    newlines += block.count(b"\n", i)
-                    break
-                newlines += block.count(b"\n", i, j + 1)
-                end = pos + j + 1
-                out.append(ChunkSpec(path, "jsonl", start, end, first_line))
-                start, first_line, i = end, newlines + 1, j + 1
-            pos += len(block)
+    for block in files.read_range(path, 0, None, _BLOCK):
+        i = 0  # position in block up to which newlines are counted
+        while True:
+            j = block.find(b"\n", max(start + chunk_bytes - 1 - pos, i))
+            if j < 0:
+                newlines += block.count(b"\n", i)
+                break
+            newlines += block.count(b"\n", i, j + 1)
+            end = pos + j + 1
+            out.append(ChunkSpec(path, "jsonl", start, end, first_line))
+            start, first_line, i = end, newlines + 1, j + 1
+        pos += len(block)
     if start < pos:
         out.append(ChunkSpec(path, "jsonl", start, pos, first_line))
     return out
@@ -134,7 +124,13 @@ def _jsonl_chunks(path: str, chunk_bytes: int) -> list[ChunkSpec]:
 def _parquet_chunks(path: str, chunk_bytes: int) -> list[ChunkSpec]:
     """Consecutive row groups whose uncompressed size adds up to about `chunk_bytes`."""
     try:
-        meta = pq.ParquetFile(path).metadata
+        if files.is_url(path):
+            with files.open_random(path) as f:
+                meta = pq.ParquetFile(f).metadata
+        else:
+            meta = pq.ParquetFile(path).metadata
+    except FileNotFoundError:
+        raise
     except Exception as e:  # pyarrow raises ArrowInvalid/OSError variants for non-parquet bytes
         raise InputError(f"cannot read Parquet file {path}: {e}") from e
     out: list[ChunkSpec] = []
