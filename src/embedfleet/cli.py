@@ -68,6 +68,8 @@ def ingest(
     dtype: Optional[str] = typer.Option(None, "--dtype", help="float (vector) | half (halfvec, pgvector ≥ 0.7)"),
     dim: Optional[int] = typer.Option(None, "--dim", help="Matryoshka: keep the first N dimensions"),
     prompt: Optional[str] = typer.Option(None, "--prompt", help="prompt name or text prepended to documents"),
+    passages: Optional[str] = typer.Option(None, "--passages", help="TOKENS[:OVERLAP]: each record as passages "
+                                           "of at most TOKENS tokens, overlapping by OVERLAP (e.g. 256:32)"),
     config: Optional[str] = typer.Option(None, "--config", help="YAML file with any of these flags (flags win)"),
     ray: Optional[str] = typer.Option(None, "--ray", help="run the workers as Ray actors: auto (RAY_ADDRESS or a "
                                       "local cluster) or the cluster's ADDRESS; pip install embedfleet[ray]"),
@@ -84,7 +86,7 @@ def ingest(
         inputs=inputs, meta=meta, preset=preset, text_template=text_template, text_field=text_field,
         id_field=id_field, model=model, db=db, table=table, job=job, devices=devices, workers=workers,
         batch_tokens=batch_tokens, chunk_bytes=chunk_bytes, limit=limit, no_index=no_index, dtype=dtype,
-        dim=dim, prompt=prompt, quiet=quiet,
+        dim=dim, prompt=prompt, passages=passages, quiet=quiet,
     ), config)
     settings = Settings.from_env(metrics_port=metrics_port)
     cfg.inputs = expand_inputs(cfg.inputs)  # a missing file or GPU fails before any server starts

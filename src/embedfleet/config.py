@@ -56,15 +56,17 @@ class JobConfig:
     dtype: str = "float"  # stored vector type: float -> vector, half -> halfvec
     dim: int | None = None  # Matryoshka truncation
     prompt: str | None = None  # prompt name for documents (models with a "document" prompt use it by default)
+    passages: str | None = None  # "TOKENS[:OVERLAP]": each record as passages of at most TOKENS tokens
 
     # Fields that change what lands in the table. Two runs agreeing on these are the same job.
     _IDENTITY = (
         "inputs", "meta", "preset", "text_template", "text_field", "id_field", "model",
-        "table", "chunk_bytes", "limit", "dtype", "dim", "prompt",
+        "table", "chunk_bytes", "limit", "dtype", "dim", "prompt", "passages",
     )
 
     def fingerprint(self) -> str:
-        ident = {k: getattr(self, k) for k in self._IDENTITY}
+        # A field at its default is left out: a job planned before the field existed keeps its fingerprint.
+        ident = {k: getattr(self, k) for k in self._IDENTITY if k != "passages" or self.passages is not None}
         return hashlib.sha256(orjson.dumps(ident, option=orjson.OPT_SORT_KEYS)).hexdigest()[:16]
 
     def to_json(self) -> dict[str, Any]:
@@ -150,6 +152,9 @@ def validate(cfg: JobConfig) -> JobConfig:
         raise InputError("--limit must be ≥ 0")
     if cfg.dtype not in ("float", "half"):
         raise InputError(f"--dtype {cfg.dtype!r}: use float (vector) or half (halfvec)")
+    from embedfleet.encode.passages import parse_passages
+
+    parse_passages(cfg.passages)
     if cfg.text_template and cfg.text_field:
         raise InputError("give --text-field or --text-template, not both")
     if cfg.preset is None:

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Protocol
 
 from embedfleet.config import JobConfig, Settings, default_chunk_bytes
-from embedfleet.errors import JobError
+from embedfleet.errors import InputError, JobError
 from embedfleet.records import validate_template
 from embedfleet.runtime.preflight import check_inputs_have_text
 from embedfleet.sources.plan import ChunkSpec, expand_inputs, plan_chunks, table_name_for
@@ -116,13 +116,30 @@ def check_job(cfg: JobConfig, conn) -> None:
     check_server(conn, cfg.dtype)
     from embedfleet.encode.models import check_model
 
-    check_model(cfg.model)  # an unusable model fails here, once, not in every worker after planning
+    spec = check_model(cfg.model)  # an unusable model fails here, once, not in every worker after planning
+    if cfg.passages:
+        check_passages(cfg, spec)
     if cfg.text_template:
         validate_template(cfg.text_template)
     check_write_privileges(conn, cfg.table, index=not cfg.no_index)
     ensure_vector(conn)
     if not cfg.meta:  # with --meta the text may come from the product fields, joined later
         check_inputs_have_text(cfg)
+
+
+def check_passages(cfg: JobConfig, spec) -> None:
+    """A passage must fit what the model sees, special tokens and the prompt included."""
+    from embedfleet.encode.models import model_name
+    from embedfleet.encode.passages import parse_passages, room
+    from embedfleet.encode.tokenize import model_tokenizer
+
+    size, overlap = parse_passages(cfg.passages)
+    tok = model_tokenizer(spec, cfg.prompt)
+    fits = room(tok.tokenizer_json, tok.max_length, tok.prefix)
+    if size > fits:
+        raise InputError(f"--passages {cfg.passages}: {model_name(cfg.model, spec.path)} sees {tok.max_length} tokens, {fits} of them "
+                         f"a passage's once its special tokens{' and prompt' if tok.prefix else ''} are in; "
+                         f"use --passages {fits}{f':{overlap}' if overlap else ''} or less")
 
 
 def prepare(cfg: JobConfig, ledger: Ledger, device: str) -> str:

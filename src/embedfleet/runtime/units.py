@@ -37,12 +37,13 @@ from dataclasses import dataclass
 import numpy as np
 import psutil
 
+from embedfleet.encode.passages import Splitter, expand
 from embedfleet.encode.tokenize import Tokenized, TokenizerSpec, default_workers, spawn_works
 from embedfleet.records import Reject, to_records
 from embedfleet.sources import RawRecord, read_chunk
 from embedfleet.sources.jsonl import block_lines, block_records, stream_blocks
 from embedfleet.sources.plan import ChunkSpec
-from embedfleet.sources.presets import get_preset
+from embedfleet.sources.presets import get_preset, table_columns
 from embedfleet.store.copyrows import COPY_TYPES, EncodedRows, RowEncoder
 
 
@@ -58,6 +59,7 @@ class UnitContext:
     dsn: str | None = None  # for the meta join: each helper opens its own connection when first needed
     meta_id: str | None = None
     db_patience: float = 0.0  # how long that connection keeps reconnecting to a database that went away
+    passages: tuple[int, int] | None = None  # (tokens, overlap): each record as its passages
 
 
 @dataclass
@@ -127,8 +129,10 @@ class Preparer:
         self.ctx = ctx
         self.preset = get_preset(ctx.preset)
         self.tokenizer = ctx.tokenizer.build()
-        self.encoder = RowEncoder(["text", "text"] + [COPY_TYPES[c.pgtype] for c in self.preset.columns])
-        self._column_names = tuple(c.name for c in self.preset.columns)  # each row's values, in column order
+        columns = table_columns(ctx.preset, ctx.passages is not None)
+        self.encoder = RowEncoder(["text", "text"] + [COPY_TYPES[c.pgtype] for c in columns])
+        self._column_names = tuple(c.name for c in columns)  # each row's values, in column order
+        self.splitter = Splitter(ctx.tokenizer.tokenizer_json, *ctx.passages) if ctx.passages else None
         self._ledger = None
 
     def _meta_lookup(self, keys: set[str]) -> dict[str, dict]:
@@ -163,6 +167,8 @@ class Preparer:
             raws, self.preset, template=ctx.template, text_field=ctx.text_field, id_field=ctx.id_field,
             meta_lookup=self._meta_lookup if ctx.meta_id else None,
         )
+        if self.splitter is not None:
+            records = expand(records, self.splitter)
         kept = [records[i] for i in {r.id: i for i, r in enumerate(records)}.values()]
         names = self._column_names
         rows = self.encoder.encode([(r.id, r.content, *map(r.values.get, names)) for r in kept])

@@ -39,7 +39,8 @@ from embedfleet.runtime.flow import Prefetch, Throttle, timed
 from embedfleet.runtime.gpu import gpu_reader
 from embedfleet.runtime.units import Task, UnitContext, UnitPool, settle_gc, stream_tasks
 from embedfleet.sources.plan import ChunkSpec
-from embedfleet.sources.presets import get_preset
+from embedfleet.encode.passages import parse_passages
+from embedfleet.sources.presets import table_columns
 from embedfleet.store.ledger import Ledger, Reconnect, process_started
 from embedfleet.store.schema import ensure_table, vector_type
 from embedfleet.store.writer import Failure, TableSink, Unit, Writer, default_writers
@@ -229,7 +230,7 @@ class Worker:
             # The helpers start (seconds: each imports and loads the tokenizer) while this process loads the model.
             ctx = UnitContext(cfg.preset, cfg.text_template, cfg.text_field, cfg.id_field,
                               tokenizer_spec(cfg.model, cfg.prompt), self.dsn if cfg.meta else None,
-                              row["meta_id"] if cfg.meta else None, s.db_patience_seconds)
+                              row["meta_id"] if cfg.meta else None, s.db_patience_seconds, parse_passages(cfg.passages))
             pool = self._make_helpers(ctx, s.helpers)
             helpers_ready = pool.start_in_background()
             try:
@@ -237,7 +238,7 @@ class Worker:
                 encoder = self._make_encoder(cfg, self.device, s)
                 model_s = time.perf_counter() - t0
                 vtype = vector_type(ledger.conn, cfg.dtype)
-                ensure_table(ledger.conn, cfg.table, get_preset(cfg.preset).columns, encoder.dim, vtype)
+                ensure_table(ledger.conn, cfg.table, table_columns(cfg.preset, bool(cfg.passages)), encoder.dim, vtype)
                 ledger.set_model(self.job, encoder.name, encoder.dim)
             except BaseException:
                 pool.close()
@@ -315,7 +316,7 @@ class Worker:
     def _writer(self, cfg: JobConfig, device: str, vtype: str, spare: int) -> Writer:
         s, stats = self.settings, self.stats
         writers, depth = default_writers(device)
-        columns = get_preset(cfg.preset).columns
+        columns = table_columns(cfg.preset, bool(cfg.passages))
         done_lock = threading.Lock()  # writer threads report concurrently
 
         def on_done(unit: Unit, inserted: int) -> None:

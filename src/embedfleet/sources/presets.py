@@ -202,3 +202,11 @@ def load_meta(path: str, preset: Preset, on_skip: Callable[[int, str], None] | N
             yield sanitize(str(key)), preset.meta_values(raw.data)
     if skipped:
         log.warning("meta file %s: skipped %d lines (first: line %d, %s)", path, skipped, *first)
+
+
+def table_columns(preset: str, passages: bool = False) -> tuple[Column, ...]:
+    """A job's table columns besides id, content and embedding: the preset's, and with --passages the
+    record each passage came from and its place in it."""
+    from embedfleet.encode.passages import COLUMNS
+
+    return get_preset(preset).columns + (COLUMNS if passages else ())

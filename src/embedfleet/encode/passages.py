@@ -1,0 +1,148 @@
+"""Passages: a long text cut into pieces of at most N tokens of the model's own tokenizer, so that every
+part of a Wikipedia article is embedded, not only its first 256 tokens (`ingest --passages 256:32`).
+
+Cuts fall on sentence ends where one is near, else between words, and only inside a word when a single
+word is longer than a passage; consecutive passages share OVERLAP tokens. A passage's text is exactly a
+slice of the record's text. `spans` is pure (token offsets in, character ranges out); `Splitter` holds
+the tokenizer and checks each passage against the limit as the embedding will see it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from typing import Callable
+
+from embedfleet.errors import InputError
+from embedfleet.records import Column, Record
+
+__all__ = ["COLUMNS", "parse_passages", "room", "spans", "Splitter", "expand"]
+
+# What a passage row has besides its record's columns: the record it came from and its place in it.
+COLUMNS = (Column("parent_id", "text"), Column("passage", "integer"))
+_SENTENCE_END = re.compile(r"[.!?。！？…]['\"”’)\]]*$")
+_WINDOW_CHARS = 100_000  # a long text is tokenized a window at a time, each cut at whitespace
+
+
+def parse_passages(value: str | None) -> tuple[int, int] | None:
+    """"256:32" → (256, 32); "256" → (256, 0); None → None. One-line errors for anything else."""
+    if value is None:
+        return None
+    tokens, _, overlap = str(value).partition(":")
+    if not tokens.strip().isdigit() or (overlap and not overlap.strip().isdigit()):
+        raise InputError(f"--passages {value!r}: use TOKENS or TOKENS:OVERLAP, e.g. 256:32")
+    size, over = int(tokens), int(overlap or 0)
+    if size < 8:
+        raise InputError(f"--passages {value!r}: a passage needs at least 8 tokens")
+    if over >= size // 2:
+        raise InputError(f"--passages {value!r}: the overlap must be less than half a passage")
+    return size, over
+
+
+def room(tokenizer_json: str, max_length: int, prefix: str = "") -> int:
+    """Tokens left for a passage once the model's special tokens and the prompt are in: what a passage
+    may hold for the embedding to see all of it."""
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_str(tokenizer_json)
+    tok.no_truncation()
+    tok.no_padding()
+    specials = len(tok.encode("", add_special_tokens=True).ids)
+    prompt = len(tok.encode(prefix, add_special_tokens=False).ids) if prefix else 0
+    return max_length - specials - prompt
+
+
+def _cut(offsets: list[tuple[int, int]], text: str, start: int, end: int) -> int:
+    """Where to end a passage that may hold tokens [start, end): after a sentence in its second half,
+    else between two words, else (one word longer than a passage) at `end`."""
+    word = None
+    for c in range(end, start + max(1, (end - start) // 2) - 1, -1):
+        if c >= len(offsets):
+            return c
+        gap = offsets[c][0] > offsets[c - 1][1]  # whitespace (or nothing the tokenizer kept) between tokens
+        if gap and _SENTENCE_END.search(text[offsets[c - 1][0]:offsets[c - 1][1]]):
+            return c
+        if gap and word is None:
+            word = c
+    if word is not None:
+        return word
+    for c in range(start + max(1, (end - start) // 2) - 1, start, -1):  # a word boundary in the first half
+        if offsets[c][0] > offsets[c - 1][1]:
+            return c
+    return end
+
+
+def _word_start(offsets: list[tuple[int, int]], at: int, limit: int) -> int:
+    """The first token at or after `at` (before `limit`) that begins a word; `at` if none does."""
+    for c in range(at, limit):
+        if c == 0 or offsets[c][0] > offsets[c - 1][1]:
+            return c
+    return at
+
+
+def spans(offsets: list[tuple[int, int]], text: str, size: int, overlap: int,
+          fits: Callable[[str], bool] | None = None) -> list[tuple[int, int]]:
+    """(start, end) character ranges of the passages of `text`, from its tokens' character `offsets`
+    (without special tokens): at most `size` tokens each, the next starting `overlap` tokens before the
+    previous one's end (at a word's start where the overlap holds one). `fits(piece)`, if given, has the
+    last word: a piece it refuses is cut shorter."""
+    n, out, start = len(offsets), [], 0
+    while start < n:
+        limit = min(start + size, n)
+        while True:
+            cut = _cut(offsets, text, start, limit) if limit < n else n
+            if fits is None or cut - start <= 1 or fits(text[offsets[start][0]:offsets[cut - 1][1]]):
+                break
+            limit = cut - 1
+        out.append((offsets[start][0], offsets[cut - 1][1]))
+        if cut >= n:
+            break
+        start = _word_start(offsets, max(cut - overlap, start + 1), cut) if overlap else cut
+    return out
+
+
+class Splitter:
+    """Cuts texts into passages with a model's tokenizer (tokenizer.json), none longer than `size` tokens."""
+
+    def __init__(self, tokenizer_json: str, size: int, overlap: int):
+        from tokenizers import Tokenizer
+
+        self.size, self.overlap = size, overlap
+        self.tok = Tokenizer.from_str(tokenizer_json)
+        self.tok.no_truncation()
+        self.tok.no_padding()
+
+    def _offsets(self, text: str) -> list[tuple[int, int]]:
+        """Token offsets of the whole text, tokenized a window at a time (cut at whitespace) so that a huge
+        document never becomes one huge encoding."""
+        out, base = [], 0
+        while base < len(text):
+            end = len(text) if len(text) - base <= _WINDOW_CHARS else (text.rfind(" ", base, base + _WINDOW_CHARS) + 1
+                                                                          or base + _WINDOW_CHARS)
+            enc = self.tok.encode(text[base:end], add_special_tokens=False)
+            out.extend((base + s, base + e) for s, e in enc.offsets if e > s)
+            base = end
+        return out
+
+    def count(self, text: str) -> int:
+        return len(self.tok.encode(text, add_special_tokens=False).ids)
+
+    def split(self, text: str) -> list[str]:
+        offsets = self._offsets(text)
+        if not offsets:
+            return [text]
+        # Tokenized on its own a piece can take a token more than in context (a word cut in two, a BPE
+        # word without its leading space): each is checked as the embedding will see it.
+        return [text[s:e] for s, e in spans(offsets, text, self.size, self.overlap,
+                                            fits=lambda piece: self.count(piece) <= self.size)]
+
+
+def expand(records: list[Record], splitter: Splitter) -> list[Record]:
+    """Each record as its passages: id `<record id>#<n>`, `parent_id`, `passage` n (0-based), the
+    passage's text as content, and the record's other values."""
+    out = []
+    for r in records:
+        for n, piece in enumerate(splitter.split(r.content)):
+            out.append(dataclasses.replace(r, id=f"{r.id}#{n}", content=piece,
+                                           values={**r.values, "parent_id": r.id, "passage": n}))
+    return out
