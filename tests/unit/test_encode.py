@@ -128,6 +128,8 @@ def test_tokenizer_pool_matches_in_process(tiny, monkeypatch):
     enc = Encoder(str(tiny["qwen3"]), tokenizer_workers=2)
     texts = review_texts(300, seed=9)
     try:
+        enc.warmup()  # the helpers start in the background at the first big call; here, now
+        assert enc._tok._pool.ready()
         a = enc.tokenize(texts)
     finally:
         enc.close()

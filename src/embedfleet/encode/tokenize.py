@@ -1,19 +1,20 @@
 """Tokenisation into packed, length-sorted arrays, optionally on a pool of processes.
 
 One fast-tokenizer call is limited by building Python objects under the GIL (about 22k texts/s
-however many cores), so big inputs go to a pool of single-threaded processes instead. The pool
-uses `spawn`: forking after the tokenizers library has started its threads can deadlock. This
-module imports no torch so that pool processes start quickly.
+however many cores), so big inputs go to a pool of single-threaded processes instead
+(`helper_pool.HelperPool`: fresh interpreters that import this module, never the caller's
+`__main__`; forking after the tokenizers library has started its threads can deadlock). The pool
+starts at the first big call, in the background, and that call's texts are tokenized here until it is
+up; small calls never start it. This module imports no torch so that helpers start quickly.
 """
 
 from __future__ import annotations
 
 import itertools
-import multiprocessing as mp
+import logging
 import os
 import re
 import threading
-from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 
 import numpy as np
@@ -23,6 +24,9 @@ from embedfleet.encode.batching import cumulative, length_order
 from embedfleet.encode.models import _read_json, read_spec, resolve_model
 from embedfleet.encode.wordpiece import LONGEST_TEXT, AsciiWordPiece
 from embedfleet.errors import ModelError
+from embedfleet.helper_pool import HelperPool
+
+log = logging.getLogger(__name__)
 
 POOL_MIN_TEXTS = 2048  # below this the pool's pickling costs more than it saves
 
@@ -187,16 +191,6 @@ def _worker_encode(texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
     return _WORKER[0].encode(texts, _WORKER[1])
 
 
-def spawn_works() -> bool:
-    """`spawn` re-runs the parent's main module in each child: impossible when it came from stdin
-    or `-c` (the children die at start and the pool hangs), so tokenize in-process there."""
-    import sys
-
-    main = sys.modules.get("__main__")
-    path = getattr(main, "__file__", None)
-    return getattr(main, "__spec__", None) is not None or path is None or os.path.exists(path)
-
-
 def default_workers(cores: int | None = None) -> int:
     """Half of `cores` (default: this machine's), at most 8 (measured best on a 32-core host), none
     under 4 cores."""
@@ -228,34 +222,41 @@ class TextTokenizer:
         self._json, self.max_length, self.pad_id, self.lowercase = tokenizer_json, max_length, pad_id, lowercase
         self._local = _Tokenizer(tokenizer_json, max_length)
         self.workers = default_workers() if workers is None else max(0, int(workers))
-        if not spawn_works():
-            self.workers = 0
-        self._pool: ProcessPoolExecutor | None = None
+        self._pool: HelperPool | None = None
         self._lock = threading.Lock()
 
-    def _get_pool(self) -> ProcessPoolExecutor:
+    def _start_pool(self) -> HelperPool | None:
+        """The pool, its processes started (not waited for) on the first call."""
         with self._lock:
-            if self._pool is None:
-                self._pool = ProcessPoolExecutor(
-                    self.workers, mp_context=mp.get_context("spawn"),
-                    initializer=_worker_init, initargs=(self._json, self.max_length, self.pad_id),
-                )
+            if self._pool is None and self.workers:
+                try:
+                    self._pool = HelperPool(self.workers, _worker_init, (self._json, self.max_length, self.pad_id),
+                                            name="tokenizer")
+                except OSError as err:  # no interpreter to start (an embedded Python): tokenize here
+                    log.warning("tokenizer helpers could not start (%s); tokenizing in this process", err)
+                    self.workers = 0
             return self._pool
 
     def start(self) -> None:
-        """Start the pool's processes now (each imports and loads the tokenizer: about a second),
-        so the first real batch does not pay for it."""
-        if self.workers:
-            list(self._get_pool().map(_worker_encode, [["warm up"]] * self.workers))
+        """Start the pool's processes and wait for them (each imports and loads the tokenizer: a
+        fraction of a second), so that the first big batch finds them ready."""
+        pool = self._start_pool()
+        if pool is not None:
+            pool.start()
 
     def encode_unsorted(self, texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
         """Packed ids and lengths in input order."""
         if self.lowercase:
             texts = [t.lower() for t in texts]
-        if self.workers == 0 or len(texts) < POOL_MIN_TEXTS:
+        pool = self._start_pool() if self.workers and len(texts) >= POOL_MIN_TEXTS else None
+        if pool is not None and pool.broken is not None and not pool.ready():
+            log.warning("tokenizer helpers failed to start (%s); tokenizing in this process", pool.broken)
+            self.close()
+            self.workers, pool = 0, None
+        if pool is None or not pool.ready():  # small, or the helpers are still starting: here
             return self._local.encode(texts, self.pad_id)
         step = max(256, -(-len(texts) // (self.workers * 4)))
-        parts = list(self._get_pool().map(_worker_encode, [texts[i : i + step] for i in range(0, len(texts), step)]))
+        parts = pool.map(_worker_encode, [texts[i : i + step] for i in range(0, len(texts), step)])
         return np.concatenate([p[0] for p in parts]), np.concatenate([p[1] for p in parts])
 
     def spec(self, prefix: str = "") -> TokenizerSpec:
@@ -270,7 +271,7 @@ class TextTokenizer:
     def close(self) -> None:
         with self._lock:
             if self._pool is not None:
-                self._pool.shutdown(wait=True, cancel_futures=True)
+                self._pool.close()
                 self._pool = None
 
 
