@@ -102,6 +102,9 @@ class _Tokenizer:
             return tok
 
         self.full, self.twin, self.words = load(), None, None
+        # The word path's table learns new words and its hasher grows: one thread at a time (encode()
+        # tokenizes on two threads when there are no helpers, or while they start).
+        self._words_lock = threading.Lock()
         norm = self.full.normalizer
         if not isinstance(norm, normalizers.BertNormalizer):
             return
@@ -146,8 +149,12 @@ class _Tokenizer:
             else:
                 paths[1].append(i)
         if self.words is not None and len(paths[0]) == len(texts):
-            return self.words.encode(texts)
-        groups = [(paths[0], *self.words.encode([texts[i] for i in paths[0]]))] if paths[0] else []
+            with self._words_lock:
+                return self.words.encode(texts)
+        groups = []
+        if paths[0]:
+            with self._words_lock:
+                groups.append((paths[0], *self.words.encode([texts[i] for i in paths[0]])))
         groups += [(idx, *_pack(tok, texts, idx, pad_id)) for tok, idx in zip((self.twin, self.full), paths[1:]) if idx]
         return _merge(len(texts), groups)
 

@@ -13,7 +13,8 @@ import os
 import torch
 import torch.nn.functional as F
 
-from embedfleet.encode.packed import fused, strip_prefix
+from embedfleet.encode.compile import fused
+from embedfleet.encode.packed import strip_prefix
 from embedfleet.encode.packed.attention import Packing, attention
 
 log = logging.getLogger(__name__)
@@ -42,6 +43,7 @@ class PackedDecoder:
         self.hidden = weights["embed"].shape[1]
         device = weights["embed"].device
         self._qkv, self._qk, self._post = (fused(f, device) for f in (_qkv_proj, _qk_norm_rope, _post_attention))
+        self.fused = [self._qkv, self._qk, self._post]  # what a BackgroundCompile compiles (those it runs)
         self._kernel = _triton_qk_norm_rope(device, weights["embed"].dtype, head_dim)
 
     @classmethod
