@@ -92,7 +92,7 @@ class _Tokenizer:
     and a self-check at load turns the word path off should a tokenizer disagree.
     """
 
-    def __init__(self, tokenizer_json: str, max_length: int):
+    def __init__(self, tokenizer_json: str, max_length: int, shortcuts: bool = True):
         from tokenizers import Tokenizer, models, normalizers, pre_tokenizers
 
         def load():
@@ -106,7 +106,7 @@ class _Tokenizer:
         # tokenizes on two threads when there are no helpers, or while they start).
         self._words_lock = threading.Lock()
         norm = self.full.normalizer
-        if not isinstance(norm, normalizers.BertNormalizer):
+        if not shortcuts or not isinstance(norm, normalizers.BertNormalizer):  # (building them: ~0.2 s)
             return
         self.twin = load()
         self.twin.normalizer = normalizers.Lowercase() if norm.lowercase else None
@@ -216,18 +216,20 @@ class TokenizerSpec:
     lowercase: bool = False
     prefix: str = ""  # the prompt put before every text
 
-    def build(self, workers: int | None = 0) -> "TextTokenizer":
-        """The tokenizer, in this process (`workers` 0) or with a pool of processes (None: the default)."""
-        return TextTokenizer(self.tokenizer_json, self.max_length, self.pad_id, workers, lowercase=self.lowercase)
+    def build(self, workers: int | None = 0, shortcuts: bool = True) -> "TextTokenizer":
+        """The tokenizer, in this process (`workers` 0) or with a pool of processes (None: the default).
+        `shortcuts=False`: the library's path alone, the same ids, quicker to build for a few texts."""
+        return TextTokenizer(self.tokenizer_json, self.max_length, self.pad_id, workers, lowercase=self.lowercase,
+                             shortcuts=shortcuts)
 
 
 class TextTokenizer:
     """Thread-safe: `tokenize` may run on a prefetch thread while the GPU thread embeds."""
 
     def __init__(self, tokenizer_json: str, max_length: int, pad_id: int = 0, workers: int | None = None,
-                 lowercase: bool = False):
+                 lowercase: bool = False, shortcuts: bool = True):
         self._json, self.max_length, self.pad_id, self.lowercase = tokenizer_json, max_length, pad_id, lowercase
-        self._local = _Tokenizer(tokenizer_json, max_length)
+        self._local = _Tokenizer(tokenizer_json, max_length, shortcuts)
         self.workers = default_workers() if workers is None else max(0, int(workers))
         self._pool: HelperPool | None = None
         self._lock = threading.Lock()

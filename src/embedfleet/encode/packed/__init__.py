@@ -11,6 +11,10 @@ from pathlib import Path
 
 import torch
 
+from embedfleet.encode.models import strip_prefix
+
+__all__ = ["BERT_TYPES", "DECODER_TYPES", "build", "load_state", "strip_prefix", "supports"]
+
 BERT_TYPES = ("bert", "roberta", "xlm-roberta", "camembert")
 DECODER_TYPES = ("qwen3", "qwen2", "llama")
 
@@ -30,15 +34,6 @@ def load_state(hf_dir: Path) -> dict[str, torch.Tensor] | None:
     for f in files:
         state.update(load_file(str(hf_dir / f)))
     return state
-
-
-def strip_prefix(state: dict[str, torch.Tensor], anchor: str) -> dict[str, torch.Tensor]:
-    """Drop whatever wrapper prefix ('bert.', 'model.', ...) sits before `anchor`'s key."""
-    key = next((k for k in state if k.endswith(anchor)), None)
-    if key is None:
-        return {}
-    cut = len(key) - len(anchor)
-    return {k[cut:]: v for k, v in state.items() if k.startswith(key[:cut])}
 
 
 def supports(spec) -> bool:
