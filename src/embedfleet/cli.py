@@ -8,7 +8,7 @@
     verify   row counts, dimensions, norms
     db       the embedded PostgreSQL
     cache    compiled graphs and kernels kept between processes
-    bench    this encoder vs sentence-transformers on one GPU
+    bench    this encoder vs sentence-transformers, first call and steady state, fresh processes
 
 With --json, stdout carries exactly one JSON document; logs and progress go to stderr.
 Errors a user can act on print one line and exit non-zero (no traceback unless --debug).
@@ -152,11 +152,15 @@ def search(
     json_out: bool = typer.Option(False, "--json"),
 ) -> None:
     """Nearest rows to QUERY (cosine), embedded with the table's own model and query prompt."""
+    if (query is None) == (queries is None):
+        raise EmbedfleetError("give a QUERY or --queries FILE (one of them)")
+    if queries is None:
+        from embedfleet.encode import one_thread_math
+
+        one_thread_math()
     from embedfleet.store.embedded import resolve_dsn
     from embedfleet.store.search import query_lines, run_search
 
-    if (query is None) == (queries is None):
-        raise EmbedfleetError("give a QUERY or --queries FILE (one of them)")
     texts = query_lines(queries) if queries is not None else [query]
     for text, results in run_search(resolve_dsn(db), table, texts, k=k, where=where, model=model, device=device):
         if queries is not None:
@@ -180,6 +184,9 @@ def serve(
     device: str = typer.Option("auto", "--device", help="auto (a GPU if there is one) | cpu | cuda | cuda:N"),
 ) -> None:
     """Answer GET /search?q=…&k=…&where=… with the nearest rows as JSON, the model loaded once."""
+    from embedfleet.encode import one_thread_math
+
+    one_thread_math()  # a request's query at a time: its own thread, several requests at once
     from embedfleet.serve import serve as run_serve
     from embedfleet.store.embedded import resolve_dsn
 
@@ -262,15 +269,22 @@ def bench(
     shape: List[str] = typer.Option(None, "--shape", help="minilm-l6 | bert-base | qwen3-0.6b (repeatable)"),
     model: Optional[str] = typer.Option(None, "--model", help="a real model directory instead of a shape"),
     n: int = typer.Option(20000, "--n", help="texts per run"),
+    texts: List[str] = typer.Option(None, "--texts", help="reviews | world (repeatable; default both)"),
     device: str = typer.Option("auto", "--device"),
     no_st: bool = typer.Option(False, "--no-st", help="skip the sentence-transformers baseline"),
     batch_tokens: str = typer.Option("auto", "--batch-tokens"),
     json_out: bool = typer.Option(False, "--json"),
 ) -> None:
-    """Time this encoder end to end against sentence-transformers (bf16, batch 256) on the same texts."""
-    from embedfleet.encode.bench import format_bench, run_bench
+    """This encoder against sentence-transformers (bf16, batch 256) on the same texts, each measurement in
+    a fresh process: the first call (constructor included, also from a script importing torch and
+    sentence-transformers), the steady state, one query."""
+    from embedfleet.encode.bench import TEXT_SETS, format_bench, run_bench
 
-    result = run_bench(shape or None, model, n=n, device=device, st=not no_st, batch_tokens=batch_tokens)
+    bad = [t for t in texts or [] if t not in TEXT_SETS]
+    if bad:
+        raise EmbedfleetError(f"--texts {bad[0]!r}: choose from {', '.join(TEXT_SETS)}")
+    result = run_bench(shape or None, model, n=n, device=device, st=not no_st, batch_tokens=batch_tokens,
+                       text_sets=texts or None)
     if json_out:
         _emit(result)
     else:

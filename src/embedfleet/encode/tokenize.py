@@ -29,6 +29,7 @@ from embedfleet.helper_pool import HelperPool
 log = logging.getLogger(__name__)
 
 POOL_MIN_TEXTS = 2048  # below this the pool's pickling costs more than it saves
+WORD_PATH_MIN_TEXTS = 64  # a query or a few texts go through the library rather than build the word path
 
 
 @dataclass
@@ -105,14 +106,25 @@ class _Tokenizer:
         # The word path's table learns new words and its hasher grows: one thread at a time (encode()
         # tokenizes on two threads when there are no helpers, or while they start).
         self._words_lock = threading.Lock()
+        self._word_args: tuple | None = None  # set: the word path is built at the first call that pays
         norm = self.full.normalizer
-        if not shortcuts or not isinstance(norm, normalizers.BertNormalizer):  # (building them: ~0.2 s)
+        if not shortcuts or not isinstance(norm, normalizers.BertNormalizer):
             return
         self.twin = load()
         self.twin.normalizer = normalizers.Lowercase() if norm.lowercase else None
         if isinstance(self.full.pre_tokenizer, pre_tokenizers.BertPreTokenizer) and isinstance(
                 self.full.model, models.WordPiece):
-            self.words = self._word_path(max_length, norm.lowercase)
+            self._word_args = (max_length, norm.lowercase)
+
+    def _words_for(self, n: int) -> AsciiWordPiece | None:
+        """The word path, built (its trie and tables: ~0.2 s) at the first call of WORD_PATH_MIN_TEXTS
+        texts or more; None before that (the library's ids are the same) and where it does not apply."""
+        if self._word_args is not None and n >= WORD_PATH_MIN_TEXTS:
+            with self._words_lock:
+                if self._word_args is not None:
+                    self.words = self._word_path(*self._word_args)
+                    self._word_args = None
+        return self.words
 
     def _word_path(self, max_length: int, lowercase: bool) -> AsciiWordPiece | None:
         model = self.full.model
@@ -139,22 +151,23 @@ class _Tokenizer:
         """Packed int32 ids and int32 lengths, in input order; an empty encoding becomes [pad_id]."""
         if self.twin is None:
             return _pack(self.full, texts, range(len(texts)), pad_id)
+        words = self._words_for(len(texts))
         paths: tuple[list, list, list] = ([], [], [])  # indices for the word path, the twin, the full path
-        added = self._added if self.words is not None else None
+        added = self._added if words is not None else None
         for i, t in enumerate(texts):
             if not t.isascii() or _CONTROL.search(t) is not None:
                 paths[2].append(i)
-            elif self.words is not None and len(t) <= LONGEST_TEXT and (added is None or added.search(t) is None):
+            elif words is not None and len(t) <= LONGEST_TEXT and (added is None or added.search(t) is None):
                 paths[0].append(i)
             else:
                 paths[1].append(i)
-        if self.words is not None and len(paths[0]) == len(texts):
+        if words is not None and len(paths[0]) == len(texts):
             with self._words_lock:
-                return self.words.encode(texts)
+                return words.encode(texts)
         groups = []
         if paths[0]:
             with self._words_lock:
-                groups.append((paths[0], *self.words.encode([texts[i] for i in paths[0]])))
+                groups.append((paths[0], *words.encode([texts[i] for i in paths[0]])))
         groups += [(idx, *_pack(tok, texts, idx, pad_id)) for tok, idx in zip((self.twin, self.full), paths[1:]) if idx]
         return _merge(len(texts), groups)
 
