@@ -34,10 +34,11 @@ __all__ = ["BackgroundCompile", "Fused", "compile_enabled", "compile_after_token
 log = logging.getLogger(__name__)
 
 # Tokens of work (one call or many) after which compiling starts. The first time on a machine it
-# costs ~6 s for MiniLM and more for big models (bench/NOTES-encoder.md), against ~1-2 s of MiniLM's
-# eager forward per 8M tokens: compile only for long work. From the cache, a fraction of that.
+# costs seconds (5.8 s in a MiniLM worker's warm-up on an H100, issue 17; more for bigger models):
+# only for long work (8M tokens: ~110k reviews). From the cache (2.7 s against 10.8 s for a tiny BERT
+# on the 2-core VM's CPU) it can start within a first call of ~4k reviews and switch before its end.
 COLD_AFTER_TOKENS = 1 << 23
-WARM_AFTER_TOKENS = 1 << 20
+WARM_AFTER_TOKENS = 1 << 18
 
 _WARMING = threading.local()  # .compiler is set on the thread that compiles, while it does
 

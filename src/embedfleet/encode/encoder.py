@@ -74,13 +74,13 @@ class Encoder:
         self.dtype = _DTYPES[dtype] if isinstance(dtype, str) else dtype
         if self.dtype is None:
             self.dtype = torch.bfloat16 if self._dev.type == "cuda" else torch.float32
-        starting = None
-        if self._dev.type == "cuda":  # the context starts while this thread reads the weights
-            starting = ThreadPoolExecutor(1, thread_name_prefix="embedfleet-cuda").submit(_start_cuda, self._dev)
-        state = packed.load_state(spec.hf_dir) if packed.supports(spec) else None
-        self._tok = model_tokenizer(spec).build(tokenizer_workers)
-        if starting is not None:
-            starting.result()
+        with ThreadPoolExecutor(1, thread_name_prefix="embedfleet-cuda") as aside:
+            # On a GPU its context starts on that thread while this one reads the weights.
+            starting = aside.submit(_start_cuda, self._dev) if self._dev.type == "cuda" else None
+            state = packed.load_state(spec.hf_dir) if packed.supports(spec) else None
+            self._tok = model_tokenizer(spec).build(tokenizer_workers)
+            if starting is not None:
+                starting.result()
         self.model = packed.build(spec, self._dev, self.dtype, state) if state is not None else None
         del state
         self.path = "packed"
