@@ -40,8 +40,8 @@ def test_small_work_stays_eager_and_big_work_switches_to_the_compiled_graph(tmp_
     assert enc.describe()["compile"] == "waiting"
     assert counters["stats"]["unique_graphs"] == graphs0  # no compile for any of that
     enc.warmup(wait=False)
-    during = enc.encode(texts)  # runs while the background thread compiles
-    assert (during * eager).sum(1).min() > 0.9999
+    during = enc.encode(texts)  # runs while the background thread compiles (eager, or compiled if it finished)
+    assert (during * eager).sum(1).min() > 0.999
     assert enc.wait_compiled(timeout=600) and enc.describe()["compile"] == "compiled"
     graphs = counters["stats"]["unique_graphs"]
     assert graphs > graphs0
@@ -62,7 +62,8 @@ def test_a_second_process_loads_the_compiled_graphs_from_the_cache(tmp_path):
         t0 = time.perf_counter()
         enc.warmup()
         print(json.dumps({{"warmup_s": time.perf_counter() - t0, "compile": enc.describe()["compile"],
-                           "compile_s": enc._compile.seconds, "inductor": dict(counters["inductor"])}}))
+                           "compile_s": enc._compile.seconds, "inductor": dict(counters["inductor"]),
+                           "aot": dict(counters["aot_autograd"])}}))
     """)
     env = dict(os.environ, EMBEDFLEET_HOME=str(tmp_path / "home"))
     env.pop("TORCHINDUCTOR_CACHE_DIR", None)
@@ -75,7 +76,8 @@ def test_a_second_process_loads_the_compiled_graphs_from_the_cache(tmp_path):
     print(runs)  # the lead's log: compile seconds cold and cached
     assert all(r["compile"] == "compiled" for r in runs)
     assert runs[0]["inductor"].get("fxgraph_cache_miss", 0) > 0
-    assert runs[1]["inductor"].get("fxgraph_cache_hit", 0) > 0 and not runs[1]["inductor"].get("fxgraph_cache_miss")
+    hits = runs[1]["inductor"].get("fxgraph_cache_hit", 0) + runs[1]["aot"].get("autograd_cache_hit", 0)
+    assert hits > 0 and not runs[1]["inductor"].get("fxgraph_cache_miss")  # loaded, not compiled again
     cache = tmp_path / "home" / "cache"
     assert (cache / "inductor").is_dir() and (cache / "compiled.json").is_file()
 
