@@ -3,8 +3,8 @@
 The glue between matmuls (norms, RoPE, activations, residual adds) costs more GPU time eager than
 the matmuls themselves on CUDA, and torch.compile fuses it; but compiling takes seconds to tens of
 seconds, more than a query or a few thousand texts take eager. So each such function is a `Fused`:
-eager at first. Once an Encoder has met enough work (`compile_after_tokens`), a `BackgroundCompile`
-thread runs the model over two synthetic batches on a stream of its own with the compiled functions
+eager at first. Once an Encoder has met enough work (`compile_after_tokens`; checked when a call
+ends, or at the start of a long call), a `BackgroundCompile` thread runs the model over two synthetic batches on a stream of its own with the compiled functions
 (the token count marked dynamic, so one graph serves every batch), then switches every function over
 at once. The caller's thread keeps running eager meanwhile and never compiles.
 
@@ -39,6 +39,10 @@ log = logging.getLogger(__name__)
 # on the 2-core VM's CPU) it can start within a first call of ~4k reviews and switch before its end.
 COLD_AFTER_TOKENS = 1 << 23
 WARM_AFTER_TOKENS = 1 << 18
+# A call of this many texts is long (8M tokens of reviews): compiling starts at its beginning. Otherwise
+# it starts once a call has ended: a compile's Python work (tracing, loading from the cache) holds the
+# GIL, and would slow a short call that ends before the compiled graph is ready.
+LONG_CALL_TEXTS = 1 << 17
 
 _WARMING = threading.local()  # .compiler is set on the thread that compiles, while it does
 
@@ -150,11 +154,13 @@ class BackgroundCompile:
         self._done = threading.Event()
 
     def note(self, tokens: int) -> None:
-        """Count `tokens` of work; start compiling once there has been enough."""
-        if self.state == "waiting":
-            self._seen += tokens
-            if self._seen >= self.start_after:
-                self.start()
+        """Count `tokens` of work."""
+        self._seen += tokens
+
+    def start_if_due(self) -> None:
+        """Start once there has been enough work (between calls: see LONG_CALL_TEXTS)."""
+        if self.state == "waiting" and self._seen >= self.start_after:
+            self.start()
 
     def start(self) -> None:
         with self._lock:

@@ -20,10 +20,11 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from embedfleet.cache import use_compile_cache
 from embedfleet.encode import packed
 from embedfleet.encode.batching import cumulative
 from embedfleet.encode.budget import TokenBudget, activation_bytes_per_token, probe_batch_tokens, run_with_backoff
-from embedfleet.encode.compile import BackgroundCompile, Fused, shape_key
+from embedfleet.encode.compile import LONG_CALL_TEXTS, BackgroundCompile, Fused, shape_key
 from embedfleet.encode.models import model_name, read_spec, resolve_model
 from embedfleet.encode.packed.attention import Packing, token_layout
 from embedfleet.encode.pooling import finish, pool_packed
@@ -74,6 +75,8 @@ class Encoder:
         self.dtype = _DTYPES[dtype] if isinstance(dtype, str) else dtype
         if self.dtype is None:
             self.dtype = torch.bfloat16 if self._dev.type == "cuda" else torch.float32
+        if self._dev.type == "cuda":
+            use_compile_cache()  # before any Triton kernel or compile: their caches in $EMBEDFLEET_HOME/cache
         with ThreadPoolExecutor(1, thread_name_prefix="embedfleet-cuda") as aside:
             # On a GPU its context starts on that thread while this one reads the weights.
             starting = aside.submit(_start_cuda, self._dev) if self._dev.type == "cuda" else None
@@ -125,7 +128,13 @@ class Encoder:
         return self._tok.spec(self.spec.prompt_text(prompt if prompt is not None else self.prompt))
 
     def embed(self, tok: Tokenized) -> np.ndarray:
-        return self._launch(tok).result()
+        out = self._launch(tok).result()
+        self._compile_if_due()
+        return out
+
+    def _compile_if_due(self) -> None:
+        if self._compile is not None:
+            self._compile.start_if_due()
 
     def warmup(self, wait: bool = True) -> None:
         """Pay start-up costs now rather than in the first real batches: the tokenizer's helper
@@ -146,10 +155,13 @@ class Encoder:
     def embed_async(self, tok: Tokenized) -> "_Pending":
         """Queue `tok` on the device and return at once; `.result()` waits for its vectors. Queue the
         next batch before reading this one's result and the device never idles between them."""
+        self._compile_if_due()
         return self._launch(tok)
 
     def encode(self, texts: list[str], prompt: str | None = None) -> np.ndarray:
         texts = list(texts)
+        if self._compile is not None and len(texts) >= LONG_CALL_TEXTS:
+            self._compile.start()  # a long call: the compiled graph will be ready for most of it
         size = min(MAX_CHUNK, max(MIN_CHUNK, len(texts) // 8))  # >= 8 chunks, so the overlap pays
         if len(texts) <= size:
             return self.embed(self.tokenize(texts, prompt))
@@ -169,6 +181,7 @@ class Encoder:
                     out.append(pending.result())
                 pending = nxt
         out.append(pending.result())
+        self._compile_if_due()
         return np.concatenate(out)
 
     def _launch(self, tok: Tokenized) -> _Pending:
