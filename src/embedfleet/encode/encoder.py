@@ -48,12 +48,13 @@ def _device(device: str) -> torch.device:
 
 
 def _start_cuda(dev: torch.device) -> None:
-    """What a GPU's first forward pass needs besides the weights: the CUDA context and the varlen
-    attention module (its import pulls torch._dynamo in). On a thread while the weights are read."""
+    """The CUDA context, on a thread while the weights are read; then, on a daemon thread of its own,
+    the varlen attention module, which the first forward pass needs (its import pulls torch._dynamo
+    in: 1.5 s on the 2-core VM) and the constructor does not wait for."""
     torch.empty(1, device=dev)
     from embedfleet.encode.packed.attention import _varlen
 
-    _varlen()
+    threading.Thread(target=_varlen, name="embedfleet-import", daemon=True).start()
 
 
 @dataclass
