@@ -4,7 +4,7 @@ The glue between matmuls (norms, RoPE, activations, residual adds) costs more GP
 the matmuls themselves on CUDA, and torch.compile fuses it; but compiling takes seconds to tens of
 seconds, more than a query or a few thousand texts take eager. So each such function is a `Fused`:
 eager at first. Once an Encoder has met enough work (`compile_after_tokens`; checked when a call
-ends, or at the start of a long call), a `BackgroundCompile` thread runs the model over two synthetic batches on a stream of its own with the compiled functions
+after the first ends, or at the start of a long call), a `BackgroundCompile` thread runs the model over two synthetic batches on a stream of its own with the compiled functions
 (the token count marked dynamic, so one graph serves every batch), then switches every function over
 at once. The caller's thread keeps running eager meanwhile and never compiles.
 
@@ -40,8 +40,9 @@ log = logging.getLogger(__name__)
 COLD_AFTER_TOKENS = 1 << 23
 WARM_AFTER_TOKENS = 1 << 18
 # A call of this many texts is long (8M tokens of reviews): compiling starts at its beginning. Otherwise
-# it starts once a call has ended: a compile's Python work (tracing, loading from the cache) holds the
-# GIL, and would slow a short call that ends before the compiled graph is ready.
+# it starts when a second call (or a later one) ends: a compile's Python work (tracing, loading from the
+# cache) holds the GIL and would slow a short call that ends before the graph is ready, and a process
+# that makes one call and exits would wait for a compile it never uses (the thread is not a daemon).
 LONG_CALL_TEXTS = 1 << 17
 
 _WARMING = threading.local()  # .compiler is set on the thread that compiles, while it does
@@ -147,7 +148,7 @@ class BackgroundCompile:
         self.cached_seconds = compiled_before(key)
         self.start_after = compile_after_tokens(self.cached_seconds is not None) if start_after is None else start_after
         self._compiler = compiler
-        self._seen = 0
+        self._seen = self._calls = 0
         self.state, self.seconds, self.error = "waiting", None, None
         self._lock = threading.Lock()
         self._thread: threading.Thread | None = None
@@ -158,8 +159,10 @@ class BackgroundCompile:
         self._seen += tokens
 
     def start_if_due(self) -> None:
-        """Start once there has been enough work (between calls: see LONG_CALL_TEXTS)."""
-        if self.state == "waiting" and self._seen >= self.start_after:
+        """At the end of each call: start once there has been enough work, over two calls or more
+        (see LONG_CALL_TEXTS)."""
+        self._calls += 1
+        if self.state == "waiting" and self._seen >= self.start_after and self._calls >= 2:
             self.start()
 
     def start(self) -> None:
