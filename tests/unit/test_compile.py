@@ -60,6 +60,8 @@ def test_a_function_that_fails_to_compile_stays_eager(tmp_path, monkeypatch):
     enc.model._post, enc.model.fused = part, [part]
     enc._compile = BackgroundCompile(enc.model, torch.device("cpu"), 1000, 128, "broken", start_after=0,
                                      compiler=broken)
+    enc.encode(texts[:5])
+    assert enc.describe()["compile"] == "waiting"  # one call: a script that stops here never compiles
     enc.encode(texts)
     assert enc.wait_compiled(timeout=60)
     assert enc.describe()["compile"] == "failed" and not part.compiled
