@@ -230,16 +230,14 @@ def _query_texts() -> list[str]:
 def _ours(spec: dict) -> dict:
     import torch
 
-    from embedfleet.encode.encoder import Encoder, _device
+    from embedfleet.encode.encoder import Encoder
 
     texts = json.loads(Path(spec["texts"]).read_text())
-    dev = _device(spec["device"])
-    _sync(dev)
-    t0 = time.perf_counter()
+    t0 = time.perf_counter()  # CUDA's start-up is the constructor's, on both sides
     enc = Encoder(spec["model"], device=spec["device"], batch_tokens=spec["batch_tokens"])
-    first = enc.encode(texts)
-    _sync(dev)
+    first = enc.encode(texts)  # vectors on the host: the device is done
     first_s = time.perf_counter() - t0
+    dev = enc._dev
     out = {"first_s": first_s, "compile_after_first": enc.describe()["compile"]}
     if spec.get("vectors") is None:  # the script variant measures the first call only
         return out
