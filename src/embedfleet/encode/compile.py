@@ -33,10 +33,9 @@ __all__ = ["BackgroundCompile", "Fused", "compile_enabled", "compile_after_token
 
 log = logging.getLogger(__name__)
 
-# Tokens of work (one call or many) after which compiling starts. The first time on a machine it
-# costs seconds (5.8 s in a MiniLM worker's warm-up on an H100, issue 17; more for bigger models):
-# only for long work (8M tokens: ~110k reviews). From the cache (2.7 s against 10.8 s for a tiny BERT
-# on the 2-core VM's CPU) it can start within a first call of ~4k reviews and switch before its end.
+# Tokens of work (over all calls) after which compiling starts. A machine's first compile of a shape
+# takes seconds to minutes: only for long work (8M tokens, ~110k reviews). From the cache it costs a
+# fraction of that (bench/NOTES-encoder.md): worth it for a few thousand texts more.
 COLD_AFTER_TOKENS = 1 << 23
 WARM_AFTER_TOKENS = 1 << 18
 # A call of this many texts is long (8M tokens of reviews): compiling starts at its beginning. Otherwise
