@@ -50,9 +50,9 @@ def apply(variant: str):
     from embedfleet.encode.packed import attention
 
     if variant == "flash_op":
-        real_attn = attention.varlen_attn
-        attention.varlen_attn = flash_direct
-        return lambda: setattr(attention, "varlen_attn", real_attn)
+        real_attn = attention._varlen
+        attention._varlen = lambda: (flash_direct, False)
+        return lambda: setattr(attention, "_varlen", real_attn)
     if variant == "tokens_128k":
         budget.MAX_BATCH_TOKENS = 131072
         return lambda: setattr(budget, "MAX_BATCH_TOKENS", 65536)

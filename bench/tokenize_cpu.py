@@ -3,7 +3,7 @@
     python bench/tokenize_cpu.py [--n 20000] [--words 32768,262144,1048576] [--model DIR]
 
 Texts are `synth.long_tail_texts` (what `bench/ingest.py`'s reviews contain). For each word-table size
-(EMBEDFLEET_WORD_CACHE) a fresh tokenizer makes two passes over the same texts: `cold` learns their words
+(Settings.word_cache) a fresh tokenizer makes two passes over the same texts: `cold` learns their words
 as a helper does at the start of a job; `warm` finds every word the table kept (all of them when it is
 big enough), and how many words a text it learned (split into pieces by the trie) and what that cost.
 `library` is the tokenizers library's own path on the same texts, for scale.
@@ -65,8 +65,9 @@ def main() -> None:
     texts = long_tail_texts(a.n, seed=7)
     learning = _Learning()
     for words in a.words.split(","):
-        os.environ["EMBEDFLEET_WORD_CACHE"] = words
-        tok = tokenize._Tokenizer(spec.tokenizer_json, spec.max_length)
+        tok = tokenize._Tokenizer(spec.tokenizer_json, spec.max_length, word_cache=int(words))
+        if hasattr(tok, "_words_for"):  # built at the first big call now: before the clock, as it was
+            tok._words_for(1 << 30)
         run = (lambda t: tok.encode(t, spec.pad_id)) if hasattr(tok, "encode") else tok.ids
         learning.words, learning.seconds = 0, 0.0
         cold = _timed(run, texts)

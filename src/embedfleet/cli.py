@@ -3,12 +3,14 @@
     ingest   inputs → embeddings → PostgreSQL, on every local device   (runtime/local.py → runtime/worker.py)
     worker   join a running job from any host                           (runtime/worker.py)
     status   the ledger's view of every job
-    search   nearest neighbours of a query text
+    search   nearest neighbours of a query text (or a file of them)
+    serve    the same over HTTP, the model loaded once
     verify   row counts, dimensions, norms
     train    a head on a table's stored vectors, on every local device (DDP)  (train/trainer.py)
     predict  a trained head applied to a table's stored vectors              (train/predict.py)
     db       the embedded PostgreSQL
-    bench    this encoder vs sentence-transformers on one GPU
+    cache    compiled graphs and kernels kept between processes
+    bench    this encoder vs sentence-transformers, first call and steady state, fresh processes
 
 With --json, stdout carries exactly one JSON document; logs and progress go to stderr.
 Errors a user can act on print one line and exit non-zero (no traceback unless --debug).
@@ -30,6 +32,8 @@ app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_
                   help="Embed large text corpora on every GPU you can reach, into PostgreSQL/pgvector, exactly once.")
 db_app = typer.Typer(no_args_is_help=True, help="The embedded PostgreSQL server (used when no --db is given).")
 app.add_typer(db_app, name="db")
+cache_app = typer.Typer(no_args_is_help=True, help="Compiled graphs and kernels kept under $EMBEDFLEET_HOME/cache.")
+app.add_typer(cache_app, name="cache")
 
 _state = {"debug": False}
 DbOpt = typer.Option(None, "--db", help="postgresql://… DSN (default: $EMBEDFLEET_DB, else the embedded server)")
@@ -180,36 +184,57 @@ def status(
 
 @app.command()
 def search(
-    query: str = typer.Argument(..., help="text to search for"),
+    query: Optional[str] = typer.Argument(None, help="text to search for (or --queries FILE)"),
     table: str = typer.Option(..., "--table"),
     db: Optional[str] = DbOpt,
     k: int = typer.Option(10, "-k", "--k", help="results"),
     where: Optional[str] = typer.Option(None, "--where", help="SQL filter, e.g. \"rating <= 2\" (read-only)"),
     model: Optional[str] = typer.Option(None, "--model", help="default: the model the table was built with"),
-    device: str = typer.Option("auto", "--device"),
+    device: str = typer.Option("cpu", "--device", help="cpu (one query needs no GPU) | auto | cuda | cuda:N"),
+    queries: Optional[str] = typer.Option(None, "--queries", help="file of queries, one a line ('-': stdin): "
+                                          "prints one JSON line of results each, the model loaded once"),
     json_out: bool = typer.Option(False, "--json"),
 ) -> None:
     """Nearest rows to QUERY (cosine), embedded with the table's own model and query prompt."""
-    from embedfleet.encode.encoder import Encoder
-    from embedfleet.store import search as s
-    from embedfleet.store.embedded import resolve_dsn
-    from embedfleet.store.ledger import connect
-    from embedfleet.store.schema import embedding_info
+    if (query is None) == (queries is None):
+        raise EmbedfleetError("give a QUERY or --queries FILE (one of them)")
+    if queries is None:
+        from embedfleet.encode import one_thread_math
 
-    with connect(resolve_dsn(db)) as conn:
-        embedding_info(conn, table)  # fail fast on a missing table, before loading a model
-        enc = Encoder(model or s.table_model(conn, table), device=device)
-        try:
-            vec = enc.encode([query], prompt="query")[0]
-        finally:
-            enc.close()
-        results = s.search(conn, table, vec, k=k, where=where)
-    if json_out:
-        _emit({"results": results})
-        return
-    for r in results:
-        text = " ".join(str(r["content"]).split())
-        typer.echo(f"{r['distance']:.4f}  {r['id']}  {text[:120]}")
+        one_thread_math()
+    from embedfleet.store.embedded import resolve_dsn
+    from embedfleet.store.search import query_lines, run_search
+
+    texts = query_lines(queries) if queries is not None else [query]
+    for text, results in run_search(resolve_dsn(db), table, texts, k=k, where=where, model=model, device=device):
+        if queries is not None:
+            sys.stdout.write(orjson.dumps({"query": text, "results": results}, default=str).decode() + "\n")
+        elif json_out:
+            _emit({"results": results})
+        else:
+            for r in results:
+                line = " ".join(str(r["content"]).split())
+                typer.echo(f"{r['distance']:.4f}  {r['id']}  {line[:120]}")
+
+
+@app.command()
+def serve(
+    table: str = typer.Option(..., "--table"),
+    db: Optional[str] = DbOpt,
+    host: str = typer.Option("127.0.0.1", "--host", help="address to listen on (default: this machine only)"),
+    port: int = typer.Option(8000, "--port", help="0: any free port"),
+    k: int = typer.Option(10, "-k", "--k", help="results when a request gives no k"),
+    model: Optional[str] = typer.Option(None, "--model", help="default: the model the table was built with"),
+    device: str = typer.Option("auto", "--device", help="auto (a GPU if there is one) | cpu | cuda | cuda:N"),
+) -> None:
+    """Answer GET /search?q=…&k=…&where=… with the nearest rows as JSON, the model loaded once."""
+    from embedfleet.encode import one_thread_math
+
+    one_thread_math()  # a request's query at a time: its own thread, several requests at once
+    from embedfleet.serve import serve as run_serve
+    from embedfleet.store.embedded import resolve_dsn
+
+    run_serve(resolve_dsn(db), table, host=host, port=port, k=k, model=model, device=device)
 
 
 @app.command()
@@ -324,20 +349,47 @@ def db_stop() -> None:
     typer.echo("stopped" if stop() else "not running", err=True)
 
 
+@cache_app.command("path")
+def cache_path() -> None:
+    """Print where compiled graphs and kernels are kept ($EMBEDFLEET_HOME/cache)."""
+    from embedfleet.cache import cache_dir
+
+    typer.echo(str(cache_dir()))
+
+
+@cache_app.command("clear")
+def cache_clear(json_out: bool = typer.Option(False, "--json")) -> None:
+    """Remove the cache of compiled graphs and kernels (the next big encode compiles again)."""
+    from embedfleet.cache import clear
+
+    removed = clear()
+    if json_out:
+        _emit(removed)
+    else:
+        typer.echo(f"removed {removed['path']}: {removed['files']} files, {removed['bytes'] / 1e6:.1f} MB", err=True)
+
+
 @app.command()
 def bench(
     shape: List[str] = typer.Option(None, "--shape", help="minilm-l6 | bert-base | qwen3-0.6b (repeatable)"),
     model: Optional[str] = typer.Option(None, "--model", help="a real model directory instead of a shape"),
     n: int = typer.Option(20000, "--n", help="texts per run"),
+    texts: List[str] = typer.Option(None, "--texts", help="reviews | world (repeatable; default both)"),
     device: str = typer.Option("auto", "--device"),
     no_st: bool = typer.Option(False, "--no-st", help="skip the sentence-transformers baseline"),
     batch_tokens: str = typer.Option("auto", "--batch-tokens"),
     json_out: bool = typer.Option(False, "--json"),
 ) -> None:
-    """Time this encoder end to end against sentence-transformers (bf16, batch 256) on the same texts."""
-    from embedfleet.encode.bench import format_bench, run_bench
+    """This encoder against sentence-transformers (bf16, batch 256) on the same texts, each measurement in
+    a fresh process: the first call (constructor included, also from a script importing torch and
+    sentence-transformers), the steady state, one query."""
+    from embedfleet.encode.bench import TEXT_SETS, format_bench, run_bench
 
-    result = run_bench(shape or None, model, n=n, device=device, st=not no_st, batch_tokens=batch_tokens)
+    bad = [t for t in texts or [] if t not in TEXT_SETS]
+    if bad:
+        raise EmbedfleetError(f"--texts {bad[0]!r}: choose from {', '.join(TEXT_SETS)}")
+    result = run_bench(shape or None, model, n=n, device=device, st=not no_st, batch_tokens=batch_tokens,
+                       text_sets=texts or None)
     if json_out:
         _emit(result)
     else:

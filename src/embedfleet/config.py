@@ -187,8 +187,12 @@ class Settings:
     writer_depth: int | None = _knob(None, "EMBEDFLEET_WRITER_DEPTH", "units queued per writer connection (default 2)")
     switch_interval: float = _knob(0.0005, "EMBEDFLEET_SWITCH_INTERVAL",
                                    "seconds a worker thread may hold the GIL before handing it over")
+    # ~30 MB of arrays when full; on a 32-core host 8 / 16 helpers prepared 101,833 / 153,969 reviews/s with
+    # 2^18 words and 91,632 / 144,355 with 2^20: more misses are cheaper than more memory (bench/NOTES.md run 39).
     word_cache: int = _knob(1 << 18, "EMBEDFLEET_WORD_CACHE", "distinct words each tokenizer remembers")
     compile: bool = _knob(True, "EMBEDFLEET_COMPILE", "torch.compile the forward pass on CUDA (0: eager)")
+    compile_tokens: int | None = _knob(None, "EMBEDFLEET_COMPILE_TOKENS",
+                                       "tokens of work before compiling starts (default 2^23, 2^18 once cached)")
     triton: bool = _knob(True, "EMBEDFLEET_TRITON", "Qwen3's fused q/k-norm + RoPE Triton kernel on CUDA (0: off)")
     train_readers: int | None = _knob(None, "EMBEDFLEET_TRAIN_READERS",
                                       "connections one training read uses (default: a quarter of the cores, 1-4)")
@@ -220,6 +224,24 @@ class Settings:
         return typed(cls, d, "settings")
 
 
+_ACTIVE: Settings | None = None
+
+
+def settings() -> Settings:
+    """This process's knobs: the ones its Worker was handed (`use_settings`), else the environment's,
+    read once. What the encoder reads deep down (compile, Triton, word cache) comes from here."""
+    global _ACTIVE
+    if _ACTIVE is None:
+        _ACTIVE = Settings.from_env()
+    return _ACTIVE
+
+
+def use_settings(s: Settings) -> None:
+    """Make `s` this process's knobs (a worker given its launcher's Settings, in a process or an actor)."""
+    global _ACTIVE
+    _ACTIVE = s
+
+
 def _parse_knob(name: str, raw: str, kind: str):
     """An environment variable's text as the knob's type ("int | None", "float", "bool", "str")."""
     if kind.startswith("str"):
@@ -235,7 +257,7 @@ def _parse_knob(name: str, raw: str, kind: str):
 
 def _checked(s: Settings) -> Settings:
     for name, least in (("helpers", 0), ("tasks_ahead", 0), ("writers", 1), ("writer_depth", 1), ("word_cache", 2),
-                        ("metrics_port", 0), ("train_readers", 1), ("train_gather_threads", 1)):
+                        ("metrics_port", 0), ("train_readers", 1), ("train_gather_threads", 1), ("compile_tokens", 0)):
         value = getattr(s, name)
         if value is not None and value < least:
             env = next(f.metadata["env"] for f in dataclasses.fields(s) if f.name == name)
@@ -245,33 +267,3 @@ def _checked(s: Settings) -> Settings:
             env = next(f.metadata["env"] for f in dataclasses.fields(s) if f.name == name)
             raise InputError(f"{env}={getattr(s, name)}: expected a positive number")
     return s
-
-
-def _env_number(name: str, default, parse, valid, expected: str):
-    """A number setting from the environment (the measuring knobs); unset or empty: `default`. `parse`
-    returns None for text that is no number; anything `valid` refuses is a one-line error."""
-    raw = os.environ.get(name, "").strip()
-    if not raw:
-        return default
-    value = parse(raw)
-    if value is None or not valid(value):
-        raise InputError(f"{name}={raw!r}: expected {expected}")
-    return value
-
-
-def _float_or_none(raw: str) -> float | None:
-    try:
-        return float(raw)
-    except ValueError:
-        return None
-
-
-def env_int(name: str, default: int | None, least: int = 1) -> int | None:
-    """A whole number ≥ `least` (digits only, no sign but a minus)."""
-    return _env_number(name, default, lambda raw: int(raw) if raw.lstrip("-").isdigit() else None,
-                       lambda v: v >= least, f"a whole number ≥ {least}")
-
-
-def env_float(name: str, default: float) -> float:
-    """A positive, finite number."""
-    return _env_number(name, default, _float_or_none, lambda v: 0 < v < float("inf"), "a positive number")

@@ -190,3 +190,29 @@ def cached_review_shards(directory: str | Path, n: int, shards: int) -> list[Pat
         with ProcessPoolExecutor(min(len(missing), os.cpu_count() or 1), mp_context=spawn) as pool:
             list(pool.map(_cached, [paths[i] for i in missing], [sizes[i] for i in missing], missing))
     return paths
+
+
+# Words of a world-wide review site: accented Latin, CJK (no spaces between characters), Hangul,
+# Cyrillic, Greek, Arabic, Devanagari, emoji, curly quotes, dashes — what the tokenizer's ASCII
+# shortcut never takes (it falls back to the library for a text with any of these).
+_WORLD = (
+    "café crème naïve résumé über schön größe très bien déçu reçu problème qualité función batería "
+    "cargador pantalla rápido lento também não ótimo preço điện thoại pin sạc tốt "
+    "電池 充電 画面 ケース 保護 とても 良い 悪い すぐ 壊れた 手机 电池 充电器 屏幕 质量 很好 不错 "
+    "배터리 충전 화면 좋아요 별로 телефон батарея экран отлично плохо быстро μπαταρία οθόνη καλό "
+    "بطارية شاشة ممتاز बैटरी स्क्रीन अच्छा 👍 😂 ❤️ 🔋 📱 🚀 👎 ✨ 🙏 — – … “great” “meh” ‘ok’ «bien» „gut“"
+).split()
+
+
+def world_texts(n: int, seed: int = 0, median_words: int = 40, long_share: float = 0.01) -> list[str]:
+    """`n` review-like texts mixing English with other scripts, accents, emoji and curly quotes (about
+    half the words from `_WORLD`), lengths like `review_texts` except that `long_share` of the texts
+    (1%) run 1,000 to 3,000 words; deterministic for a seed."""
+    rng = np.random.default_rng(seed + 2)
+    lengths = review_lengths(n, seed, median_words)
+    long = rng.random(n) < long_share
+    lengths[long] = rng.integers(1001, 3001, int(long.sum()))
+    vocab = np.array(_WORDS + _WORLD)
+    weights = np.r_[np.full(len(_WORDS), 1.0 / len(_WORDS)), np.full(len(_WORLD), 1.0 / len(_WORLD))]
+    picks = rng.choice(len(vocab), int(lengths.sum()), p=weights / weights.sum())
+    return _sentences(vocab, picks, lengths)

@@ -128,6 +128,8 @@ def test_tokenizer_pool_matches_in_process(tiny, monkeypatch):
     enc = Encoder(str(tiny["qwen3"]), tokenizer_workers=2)
     texts = review_texts(300, seed=9)
     try:
+        enc.warmup()  # the helpers start in the background at the first big call; here, now
+        assert enc._tok._pool.ready()
         a = enc.tokenize(texts)
     finally:
         enc.close()
@@ -170,7 +172,10 @@ def test_bert_ascii_shortcuts_give_the_librarys_ids(lowercase, monkeypatch):
     reference.no_padding()
     reference.enable_truncation(256)
     fast = tokenize_mod._Tokenizer(tj, 256)
-    assert fast.twin is not None and fast.words  # both shortcuts are on for this model
+    few = ["Battery DIES after a WEEK!!", "[MASK] and [CLS] typed by a user", "Café crème — naïve", ""]
+    assert tokenize_mod._split(*fast.encode(few, pad_id=0)) == [e.ids for e in reference.encode_batch(few)]
+    assert fast.words is None  # a few texts: the library's path, the word path not built for them
+    assert fast.twin is not None and fast._words_for(tokenize_mod.WORD_PATH_MIN_TEXTS)  # both shortcuts are on
     tricky = ["Battery DIES after a WEEK!!", "tab\there\r\nCRLF  and   spaces", "[MASK] and [CLS] typed by a user",
               "[mask] lower", "Café crème — naïve", "日本語のレビュー", "vertical\x0btab", "form\x0cfeed", "del\x7fchar",
               "bell\x07", "emoji 🎉 ok", "", "   ", "MiXeD 123 $4.99 e-mail@x.com", "word " * 400,
@@ -189,11 +194,10 @@ def test_bert_ascii_shortcuts_give_the_librarys_ids(lowercase, monkeypatch):
     assert ids(fast, texts[::-1]) == want[::-1]  # the word table, now full of these words, gives the same
     assert ids(fast, []) == [] and ids(fast, [""]) == [reference.encode("").ids]
     no_words = tokenize_mod._Tokenizer(tj, 256)
-    no_words.words = None  # a BERT tokenizer whose self-check failed: twin and full paths only
+    no_words.words = no_words._word_args = None  # a BERT tokenizer whose self-check failed: twin and full paths
     assert ids(no_words, texts) == want and ids(no_words, []) == []
     # a table too small for the texts' words keeps its older half each time it fills: same ids
-    monkeypatch.setattr(tokenize_mod, "_CACHE_WORDS", 64)
-    fresh = tokenize_mod._Tokenizer(tj, 256)
+    fresh = tokenize_mod._Tokenizer(tj, 256, word_cache=64)
     distinct = len({w for t in ascii_texts for w in WORDS.findall(t.lower() if lowercase else t)})
     assert ids(fresh, texts) == want
     assert ids(fresh, texts) == want and len(fresh.words.table) < distinct / 2  # it did forget words

@@ -6,7 +6,7 @@ from collections import deque
 
 import pytest
 
-from embedfleet.config import JobConfig, build_config, env_float, env_int
+from embedfleet.config import JobConfig, build_config
 from embedfleet.errors import InputError
 from embedfleet.runtime.job import apply_limit
 from embedfleet.runtime.local import parse_devices, writers_each
@@ -120,27 +120,6 @@ def test_yaml_values_of_the_right_type_pass(tmp_path):
     y.write_text("inputs: a.jsonl\nlimit: 5\nno_index: true\nbatch-tokens: 4096\ntable: t\n")
     cfg = build_config({}, str(y))
     assert (cfg.inputs, cfg.limit, cfg.no_index, cfg.batch_tokens, cfg.table) == (["a.jsonl"], 5, True, 4096, "t")
-
-
-def test_measuring_knobs_from_the_environment(monkeypatch):
-    monkeypatch.delenv("EMBEDFLEET_X", raising=False)
-    assert env_int("EMBEDFLEET_X", 3) == 3
-    monkeypatch.setenv("EMBEDFLEET_X", " 6 ")
-    assert env_int("EMBEDFLEET_X", 3) == 6
-    monkeypatch.setenv("EMBEDFLEET_X", "0")
-    assert env_int("EMBEDFLEET_X", None, least=0) == 0
-    for bad in ("0", "-2", "six", "1.5"):  # a value it cannot use: one line naming the setting, not a traceback
-        monkeypatch.setenv("EMBEDFLEET_X", bad)
-        with pytest.raises(InputError, match=r"EMBEDFLEET_X=.*whole number ≥ 1"):
-            env_int("EMBEDFLEET_X", 3)
-    monkeypatch.setenv("EMBEDFLEET_X", " 0.0001 ")
-    assert env_float("EMBEDFLEET_X", 0.0005) == 0.0001
-    monkeypatch.delenv("EMBEDFLEET_X")
-    assert env_float("EMBEDFLEET_X", 0.0005) == 0.0005
-    for bad in ("0", "-1e-3", "fast", "inf", "nan"):
-        monkeypatch.setenv("EMBEDFLEET_X", bad)
-        with pytest.raises(InputError, match=r"EMBEDFLEET_X=.*positive number"):
-            env_float("EMBEDFLEET_X", 0.0005)
 
 
 def test_writer_connections_fit_what_the_server_has_free():

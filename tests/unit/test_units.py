@@ -135,14 +135,14 @@ def test_a_helper_spools_its_unit_and_falls_back_to_the_pipe_when_it_cannot(tmp_
 
     shm = tmp_path / "shm"
     shm.mkdir()
-    monkeypatch.setattr(units, "_HELPER", (prepare, str(shm), None))
+    monkeypatch.setattr(units, "_HELPER", (prepare, str(shm)))
     out = units._helper_prepare(task)
     assert isinstance(out, units.Spooled)
     back = unspool(out)
     assert bytes(back.rows.blob) == direct.rows.blob and back.tok.ids.tolist() == direct.tok.ids.tolist()
 
     # No room for the file (a full /dev/shm): the unit comes back whole, through the pipe.
-    monkeypatch.setattr(units, "_HELPER", (prepare, str(tmp_path / "missing"), None))
+    monkeypatch.setattr(units, "_HELPER", (prepare, str(tmp_path / "missing")))
     out = units._helper_prepare(task)
     assert isinstance(out, Prepared) and out.rows.blob == direct.rows.blob
 

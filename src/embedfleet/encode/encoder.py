@@ -5,6 +5,10 @@ embed() (one thread at a time, the device): one pinned host->device copy per cal
 batches of packed sequences through the packed (or generic) forward, pooling and normalisation
 on the device into one output buffer, one device->host copy at the end: no sync per batch.
 encode() pipelines the two over chunks so the device never waits for the tokenizer.
+
+Small work stays small: a query or a few thousand texts run eagerly in this process. The tokenizer's
+helper processes start at the first big call (and tokenizing goes on here until they are up), and on
+CUDA the forward pass is compiled in the background once enough work has come (`compile.py`).
 """
 
 from __future__ import annotations
@@ -16,9 +20,11 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from embedfleet.cache import use_compile_cache
 from embedfleet.encode import packed
 from embedfleet.encode.batching import cumulative
 from embedfleet.encode.budget import TokenBudget, activation_bytes_per_token, probe_batch_tokens, run_with_backoff
+from embedfleet.encode.compile import LONG_CALL_TEXTS, BackgroundCompile, Fused, shape_key
 from embedfleet.encode.models import model_name, read_spec, resolve_model
 from embedfleet.encode.packed.attention import Packing, token_layout
 from embedfleet.encode.pooling import finish, pool_packed
@@ -41,6 +47,16 @@ def _device(device: str) -> torch.device:
     return dev
 
 
+def _start_cuda(dev: torch.device) -> None:
+    """The CUDA context, on a thread while the weights are read; then, on a daemon thread of its own,
+    the varlen attention module, which the first forward pass needs (its import pulls torch._dynamo
+    in: 1.5 s on the 2-core VM) and the constructor does not wait for."""
+    torch.empty(1, device=dev)
+    from embedfleet.encode.packed.attention import _varlen
+
+    threading.Thread(target=_varlen, name="embedfleet-import", daemon=True).start()
+
+
 @dataclass
 class _Pending:
     host: torch.Tensor  # [n, dim] float32, input order (pinned on CUDA; result() is a view of it)
@@ -60,7 +76,17 @@ class Encoder:
         self.dtype = _DTYPES[dtype] if isinstance(dtype, str) else dtype
         if self.dtype is None:
             self.dtype = torch.bfloat16 if self._dev.type == "cuda" else torch.float32
-        self.model = packed.build(spec, self._dev, self.dtype)
+        if self._dev.type == "cuda":
+            use_compile_cache()  # before any Triton kernel or compile: their caches in $EMBEDFLEET_HOME/cache
+        with ThreadPoolExecutor(1, thread_name_prefix="embedfleet-cuda") as aside:
+            # On a GPU its context starts on that thread while this one reads the weights.
+            starting = aside.submit(_start_cuda, self._dev) if self._dev.type == "cuda" else None
+            state = packed.load_state(spec.hf_dir) if packed.supports(spec) else None
+            self._tok = model_tokenizer(spec).build(tokenizer_workers)
+            if starting is not None:
+                starting.result()
+        self.model = packed.build(spec, self._dev, self.dtype, state) if state is not None else None
+        del state
         self.path = "packed"
         if self.model is None:
             from embedfleet.encode.generic import GenericModel
@@ -73,12 +99,16 @@ class Encoder:
         self.max_seq_length = spec.max_seq_length
         self.name = model_name(model, spec.path)
         self.prompt = prompt
-        self._tok = model_tokenizer(spec).build(tokenizer_workers)
         if batch_tokens == "auto":
             per = activation_bytes_per_token(hidden, int(spec.config.get("intermediate_size", 4 * hidden)), self.dtype)
             batch_tokens = probe_batch_tokens(self._dev, per, self.max_seq_length, hidden)
         self.budget = TokenBudget(int(batch_tokens), self.max_seq_length)
         self._lock = threading.Lock()
+        # On CUDA, the packed forward's glue is compiled in the background once enough work has come.
+        self._compile = None
+        if self.path == "packed" and any(isinstance(p, Fused) for p in self.model.fused):
+            self._compile = BackgroundCompile(self.model, self._dev, spec.config.get("vocab_size", 1000),
+                                              self.max_seq_length, shape_key(spec.config, self.dtype, self._dev))
 
     @property
     def device(self) -> str:
@@ -88,7 +118,8 @@ class Encoder:
         return {"model": str(self.spec.path), "name": self.name, "architecture": self.spec.architecture,
                 "path": self.path, "dtype": str(self.dtype).removeprefix("torch."), "device": self.device,
                 "batch_tokens": self.budget.tokens, "dim": self.dim, "max_seq_length": self.max_seq_length,
-                "pooling": self.spec.pooling, "tokenizer_workers": self._tok.workers}
+                "pooling": self.spec.pooling, "tokenizer_workers": self._tok.workers,
+                "compile": self._compile.state if self._compile is not None else "off"}
 
     def tokenize(self, texts: list[str], prompt: str | None = None) -> Tokenized:
         return self._tok.tokenize(texts, self.spec.prompt_text(prompt if prompt is not None else self.prompt))
@@ -98,26 +129,40 @@ class Encoder:
         return self._tok.spec(self.spec.prompt_text(prompt if prompt is not None else self.prompt))
 
     def embed(self, tok: Tokenized) -> np.ndarray:
-        return self._launch(tok).result()
+        out = self._launch(tok).result()
+        self._compile_if_due()
+        return out
 
-    def warmup(self) -> None:
-        """Pay start-up costs before timing starts: the tokenizer pool's processes, and on CUDA the
-        kernels' compilation and autotuning for short and long sequences."""
+    def _compile_if_due(self) -> None:
+        if self._compile is not None:
+            self._compile.start_if_due()
+
+    def warmup(self, wait: bool = True) -> None:
+        """Pay start-up costs now rather than in the first real batches: the tokenizer's helper
+        processes, and on CUDA the libraries' first use and the forward pass's compilation, which
+        runs in the background (eager meanwhile); `wait` waits for it."""
         self._tok.start()
         if self._dev.type == "cuda":
-            self.encode(["warm up"] * 64 + ["warm up " * 200] * 8)
-            # A second token count has torch.compile recompile its graphs for any count (automatic
-            # dynamic shapes): here, not in a job's first unit on the thread that feeds the GPU
-            # (a profile of a two-GPU ingest caught that recompile there, bench/NOTES.md run 45).
-            self.encode(["warm up again"] * 24)
+            self.encode(["warm up"] * 8 + ["warm up " * 200] * 2)  # cuBLAS, FlashAttention: their first calls
+            if self._compile is not None:
+                self._compile.start()
+                if wait:
+                    self._compile.wait()
+
+    def wait_compiled(self, timeout: float | None = None) -> bool:
+        """Wait for a background compile that has started (at once if none has); True when done."""
+        return self._compile is None or self._compile.wait(timeout)
 
     def embed_async(self, tok: Tokenized) -> "_Pending":
         """Queue `tok` on the device and return at once; `.result()` waits for its vectors. Queue the
         next batch before reading this one's result and the device never idles between them."""
+        self._compile_if_due()
         return self._launch(tok)
 
     def encode(self, texts: list[str], prompt: str | None = None) -> np.ndarray:
         texts = list(texts)
+        if self._compile is not None and len(texts) >= LONG_CALL_TEXTS:
+            self._compile.start()  # a long call: the compiled graph will be ready for most of it
         size = min(MAX_CHUNK, max(MIN_CHUNK, len(texts) // 8))  # >= 8 chunks, so the overlap pays
         if len(texts) <= size:
             return self.embed(self.tokenize(texts, prompt))
@@ -137,6 +182,7 @@ class Encoder:
                     out.append(pending.result())
                 pending = nxt
         out.append(pending.result())
+        self._compile_if_due()
         return np.concatenate(out)
 
     def _launch(self, tok: Tokenized) -> _Pending:
@@ -146,6 +192,8 @@ class Encoder:
         lengths = tok.lengths
         cu = cumulative(lengths)
         total = int(cu[-1])
+        if self._compile is not None:
+            self._compile.note(total)
         # Only ids, lengths and the input order travel; each token's sequence and position are
         # derived on the device (a few queued kernels instead of milliseconds of numpy a unit on
         # this thread, which feeds the GPU and shares the GIL with the writers).

@@ -79,6 +79,15 @@ def model_name(model, path: Path) -> str:
     return given if given.count("/") == 1 and not Path(given).expanduser().exists() else path.name
 
 
+def strip_prefix(state: dict, anchor: str) -> dict:
+    """Drop whatever wrapper prefix ('bert.', 'model.', ...) sits before `anchor`'s key (any tensors)."""
+    key = next((k for k in state if k.endswith(anchor)), None)
+    if key is None:
+        return {}
+    cut = len(key) - len(anchor)
+    return {k[cut:]: v for k, v in state.items() if k.startswith(key[:cut])}
+
+
 def _read_json(path: Path) -> dict | list | None:
     try:
         return json.loads(path.read_text(encoding="utf-8"))

@@ -1,34 +1,39 @@
 """Tokenisation into packed, length-sorted arrays, optionally on a pool of processes.
 
 One fast-tokenizer call is limited by building Python objects under the GIL (about 22k texts/s
-however many cores), so big inputs go to a pool of single-threaded processes instead. The pool
-uses `spawn`: forking after the tokenizers library has started its threads can deadlock. This
-module imports no torch so that pool processes start quickly.
+however many cores), so big inputs go to a pool of single-threaded processes instead
+(`helper_pool.HelperPool`: fresh interpreters that import this module, never the caller's
+`__main__`; forking after the tokenizers library has started its threads can deadlock). The pool
+starts at the first big call, in the background, and that call's texts are tokenized here until it is
+up; small calls never start it. This module imports no torch so that helpers start quickly.
 """
 
 from __future__ import annotations
 
 import itertools
-import multiprocessing as mp
+import logging
 import os
 import re
 import threading
-from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 
 import numpy as np
 
-from embedfleet.config import env_int
+from embedfleet.config import settings
 from embedfleet.encode.batching import cumulative, length_order
 from embedfleet.encode.models import _read_json, read_spec, resolve_model
 from embedfleet.encode.wordpiece import LONGEST_TEXT, AsciiWordPiece
 from embedfleet.errors import ModelError
+from embedfleet.helper_pool import HelperPool
+
+log = logging.getLogger(__name__)
 
 POOL_MIN_TEXTS = 2048  # below this the pool's pickling costs more than it saves
 # Characters of a text that can reach the model: past max_length tokens everything is cut anyway, and the
 # library tokenizes the whole text first (a 50 MB review took 5 GB and 18 s). 64 characters a token is far
 # more than any prose needs (~5); only runs of whitespace or of 100+-character words could lose tokens.
 CHARS_PER_TOKEN = 64
+WORD_PATH_MIN_TEXTS = 64  # a query or a few texts go through the library rather than build the word path
 
 
 @dataclass
@@ -67,11 +72,6 @@ def pack_sorted(ids: np.ndarray, lengths: np.ndarray) -> Tokenized:
 
 # ASCII control characters that BERT's text cleaning deletes (tab, newline and CR it turns into spaces).
 _CONTROL = re.compile(r"[\x00-\x08\x0b\x0c\x0e-\x1f\x7f]")
-# Distinct words remembered per process (~30 MB of arrays when full). Helpers alone on a 32-core GPU
-# host (bench/prep_cpu.py, bench/NOTES.md run 39): 8 / 16 helpers prepare 101,833 / 153,969 reviews/s
-# with 262,144 words, 91,632 / 144,355 with 1,048,576 (more misses are cheaper than more memory per
-# helper past this); the dict-of-strings table before it, with 32,768 words: 64,486 / 126,246.
-_CACHE_WORDS = 1 << 18  # EMBEDFLEET_WORD_CACHE overrides (a measuring knob)
 
 
 class _Tokenizer:
@@ -92,9 +92,10 @@ class _Tokenizer:
     and a self-check at load turns the word path off should a tokenizer disagree.
     """
 
-    def __init__(self, tokenizer_json: str, max_length: int):
+    def __init__(self, tokenizer_json: str, max_length: int, shortcuts: bool = True, word_cache: int = 1 << 18):
         from tokenizers import Tokenizer, models, normalizers, pre_tokenizers
 
+        self.word_cache = word_cache
         def load():
             tok = Tokenizer.from_str(tokenizer_json)
             tok.no_padding()
@@ -102,14 +103,28 @@ class _Tokenizer:
             return tok
 
         self.full, self.twin, self.words = load(), None, None
+        # The word path's table learns new words and its hasher grows: one thread at a time (encode()
+        # tokenizes on two threads when there are no helpers, or while they start).
+        self._words_lock = threading.Lock()
+        self._word_args: tuple | None = None  # set: the word path is built at the first call that pays
         norm = self.full.normalizer
-        if not isinstance(norm, normalizers.BertNormalizer):
+        if not shortcuts or not isinstance(norm, normalizers.BertNormalizer):
             return
         self.twin = load()
         self.twin.normalizer = normalizers.Lowercase() if norm.lowercase else None
         if isinstance(self.full.pre_tokenizer, pre_tokenizers.BertPreTokenizer) and isinstance(
                 self.full.model, models.WordPiece):
-            self.words = self._word_path(max_length, norm.lowercase)
+            self._word_args = (max_length, norm.lowercase)
+
+    def _words_for(self, n: int) -> AsciiWordPiece | None:
+        """The word path, built (its trie and tables: ~0.2 s) at the first call of WORD_PATH_MIN_TEXTS
+        texts or more; None before that (the library's ids are the same) and where it does not apply."""
+        if self._word_args is not None and n >= WORD_PATH_MIN_TEXTS:
+            with self._words_lock:
+                if self._word_args is not None:
+                    self.words = self._word_path(*self._word_args)
+                    self._word_args = None
+        return self.words
 
     def _word_path(self, max_length: int, lowercase: bool) -> AsciiWordPiece | None:
         model = self.full.model
@@ -126,7 +141,7 @@ class _Tokenizer:
         added = [t.content for t in self.full.get_added_tokens_decoder().values()]
         self._added = re.compile("|".join(map(re.escape, added)), re.IGNORECASE) if added else None
         words = AsciiWordPiece(model, self.full.get_vocab(with_added_tokens=False), lowercase, prefix, suffix, room,
-                               env_int("EMBEDFLEET_WORD_CACHE", _CACHE_WORDS, least=2))
+                               self.word_cache)
         check = ["Hello, World! It's $4.99 (ok?) e-mail@x.com", "word " * (max_length + 10), "", "x" * 150]
         if _split(*words.encode(check)) != [e.ids for e in self.twin.encode_batch(check)]:
             return None  # a tokenizer this reimplementation does not match: the library's path only
@@ -136,18 +151,23 @@ class _Tokenizer:
         """Packed int32 ids and int32 lengths, in input order; an empty encoding becomes [pad_id]."""
         if self.twin is None:
             return _pack(self.full, texts, range(len(texts)), pad_id)
+        words = self._words_for(len(texts))
         paths: tuple[list, list, list] = ([], [], [])  # indices for the word path, the twin, the full path
-        added = self._added if self.words is not None else None
+        added = self._added if words is not None else None
         for i, t in enumerate(texts):
             if not t.isascii() or _CONTROL.search(t) is not None:
                 paths[2].append(i)
-            elif self.words is not None and len(t) <= LONGEST_TEXT and (added is None or added.search(t) is None):
+            elif words is not None and len(t) <= LONGEST_TEXT and (added is None or added.search(t) is None):
                 paths[0].append(i)
             else:
                 paths[1].append(i)
-        if self.words is not None and len(paths[0]) == len(texts):
-            return self.words.encode(texts)
-        groups = [(paths[0], *self.words.encode([texts[i] for i in paths[0]]))] if paths[0] else []
+        if words is not None and len(paths[0]) == len(texts):
+            with self._words_lock:
+                return words.encode(texts)
+        groups = []
+        if paths[0]:
+            with self._words_lock:
+                groups.append((paths[0], *words.encode([texts[i] for i in paths[0]])))
         groups += [(idx, *_pack(tok, texts, idx, pad_id)) for tok, idx in zip((self.twin, self.full), paths[1:]) if idx]
         return _merge(len(texts), groups)
 
@@ -180,25 +200,15 @@ def _split(ids: np.ndarray, lengths: np.ndarray) -> list[list[int]]:
 _WORKER: tuple | None = None
 
 
-def _worker_init(tokenizer_json: str, max_length: int, pad_id: int) -> None:
+def _worker_init(tokenizer_json: str, max_length: int, pad_id: int, word_cache: int) -> None:
     # One process per core already: threads inside each would oversubscribe the CPU.
     os.environ["TOKENIZERS_PARALLELISM"] = "false"
     global _WORKER
-    _WORKER = (_Tokenizer(tokenizer_json, max_length), pad_id)
+    _WORKER = (_Tokenizer(tokenizer_json, max_length, word_cache=word_cache), pad_id)
 
 
 def _worker_encode(texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
     return _WORKER[0].encode(texts, _WORKER[1])
-
-
-def spawn_works() -> bool:
-    """`spawn` re-runs the parent's main module in each child: impossible when it came from stdin
-    or `-c` (the children die at start and the pool hangs), so tokenize in-process there."""
-    import sys
-
-    main = sys.modules.get("__main__")
-    path = getattr(main, "__file__", None)
-    return getattr(main, "__spec__", None) is not None or path is None or os.path.exists(path)
 
 
 def default_workers(cores: int | None = None) -> int:
@@ -218,39 +228,45 @@ class TokenizerSpec:
     pad_id: int = 0
     lowercase: bool = False
     prefix: str = ""  # the prompt put before every text
+    word_cache: int = 1 << 18  # Settings.word_cache of the process that made the spec, carried to helpers
 
-    def build(self, workers: int | None = 0) -> "TextTokenizer":
-        """The tokenizer, in this process (`workers` 0) or with a pool of processes (None: the default)."""
-        return TextTokenizer(self.tokenizer_json, self.max_length, self.pad_id, workers, lowercase=self.lowercase)
+    def build(self, workers: int | None = 0, shortcuts: bool = True) -> "TextTokenizer":
+        """The tokenizer, in this process (`workers` 0) or with a pool of processes (None: the default).
+        `shortcuts=False`: the library's path alone, the same ids, quicker to build for a few texts."""
+        return TextTokenizer(self.tokenizer_json, self.max_length, self.pad_id, workers, lowercase=self.lowercase,
+                             shortcuts=shortcuts, word_cache=self.word_cache)
 
 
 class TextTokenizer:
     """Thread-safe: `tokenize` may run on a prefetch thread while the GPU thread embeds."""
 
     def __init__(self, tokenizer_json: str, max_length: int, pad_id: int = 0, workers: int | None = None,
-                 lowercase: bool = False):
+                 lowercase: bool = False, shortcuts: bool = True, word_cache: int | None = None):
         self._json, self.max_length, self.pad_id, self.lowercase = tokenizer_json, max_length, pad_id, lowercase
-        self._local = _Tokenizer(tokenizer_json, max_length)
+        self.word_cache = word_cache or settings().word_cache
+        self._local = _Tokenizer(tokenizer_json, max_length, shortcuts, self.word_cache)
         self.workers = default_workers() if workers is None else max(0, int(workers))
-        if not spawn_works():
-            self.workers = 0
-        self._pool: ProcessPoolExecutor | None = None
+        self._pool: HelperPool | None = None
         self._lock = threading.Lock()
 
-    def _get_pool(self) -> ProcessPoolExecutor:
+    def _start_pool(self) -> HelperPool | None:
+        """The pool, its processes started (not waited for) on the first call."""
         with self._lock:
-            if self._pool is None:
-                self._pool = ProcessPoolExecutor(
-                    self.workers, mp_context=mp.get_context("spawn"),
-                    initializer=_worker_init, initargs=(self._json, self.max_length, self.pad_id),
-                )
+            if self._pool is None and self.workers:
+                try:
+                    self._pool = HelperPool(self.workers, _worker_init,
+                                            (self._json, self.max_length, self.pad_id, self.word_cache), name="tokenizer")
+                except OSError as err:  # no interpreter to start (an embedded Python): tokenize here
+                    log.warning("tokenizer helpers could not start (%s); tokenizing in this process", err)
+                    self.workers = 0
             return self._pool
 
     def start(self) -> None:
-        """Start the pool's processes now (each imports and loads the tokenizer: about a second),
-        so the first real batch does not pay for it."""
-        if self.workers:
-            list(self._get_pool().map(_worker_encode, [["warm up"]] * self.workers))
+        """Start the pool's processes and wait for them (each imports and loads the tokenizer: a
+        fraction of a second), so that the first big batch finds them ready."""
+        pool = self._start_pool()
+        if pool is not None:
+            pool.start()
 
     def encode_unsorted(self, texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
         """Packed ids and lengths in input order."""
@@ -258,15 +274,20 @@ class TextTokenizer:
         texts = [t if len(t) <= cap else t[:cap] for t in texts]
         if self.lowercase:
             texts = [t.lower() for t in texts]
-        if self.workers == 0 or len(texts) < POOL_MIN_TEXTS:
+        pool = self._start_pool() if self.workers and len(texts) >= POOL_MIN_TEXTS else None
+        if pool is not None and pool.broken is not None and not pool.ready():
+            log.warning("tokenizer helpers failed to start (%s); tokenizing in this process", pool.broken)
+            self.close()
+            self.workers, pool = 0, None
+        if pool is None or not pool.ready():  # small, or the helpers are still starting: here
             return self._local.encode(texts, self.pad_id)
         step = max(256, -(-len(texts) // (self.workers * 4)))
-        parts = list(self._get_pool().map(_worker_encode, [texts[i : i + step] for i in range(0, len(texts), step)]))
+        parts = pool.map(_worker_encode, [texts[i : i + step] for i in range(0, len(texts), step)])
         return np.concatenate([p[0] for p in parts]), np.concatenate([p[1] for p in parts])
 
     def spec(self, prefix: str = "") -> TokenizerSpec:
         """How to rebuild this tokenizer (with a prompt prefix) in another process."""
-        return TokenizerSpec(self._json, self.max_length, self.pad_id, self.lowercase, prefix)
+        return TokenizerSpec(self._json, self.max_length, self.pad_id, self.lowercase, prefix, self.word_cache)
 
     def tokenize(self, texts: list[str], prefix: str = "") -> Tokenized:
         if prefix:
@@ -276,7 +297,7 @@ class TextTokenizer:
     def close(self) -> None:
         with self._lock:
             if self._pool is not None:
-                self._pool.shutdown(wait=True, cancel_futures=True)
+                self._pool.close()
                 self._pool = None
 
 
@@ -298,7 +319,7 @@ def model_tokenizer(spec, prompt: str | None = None) -> TokenizerSpec:
     st = _read_json(spec.hf_dir / "sentence_bert_config.json") or {}
     pad = spec.config.get("pad_token_id")
     return TokenizerSpec(_tokenizer_json(spec), spec.max_seq_length, pad if isinstance(pad, int) else 0,
-                         bool(st.get("do_lower_case")), spec.prompt_text(prompt))
+                         bool(st.get("do_lower_case")), spec.prompt_text(prompt), settings().word_cache)
 
 
 def tokenizer_spec(model=None, prompt: str | None = None) -> TokenizerSpec:

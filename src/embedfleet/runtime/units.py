@@ -24,21 +24,21 @@ from __future__ import annotations
 
 import dataclasses
 import gc
-import multiprocessing as mp
 import os
 import shutil
 import tempfile
 import threading
 import time
 from collections.abc import Iterator
-from concurrent.futures import Future, ProcessPoolExecutor
+from concurrent.futures import Future
 from dataclasses import dataclass
 
 import numpy as np
 import psutil
 
 from embedfleet.encode.passages import Splitter, expand
-from embedfleet.encode.tokenize import Tokenized, TokenizerSpec, default_workers, spawn_works
+from embedfleet.encode.tokenize import Tokenized, TokenizerSpec, default_workers
+from embedfleet.helper_pool import HelperPool
 from embedfleet.records import Reject, to_records
 from embedfleet.sources import RawRecord, read_chunk
 from embedfleet.sources.jsonl import block_lines, block_records, stream_blocks
@@ -180,7 +180,7 @@ class Preparer:
             self._ledger.conn.close()
 
 
-_HELPER: tuple[Preparer, str, object] | None = None
+_HELPER: tuple[Preparer, str] | None = None
 
 
 def settle_gc() -> None:
@@ -193,25 +193,16 @@ def settle_gc() -> None:
     gc.set_threshold(50_000, 20, 20)
 
 
-def _helper_init(ctx: UnitContext, spool_dir: str, started) -> None:
+def _helper_init(ctx: UnitContext, spool_dir: str) -> None:
     # One helper per core already: tokenizer threads inside each would oversubscribe the CPU.
     os.environ["TOKENIZERS_PARALLELISM"] = "false"
-    threading.Thread(target=_exit_with_parent, args=(os.getppid(),), daemon=True).start()
     global _HELPER
-    _HELPER = (Preparer(ctx), spool_dir, started)
+    _HELPER = (Preparer(ctx), spool_dir)
     settle_gc()
 
 
-def _exit_with_parent(parent: int) -> None:
-    """A worker killed with -9 cannot stop its helpers, and they would wait for work forever
-    (each holds its own end of the task pipe): leave once the parent is gone."""
-    while os.getppid() == parent:
-        time.sleep(1.0)
-    os._exit(0)
-
-
 def _helper_prepare(task: Task) -> Spooled | Prepared:
-    prepare, spool_dir, _ = _HELPER
+    prepare, spool_dir = _HELPER
     t0, c0 = time.perf_counter(), time.process_time()
     prepared = prepare(task)
     prepared.busy_s, prepared.cpu_s = time.perf_counter() - t0, time.process_time() - c0
@@ -219,12 +210,6 @@ def _helper_prepare(task: Task) -> Spooled | Prepared:
         return spool(prepared, spool_dir)
     except OSError:  # /dev/shm full (containers often get 64 MB): the pipe is slower, but works
         return prepared
-
-
-def _helper_ready(_) -> int:
-    """Blocks until every helper is running one of these: so all of them have started."""
-    _HELPER[2].wait(timeout=600)
-    return os.getpid()
 
 
 def helper_count(cores: int | None = None) -> int:
@@ -237,20 +222,17 @@ class UnitPool:
     """Prepares tasks on `workers` helper processes, or inline on the caller's thread with 0."""
 
     def __init__(self, ctx: UnitContext, workers: int | None = None):
-        workers = helper_count() if workers is None else workers
-        self.workers = workers if spawn_works() else 0
+        self.workers = helper_count() if workers is None else workers
         self._inline = Preparer(ctx) if self.workers == 0 else None
         self._pool = self._spool_dir = None
-        if self.workers:
+        if self.workers:  # processes of our own: they never import the caller's __main__ (helper_pool.py)
             self._spool_dir = _spool_dir()
-            spawn = mp.get_context("spawn")
-            self._pool = ProcessPoolExecutor(self.workers, mp_context=spawn, initializer=_helper_init,
-                                             initargs=(ctx, self._spool_dir, spawn.Barrier(self.workers)))
+            self._pool = HelperPool(self.workers, _helper_init, (ctx, self._spool_dir), name="units")
 
     def start(self) -> None:
         """Start every helper now (each imports and loads the tokenizer), not on the first units."""
         if self._pool is not None:
-            list(self._pool.map(_helper_ready, range(self.workers)))
+            self._pool.start()
 
     def start_in_background(self) -> Future:
         """`start` on a thread, so the caller can load its model meanwhile (both take seconds);
@@ -289,7 +271,7 @@ class UnitPool:
 
     def close(self) -> None:
         if self._pool is not None:
-            self._pool.shutdown(wait=True, cancel_futures=True)
+            self._pool.close()
             shutil.rmtree(self._spool_dir, ignore_errors=True)
         if self._inline is not None:
             self._inline.close()

@@ -32,7 +32,7 @@ from typing import Callable, Iterator
 
 import orjson
 
-from embedfleet.config import JobConfig, Settings, default_chunk_bytes
+from embedfleet.config import JobConfig, Settings, default_chunk_bytes, use_settings
 from embedfleet.encode.tokenize import tokenizer_spec
 from embedfleet.errors import EmbedfleetError, JobError
 from embedfleet.runtime.flow import Prefetch, Throttle, timed
@@ -217,6 +217,7 @@ class Worker:
         # back from whichever thread is running Python, which by default may hold it 5 ms. A shorter
         # switch interval keeps those hand-offs (many per unit) from stalling the pipeline.
         sys.setswitchinterval(s.switch_interval)
+        use_settings(s)  # what the encoder reads deep down (compile, Triton, word cache): this worker's knobs
         ledger = Ledger.connect(self.dsn, s.db_patience_seconds, host=s.host_id)
         try:
             row = ledger.job(self.job)
@@ -250,7 +251,9 @@ class Worker:
                 startup["helpers_s"] = helpers_ready.result()  # started with the model load; usually ready by now
                 startup["helpers_wait_s"] = time.perf_counter() - t0
                 t0 = time.perf_counter()
-                encoder.warmup()  # kernel compilation: start-up, not throughput
+                # The libraries' first calls now; the compile goes on in the background and the loop starts
+                # eager, switching to the compiled graph once it is ready (encode/compile.py).
+                encoder.warmup(wait=False)
                 startup["warmup_s"] = time.perf_counter() - t0
                 settle_gc()  # a full collection over torch's objects would stall the GPU loop (it holds the GIL)
                 return self._embed(ledger, cfg, pool, encoder, vtype, startup)

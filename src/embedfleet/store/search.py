@@ -1,8 +1,15 @@
-"""Reading back what was stored: nearest-neighbour search and integrity checks."""
+"""Reading back what was stored: nearest-neighbour search and integrity checks.
+
+`search_queries` is what `embedfleet search` runs (one query, or a file of them) and `Searcher` what
+`embedfleet serve` keeps per table: the query's vector comes from `encode.query.QueryEncoder` (numpy on
+the CPU for BERT-family models: no torch, no CUDA, no compile, no helper processes).
+"""
 
 from __future__ import annotations
 
 import math
+import os
+from collections.abc import Iterable, Iterator
 
 import numpy as np
 import psycopg
@@ -12,64 +19,153 @@ from psycopg.rows import dict_row
 from embedfleet.errors import DatabaseError, InputError
 from embedfleet.store.schema import embedding_info, ledger_exists, table_sql
 
+__all__ = ["Searcher", "query_encoder", "query_lines", "run_search", "search", "search_queries", "table_model",
+           "verify"]
+
+QUERY_BATCH = 256  # queries embedded together in a --queries run
+
 
 def table_model(conn: psycopg.Connection, table: str) -> str | None:
     """The model as the user named it for the newest job that wrote `table` (None: the default),
     so a query is embedded by the same model resolution as the documents were."""
+    return _table_job(conn, table)[0]
+
+
+def _table_job(conn: psycopg.Connection, table: str) -> tuple[str | None, int | None]:
+    """(model, --dim) of the newest job that wrote `table`."""
     if not ledger_exists(conn):
-        return None
+        return None, None
     row = conn.execute(
-        "SELECT config->>'model' FROM embedfleet.jobs WHERE table_name = %s ORDER BY created DESC LIMIT 1",
+        "SELECT config->>'model', config->>'dim' FROM embedfleet.jobs WHERE table_name = %s "
+        "ORDER BY created DESC LIMIT 1",
         [table],
     ).fetchone()
-    return row[0] if row else None
+    if not row:
+        return None, None
+    return row[0], int(row[1]) if row[1] else None
+
+
+def query_encoder(conn: psycopg.Connection, table: str, model: str | None = None, device: str = "cpu"):
+    """A QueryEncoder for `table`: its own model (unless `model` is given) and --dim."""
+    from embedfleet.encode.query import QueryEncoder
+
+    embedding_info(conn, table)  # fail fast on a missing table, before loading a model
+    job_model, dim = _table_job(conn, table)
+    return QueryEncoder(model or job_model, device=device, dim=None if model else dim)
+
+
+class Searcher:
+    """Top-k by cosine distance in one table, its columns and vector type read once."""
+
+    def __init__(self, conn: psycopg.Connection, table: str):
+        from pgvector.psycopg import register_vector
+
+        self.conn, self.table = conn, table
+        self.vtype, self.dim = embedding_info(conn, table)
+        self.columns = [r[0] for r in conn.execute(
+            "SELECT attname FROM pg_attribute WHERE attrelid = %s::regclass AND attnum > 0 AND NOT attisdropped "
+            "AND attname <> 'embedding' ORDER BY attnum",
+            [table_sql(conn, table).as_string(conn)],
+        ).fetchall()]
+        register_vector(conn)  # the query goes over in pgvector's binary format; the SQL casts it for halfvec
+        self._select = sql.SQL("SELECT {cols}, embedding <=> %(q)s::{vt} AS distance FROM {t} ").format(
+            cols=sql.SQL(", ").join(map(sql.Identifier, self.columns)), vt=sql.SQL(self.vtype),
+            t=table_sql(conn, table))
+        self._order = sql.SQL(" ORDER BY embedding <=> %(q)s::{vt} LIMIT %(k)s").format(vt=sql.SQL(self.vtype))
+
+    def search(self, query_vec: np.ndarray, k: int = 10, where: str | None = None,
+               ef_search: int | None = None) -> list[dict]:
+        """`where` is the user's own SQL: it runs inside a READ ONLY transaction with a statement
+        timeout, so it can filter but never write."""
+        from pgvector import Vector
+
+        if query_vec.shape[-1] != self.dim:
+            raise DatabaseError(f"table {self.table!r} holds {self.dim}-dimensional vectors but the query has "
+                                f"{query_vec.shape[-1]}: search with the model the table was built with (--model)")
+        if k < 1:
+            raise InputError(f"-k {k}: ask for at least one result")
+        vec = Vector(query_vec.reshape(-1).astype(np.float32))
+        stmt = self._select + (sql.SQL("WHERE ({})").format(sql.SQL(where)) if where else sql.SQL("")) + self._order
+        conn = self.conn
+        with conn.cursor(row_factory=dict_row) as cur:
+            try:
+                with conn.transaction():
+                    cur.execute("SET TRANSACTION READ ONLY")
+                    cur.execute("SET LOCAL statement_timeout = '60s'")
+                    if ef_search:
+                        cur.execute(sql.SQL("SET LOCAL hnsw.ef_search = {}").format(sql.Literal(int(ef_search))))
+                    rows = cur.execute(stmt, {"q": vec, "k": k}).fetchall()
+            except psycopg.errors.ReadOnlySqlTransaction as e:
+                raise InputError(f"--where {where!r} would write ({e.diag.message_primary}): it may only filter") from None
+            except (psycopg.errors.SyntaxError, psycopg.errors.UndefinedColumn, psycopg.errors.UndefinedFunction,
+                    psycopg.errors.UndefinedTable, psycopg.errors.DatatypeMismatch, psycopg.errors.DataError,
+                    psycopg.errors.FeatureNotSupported, psycopg.errors.InsufficientPrivilege,
+                    psycopg.errors.QueryCanceled, psycopg.errors.ProgrammingError) as e:
+                if not where:
+                    raise
+                raise InputError(f"--where {where!r}: {e.diag.message_primary or e}") from None
+        out = []
+        for r in rows:
+            d = {"id": r.pop("id"), "distance": float(r.pop("distance")), "content": r.pop("content")}
+            d.update(r)
+            out.append(d)
+        return out
 
 
 def search(conn: psycopg.Connection, table: str, query_vec: np.ndarray, k: int = 10,
            where: str | None = None, ef_search: int | None = None) -> list[dict]:
-    """Top-k by cosine distance. `where` is the user's own SQL: it runs inside a READ ONLY
-    transaction with a statement timeout, so it can filter but never write."""
-    vtype, dim = embedding_info(conn, table)
-    if query_vec.shape[-1] != dim:
-        raise DatabaseError(f"table {table!r} holds {dim}-dimensional vectors but the query has "
-                            f"{query_vec.shape[-1]}: search with the model the table was built with (--model)")
-    cols = [r[0] for r in conn.execute(
-        "SELECT attname FROM pg_attribute WHERE attrelid = %s::regclass AND attnum > 0 AND NOT attisdropped "
-        "AND attname <> 'embedding' ORDER BY attnum",
-        [table_sql(conn, table).as_string(conn)],
-    ).fetchall()]
-    from pgvector import Vector
-    from pgvector.psycopg import register_vector
+    """Top-k by cosine distance (see `Searcher.search`)."""
+    return Searcher(conn, table).search(query_vec, k, where, ef_search)
 
-    register_vector(conn)  # the query goes over in pgvector's binary format; the SQL casts it for halfvec
-    vec = Vector(query_vec.reshape(-1).astype(np.float32))
-    stmt = sql.SQL(
-        "SELECT {cols}, embedding <=> %(q)s::{vt} AS distance FROM {t} {where} "
-        "ORDER BY embedding <=> %(q)s::{vt} LIMIT %(k)s"
-    ).format(
-        cols=sql.SQL(", ").join(map(sql.Identifier, cols)),
-        vt=sql.SQL(vtype),
-        t=table_sql(conn, table),
-        where=sql.SQL("WHERE ({})").format(sql.SQL(where)) if where else sql.SQL(""),
-    )
-    with conn.cursor(row_factory=dict_row) as cur:
-        try:
-            with conn.transaction():
-                cur.execute("SET TRANSACTION READ ONLY")
-                cur.execute("SET LOCAL statement_timeout = '60s'")
-                if ef_search:
-                    cur.execute(sql.SQL("SET LOCAL hnsw.ef_search = {}").format(sql.Literal(int(ef_search))))
-                rows = cur.execute(stmt, {"q": vec, "k": k}).fetchall()
-        except (psycopg.errors.SyntaxError, psycopg.errors.UndefinedColumn, psycopg.errors.UndefinedFunction,
-                psycopg.errors.ReadOnlySqlTransaction, psycopg.errors.DatatypeMismatch,
-                psycopg.errors.InvalidTextRepresentation) as e:
-            raise InputError(f"--where {where!r}: {e.diag.message_primary}") from None
-    out = []
-    for r in rows:
-        d = {"id": r.pop("id"), "distance": float(r.pop("distance")), "content": r.pop("content")}
-        d.update(r)
-        out.append(d)
-    return out
+
+def search_queries(conn: psycopg.Connection, table: str, queries: Iterable[str], k: int = 10,
+                   where: str | None = None, model: str | None = None,
+                   device: str = "cpu") -> Iterator[tuple[str, list[dict]]]:
+    """(query, its top-k) for each query, in order: the model loaded once, queries embedded
+    QUERY_BATCH at a time (the same vectors as one at a time)."""
+    encoder = query_encoder(conn, table, model, device)
+    try:
+        searcher = Searcher(conn, table)
+        batch: list[str] = []
+        for q in queries:
+            batch.append(q)
+            if len(batch) == QUERY_BATCH:
+                yield from zip(batch, (searcher.search(v, k, where) for v in encoder.encode(batch)))
+                batch = []
+        if batch:
+            yield from zip(batch, (searcher.search(v, k, where) for v in encoder.encode(batch)))
+    finally:
+        encoder.close()
+
+
+def run_search(dsn: str, table: str, queries: Iterable[str], k: int = 10, where: str | None = None,
+               model: str | None = None, device: str = "cpu") -> Iterator[tuple[str, list[dict]]]:
+    """`embedfleet search`: (query, its top-k) for each query, on one connection."""
+    from embedfleet.store.ledger import connect
+
+    with connect(dsn) as conn:
+        yield from search_queries(conn, table, queries, k=k, where=where, model=model, device=device)
+
+
+def query_lines(path: str) -> Iterator[str]:
+    """The queries of a --queries file ('-': stdin), one a line, blank lines skipped; read as they go."""
+    if path != "-" and not os.path.isfile(path):
+        raise InputError(f"--queries {path}: no such file")
+    return _lines(path)
+
+
+def _lines(path: str) -> Iterator[str]:
+    import sys
+
+    f = sys.stdin if path == "-" else open(path, encoding="utf-8", errors="replace")
+    try:
+        for line in f:
+            line = line.rstrip("\r\n")
+            if line.strip():
+                yield line
+    finally:
+        if f is not sys.stdin:
+            f.close()
 
 
 def verify(conn: psycopg.Connection, table: str, tol: float = 1e-3, max_ids: int = 100) -> dict:

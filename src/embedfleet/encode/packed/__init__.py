@@ -7,13 +7,13 @@ which case the encoder uses the generic transformers fallback.
 from __future__ import annotations
 
 import json
-import logging
-import os
 from pathlib import Path
 
 import torch
 
-log = logging.getLogger(__name__)
+from embedfleet.encode.models import strip_prefix
+
+__all__ = ["BERT_TYPES", "DECODER_TYPES", "build", "load_state", "strip_prefix", "supports"]
 
 BERT_TYPES = ("bert", "roberta", "xlm-roberta", "camembert")
 DECODER_TYPES = ("qwen3", "qwen2", "llama")
@@ -36,42 +36,18 @@ def load_state(hf_dir: Path) -> dict[str, torch.Tensor] | None:
     return state
 
 
-def strip_prefix(state: dict[str, torch.Tensor], anchor: str) -> dict[str, torch.Tensor]:
-    """Drop whatever wrapper prefix ('bert.', 'model.', ...) sits before `anchor`'s key."""
-    key = next((k for k in state if k.endswith(anchor)), None)
-    if key is None:
-        return {}
-    cut = len(key) - len(anchor)
-    return {k[cut:]: v for k, v in state.items() if k.startswith(key[:cut])}
+def supports(spec) -> bool:
+    """Whether a packed forward pass is written here for this model's type."""
+    return spec.model_type in BERT_TYPES + DECODER_TYPES
 
 
-def fused(fn, device: torch.device):
-    """torch.compile `fn` on CUDA (fuses norms, RoPE, activations and residual adds between the
-    matmuls, which otherwise cost more GPU time than the matmuls themselves); eager elsewhere, when
-    EMBEDFLEET_COMPILE=0, or if compiling fails."""
-    if device.type != "cuda" or os.environ.get("EMBEDFLEET_COMPILE", "1") == "0":
-        return fn
-    compiled = torch.compile(fn)
-    state = {"fn": compiled}
-
-    def call(*args):
-        try:
-            return state["fn"](*args)
-        except Exception as err:  # noqa: BLE001 - any compiler failure: run eager, say so once
-            if state["fn"] is fn:
-                raise
-            log.warning("torch.compile failed (%s); running the eager forward", str(err).splitlines()[0])
-            state["fn"] = fn
-            return fn(*args)
-
-    return call
-
-
-def build(spec, device: torch.device, dtype: torch.dtype):
+def build(spec, device: torch.device, dtype: torch.dtype, state: dict[str, torch.Tensor] | None = None):
+    """The packed model on `device`, from `state` (the weights on the CPU; read here when None), or
+    None when this model needs the generic path."""
     cfg, mtype = spec.config, spec.model_type
-    if mtype not in BERT_TYPES + DECODER_TYPES:
+    if not supports(spec):
         return None
-    state = load_state(spec.hf_dir)
+    state = load_state(spec.hf_dir) if state is None else state
     if state is None:
         return None
     if mtype in BERT_TYPES:

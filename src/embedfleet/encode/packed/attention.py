@@ -8,20 +8,26 @@ length-sorted, so that padding is small.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
-try:
-    import inspect
 
-    from torch.nn.attention.varlen import varlen_attn
+@functools.cache
+def _varlen():
+    """(varlen_attn, whether it takes enable_gqa), or (None, False) before torch 2.10. Imported on
+    first use on a GPU: the module imports torch._dynamo (1.5 s on the 2-core VM), which the CPU path
+    (a query in `embedfleet search`) never needs."""
+    try:
+        import inspect
 
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError:  # torch < 2.10
+        return None, False
     # torch 2.11 has no enable_gqa flag, but its flash kernel already takes fewer K/V heads.
-    _GQA_FLAG = "enable_gqa" in inspect.signature(varlen_attn).parameters
-except ImportError:  # torch < 2.10
-    varlen_attn, _GQA_FLAG = None, False
+    return varlen_attn, "enable_gqa" in inspect.signature(varlen_attn).parameters
 
 
 def token_layout(lengths: torch.Tensor, total: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -48,14 +54,15 @@ class Packing:
 
     @property
     def use_flash(self) -> bool:
-        return varlen_attn is not None and self.cu.is_cuda
+        return self.cu.is_cuda and _varlen()[0] is not None
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pk: Packing, causal: bool,
               scale: float | None = None) -> torch.Tensor:
     """q [T, Hq, D], k/v [T, Hkv, D] -> [T, Hq, D]."""
-    if pk.use_flash and q.dtype in (torch.float16, torch.bfloat16):
-        gqa = {"enable_gqa": True} if _GQA_FLAG and k.shape[1] != q.shape[1] else {}
+    if q.dtype in (torch.float16, torch.bfloat16) and pk.use_flash:
+        varlen_attn, gqa_flag = _varlen()
+        gqa = {"enable_gqa": True} if gqa_flag and k.shape[1] != q.shape[1] else {}
         return varlen_attn(q, k, v, pk.cu, pk.cu, pk.max_len, pk.max_len, scale=scale,
                            window_size=(-1, 0) if causal else (-1, -1), **gqa)
     return _padded_sdpa(q, k, v, pk, causal, scale)

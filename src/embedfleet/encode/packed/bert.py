@@ -9,7 +9,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from embedfleet.encode.packed import fused, strip_prefix
+from embedfleet.encode.compile import fused
+from embedfleet.encode.packed import strip_prefix
 from embedfleet.encode.packed.attention import Packing, attention
 
 _ACT = {
@@ -28,6 +29,7 @@ class PackedBert:
             weights, layers, heads, eps, act, pos_offset)
         self.hidden = weights["word"].shape[1]
         self._post = fused(_post_attention, weights["word"].device)
+        self.fused = [self._post]  # what a BackgroundCompile compiles
 
     @classmethod
     def create(cls, cfg: dict, state: dict, device, dtype):

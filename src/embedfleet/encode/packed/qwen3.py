@@ -8,12 +8,13 @@ RoPE are one Triton kernel (kernels.py); elsewhere the same steps in torch.
 from __future__ import annotations
 
 import logging
-import os
 
 import torch
 import torch.nn.functional as F
 
-from embedfleet.encode.packed import fused, strip_prefix
+from embedfleet.config import settings
+from embedfleet.encode.compile import fused
+from embedfleet.encode.packed import strip_prefix
 from embedfleet.encode.packed.attention import Packing, attention
 
 log = logging.getLogger(__name__)
@@ -42,6 +43,7 @@ class PackedDecoder:
         self.hidden = weights["embed"].shape[1]
         device = weights["embed"].device
         self._qkv, self._qk, self._post = (fused(f, device) for f in (_qkv_proj, _qk_norm_rope, _post_attention))
+        self.fused = [self._qkv, self._qk, self._post]  # what a BackgroundCompile compiles (those it runs)
         self._kernel = _triton_qk_norm_rope(device, weights["embed"].dtype, head_dim)
 
     @classmethod
@@ -119,7 +121,7 @@ def _triton_qk_norm_rope(device: torch.device, dtype: torch.dtype, head_dim: int
     half head), else None: then the torch path below, compiled, does the same."""
     half = head_dim // 2
     if (device.type != "cuda" or dtype not in (torch.float16, torch.bfloat16) or half & (half - 1)
-            or os.environ.get("EMBEDFLEET_TRITON", "1") == "0"):
+            or not settings().triton):
         return None
     try:
         from embedfleet.encode.packed.kernels import qk_norm_rope

@@ -1,0 +1,96 @@
+"""What embedfleet keeps on disk to start faster: torch.compile's graphs and Triton's kernels.
+
+It lives in `$EMBEDFLEET_HOME/cache` (default `~/.embedfleet/cache`):
+
+    inductor/        TORCHINDUCTOR_CACHE_DIR: Inductor's FX graph, AOTAutograd and autotuning caches
+    triton/          TRITON_CACHE_DIR: compiled Triton kernels (ours and Inductor's)
+    compiled.json    which model shapes this machine has compiled, and how long it took
+
+so the second process on a machine loads compiled graphs instead of compiling them. Either variable
+set by the user wins (and `embedfleet cache clear` leaves that directory alone). Everything here can
+be rebuilt; `embedfleet cache clear` removes it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import threading
+from pathlib import Path
+
+from embedfleet.store.embedded import home
+
+__all__ = ["cache_dir", "clear", "compiled_before", "record_compiled", "use_compile_cache"]
+
+_LOCK = threading.Lock()
+
+
+def cache_dir() -> Path:
+    return home() / "cache"
+
+
+def use_compile_cache() -> None:
+    """Point torch.compile's and Triton's caches here, unless the user pointed them elsewhere. Inductor
+    writes its default into TORCHINDUCTOR_CACHE_DIR the first time anything asks (loading a model with
+    transformers does): that value is taken as unset."""
+    root = cache_dir()
+    current = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+    if current is None or os.path.abspath(current) == _inductor_default():
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(root / "inductor")
+    os.environ.setdefault("TRITON_CACHE_DIR", str(root / "triton"))
+
+
+def _inductor_default() -> str | None:
+    try:
+        from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+    except ImportError:  # another torch: only an unset variable is ours to set
+        return None
+    return os.path.abspath(default_cache_dir())
+
+
+def _compiled_file() -> Path:
+    return cache_dir() / "compiled.json"
+
+
+def compiled_before(key: str) -> float | None:
+    """Seconds the last compile of `key` (a model shape on a device, with this torch) took on this
+    machine, if its graphs are in the cache."""
+    try:
+        entry = json.loads(_compiled_file().read_text()).get(key)
+    except (OSError, ValueError):
+        return None
+    return float(entry["seconds"]) if isinstance(entry, dict) and "seconds" in entry else None
+
+
+def record_compiled(key: str, seconds: float) -> None:
+    with _LOCK:
+        path = _compiled_file()
+        try:
+            data = json.loads(path.read_text())
+        except (OSError, ValueError):
+            data = {}
+        data[key] = {"seconds": round(seconds, 3)}
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_suffix(f".{os.getpid()}.tmp")
+            tmp.write_text(json.dumps(data, indent=1))
+            tmp.replace(path)
+        except OSError:
+            pass  # a read-only home: the next process compiles as this one did
+
+
+def clear() -> dict:
+    """Remove the cache directory; returns what was removed ({"path", "files", "bytes"})."""
+    root = cache_dir()
+    files = size = 0
+    if root.exists():
+        for p in root.rglob("*"):
+            if p.is_file() and not p.is_symlink():
+                files += 1
+                try:
+                    size += p.stat().st_size
+                except OSError:
+                    pass
+        shutil.rmtree(root, ignore_errors=True)
+    return {"path": str(root), "files": files, "bytes": size}

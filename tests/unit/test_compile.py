@@ -1,0 +1,69 @@
+"""Compiling off the caller's thread: small work never compiles; big work compiles in the background,
+then switches to the compiled graph, and the caller's thread never compiles (CPU, a tracing-only
+backend standing in for Inductor; tests/gpu has the real thing)."""
+
+import threading
+
+import numpy as np
+import torch
+
+from embedfleet.cache import compiled_before
+from embedfleet.encode.compile import BackgroundCompile, Fused
+from embedfleet.encode.encoder import Encoder
+from embedfleet.encode.shapes import build_random_model
+from embedfleet.synth import review_texts
+
+
+def test_compiles_in_the_background_once_work_is_big_then_switches(tmp_path, monkeypatch):
+    monkeypatch.setenv("EMBEDFLEET_HOME", str(tmp_path / "home"))
+    enc = Encoder(str(build_random_model("minilm-l6", tmp_path / "m", tiny=True)), device="cpu")
+    assert enc.describe()["compile"] == "off"  # on the CPU nothing is compiled
+    texts = review_texts(200, seed=1)
+    ref = enc.encode(texts)
+
+    compiled_on = []
+
+    def backend(gm, example_inputs):  # called wherever dynamo compiles a graph
+        compiled_on.append(threading.current_thread().name)
+        return gm.forward
+
+    part = Fused(enc.model._post)  # as on CUDA
+    enc.model._post, enc.model.fused = part, [part]
+    enc._compile = BackgroundCompile(enc.model, torch.device("cpu"), 1000, 128, "test-shape", start_after=5000,
+                                     compiler=lambda fn: torch.compile(fn, backend=backend))
+    enc.encode(texts[:3])  # a few dozen tokens: small work stays eager
+    assert enc.describe()["compile"] == "waiting" and not compiled_on
+
+    during = enc.encode(texts)  # ~12k tokens: compiling starts, in the background; this call runs eager
+    assert enc.describe()["compile"] in ("compiling", "compiled")
+    np.testing.assert_allclose(during, ref, atol=1e-5)
+    assert enc.wait_compiled(timeout=300)
+    assert enc.describe()["compile"] == "compiled" and part.compiled
+    after = [enc.encode(texts[:k]) for k in (7, 50, 200)]  # other token counts: the same graph
+    np.testing.assert_allclose(after[-1], ref, atol=1e-5)
+    assert compiled_on and set(compiled_on) == {"embedfleet-compile"}, compiled_on
+    assert compiled_before("test-shape") is not None  # the next process knows the cache has it
+
+
+def test_a_function_that_fails_to_compile_stays_eager(tmp_path, monkeypatch):
+    monkeypatch.setenv("EMBEDFLEET_HOME", str(tmp_path / "home"))
+    enc = Encoder(str(build_random_model("minilm-l6", tmp_path / "m", tiny=True)), device="cpu")
+    texts = review_texts(50, seed=2)
+    ref = enc.encode(texts)
+
+    def broken(fn):
+        def run(*args):
+            raise RuntimeError("no compiler here")
+        return run
+
+    part = Fused(enc.model._post)
+    enc.model._post, enc.model.fused = part, [part]
+    enc._compile = BackgroundCompile(enc.model, torch.device("cpu"), 1000, 128, "broken", start_after=0,
+                                     compiler=broken)
+    enc.encode(texts[:5])
+    assert enc.describe()["compile"] == "waiting"  # one call: a script that stops here never compiles
+    enc.encode(texts)
+    assert enc.wait_compiled(timeout=60)
+    assert enc.describe()["compile"] == "failed" and not part.compiled
+    np.testing.assert_allclose(enc.encode(texts), ref, atol=1e-6)
+    assert compiled_before("broken") is None
