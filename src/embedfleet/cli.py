@@ -193,6 +193,8 @@ def search(
     device: str = typer.Option("cpu", "--device", help="cpu (one query needs no GPU) | auto | cuda | cuda:N"),
     queries: Optional[str] = typer.Option(None, "--queries", help="file of queries, one a line ('-': stdin): "
                                           "prints one JSON line of results each, the model loaded once"),
+    group_by_parent: bool = typer.Option(False, "--group-by-parent",
+                                         help="the best passage of each of the k nearest records (--passages tables)"),
     json_out: bool = typer.Option(False, "--json"),
 ) -> None:
     """Nearest rows to QUERY (cosine), embedded with the table's own model and query prompt."""
@@ -206,7 +208,8 @@ def search(
     from embedfleet.store.search import query_lines, run_search
 
     texts = query_lines(queries) if queries is not None else [query]
-    for text, results in run_search(resolve_dsn(db), table, texts, k=k, where=where, model=model, device=device):
+    for text, results in run_search(resolve_dsn(db), table, texts, k=k, where=where, model=model, device=device,
+                                    group_by_parent=group_by_parent):
         if queries is not None:
             sys.stdout.write(orjson.dumps({"query": text, "results": results}, default=str).decode() + "\n")
         elif json_out:

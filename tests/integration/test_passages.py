@@ -78,6 +78,17 @@ def test_long_documents_become_overlapping_passages_that_reassemble_the_text(cli
     assert conn.execute("SELECT count(*), count(DISTINCT id) FROM articles").fetchone() == (len(rows), len(rows))
     report = orjson.loads(cli("verify", "--table", "articles", "--db", dsn, "--json", check=True).stdout)
     assert report["ok"] and report["rows"] == len(rows)
+    # The best passage of each record: distinct parents, nearest first; without grouping, the same
+    # records' passages crowd the top.
+    grouped = orjson.loads(cli("search", "salt and wool traded over the mountains", "--table", "articles", "--db", dsn,
+                               "--group-by-parent", "-k", "5", "--json", check=True).stdout)["results"]
+    parents = [r["parent_id"] for r in grouped]
+    assert len(parents) == len(set(parents)) == 5
+    assert [r["distance"] for r in grouped] == sorted(r["distance"] for r in grouped)
+    plain = orjson.loads(cli("search", "salt and wool traded over the mountains", "--table", "articles", "--db", dsn,
+                             "-k", "5", "--json", check=True).stdout)["results"]
+    assert plain[0]["distance"] == pytest.approx(grouped[0]["distance"])  # the best passage overall leads both
+    assert len({r["parent_id"] for r in plain}) < 5  # (these documents repeat themselves: one record's passages crowd)
 
 
 def test_a_passage_larger_than_the_model_sees_is_refused_before_planning(cli, dsn, corpus):

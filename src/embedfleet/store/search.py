@@ -74,9 +74,25 @@ class Searcher:
         self._order = sql.SQL(" ORDER BY embedding <=> %(q)s::{vt} LIMIT %(k)s").format(vt=sql.SQL(self.vtype))
 
     def search(self, query_vec: np.ndarray, k: int = 10, where: str | None = None,
-               ef_search: int | None = None) -> list[dict]:
+               ef_search: int | None = None, group_by_parent: bool = False) -> list[dict]:
         """`where` is the user's own SQL: it runs inside a READ ONLY transaction with a statement
-        timeout, so it can filter but never write."""
+        timeout, so it can filter but never write. `group_by_parent`: the best passage of each of the k
+        nearest records (a table ingested with --passages)."""
+        if not group_by_parent:
+            return self._nearest(query_vec, k, where, ef_search)
+        if "parent_id" not in self.columns:
+            raise InputError(f"--group-by-parent: table {self.table!r} has no passages (ingest it with --passages)")
+        limit = 8 * k
+        while True:  # the nearest passages, more of them until they hold k distinct records (or all there are)
+            rows = self._nearest(query_vec, limit, where, max(ef_search or 0, limit) if limit > 40 else ef_search)
+            best: dict = {}
+            for r in rows:
+                best.setdefault(r["parent_id"], r)
+            if len(best) >= k or len(rows) < limit:
+                return list(best.values())[:k]
+            limit *= 4
+
+    def _nearest(self, query_vec: np.ndarray, k: int, where: str | None, ef_search: int | None) -> list[dict]:
         from pgvector import Vector
 
         if query_vec.shape[-1] != self.dim:
@@ -113,14 +129,14 @@ class Searcher:
 
 
 def search(conn: psycopg.Connection, table: str, query_vec: np.ndarray, k: int = 10,
-           where: str | None = None, ef_search: int | None = None) -> list[dict]:
+           where: str | None = None, ef_search: int | None = None, group_by_parent: bool = False) -> list[dict]:
     """Top-k by cosine distance (see `Searcher.search`)."""
-    return Searcher(conn, table).search(query_vec, k, where, ef_search)
+    return Searcher(conn, table).search(query_vec, k, where, ef_search, group_by_parent)
 
 
 def search_queries(conn: psycopg.Connection, table: str, queries: Iterable[str], k: int = 10,
-                   where: str | None = None, model: str | None = None,
-                   device: str = "cpu") -> Iterator[tuple[str, list[dict]]]:
+                   where: str | None = None, model: str | None = None, device: str = "cpu",
+                   group_by_parent: bool = False) -> Iterator[tuple[str, list[dict]]]:
     """(query, its top-k) for each query, in order: the model loaded once, queries embedded
     QUERY_BATCH at a time (the same vectors as one at a time)."""
     encoder = query_encoder(conn, table, model, device)
@@ -130,21 +146,24 @@ def search_queries(conn: psycopg.Connection, table: str, queries: Iterable[str],
         for q in queries:
             batch.append(q)
             if len(batch) == QUERY_BATCH:
-                yield from zip(batch, (searcher.search(v, k, where) for v in encoder.encode(batch)))
+                yield from zip(batch, (searcher.search(v, k, where, None, group_by_parent)
+                                       for v in encoder.encode(batch)))
                 batch = []
         if batch:
-            yield from zip(batch, (searcher.search(v, k, where) for v in encoder.encode(batch)))
+            yield from zip(batch, (searcher.search(v, k, where, None, group_by_parent) for v in encoder.encode(batch)))
     finally:
         encoder.close()
 
 
 def run_search(dsn: str, table: str, queries: Iterable[str], k: int = 10, where: str | None = None,
-               model: str | None = None, device: str = "cpu") -> Iterator[tuple[str, list[dict]]]:
+               model: str | None = None, device: str = "cpu",
+               group_by_parent: bool = False) -> Iterator[tuple[str, list[dict]]]:
     """`embedfleet search`: (query, its top-k) for each query, on one connection."""
     from embedfleet.store.ledger import connect
 
     with connect(dsn) as conn:
-        yield from search_queries(conn, table, queries, k=k, where=where, model=model, device=device)
+        yield from search_queries(conn, table, queries, k=k, where=where, model=model, device=device,
+                                  group_by_parent=group_by_parent)
 
 
 def query_lines(path: str) -> Iterator[str]:
