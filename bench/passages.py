@@ -1,0 +1,71 @@
+"""Passages against whole documents: Wikipedia-length articles ingested twice, with `--passages` and
+without, on the same corpus, model and GPU (the embedded PostgreSQL, --no-index).
+
+    python bench/passages.py [--n 50000] [--passages 256:32] [--model DIR] [--devices cuda]
+
+Writes `--n` articles (median ~700 words, `synth.write_articles`, Wikipedia's Parquet layout), then for
+each run reads the worker's summary from `ingest --json`: rows and tokens over the loop's time, and the
+seconds the GPU loop waited for its input (the helpers, which do the splitting). One JSON document.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import orjson
+
+from embedfleet.store.embedded import resolve_dsn
+from embedfleet.synth import write_articles
+
+
+def ingest(src: Path, dsn: str, table: str, extra: list[str], model: str | None, devices: str) -> dict:
+    cmd = [sys.executable, "-m", "embedfleet.cli", "ingest", str(src), "--preset", "wikipedia", "--db", dsn,
+           "--table", table, "--devices", devices, "--no-index", "--json", "--quiet", *extra]
+    if model:
+        cmd += ["--model", model]
+    t0 = time.time()
+    p = subprocess.run(cmd, capture_output=True, text=True)
+    wall = time.time() - t0
+    if p.returncode != 0:
+        raise SystemExit(f"ingest failed:\n{p.stderr[-3000:]}")
+    doc = orjson.loads(p.stdout)
+    w = doc["workers"]
+    first = min(x["started_at"] for x in w)
+    loop = max(x["started_at"] + x["wall_s"] for x in w) - first
+    rows, tokens = sum(x["rows"] for x in w), sum(x["tokens"] for x in w)
+    return {"rows": rows, "tokens": tokens, "wall_s": round(wall, 2), "loop_s": round(loop, 2),
+            "rows_per_s": round(rows / loop, 1), "tokens_per_s": round(tokens / loop, 1),
+            "input_wait_s": round(max(x["input_wait_s"] for x in w), 3),
+            "gpu_waited_share": round(max(x["input_wait_s"] for x in w) / loop, 4),
+            "helpers": w[0]["helpers"], "startup": w[0]["startup"]}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--n", type=int, default=50000)
+    ap.add_argument("--passages", default="256:32")
+    ap.add_argument("--model", default=None)
+    ap.add_argument("--devices", default="auto")
+    ap.add_argument("--work", default=None)
+    a = ap.parse_args()
+    dsn = resolve_dsn(None)
+    with tempfile.TemporaryDirectory(dir=a.work) as tmp:
+        t0 = time.time()
+        src = write_articles(Path(tmp) / "articles.parquet", a.n)
+        written = time.time() - t0
+        stamp = int(time.time())
+        whole = ingest(src, dsn, f"articles_{stamp}", [], a.model, a.devices)
+        parts = ingest(src, dsn, f"passages_{stamp}", ["--passages", a.passages], a.model, a.devices)
+    print(orjson.dumps({"articles": a.n, "corpus_written_s": round(written, 1), "passages": a.passages,
+                        "cores": os.cpu_count(), "whole_documents": whole, "with_passages": parts},
+                       option=orjson.OPT_INDENT_2).decode())
+
+
+if __name__ == "__main__":
+    main()
