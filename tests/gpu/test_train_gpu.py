@@ -16,6 +16,7 @@ ROWS, DIM = 6000, 64
 
 def _table(conn, name="g"):
     # a correlated subquery (i > 0) draws a new vector for every row; the rating follows its first value
+    conn.execute("CREATE EXTENSION IF NOT EXISTS vector")
     conn.execute(f"CREATE TABLE {name} (id text PRIMARY KEY, embedding vector({DIM}), rating real)")
     conn.execute(
         f"INSERT INTO {name} SELECT 'r' || i, v::vector({DIM}), 1 + floor(v[1] * 5) FROM generate_series(1, {ROWS}) i, "
