@@ -48,7 +48,7 @@ def _root(debug: bool = typer.Option(False, "--debug", help="Show tracebacks."))
 def ingest(
     inputs: List[str] = typer.Argument(None, help="JSONL(.gz/.zst), Parquet or CSV files; globs allowed"),
     meta: Optional[str] = typer.Option(None, "--meta", help="product metadata file joined by parent_asin"),
-    preset: Optional[str] = typer.Option(None, "--preset", help="amazon-reviews | generic"),
+    preset: Optional[str] = typer.Option(None, "--preset", help="amazon-reviews | generic | wikipedia | arxiv"),
     text_template: Optional[str] = typer.Option(None, "--text-template", help='e.g. "{title}\\n\\n{text}"'),
     text_field: Optional[str] = typer.Option(None, "--text-field", help="field holding the text to embed"),
     id_field: Optional[str] = typer.Option(None, "--id-field", help="field holding a unique id"),
