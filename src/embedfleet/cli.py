@@ -5,6 +5,8 @@
     status   the ledger's view of every job
     search   nearest neighbours of a query text
     verify   row counts, dimensions, norms
+    export   a table's ids, columns and vectors to Parquet, .npy or JSON lines (store/export.py)
+    map      a 2-D UMAP of a table's vectors, as one self-contained HTML page or a PNG (viz/map.py)
     db       the embedded PostgreSQL
     bench    this encoder vs sentence-transformers on one GPU
 
@@ -193,6 +195,34 @@ def verify(
         typer.echo("OK" if report["ok"] else "PROBLEMS FOUND")
     if not report["ok"]:
         raise typer.Exit(1)
+
+
+@app.command()
+def export(
+    table: str = typer.Option(..., "--table"),
+    fmt: str = typer.Option(..., "--format", help="parquet | npy | jsonl"),
+    out: str = typer.Option(..., "--out", help="file (parquet, jsonl) or directory (npy, or --shards > 1)"),
+    db: Optional[str] = DbOpt,
+    where: Optional[str] = typer.Option(None, "--where", help="SQL filter, e.g. \"rating <= 2\" (read-only)"),
+    columns: Optional[str] = typer.Option(None, "--columns", help="a,b: columns besides id and embedding "
+                                                                  "(default: all; npy: none)"),
+    dtype: Optional[str] = typer.Option(None, "--dtype", help="float32 | float16 (default: as stored)"),
+    shards: int = typer.Option(1, "--shards", help="N files written in parallel, under one snapshot"),
+    quiet: bool = typer.Option(False, "--quiet", help="no progress bar"),
+    json_out: bool = typer.Option(False, "--json", help="print the summary as JSON"),
+) -> None:
+    """Write a table's ids, columns and vectors to a file, streamed; nothing lands at --out unless it completes."""
+    from embedfleet.store.embedded import resolve_dsn
+    from embedfleet.store.export import export as run_export
+
+    names = [c.strip() for c in columns.split(",") if c.strip()] if columns is not None else None
+    summary = run_export(resolve_dsn(db), table, fmt, out, where=where, columns=names, dtype=dtype, shards=shards,
+                         progress=not quiet)
+    if json_out:
+        _emit(summary)
+    else:
+        typer.echo(f"{summary['rows']:,} rows of {table!r} ({summary['dim']} dims, {summary['dtype']}) → "
+                   f"{summary['out']} in {summary['seconds']:.1f} s", err=True)
 
 
 @db_app.command("uri")
