@@ -225,6 +225,31 @@ def export(
                    f"{summary['out']} in {summary['seconds']:.1f} s", err=True)
 
 
+@app.command("map")
+def map_(
+    table: str = typer.Option(..., "--table"),
+    out: List[str] = typer.Option(..., "--out", help="map.html (one self-contained page) or map.png; repeatable"),
+    db: Optional[str] = DbOpt,
+    color_by: Optional[str] = typer.Option(None, "--color-by", help="column whose values colour the points"),
+    sample: int = typer.Option(200_000, "--sample", help="rows at most (a random sample of larger tables)"),
+    store_coords: bool = typer.Option(False, "--store-coords", help="write the 2-D coordinates into the table "
+                                                                    "(columns map_x, map_y)"),
+    seed: int = typer.Option(0, "--seed", help="which random sample"),
+    json_out: bool = typer.Option(False, "--json", help="print the summary as JSON"),
+) -> None:
+    """A 2-D UMAP map of a table's vectors: hover a point for its row, click the legend to toggle colours."""
+    from embedfleet.store.embedded import resolve_dsn
+    from embedfleet.viz.map import build_map, require_map_extra
+
+    require_map_extra()  # before starting a server or reading rows
+    summary = build_map(resolve_dsn(db), table, out, color_by=color_by, sample=sample, store=store_coords, seed=seed)
+    if json_out:
+        _emit(summary)
+    else:
+        typer.echo(f"map of {summary['rows']:,} of {summary['total']:,} rows of {table!r} ({summary['method']}) → "
+                   f"{', '.join(summary['outs'])} in {summary['seconds']:.1f} s", err=True)
+
+
 @db_app.command("uri")
 def db_uri() -> None:
     """Print the embedded server's DSN (starting it if needed)."""

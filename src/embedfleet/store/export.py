@@ -41,7 +41,7 @@ from psycopg import sql
 from embedfleet.errors import DatabaseError, InputError
 from embedfleet.store.schema import embedding_info
 
-__all__ = ["FORMATS", "export", "read_vectors", "table_columns"]
+__all__ = ["FORMATS", "Block", "Column", "column_oids", "export", "read_blocks", "read_vectors", "table_columns"]
 
 FORMATS = ("parquet", "npy", "jsonl")
 DTYPES = ("float32", "float16")
@@ -151,7 +151,9 @@ def _select(table: str, columns: tuple[Column, ...], where: str | None, pages: t
             sql.SQL("SELECT count(*) FROM {}{}").format(t, cond))
 
 
-def _oids(conn: psycopg.Connection, columns: tuple[Column, ...]) -> tuple[int, ...]:
+def column_oids(conn: psycopg.Connection, columns: tuple[Column, ...]) -> tuple[int, ...]:
+    """The types a COPY of (id, `columns`, embedding) is read with: the vector as raw bytes, a
+    column psycopg or Arrow cannot take as it is as text (what `_select` casts it to)."""
     oids = [_TEXT]
     for c in columns:
         oids.append(conn.execute("SELECT %s::regtype::oid", [c.regtype]).fetchone()[0] if c.native else _TEXT)
@@ -176,31 +178,34 @@ def read_vectors(rows: list[tuple], vtype: str, dim: int, dtype: str) -> np.ndar
     return a[:, 4:].view(be).astype(dtype)  # a byte swap (or a cast the user asked for): the stored values
 
 
-def _blocks(cur: psycopg.Cursor, shard: Shard) -> Iterator[Block]:
-    size, width = _FIRST_BLOCK_ROWS, len(shard.columns) + 2
-    with cur.copy(sql.SQL("COPY ({}) TO STDOUT (FORMAT BINARY)").format(sql.SQL(shard.select))) as copy:
-        copy.set_types(shard.oids)
+def read_blocks(cur: psycopg.Cursor, select: str, oids: tuple[int, ...], vtype: str, dim: int,
+                dtype: str) -> Iterator[Block]:
+    """Rows of `select` (id, other columns, embedding last; `oids` their types, see column_oids) in
+    blocks of about BLOCK_BYTES, by one binary COPY on `cur`."""
+    size = _FIRST_BLOCK_ROWS
+    with cur.copy(sql.SQL("COPY ({}) TO STDOUT (FORMAT BINARY)").format(sql.SQL(select))) as copy:
+        copy.set_types(oids)
         rows: list[tuple] = []
         for row in copy.rows():
             rows.append(row)
             if len(rows) >= size:
-                block = _block(rows, shard, width)
+                block = _block(rows, vtype, dim, dtype)
                 yield block
-                size = _next_size(block, shard)
+                size = _next_size(block)
                 rows = []
         if rows:
-            yield _block(rows, shard, width)
+            yield _block(rows, vtype, dim, dtype)
 
 
-def _block(rows: list[tuple], shard: Shard, width: int) -> Block:
-    cols = list(zip(*rows)) if rows else [()] * width
-    return Block(list(cols[0]), cols[1:-1], read_vectors(rows, shard.vtype, shard.dim, shard.dtype))
+def _block(rows: list[tuple], vtype: str, dim: int, dtype: str) -> Block:
+    cols = list(zip(*rows))
+    return Block(list(cols[0]), cols[1:-1], read_vectors(rows, vtype, dim, dtype))
 
 
-def _next_size(block: Block, shard: Shard) -> int:
+def _next_size(block: Block) -> int:
     """Rows for the next block so it holds about BLOCK_BYTES (long articles make few rows a block)."""
     n = len(block.ids)
-    text = sum(sum(map(len, filter(None, col))) for c, col in zip(shard.columns, block.values) if c.regtype == "text" or not c.native)
+    text = sum(sum(map(len, filter(None, col))) for col in block.values if any(isinstance(v, str) for v in col[:64]))
     per_row = block.vectors.nbytes / n + (text + sum(map(len, block.ids))) / n + 16 * len(block.values)
     return int(min(65536, max(64, BLOCK_BYTES // per_row)))
 
@@ -381,7 +386,7 @@ def write_shard(conn: psycopg.Connection, shard: Shard, header: int, metadata: d
     rows = 0
     try:
         with conn.cursor() as cur, _where_errors(shard.where):
-            for block in _blocks(cur, shard):
+            for block in read_blocks(cur, shard.select, shard.oids, shard.vtype, shard.dim, shard.dtype):
                 sink.write(block)
                 rows += len(block.ids)
                 report(len(block.ids))
@@ -517,7 +522,7 @@ def export(dsn: str, table: str, fmt: str, out: str, *, where: str | None = None
             dim = conn.execute(sql.SQL("SELECT vector_dims(embedding) FROM {} LIMIT 1").format(
                 sql.Identifier(table))).fetchone()
             dim = dim[0] if dim else 0
-        oids = _oids(conn, chosen)
+        oids = column_oids(conn, chosen)
         estimate = None if where else _estimate_rows(conn, table)
         conn.rollback()
         target = _target(out, fmt, shards)
