@@ -286,7 +286,7 @@ class JsonlSink:
         names = self.names
         values = [[orjson.Fragment(v) if v is not None else None for v in col] if is_json else col
                   for col, is_json in zip(block.values, self.json)]
-        dumps, opt = orjson.dumps, orjson.OPT_SERIALIZE_NUMPY | orjson.OPT_NAIVE_UTC
+        dumps, opt = orjson.dumps, orjson.OPT_SERIALIZE_NUMPY
         lines = []
         for i, rid in enumerate(block.ids):
             row = {"id": rid}
@@ -529,19 +529,8 @@ def export(dsn: str, table: str, fmt: str, out: str, *, where: str | None = None
         try:
             conn.execute("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ READ ONLY")
             conn.execute("SET LOCAL timezone = 'UTC'")
-            snapshot = conn.execute("SELECT pg_export_snapshot()").fetchone()[0] if shards > 1 else None
-            ranges = _page_ranges(conn, table, shards) if shards > 1 else [None]
             metadata = {"table": table, "vector_type": vtype, "dim": dim, "dtype": dtype}
-            tasks = []
-            for i, pages in enumerate(ranges):
-                select, count = _select(table, chosen, where, pages)
-                suffix = f"part-{i:05d}-of-{shards:05d}" if shards > 1 else ""
-                tasks.append(Shard(
-                    index=i, dsn=dsn, snapshot=snapshot, select=select.as_string(conn), count=count.as_string(conn),
-                    oids=oids, vtype=vtype, dim=dim, dtype=dtype, fmt=fmt, columns=chosen,
-                    path=target.file("embeddings.npy" if fmt == "npy" else f"{suffix}.{fmt}" if suffix else ""),
-                    ids_txt=target.file(f"ids.txt.{suffix}" if suffix else "ids.txt"),
-                    ids_parquet=target.file(f"ids.parquet.{suffix}" if suffix else "ids.parquet"), where=where))
+            tasks = _shards(conn, dsn, table, fmt, chosen, where, shards, target, oids, vtype, dim, dtype)
             rows = _run(conn, tasks, metadata, estimate, progress)
             files = _finish(target, tasks, fmt)
             summary = {"table": table, "format": fmt, "out": str(target.final), "rows": rows, "dim": dim,
@@ -561,6 +550,23 @@ def export(dsn: str, table: str, fmt: str, out: str, *, where: str | None = None
     return summary
 
 
+def _shards(conn: psycopg.Connection, dsn: str, table: str, fmt: str, columns: tuple[Column, ...], where: str | None,
+            shards: int, target: _Target, oids: tuple[int, ...], vtype: str, dim: int, dtype: str) -> list[Shard]:
+    """The work of each shard; with more than one, under a snapshot exported from `conn`'s transaction."""
+    snapshot = conn.execute("SELECT pg_export_snapshot()").fetchone()[0] if shards > 1 else None
+    tasks = []
+    for i, pages in enumerate(_page_ranges(conn, table, shards) if shards > 1 else [None]):
+        select, count = _select(table, columns, where, pages)
+        part = f"part-{i:05d}-of-{shards:05d}" if shards > 1 else ""
+        tasks.append(Shard(
+            index=i, dsn=dsn, snapshot=snapshot, select=select.as_string(conn), count=count.as_string(conn),
+            oids=oids, vtype=vtype, dim=dim, dtype=dtype, fmt=fmt, columns=columns,
+            path=target.file("embeddings.npy" if fmt == "npy" else f"{part}.{fmt}" if part else ""),
+            ids_txt=target.file(f"ids.txt.{part}" if part else "ids.txt"),
+            ids_parquet=target.file(f"ids.parquet.{part}" if part else "ids.parquet"), where=where))
+    return tasks
+
+
 def _run(conn: psycopg.Connection, tasks: list[Shard], metadata: dict, estimate: int | None, progress: bool) -> int:
     """Count (npy), lay out embeddings.npy, then write every shard: inline on `conn` for one shard,
     else one helper process each. Returns the rows written."""
@@ -568,26 +574,27 @@ def _run(conn: psycopg.Connection, tasks: list[Shard], metadata: dict, estimate:
     try:
         if len(tasks) == 1:
             shard = tasks[0]
-            header = 0
+            header, total = 0, None
             if shard.fmt == "npy":
                 with _where_errors(shard.where):
                     total = conn.execute(shard.count).fetchone()[0]
                 header = _lay_out_npy(shard.path, total, shard.dim, shard.dtype)
                 bar.total(total)
-            return write_shard(conn, shard, header, metadata, bar.advance)
+            return _check(write_shard(conn, shard, header, metadata, bar.advance), total)
         import multiprocessing as mp
 
         spawn = mp.get_context("spawn")  # not fork: a child must not share the parent's libpq socket
         counter = spawn.Array("q", len(tasks))
         with ProcessPoolExecutor(len(tasks), mp_context=spawn, initializer=_helper_init,
                                  initargs=(counter, os.getpid())) as pool:
-            header = 0
+            header, total = 0, None
             if tasks[0].fmt == "npy":
                 counts = list(pool.map(_count_in_helper, tasks))
                 header = _lay_out_npy(tasks[0].path, sum(counts), tasks[0].dim, tasks[0].dtype)
                 offsets = np.concatenate([[0], np.cumsum(counts)[:-1]]).tolist()
                 tasks = [replace(t, offset=o) for t, o in zip(tasks, offsets)]
-                bar.total(sum(counts))
+                total = sum(counts)
+                bar.total(total)
             futures = [pool.submit(_write_in_helper, t, header, metadata) for t in tasks]
             pending = set(futures)
             while pending:
@@ -598,9 +605,16 @@ def _run(conn: psycopg.Connection, tasks: list[Shard], metadata: dict, estimate:
                         for other in pending:
                             other.cancel()
                         raise f.exception()
-            return sum(f.result() for f in futures)
+            return _check(sum(f.result() for f in futures), total)
     finally:
         bar.close()
+
+
+def _check(rows: int, counted: int | None) -> int:
+    """embeddings.npy was laid out for `counted` rows: exactly those must have been written."""
+    if counted is not None and rows != counted:
+        raise DatabaseError(f"export read {rows} rows where its snapshot counted {counted}; run it again")
+    return rows
 
 
 def _lay_out_npy(path: str, rows: int, dim: int, dtype: str) -> int:
