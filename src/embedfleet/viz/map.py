@@ -200,18 +200,12 @@ def _bins(values: list) -> tuple[list[str], list[str], np.ndarray]:
     shown = [present[int(np.argmin(np.abs(x - e)))] for e in edges]  # each edge as a value of the column
     labels = [f"{_label(shown[k])} – {_label(shown[k + 1])}" for k in range(len(edges) - 1)] or [_label(present[0])]
     colours = [SEQUENTIAL[round(k * (len(SEQUENTIAL) - 1) / max(1, len(labels) - 1))] for k in range(len(labels))]
-    codes = np.empty(len(values), dtype=np.uint16)
-    none = len(labels) if len(present) < len(values) else None
-    if none is not None:
+    missing = np.array([v is None for v in values], dtype=bool)
+    codes = np.full(len(values), len(labels), dtype=np.uint16)  # "(none)", if any value is missing
+    codes[~missing] = np.searchsorted(inner, x, side="right")
+    if missing.any():
         labels.append("(none)")
         colours.append("#d0d0d0")
-    j = 0
-    for i, v in enumerate(values):
-        if v is None:
-            codes[i] = none
-        else:
-            codes[i] = np.searchsorted(inner, x[j], side="right")
-            j += 1
     return labels, colours, codes
 
 
