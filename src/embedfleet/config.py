@@ -159,8 +159,10 @@ def validate(cfg: JobConfig) -> JobConfig:
         raise InputError("give --text-field or --text-template, not both")
     if cfg.preset is None:
         cfg.preset = "amazon-reviews" if cfg.meta else "generic"
-    if cfg.preset not in ("amazon-reviews", "generic"):
-        raise InputError(f"--preset {cfg.preset!r}: choose amazon-reviews or generic")
+    from embedfleet.sources.presets import PRESETS  # here, not at the top: config stays light to import
+
+    if cfg.preset not in PRESETS:
+        raise InputError(f"--preset {cfg.preset!r}: choose one of {', '.join(PRESETS)}")
     if cfg.meta and cfg.preset != "amazon-reviews":
         raise InputError("--meta joins product metadata and needs --preset amazon-reviews")
     return cfg

@@ -21,7 +21,8 @@ import orjson
 
 from embedfleet.errors import InputError
 
-PGTYPES = ("text", "real", "double precision", "integer", "bigint", "boolean", "timestamptz", "jsonb")
+PGTYPES = ("text", "real", "double precision", "integer", "bigint", "boolean", "timestamptz", "date", "jsonb",
+           "text[]")
 RAW_LIMIT = 4000  # chars of a rejected line kept for the user to inspect
 _INT_RANGE = {"integer": 2**31, "bigint": 2**63}
 _SURROGATES = re.compile("[\ud800-\udfff]")
@@ -110,6 +111,8 @@ def coerce(value: object, pgtype: str, field: str) -> object:
         if isinstance(value, (dict, list)):
             raise _coerce_error(field, value, pgtype)
         return sanitize(value if isinstance(value, str) else str(value))
+    if pgtype == "text[]":
+        return _to_text_array(value, field)
     if isinstance(value, str):
         value = value.strip()
         if not value:
@@ -176,6 +179,33 @@ def _to_timestamp(v: object) -> datetime | None:
     return None
 
 
+def _to_date(v: object) -> date | None:
+    """An ISO 8601 date ("2008-11-13") or timestamp (its date); a date or datetime as is."""
+    if isinstance(v, datetime):
+        return v.date()
+    if isinstance(v, date):
+        return v
+    if isinstance(v, str):
+        try:
+            return date.fromisoformat(v)
+        except ValueError:
+            return datetime.fromisoformat(v).date()
+    return None
+
+
+def _to_text_array(v: object, field: str) -> list[str] | None:
+    """A list of scalars, each as text; a string is a space-separated list (arXiv's "hep-ph astro-ph")."""
+    if isinstance(v, str):
+        return sanitize(v).split() or None
+    if isinstance(v, (list, tuple)):
+        if any(isinstance(x, (dict, list, tuple)) for x in v):
+            raise _coerce_error(field, v, "text[]")
+        return [sanitize(x if isinstance(x, str) else str(x)) for x in v if x is not None]
+    if isinstance(v, dict):
+        raise _coerce_error(field, v, "text[]")
+    return [sanitize(str(v))]
+
+
 _COERCE: dict[str, Callable[[object], object]] = {
     "real": _to_float,
     "double precision": _to_float,
@@ -183,6 +213,7 @@ _COERCE: dict[str, Callable[[object], object]] = {
     "bigint": lambda v: _to_int(v, _INT_RANGE["bigint"]),
     "boolean": _to_bool,
     "timestamptz": _to_timestamp,
+    "date": _to_date,
 }
 
 
@@ -231,6 +262,14 @@ def _timestamptz(value: object, field: str) -> object:
     return coerce(value, "timestamptz", field)
 
 
+def _date(value: object, field: str) -> object:
+    return coerce(value, "date", field)
+
+
+def _text_array(value: object, field: str) -> object:
+    return None if value is None else _to_text_array(value, field)
+
+
 def _jsonb(value: object, field: str) -> object:
     if type(value) is list and not value:  # "images": [] on most reviews
         return []
@@ -239,7 +278,7 @@ def _jsonb(value: object, field: str) -> object:
 
 _COERCERS: dict[str, Callable[[object, str], object]] = {
     "text": _text, "real": _real, "double precision": _double, "integer": _integer, "bigint": _bigint,
-    "boolean": _boolean, "timestamptz": _timestamptz, "jsonb": _jsonb,
+    "boolean": _boolean, "timestamptz": _timestamptz, "date": _date, "jsonb": _jsonb, "text[]": _text_array,
 }
 
 

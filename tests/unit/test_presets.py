@@ -13,7 +13,7 @@ import pytest
 
 from embedfleet.errors import InputError
 from embedfleet.records import PGTYPES, to_records
-from embedfleet.sources import plan_chunks, read_chunk
+from embedfleet.sources import RawRecord, plan_chunks, read_chunk
 from embedfleet.sources.presets import get_preset, load_meta, parse_price
 from embedfleet.synth import write_amazon_meta, write_amazon_reviews
 
@@ -23,8 +23,65 @@ EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 
 def test_get_preset():
     assert get_preset("generic").name == "generic"
-    with pytest.raises(InputError, match="unknown preset 'nope'; choose one of: amazon-reviews, generic"):
+    with pytest.raises(InputError, match="unknown preset 'nope'; choose one of: amazon-reviews, generic, wikipedia, arxiv"):
         get_preset("nope")
+
+
+def _records(preset, *rows):
+    return to_records([RawRecord("in.jsonl", i + 1, row, "", None) for i, row in enumerate(rows)], get_preset(preset))
+
+
+def test_wikipedia_preset():
+    """wikimedia/wikipedia's layout: id, url, title, text; the text only in content (no column, not in extra)."""
+    cols = {c.name: c.pgtype for c in get_preset("wikipedia").columns}
+    assert cols == {"url": "text", "title": "text", "extra": "jsonb"}
+    article = {"id": "12", "url": "https://en.wikipedia.org/wiki/Anarchism", "title": "Anarchism",
+               "text": "Anarchism is a political philosophy.\n\nHistory\n..."}
+    recs, rejects = _records("wikipedia", article, {**article, "id": "25", "lang": "en"}, {**article, "id": ""},
+                             {**article, "id": "39", "title": "", "text": "  "})
+    assert [r.id for r in recs] == ["12", "25"]
+    assert recs[0].content == "Anarchism\n\nAnarchism is a political philosophy.\n\nHistory\n..."
+    assert recs[0].values == {"url": article["url"], "title": "Anarchism", "extra": None}
+    assert recs[1].values["extra"] == {"lang": "en"}  # an unknown field is kept; the text is not
+    assert [(r.line, r.reason) for r in rejects] == [(3, "missing field 'id' needed for the id"),
+                                                    (4, "template renders no text")]
+
+
+ARXIV_LINE = {
+    "id": "0704.0001", "submitter": "Pavel Nadolsky", "authors": "C. Bal\\'azs, E. L. Berger, P. M. Nadolsky, C.-P. Yuan",
+    "title": "Calculation of prompt diphoton production cross sections at Tevatron and\n  LHC energies",
+    "comments": "37 pages, 15 figures", "journal-ref": "Phys.Rev.D76:013009,2007", "doi": "10.1103/PhysRevD.76.013009",
+    "report-no": "ANL-HEP-PR-07-12", "categories": "hep-ph astro-ph.CO", "license": None,
+    "abstract": "  A fully differential calculation in perturbative quantum chromodynamics is\npresented.\n",
+    "versions": [{"version": "v1", "created": "Mon, 2 Apr 2007 19:18:42 GMT"}], "update_date": "2008-11-13",
+    "authors_parsed": [["Bal\\'azs", "C.", ""], ["Berger", "E. L.", ""]],
+}
+
+
+def test_arxiv_preset():
+    """arxiv-metadata-oai-snapshot's fields typed: categories a text[] from its space-separated string."""
+    from datetime import date
+
+    cols = {c.name: c.pgtype for c in get_preset("arxiv").columns}
+    assert cols == {"submitter": "text", "authors": "text", "title": "text", "comments": "text", "journal_ref": "text",
+                    "doi": "text", "report_no": "text", "categories": "text[]", "license": "text", "abstract": "text",
+                    "versions": "jsonb", "update_date": "date", "authors_parsed": "jsonb", "extra": "jsonb"}
+    recs, rejects = _records("arxiv", ARXIV_LINE, {**ARXIV_LINE, "id": "math/0309136", "new_field": 1},
+                             {**ARXIV_LINE, "id": "0704.0003", "update_date": "yesterday"})
+    assert [r.id for r in recs] == ["0704.0001", "math/0309136"]
+    v = recs[0].values
+    assert recs[0].content == (ARXIV_LINE["title"] + "\n\n" + ARXIV_LINE["abstract"]).strip()
+    assert v["categories"] == ["hep-ph", "astro-ph.CO"] and v["update_date"] == date(2008, 11, 13)
+    assert (v["journal_ref"], v["report_no"], v["license"], v["extra"]) == ("Phys.Rev.D76:013009,2007",
+                                                                            "ANL-HEP-PR-07-12", None, None)
+    assert v["authors_parsed"][1] == ["Berger", "E. L.", ""]
+    assert recs[1].values["extra"] == {"new_field": 1}
+    assert [(r.line, r.reason) for r in rejects] == [(3, "cannot coerce update_date='yesterday' to date")]
+
+
+def test_an_id_field_given_by_the_user_wins_over_the_presets():
+    raw = RawRecord("in.jsonl", 1, {**ARXIV_LINE, "doi": "10.1/x"}, "", None)
+    assert to_records([raw], get_preset("arxiv"), id_field="doi")[0][0].id == "10.1/x"
 
 
 def test_amazon_columns():
@@ -37,7 +94,8 @@ def test_amazon_columns():
     }
     assert set(AMAZON.meta_columns) <= set(AMAZON.columns) and len(AMAZON.meta_columns) == 10
     assert AMAZON.meta_key == "parent_asin"
-    assert all(c.pgtype in PGTYPES for p in ("amazon-reviews", "generic") for c in get_preset(p).columns)
+    assert all(c.pgtype in PGTYPES for p in ("amazon-reviews", "generic", "wikipedia", "arxiv")
+               for c in get_preset(p).columns)
 
 
 @pytest.mark.parametrize(

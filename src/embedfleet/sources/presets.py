@@ -5,6 +5,13 @@
   (timestamp as epoch milliseconds, so the same review in another time format is the same row).
 - generic: every field except the text in one jsonb column `record`; id from --id-field, else
   "<file name>:<line>" (the name only, so ids match across machines).
+- wikipedia (Hugging Face wikimedia/wikipedia Parquet: id, url, title, text): id from `id`, columns
+  url and title; the article's text lives only in `content` ("{title}\n\n{text}"), not again in a
+  column of its own, since an article can be hundreds of kB (and every passage row would repeat it).
+- arxiv (arxiv-metadata-oai-snapshot JSON lines): id from `id`, every snapshot field typed
+  (`categories` text[] from its space-separated string, `update_date` date, `versions` and
+  `authors_parsed` jsonb); content "{title}\n\n{abstract}".
+Every preset but generic keeps fields it does not know in `extra` (jsonb).
 """
 
 from __future__ import annotations
@@ -37,6 +44,8 @@ class Preset:
     fields: tuple[tuple[str, str], ...] = ()  # (input field, column) pairs with a typed column
     rest_column: str | None = None  # jsonb column that keeps every other input field
     id_fields: tuple[str, ...] = ()  # input fields joined by "|" into the id; () -> "<file>:<line>"
+    id_field: str | None = None  # one input field that is the id as it stands (like --id-field)
+    text_fields: tuple[str, ...] = ()  # input fields that only feed the text: no column, not in rest_column
     meta_fields: tuple[tuple[str, str], ...] = ()  # (meta field, column) pairs
     html_breaks: bool = False  # the text uses <br /> for newlines
 
@@ -55,8 +64,8 @@ class Preset:
 
     def record_id(self, data: dict, values: dict, source: str, line: int, id_field: str | None = None) -> str:
         """The deterministic row id; raises RecordError when a field it needs is missing."""
-        if id_field:
-            return _field_id(data, id_field)
+        if id_field or self.id_field:
+            return _field_id(data, id_field or self.id_field)
         if not self.id_fields:
             return f"{os.path.basename(source)}:{line}"
         parts = []
@@ -94,7 +103,9 @@ class Preset:
 
     @cached_property
     def _field_keys(self) -> frozenset[str]:
-        return frozenset(key for key, _ in self.fields)
+        """Input fields that rest_column leaves out: typed fields, the id field, text-only fields."""
+        keys = {key for key, _ in self.fields} | set(self.text_fields)
+        return frozenset(keys | {self.id_field} if self.id_field else keys)
 
     @cached_property
     def _id_columns(self) -> tuple[tuple[str, str, bool], ...]:
@@ -148,6 +159,26 @@ _PRODUCT = (
     ("details", Column("details", "jsonb")),
 )
 
+_WIKIPEDIA = (
+    ("url", Column("url", "text")),
+    ("title", Column("title", "text")),
+)
+_ARXIV = (
+    ("submitter", Column("submitter", "text")),
+    ("authors", Column("authors", "text")),
+    ("title", Column("title", "text")),
+    ("comments", Column("comments", "text")),
+    ("journal-ref", Column("journal_ref", "text")),
+    ("doi", Column("doi", "text")),
+    ("report-no", Column("report_no", "text")),
+    ("categories", Column("categories", "text[]")),
+    ("license", Column("license", "text")),
+    ("abstract", Column("abstract", "text")),
+    ("versions", Column("versions", "jsonb")),
+    ("update_date", Column("update_date", "date")),
+    ("authors_parsed", Column("authors_parsed", "jsonb")),
+)
+
 PRESETS = {
     "amazon-reviews": Preset(
         name="amazon-reviews",
@@ -169,6 +200,27 @@ PRESETS = {
         default_template=None,
         default_text_field="text",
         rest_column="record",
+    ),
+    "wikipedia": Preset(
+        name="wikipedia",
+        columns=tuple(c for _, c in _WIKIPEDIA) + (Column("extra", "jsonb"),),
+        meta_key=None,
+        meta_columns=(),
+        default_template="{title}\n\n{text}",
+        fields=tuple((key, c.name) for key, c in _WIKIPEDIA),
+        rest_column="extra",
+        id_field="id",
+        text_fields=("text",),
+    ),
+    "arxiv": Preset(
+        name="arxiv",
+        columns=tuple(c for _, c in _ARXIV) + (Column("extra", "jsonb"),),
+        meta_key=None,
+        meta_columns=(),
+        default_template="{title}\n\n{abstract}",
+        fields=tuple((key, c.name) for key, c in _ARXIV),
+        rest_column="extra",
+        id_field="id",
     ),
 }
 
