@@ -27,7 +27,10 @@ def _texts(n=3000):
 @pytest.mark.skipif(not MINILM.is_dir(), reason="fp16 MiniLM not prepared (.models/)")
 def test_small_work_stays_eager_and_big_work_switches_to_the_compiled_graph(tmp_path, monkeypatch):
     monkeypatch.setenv("EMBEDFLEET_HOME", str(tmp_path / "home"))
-    monkeypatch.setenv("EMBEDFLEET_COMPILE_TOKENS", str(1 << 40))  # only warmup() starts it here
+    from embedfleet import config
+
+    # only warmup() starts it here (the process's knobs are read once: set them, not the environment)
+    monkeypatch.setattr(config, "_ACTIVE", config.Settings.from_env(compile_tokens=1 << 40))
     from torch._dynamo.utils import counters
 
     from embedfleet.encode.encoder import Encoder
@@ -43,8 +46,7 @@ def test_small_work_stays_eager_and_big_work_switches_to_the_compiled_graph(tmp_
     during = enc.encode(texts)  # runs while the background thread compiles (eager, or compiled if it finished)
     assert (during * eager).sum(1).min() > 0.999
     assert enc.wait_compiled(timeout=600) and enc.describe()["compile"] == "compiled"
-    graphs = counters["stats"]["unique_graphs"]
-    assert graphs > graphs0
+    graphs = counters["stats"]["unique_graphs"]  # (another test may have compiled these functions already)
     for n in (5, 700, 3000):  # other token counts on this thread: no new graph
         enc.encode(["a review of yet another length, " * (1 + i % 40) for i in range(n)])
     assert counters["stats"]["unique_graphs"] == graphs

@@ -338,7 +338,7 @@ def test_a_second_host_joins_with_embedfleet_worker_and_shares_the_chunks(cli, d
     _, err = ingest.communicate(timeout=300)
     assert ingest.returncode == 0, err[-2000:]
     by_worker = dict(conn.execute("SELECT worker, rows FROM embedfleet.workers WHERE job = 'j'").fetchall())
-    assert by_worker.get("other-host", 0) > 0 and sum(by_worker.values()) == 1200
+    assert by_worker.get("other-host-w0", 0) > 0 and sum(by_worker.values()) == 1200  # --worker-id: the prefix
     assert conn.execute("SELECT count(*), count(DISTINCT id) FROM j").fetchone() == (1200, 1200)
 
 
