@@ -180,6 +180,8 @@ def run_bench(shapes: list[str] | None = None, model: str | None = None, n: int 
             for name in sets:
                 rows.append(_measure(label, path, name, files[name], len(sets[name]), str(device), st, st_batch,
                                      batch_tokens, tmp, user_view))
+                # each row as soon as it is measured: a run stopped part way keeps what it measured
+                print("[bench] row " + json.dumps(rows[-1], default=str), file=sys.stderr, flush=True)
     first = next((r for r in rows if r.get("gpu")), {})
     return {"device": first.get("device", str(device)), "gpu": first.get("gpu", "cpu"), "torch": torch.__version__,
             "peak_bf16_tflops": first.get("peak_bf16_tflops"), "n": n, "seed": seed, "st_batch": st_batch,

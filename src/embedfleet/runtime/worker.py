@@ -251,9 +251,10 @@ class Worker:
                 startup["helpers_s"] = helpers_ready.result()  # started with the model load; usually ready by now
                 startup["helpers_wait_s"] = time.perf_counter() - t0
                 t0 = time.perf_counter()
-                # The libraries' first calls now; the compile goes on in the background and the loop starts
-                # eager, switching to the compiled graph once it is ready (encode/compile.py).
-                encoder.warmup(wait=False)
+                # The libraries' first calls and the compile (from the cache after a machine's first run),
+                # before the loop: started eager instead, a 500k-review MiniLM loop ran at 44k rows/s against
+                # 103k compiled (bench/NOTES.md, 2026-11-26 GPU runs).
+                encoder.warmup()
                 startup["warmup_s"] = time.perf_counter() - t0
                 settle_gc()  # a full collection over torch's objects would stall the GPU loop (it holds the GIL)
                 return self._embed(ledger, cfg, pool, encoder, vtype, startup)
