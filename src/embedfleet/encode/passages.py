@@ -22,6 +22,9 @@ __all__ = ["COLUMNS", "parse_passages", "room", "spans", "Splitter", "expand"]
 COLUMNS = (Column("parent_id", "text"), Column("passage", "integer"))
 _SENTENCE_END = re.compile(r"[.!?。！？…]['\"”’)\]]*$")
 _WINDOW_CHARS = 100_000  # a long text is tokenized a window at a time, each cut at whitespace
+# A slice tokenized on its own differs from its tokens in context only at its two ends (a word cut in two,
+# a BPE word without its leading space): a token or so each. Only pieces this near the limit are checked.
+EDGE = 4
 
 
 def parse_passages(value: str | None) -> tuple[int, int] | None:
@@ -81,17 +84,24 @@ def _word_start(offsets: list[tuple[int, int]], at: int, limit: int) -> int:
 
 
 def spans(offsets: list[tuple[int, int]], text: str, size: int, overlap: int,
-          fits: Callable[[str], bool] | None = None) -> list[tuple[int, int]]:
+          fits: Callable[[str], bool] | None = None, words_stay: bool = False) -> list[tuple[int, int]]:
     """(start, end) character ranges of the passages of `text`, from its tokens' character `offsets`
     (without special tokens): at most `size` tokens each, the next starting `overlap` tokens before the
     previous one's end (at a word's start where the overlap holds one). `fits(piece)`, if given, has the
-    last word: a piece it refuses is cut shorter."""
+    last word on pieces within EDGE tokens of the limit: a piece it refuses is cut shorter. `words_stay`:
+    the tokenizer splits a slice cut between words into the same tokens as in context (WordPiece after
+    BERT's pre-tokenizer), so such pieces need no check."""
     n, out, start = len(offsets), [], 0
+
+    def whole_words(a: int, b: int) -> bool:
+        return (a == 0 or offsets[a][0] > offsets[a - 1][1]) and (b == n or offsets[b][0] > offsets[b - 1][1])
+
     while start < n:
         limit = min(start + size, n)
         while True:
             cut = _cut(offsets, text, start, limit) if limit < n else n
-            if fits is None or cut - start <= 1 or fits(text[offsets[start][0]:offsets[cut - 1][1]]):
+            if (fits is None or cut - start <= max(1, size - EDGE) or (words_stay and whole_words(start, cut))
+                    or fits(text[offsets[start][0]:offsets[cut - 1][1]])):
                 break
             limit = cut - 1
         out.append((offsets[start][0], offsets[cut - 1][1]))
@@ -105,12 +115,14 @@ class Splitter:
     """Cuts texts into passages with a model's tokenizer (tokenizer.json), none longer than `size` tokens."""
 
     def __init__(self, tokenizer_json: str, size: int, overlap: int):
-        from tokenizers import Tokenizer
+        from tokenizers import Tokenizer, models, pre_tokenizers
 
         self.size, self.overlap = size, overlap
         self.tok = Tokenizer.from_str(tokenizer_json)
         self.tok.no_truncation()
         self.tok.no_padding()
+        self.words_stay = isinstance(self.tok.model, models.WordPiece) and isinstance(
+            self.tok.pre_tokenizer, pre_tokenizers.BertPreTokenizer)
 
     def _offsets(self, text: str) -> list[tuple[int, int]]:
         """Token offsets of the whole text, tokenized a window at a time (cut at whitespace) so that a huge
@@ -134,7 +146,8 @@ class Splitter:
         # Tokenized on its own a piece can take a token more than in context (a word cut in two, a BPE
         # word without its leading space): each is checked as the embedding will see it.
         return [text[s:e] for s, e in spans(offsets, text, self.size, self.overlap,
-                                            fits=lambda piece: self.count(piece) <= self.size)]
+                                            fits=lambda piece: self.count(piece) <= self.size,
+                                            words_stay=self.words_stay)]
 
 
 def expand(records: list[Record], splitter: Splitter) -> list[Record]:
