@@ -244,28 +244,35 @@ def serve(
 
 @app.command()
 def verify(
-    table: str = typer.Option(..., "--table"),
+    table: List[str] = typer.Option(..., "--table", help="repeat for tables searched against each other "
+                                    "(documents and their questions)"),
     db: Optional[str] = DbOpt,
     json_out: bool = typer.Option(False, "--json"),
 ) -> None:
-    """Check a table: row count against the ledger, dimension, unit norms, NaN and zero vectors."""
+    """Check a table: row count against the ledger, dimension, unit norms, NaN and zero vectors; with
+    several, also that they were embedded by the same model."""
     from embedfleet.store.embedded import resolve_dsn
     from embedfleet.store.ledger import connect
-    from embedfleet.store.search import verify as run_verify
+    from embedfleet.store.search import verify as run_verify, verify_together
 
     with connect(resolve_dsn(db)) as conn:
-        report = run_verify(conn, table)
+        doc = run_verify(conn, table[0]) if len(table) == 1 else verify_together(conn, table)
     if json_out:
-        _emit(report)
+        _emit(doc)
     else:
-        typer.echo(f"{table}: {report['rows']:,} rows, dim {report['dim']} ({report['vector_type']}), "
-                   f"ledger {report['ledger_rows']}")
-        for kind, ids in report["offending_ids"].items():
-            typer.echo(f"  {kind}: {report['problems'][kind]} rows, e.g. {', '.join(ids[:10])}")
-        if not report["count_matches_ledger"]:
-            typer.echo(f"  row count {report['rows']} differs from the ledger's {report['ledger_rows']}")
-        typer.echo("OK" if report["ok"] else "PROBLEMS FOUND")
-    if not report["ok"]:
+        for report in doc.get("tables", [doc]):
+            made = f", {report['model']}" + (f", prompt {report['prompt']!r}" if report["prompt"] else "") \
+                + (f", passages {report['passages']}" if report["passages"] else "") if report["model"] else ""
+            typer.echo(f"{report['table']}: {report['rows']:,} rows, dim {report['dim']} ({report['vector_type']}), "
+                       f"ledger {report['ledger_rows']}{made}")
+            for kind, ids in report["offending_ids"].items():
+                typer.echo(f"  {kind}: {report['problems'][kind]} rows, e.g. {', '.join(ids[:10])}")
+            if not report["count_matches_ledger"]:
+                typer.echo(f"  row count {report['rows']} differs from the ledger's {report['ledger_rows']}")
+        if "same_model" in doc and not doc["same_model"]:
+            typer.echo("  the tables were embedded by different models or dimensions: their vectors do not compare")
+        typer.echo("OK" if doc["ok"] else "PROBLEMS FOUND")
+    if not doc["ok"]:
         raise typer.Exit(1)
 
 

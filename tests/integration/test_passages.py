@@ -98,3 +98,24 @@ def test_a_passage_larger_than_the_model_sees_is_refused_before_planning(cli, ds
     assert "--passages 254 or less" in p.stderr
     p = cli("ingest", path, "--db", dsn, "--text-field", "text", "--passages", "64:40", "--quiet")
     assert p.returncode == 2 and "overlap" in p.stderr
+
+
+def test_questions_beside_documents_embedded_with_the_query_prompt_and_verified_together(cli, dsn, corpus, tmp_path):
+    path, _ = corpus
+    cli("ingest", path, "--db", dsn, "--text-field", "text", "--id-field", "id", "--passages", "128:16", "--quiet",
+        check=True)
+    questions = tmp_path / "questions.jsonl"
+    questions.write_text("".join(orjson.dumps({"qid": f"q{i}", "question": q}).decode() + "\n" for i, q in enumerate(
+        ["Which goods were traded along the roads?", "How long were the winters?", "Where is Zürich?"])))
+    cli("ingest", questions, "--db", dsn, "--text-field", "question", "--id-field", "qid", "--prompt", "query",
+        "--table", "articles_questions", "--quiet", check=True)
+    doc = orjson.loads(cli("verify", "--table", "articles", "--table", "articles_questions", "--db", dsn, "--json",
+                           check=True).stdout)
+    assert doc["ok"] and doc["same_model"]
+    docs, qs = doc["tables"]
+    assert (docs["table"], docs["passages"], docs["prompt"]) == ("articles", "128:16", None)
+    assert (qs["table"], qs["rows"], qs["prompt"]) == ("articles_questions", 3, "query")
+    assert docs["model"] == qs["model"] and docs["dim"] == qs["dim"] == 384
+    # one table alone keeps its own report's shape
+    one = orjson.loads(cli("verify", "--table", "articles_questions", "--db", dsn, "--json", check=True).stdout)
+    assert one["ok"] and one["table"] == "articles_questions" and "tables" not in one

@@ -20,7 +20,7 @@ from embedfleet.errors import DatabaseError, InputError
 from embedfleet.store.schema import embedding_info, ledger_exists, table_sql
 
 __all__ = ["Searcher", "query_encoder", "query_lines", "run_search", "search", "search_queries", "table_model",
-           "verify"]
+           "verify", "verify_together"]
 
 QUERY_BATCH = 256  # queries embedded together in a --queries run
 
@@ -223,9 +223,22 @@ def verify(conn: psycopg.Connection, table: str, tol: float = 1e-3, max_ids: int
         problems[kind].append(id_)
     counts = {k: len(v) for k, v in problems.items()}
     count_ok = jobs == 0 or int(ledger_rows) == rows
+    made = conn.execute(
+        "SELECT coalesce(model, config->>'model'), config->>'prompt', config->>'passages' FROM embedfleet.jobs "
+        "WHERE table_name = %s ORDER BY created DESC LIMIT 1", [table]).fetchone() if jobs else None
     return {
         "table": table, "rows": rows, "ledger_rows": int(ledger_rows) if jobs else None,
         "count_matches_ledger": count_ok, "dim": dim, "vector_type": vtype,
         "problems": counts, "offending_ids": {k: v[:max_ids] for k, v in problems.items() if v},
+        "model": made[0] if made else None, "prompt": made[1] if made else None,
+        "passages": made[2] if made else None,
         "ok": count_ok and not any(counts.values()),
     }
+
+
+def verify_together(conn: psycopg.Connection, tables: list[str]) -> dict:
+    """Several tables meant to be searched against each other (documents, and questions embedded with the
+    query prompt): each one's report, and whether they share a model and a dimension."""
+    reports = [verify(conn, t) for t in tables]
+    same = len({(r["model"], r["dim"]) for r in reports}) == 1
+    return {"tables": reports, "same_model": same, "ok": same and all(r["ok"] for r in reports)}
