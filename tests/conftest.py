@@ -70,3 +70,22 @@ def cli(tmp_path):
         return p
 
     return run
+
+
+def wait_for(conn, query: str, args=(), timeout: float = 240):
+    """Poll `query` until its first column is not NULL: that value (or the row, for several columns).
+    Errors while the job is not planned yet (no ledger) count as not yet."""
+    import time
+
+    import psycopg
+
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        try:
+            row = conn.execute(query, args).fetchone()
+        except psycopg.Error:
+            row = None
+        if row and row[0] is not None:
+            return row if len(row) > 1 else row[0]
+        time.sleep(0.2)
+    raise AssertionError(f"timed out waiting for: {query}")

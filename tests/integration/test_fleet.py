@@ -17,6 +17,7 @@ import orjson
 import psycopg
 import pytest
 
+from conftest import wait_for
 from embedfleet.synth import write_amazon_reviews
 
 
@@ -31,19 +32,6 @@ def _plan(dsn: str, src, job: str, **flags) -> None:
     check_job(cfg, ledger.conn)
     prepare(cfg, ledger, "cpu")
     ledger.close()
-
-
-def _wait_for(conn, query: str, args=(), timeout: float = 240):
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        try:
-            row = conn.execute(query, args).fetchone()
-        except psycopg.Error:
-            row = None
-        if row and row[0] is not None:
-            return row if len(row) > 1 else row[0]
-        time.sleep(0.2)
-    raise AssertionError(f"timed out waiting for: {query}")
 
 
 def test_the_whole_worker_loop_runs_in_process_with_a_hash_encoder(dsn, conn, tmp_path):
@@ -91,12 +79,12 @@ def test_a_worker_frozen_past_its_lease_cannot_commit_over_the_new_owner(cli, ds
          "--devices", "cpu", "--workers", "2", "--chunk-bytes", "20000", "--no-index", "--quiet"],
         env=dict(os.environ, EMBEDFLEET_HOME=str(tmp_path / "home"), EMBEDFLEET_LEASE_SECONDS="3"),
         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    chunk, pid, token = _wait_for(
+    chunk, pid, token = wait_for(
         conn, "SELECT chunk, pid, claim::text FROM embedfleet.chunks WHERE job = 'frozen' AND state = 'running' "
               "AND started IS NOT NULL AND worker LIKE '%%-w0' LIMIT 1")
     os.kill(pid, signal.SIGSTOP)
     try:  # past its lease, the other worker takes the chunk over (a new fencing token)
-        _wait_for(conn, "SELECT 1 FROM embedfleet.chunks WHERE job = 'frozen' AND chunk = %s "
+        wait_for(conn, "SELECT 1 FROM embedfleet.chunks WHERE job = 'frozen' AND chunk = %s "
                         "AND (claim IS NULL OR claim::text <> %s)", [chunk, token], timeout=120)
     finally:
         os.kill(pid, signal.SIGCONT)
@@ -117,7 +105,7 @@ def test_postgresql_stopped_and_started_mid_run_loses_and_duplicates_nothing(cli
         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     try:
         with psycopg.connect(dsn, autocommit=True) as c:
-            _wait_for(c, "SELECT 1 FROM embedfleet.chunks WHERE state = 'done' LIMIT 1")
+            wait_for(c, "SELECT 1 FROM embedfleet.chunks WHERE state = 'done' LIMIT 1")
         assert "stopped" in cli("db", "stop", check=True).stderr
         time.sleep(3)
         assert run.poll() is None  # the run waits for its database instead of dying

@@ -7,13 +7,11 @@ import os
 import signal
 import subprocess
 import sys
-import time
 
 import orjson
-import psycopg
 import pytest
 
-from conftest import EXAMPLES
+from conftest import EXAMPLES, wait_for
 from embedfleet.synth import write_amazon_reviews
 
 REVIEWS = EXAMPLES / "Cell_Phones_and_Accessories.jsonl"
@@ -68,19 +66,6 @@ def test_the_same_command_twice_at_once_both_exit_0_with_exact_rows(cli, dsn, co
     assert hnsw.fetchone()[0] == 1
 
 
-def _wait_for(conn, query: str, args=(), timeout: float = 240):
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        try:
-            row = conn.execute(query, args).fetchone()
-        except psycopg.Error:
-            row = None
-        if row and row[0] is not None:
-            return row[0]
-        time.sleep(0.2)
-    raise AssertionError(f"timed out waiting for: {query}")
-
-
 def test_three_kills_of_one_worker_fail_no_chunk_that_was_not_being_embedded(dsn, conn, tmp_path):
     src = write_amazon_reviews(tmp_path / "kills.jsonl", 3000, seed=4)
     run = subprocess.Popen(_ingest_cmd(src, "--preset", "amazon-reviews", "--db", dsn, "--devices", "cpu",
@@ -90,7 +75,7 @@ def test_three_kills_of_one_worker_fail_no_chunk_that_was_not_being_embedded(dsn
     killed = []
     for _ in range(3):
         # the worker w1 of this launcher, once it embeds a chunk (a new process after each kill)
-        pid = _wait_for(conn, "SELECT pid FROM embedfleet.chunks WHERE job = 'kills' AND worker LIKE '%%-w1' "
+        pid = wait_for(conn, "SELECT pid FROM embedfleet.chunks WHERE job = 'kills' AND worker LIKE '%%-w1' "
                               "AND state = 'running' AND started IS NOT NULL AND NOT pid = ANY(%s) LIMIT 1",
                         [killed])
         os.kill(pid, signal.SIGKILL)

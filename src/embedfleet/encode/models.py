@@ -59,6 +59,14 @@ def resolve_model(model: str | os.PathLike | None) -> Path:
 WEIGHTS = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json")
 
 
+def safetensors_files(hf_dir: Path) -> list[Path] | None:
+    """The model's safetensors files (its shards, when an index names them), or None if it has none."""
+    index = hf_dir / "model.safetensors.index.json"
+    if index.exists():
+        return [hf_dir / f for f in sorted(set(json.loads(index.read_text())["weight_map"].values()))]
+    return [hf_dir / "model.safetensors"] if (hf_dir / "model.safetensors").exists() else None
+
+
 def check_model(model) -> ModelSpec:
     """What a worker will need, checked without loading the weights: the directory, its config and
     tokenizer files, and a weights file. A job must not start with a model none of its workers can load."""

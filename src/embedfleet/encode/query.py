@@ -18,7 +18,7 @@ from pathlib import Path
 
 import numpy as np
 
-from embedfleet.encode.models import ModelSpec, model_name, read_spec, resolve_model, strip_prefix
+from embedfleet.encode.models import ModelSpec, model_name, read_spec, resolve_model, safetensors_files, strip_prefix
 from embedfleet.encode.tokenize import model_tokenizer
 from embedfleet.errors import ModelError
 
@@ -53,16 +53,12 @@ def read_safetensors(path: Path) -> dict[str, np.ndarray]:
 
 
 def _load_state(hf_dir: Path) -> dict[str, np.ndarray] | None:
-    index = hf_dir / "model.safetensors.index.json"
-    if index.exists():
-        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-    elif (hf_dir / "model.safetensors").exists():
-        files = ["model.safetensors"]
-    else:
+    files = safetensors_files(hf_dir)
+    if files is None:
         return None
     state = {}
     for f in files:
-        state.update(read_safetensors(hf_dir / f))
+        state.update(read_safetensors(f))
     return state
 
 

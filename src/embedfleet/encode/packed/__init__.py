@@ -6,12 +6,11 @@ which case the encoder uses the generic transformers fallback.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import torch
 
-from embedfleet.encode.models import strip_prefix
+from embedfleet.encode.models import safetensors_files, strip_prefix
 
 __all__ = ["BERT_TYPES", "DECODER_TYPES", "build", "load_state", "strip_prefix", "supports"]
 
@@ -23,16 +22,12 @@ def load_state(hf_dir: Path) -> dict[str, torch.Tensor] | None:
     """All tensors of model.safetensors (or its shards) on the CPU, or None if there are none."""
     from safetensors.torch import load_file
 
-    index = hf_dir / "model.safetensors.index.json"
-    if index.exists():
-        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-    elif (hf_dir / "model.safetensors").exists():
-        files = ["model.safetensors"]
-    else:
+    files = safetensors_files(hf_dir)
+    if files is None:
         return None
     state = {}
     for f in files:
-        state.update(load_file(str(hf_dir / f)))
+        state.update(load_file(str(f)))
     return state
 
 
