@@ -219,9 +219,10 @@ def world_texts(n: int, seed: int = 0, median_words: int = 40, long_share: float
 
 
 def write_articles(path: str | Path, n: int, seed: int = 0, median_words: int = 700,
-                   row_group: int = 2000) -> Path:
+                   row_group: int = 2000, first_id: int = 1) -> Path:
     """`n` Wikipedia-length articles (median ~700 words, long-tailed vocabulary) as a Parquet file in the
-    Hugging Face wikimedia/wikipedia layout: id, url, title, text. Written a row group at a time."""
+    Hugging Face wikimedia/wikipedia layout: id, url, title, text; ids from `first_id` on (shards of one
+    corpus take consecutive ranges). Written a row group at a time."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
@@ -232,7 +233,7 @@ def write_articles(path: str | Path, n: int, seed: int = 0, median_words: int = 
             m = min(row_group, n - start)
             texts = long_tail_texts(m, seed=seed + start, median_words=median_words)
             titles = [" ".join(t.split()[:3]).rstrip(".").title() for t in texts]
-            ids = [str(start + i + 1) for i in range(m)]
+            ids = [str(first_id + start + i) for i in range(m)]
             w.write_table(pa.table({"id": ids, "url": [f"https://en.wikipedia.org/wiki?curid={i}" for i in ids],
                                     "title": titles, "text": texts}, schema=schema))
     return path
