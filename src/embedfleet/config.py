@@ -189,8 +189,7 @@ class Settings:
     writer_depth: int | None = _knob(None, "EMBEDFLEET_WRITER_DEPTH", "units queued per writer connection (default 2)")
     switch_interval: float = _knob(0.0005, "EMBEDFLEET_SWITCH_INTERVAL",
                                    "seconds a worker thread may hold the GIL before handing it over")
-    # ~30 MB of arrays when full; on a 32-core host 8 / 16 helpers prepared 101,833 / 153,969 reviews/s with
-    # 2^18 words and 91,632 / 144,355 with 2^20: more misses are cheaper than more memory (bench/NOTES.md run 39).
+    # ~30 MB of arrays when full; past this, more misses are cheaper than more memory (bench/NOTES.md run 39).
     word_cache: int = _knob(1 << 18, "EMBEDFLEET_WORD_CACHE", "distinct words each tokenizer remembers")
     compile: bool = _knob(True, "EMBEDFLEET_COMPILE", "torch.compile the forward pass on CUDA (0: eager)")
     compile_tokens: int | None = _knob(None, "EMBEDFLEET_COMPILE_TOKENS",

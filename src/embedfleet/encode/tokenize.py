@@ -30,8 +30,8 @@ log = logging.getLogger(__name__)
 
 POOL_MIN_TEXTS = 2048  # below this the pool's pickling costs more than it saves
 # Characters of a text that can reach the model: past max_length tokens everything is cut anyway, and the
-# library tokenizes the whole text first (a 50 MB review took 5 GB and 18 s). 64 characters a token is far
-# more than any prose needs (~5); only runs of whitespace or of 100+-character words could lose tokens.
+# library tokenizes the whole text first (a huge line took gigabytes: bench/NOTES.md). 64 characters a token
+# is far more than any prose needs; only runs of whitespace or of 100+-character words could lose tokens.
 CHARS_PER_TOKEN = 64
 WORD_PATH_MIN_TEXTS = 64  # a query or a few texts go through the library rather than build the word path
 

@@ -30,8 +30,7 @@ def rate_and_eta(history: deque, total_chunks: int) -> tuple[float, float, float
 
 def run_rates(first: tuple, last: tuple) -> tuple[float, float]:
     """(rows/s, tokens/s) over the whole run, from (t, rows, tokens, …) samples at its start and end: what
-    this run added over the time it took. (The sliding window's rate at the end of a run once showed 552
-    rows/s for a run that made 102 a second.)"""
+    this run added over the time it took (the sliding window's rate at the end of a run can be far off it)."""
     dt = max(last[0] - first[0], 1e-9)
     return (last[1] - first[1]) / dt, (last[2] - first[2]) / dt
 

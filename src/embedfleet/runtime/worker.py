@@ -251,9 +251,8 @@ class Worker:
                 startup["helpers_s"] = helpers_ready.result()  # started with the model load; usually ready by now
                 startup["helpers_wait_s"] = time.perf_counter() - t0
                 t0 = time.perf_counter()
-                # The libraries' first calls and the compile (from the cache after a machine's first run),
-                # before the loop: started eager instead, a 500k-review MiniLM loop ran at 44k rows/s against
-                # 103k compiled (bench/NOTES.md, 2026-11-26 GPU runs).
+                # The compile (from the cache after a machine's first run) before the loop: a loop started
+                # eager ran slower than the compile it saved (bench/NOTES.md, the 2026-11-26 GPU runs).
                 encoder.warmup()
                 startup["warmup_s"] = time.perf_counter() - t0
                 settle_gc()  # a full collection over torch's objects would stall the GPU loop (it holds the GIL)
