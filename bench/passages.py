@@ -12,32 +12,23 @@ from __future__ import annotations
 
 import argparse
 import os
-import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 import orjson
 
+from _cli import loop_span, run_json
 from embedfleet.store.embedded import resolve_dsn
 from embedfleet.synth import write_articles
 
 
 def ingest(src: Path, dsn: str, table: str, extra: list[str], model: str | None, devices: str) -> dict:
-    cmd = [sys.executable, "-m", "embedfleet.cli", "ingest", str(src), "--preset", "wikipedia", "--db", dsn,
-           "--table", table, "--devices", devices, "--no-index", "--json", "--quiet", *extra]
-    if model:
-        cmd += ["--model", model]
-    t0 = time.time()
-    p = subprocess.run(cmd, capture_output=True, text=True)
-    wall = time.time() - t0
-    if p.returncode != 0:
-        raise SystemExit(f"ingest failed:\n{p.stderr[-3000:]}")
-    doc = orjson.loads(p.stdout)
+    args = ["ingest", src, "--preset", "wikipedia", "--db", dsn, "--table", table, "--devices", devices,
+            "--no-index", "--json", "--quiet", *extra] + (["--model", model] if model else [])
+    _, wall, doc = run_json(args)
     w = doc["workers"]
-    first = min(x["started_at"] for x in w)
-    loop = max(x["started_at"] + x["wall_s"] for x in w) - first
+    _, loop = loop_span(w)
     rows, tokens = sum(x["rows"] for x in w), sum(x["tokens"] for x in w)
     return {"rows": rows, "tokens": tokens, "wall_s": round(wall, 2), "loop_s": round(loop, 2),
             "rows_per_s": round(rows / loop, 1), "tokens_per_s": round(tokens / loop, 1),

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import subprocess
 import sys
 import tempfile
 import time
@@ -19,20 +18,15 @@ from pathlib import Path
 
 import orjson
 
+from _cli import loop_span, run_json
 from embedfleet.store.embedded import resolve_dsn
 from embedfleet.synth import write_amazon_reviews
 
 
-def run(cmd: list[str], env: dict) -> dict:
-    t0 = time.time()
-    p = subprocess.run(cmd, capture_output=True, text=True, env=env)
-    wall = time.time() - t0
-    if p.returncode != 0:
-        raise SystemExit(f"{' '.join(cmd[:6])}… failed:\n{p.stderr[-3000:]}")
-    doc = orjson.loads(p.stdout)
+def run(args: list[str], env: dict) -> dict:
+    t0, wall, doc = run_json(args, env)
     workers = doc["workers"]
-    first = min(w["started_at"] for w in workers)
-    loop = max(w["started_at"] + w["wall_s"] for w in workers) - first
+    first, loop = loop_span(workers)
     return {"rows": doc["rows_written"], "wall_s": round(wall, 2), "startup_s": round(first - t0, 2),
             "loop_s": round(loop, 2), "rows_per_s_loop": round(doc["rows_written"] / loop, 1),
             "rows_per_s_wall": round(doc["rows_written"] / wall, 1), "workers": len(workers)}
@@ -57,7 +51,7 @@ def main() -> None:
             for r in range(a.rounds):
                 for how in ("local", "ray"):
                     table = f"rvl_{how}_{r}_{int(time.time())}"
-                    cmd = [sys.executable, "-m", "embedfleet.cli", "ingest", str(src), "--preset", "amazon-reviews",
+                    cmd = ["ingest", str(src), "--preset", "amazon-reviews",
                            "--db", dsn, "--table", table, "--devices", "cpu", "--workers", str(a.workers),
                            "--no-index", "--json", "--quiet"]
                     if how == "ray":

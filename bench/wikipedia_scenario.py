@@ -13,8 +13,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import subprocess
-import sys
 import tempfile
 import time
 from concurrent.futures import ProcessPoolExecutor
@@ -22,6 +20,7 @@ from pathlib import Path
 
 import orjson
 
+from _cli import run_json
 from embedfleet.store.embedded import resolve_dsn
 from embedfleet.synth import write_articles
 
@@ -33,12 +32,8 @@ QUESTIONS = ["Who founded the city and when?", "What is the river's longest trib
 
 
 def cli(*args: str) -> tuple[float, dict]:
-    t0 = time.time()
-    p = subprocess.run([sys.executable, "-m", "embedfleet.cli", *args], capture_output=True, text=True)
-    wall = time.time() - t0
-    if p.returncode != 0:
-        raise SystemExit(f"embedfleet {' '.join(args[:3])}… failed ({p.returncode}):\n{p.stderr[-3000:]}")
-    return wall, orjson.loads(p.stdout)
+    _, wall, doc = run_json(list(args))
+    return wall, doc
 
 
 def main() -> None:
