@@ -2,8 +2,9 @@
 EmbeddingDataset's tiers, against the training step alone.
 
     python bench/train_loader.py [--rows 200000] [--dim 384] [--table NAME] [--device auto]
-        [--batch-size 4096] [--epochs 2] [--slow-batches 20] [--workers 4] [--readers 1,4]
-        [--file-rows 1000000] [--skip sql,file,stream] [--ddp-devices cuda:0,1] [--db DSN] [--out FILE]
+        [--batch-size 4096] [--epochs 2] [--slow-batches 60] [--workers 4] [--readers 1,4]
+        [--file-rows 1000000] [--skip sql,file,stream] [--ram-variants switch200us,…]
+        [--ddp-devices cuda:0,1] [--db DSN] [--out FILE]
 
 The table (`bench_train_<rows>_<dim>`, reused when it exists with that many rows) is written by
 parallel binary COPY: random unit vectors, a rating that is a linear function's argmax of them (so
@@ -21,7 +22,8 @@ on CUDA) with `--batch-size` rows:
                      the second: a per-row __getitem__ reading a file cache (pread of one row of
                      the first --file-rows rows) under DataLoader with --workers persistent workers,
                      without and with an fcntl.flock shared lock around each read
-Slow loaders are timed over --slow-batches batches (after one untimed) and their epoch time
+Slow loaders are timed over --slow-batches batches (after 2 x workers + 1 untimed: the first round of
+prefetched batches arrives at once) and their epoch time
 extrapolated (batches × time a batch); that is said in the output. Bulk read rates: one connection
 (over the first --read-rows rows, a TID range) and --readers connections (the whole table).
 `--ddp-devices cuda:0,1,…` also runs `embedfleet train --cache gpu` on 1 and on those devices and
@@ -182,26 +184,57 @@ def time_epochs(batches_of_epoch, dim: int, dev: torch.device, n: int, batch: in
 
 
 def time_batches(loader, dim: int, dev: torch.device, n: int, batch: int, count: int) -> dict:
-    """Seconds a batch over `count` batches after an untimed first one; the epoch extrapolated."""
+    """Seconds a batch over `count` batches, after as many untimed ones as the workers prefetch at
+    once (2 each, plus one): those arrive together, and timed would make a loader look up to
+    workers x prefetch batches faster than its steady state. The epoch extrapolated."""
     step, sizes = _fresh_step(dim, dev, n, batch)
-    count = min(count, len(sizes) - 1)
+    warmup = 2 * max(1, loader.num_workers) + 1
+    count = max(1, min(count, len(sizes) - warmup))
     it = iter(loader)
     t_first = time.perf_counter()
-    x, y = next(it)
-    step(x.to(dev, non_blocking=True), y.to(dev, non_blocking=True), sizes[0])
+    for k in range(warmup):
+        x, y = next(it)
+        step(x.to(dev, non_blocking=True), y.to(dev, non_blocking=True), sizes[k])
     _sync(dev)
     first = time.perf_counter() - t_first
     t0 = time.perf_counter()
     done = 0
     for x, y in it:
-        step(x.to(dev, non_blocking=True), y.to(dev, non_blocking=True), sizes[done + 1])
+        step(x.to(dev, non_blocking=True), y.to(dev, non_blocking=True), sizes[warmup + done])
         done += 1
         if done == count:
             break
     _sync(dev)
     per = (time.perf_counter() - t0) / max(1, done)
-    return {"batches_timed": done, "first_batch_s": round(first, 3), "per_batch_s": round(per, 5),
-            "epoch_s_extrapolated": round(per * len(sizes), 2), "steps_per_epoch": len(sizes)}
+    return {"batches_timed": done, "untimed_batches": warmup, "untimed_s": round(first, 3),
+            "per_batch_s": round(per, 5), "epoch_s_extrapolated": round(per * len(sizes), 2),
+            "steps_per_epoch": len(sizes)}
+
+
+def ram_variant(name: str, batches_of_epoch, dim: int, dev: torch.device, n: int, batch: int, epochs: int):
+    """The ram tier's epochs with one thing changed (what holds its side thread back?):
+        switch200us   the interpreter's GIL switch interval at 200 µs (default 5 ms) during the epochs
+        one_thread    the host gather in one np.take call (no gather pool)
+        torch_gather  the host gather as one torch.index_select into the pinned buffer"""
+    from embedfleet.train import dataset
+
+    def torch_take(x, index, out=None):
+        return torch.index_select(x, 0, torch.from_numpy(index), out=out)
+
+    saved = sys.getswitchinterval(), dataset.gather_threads, dataset.host_take
+    if name == "switch200us":
+        sys.setswitchinterval(2e-4)
+    elif name == "one_thread":
+        dataset.gather_threads = lambda: 1
+    elif name == "torch_gather":
+        dataset.host_take = torch_take
+    else:
+        raise SystemExit(f"--ram-variants: unknown {name!r}")
+    try:
+        return time_epochs(batches_of_epoch, dim, dev, n, batch, epochs)
+    finally:
+        sys.setswitchinterval(saved[0])
+        dataset.gather_threads, dataset.host_take = saved[1], saved[2]
 
 
 class SqlPerBatch(torch.utils.data.Dataset):
@@ -292,12 +325,14 @@ def main() -> None:
     ap.add_argument("--device", default="auto")
     ap.add_argument("--batch-size", type=int, default=4096)
     ap.add_argument("--epochs", type=int, default=2, help="epochs of the pure-compute, gpu and ram runs")
-    ap.add_argument("--slow-batches", type=int, default=20, help="batches timed for the slow loaders")
+    ap.add_argument("--slow-batches", type=int, default=60, help="batches timed for the slow loaders")
     ap.add_argument("--workers", type=int, default=min(8, os.cpu_count() or 2), help="DataLoader workers")
     ap.add_argument("--readers", default=None, help="connection counts for the bulk read (default 1 and the default)")
     ap.add_argument("--read-rows", type=int, default=2_000_000, help="rows of the one-connection read")
     ap.add_argument("--file-rows", type=int, default=1_000_000, help="rows in the DataLoader's file cache")
     ap.add_argument("--skip", default="", help="comma list of: sql, file, stream, read")
+    ap.add_argument("--ram-variants", default="", help="comma list of: switch200us, one_thread, torch_gather "
+                    "(the ram tier again with that change)")
     ap.add_argument("--ddp-devices", default=None, help="also `embedfleet train` on these devices (issue 22)")
     ap.add_argument("--db", default=None)
     ap.add_argument("--out", default=None, help="also write the JSON document here")
@@ -346,6 +381,11 @@ def main() -> None:
         say(f"tier {tier}")
         epoch_s[tier] = time_epochs(lambda e, d=d: d.batches(a.batch_size, epoch=e), dim, dev, n, a.batch_size,
                                     a.epochs)
+    if "ram" in tiers and a.ram_variants:
+        for name in a.ram_variants.split(","):
+            say(f"tier ram, {name}")
+            epoch_s[f"ram_{name}"] = ram_variant(name, lambda e: tiers["ram"].batches(a.batch_size, epoch=e),
+                                                 dim, dev, n, a.batch_size, a.epochs)
     if "stream" not in skip:
         say("tier stream (1 epoch)")
         st = EmbeddingDataset.from_table(table, label="rating", db=dsn, device=dev, cache="stream")

@@ -1,0 +1,59 @@
+#!/usr/bin/env bash
+# Several-GPU runs on the GPU machine (device tool; issues 21 and 22), from the project root. Carry .whl
+# (../shared/device/prepare.sh msgspec, with typer 0.16.1 in place of 0.15.4) and .models (fp16 MiniLM).
+#   bash bench/device_multi.sh ingest   # bench/ingest.py 1,2,4… GPUs: the Qwen3-0.6B shape, then MiniLM
+#   bash bench/device_multi.sh train    # bench/ddp_train.py (train, step sweep, file loaders), then train_loader.py on one GPU
+#   bash bench/device_multi.sh wiki     # the Wikipedia scenario on every GPU, then sentence-transformers' pool
+# Sizes through the environment: N_QWEN (240000), N_MINILM (4000000), TRAIN_ROWS (10000000),
+# WIKI_N (250000), WIKI_PASSAGES (512:32), ST_N (100000). Results: $OUT/<part>*.json and .err logs.
+set -o pipefail
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
+M=$PWD/.models/all-MiniLM-L6-v2-fp16
+export PYTHONPATH=/tmp/site:$PWD/src PYTHONUNBUFFERED=1 PYTHONPYCACHEPREFIX=/tmp/pycache EMBEDFLEET_HOME=/tmp/efhome \
+  EMBEDFLEET_GPU_MINILM=$M EMBEDFLEET_MODEL=$M
+# NVLink multicast stays off (the machine's own setting; kept for processes started with their own environment).
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+GPUS=$(nvidia-smi -L | wc -l)
+COUNTS=$(python3 -c "print(','.join(str(k) for k in (1, 2, 4, 8) if k <= $GPUS))")
+nvidia-smi -L; lscpu | grep -E '^(CPU\(s\)|Model name)'; free -g | head -2
+case "$1" in
+ingest)
+  # The MiniLM corpus is written (all cores, seconds) while the Qwen3 shape's first run loads its model.
+  python3 -c "from embedfleet.synth import cached_review_shards as c; c('/tmp/efbench', ${N_MINILM:-4000000}, 32)" &
+  timeout 300 python3 bench/ingest.py --n "${N_QWEN:-240000}" --shards 16 --gpus "$COUNTS" --shape qwen3-0.6b --no-index \
+    --work /tmp/efq --out "$OUT/ingest_qwen3.json" 2>"$OUT/ingest_qwen3.err" | tail -n "$(echo $COUNTS | tr , '\n' | wc -l)"
+  wait
+  timeout 200 python3 bench/ingest.py --n "${N_MINILM:-4000000}" --shards 32 --gpus "$COUNTS" --model "$M" --no-index \
+    --work /tmp/efbench --out "$OUT/ingest_minilm.json" 2>"$OUT/ingest_minilm.err" | tail -n "$(echo $COUNTS | tr , '\n' | wc -l)"
+  ;;
+train)
+  timeout 400 python3 bench/ddp_train.py --rows "${TRAIN_ROWS:-10000000}" --gpus "$COUNTS" --out "$OUT/ddp_train.json" \
+    2>"$OUT/ddp_train.err" >/dev/null
+  # issue 16 on one GPU of the same machine: the tiers against pure compute and the DataLoaders (table reused)
+  timeout 150 python3 bench/train_loader.py --rows "${TRAIN_ROWS:-10000000}" --skip sql,stream,read --epochs 3 \
+    --ram-variants switch200us,one_thread,torch_gather --out "$OUT/train_loader.json" 2>"$OUT/train_loader.err" >/dev/null
+  python3 - "$OUT/ddp_train.json" "$OUT/train_loader.json" <<'PY'
+import json, sys
+try:
+    d = json.load(open(sys.argv[1]))
+    for n, r in d.get("train", {}).items():
+        print("train", n, {k: r.get(k) for k in ("best_epoch_s", "best_samples_per_s", "scaling", "error")})
+    for r in d.get("scaling", []):
+        print("sweep", r)
+    for n, r in d.get("loader", {}).items():
+        print("loader", n, r)
+    t = json.load(open(sys.argv[2]))
+    print("train_loader", t.get("epoch_s"), t.get("ratios"), t.get("targets"))
+except Exception as e:
+    print("summary:", repr(e))
+PY
+  ;;
+wiki)
+  timeout 450 python3 bench/wikipedia_scenario.py --n "${WIKI_N:-250000}" --shape qwen3-0.6b --passages "${WIKI_PASSAGES:-512:32}" \
+    --work /tmp > "$OUT/wiki.json" 2>"$OUT/wiki.err"; cat "$OUT/wiki.json"
+  timeout 110 python3 bench/st_pool.py --model "$M" --gpus "$COUNTS" --n "${ST_N:-100000}" > "$OUT/st_pool.json" \
+    2>"$OUT/st_pool.err"; cat "$OUT/st_pool.json"
+  ;;
+*) echo "usage: bash bench/device_multi.sh ingest|train|wiki"; exit 2 ;;
+esac
