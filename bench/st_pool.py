@@ -10,6 +10,7 @@ warm-up call; texts/s and the scaling against the first count. One JSON document
 from __future__ import annotations
 
 import argparse
+import sys
 import time
 
 import orjson
@@ -35,6 +36,7 @@ def main() -> None:
         devices = ["cpu"] * count if a.cpu else [f"cuda:{i}" for i in range(count)]
         if not a.cpu:
             model = model.to(torch.bfloat16)  # its best setting on a GPU, as in `embedfleet bench`
+        t_pool = time.perf_counter()
         pool = model.start_multi_process_pool(target_devices=devices)
         try:
             def run(t):
@@ -48,7 +50,9 @@ def main() -> None:
             seconds = time.perf_counter() - t0
         finally:
             model.stop_multi_process_pool(pool)
-        runs.append({"gpus": count, "texts": len(out), "seconds": round(seconds, 2), "texts_per_s": round(a.n / seconds, 1)})
+        runs.append({"gpus": count, "texts": len(out), "seconds": round(seconds, 2), "texts_per_s": round(a.n / seconds, 1),
+                     "pool_start_and_warmup_s": round(t0 - t_pool, 2)})
+        print(f"[st_pool] {runs[-1]}", file=sys.stderr, flush=True)  # each count as measured: a run cut short keeps it
     base = runs[0]["texts_per_s"] / runs[0]["gpus"]
     for r in runs:
         r["scaling"] = round(r["texts_per_s"] / (base * r["gpus"]), 3)
