@@ -89,3 +89,43 @@ def test_qk_norm_rope_kernel_matches_the_torch_path(norm):
     ref = _qk_norm_rope(qkv.float(), w.float() if norm else None, cos.float()[pos.long()], sin.float()[pos.long()],
                         heads + kv, 1e-6)
     torch.testing.assert_close(ours.float(), ref, atol=3e-2, rtol=2e-2)
+
+
+@pytest.mark.skipif(not MINILM.is_dir(), reason="fp16 MiniLM not prepared (.models/)")
+def test_first_eager_call_does_not_wait_for_the_flash_import_and_agrees_with_it():
+    """In a fresh process whose varlen import (torch._dynamo) is held back 30 s, the first calls run
+    (padded path) without waiting for it; once it is imported, the flash kernel gives the same vectors."""
+    import json
+    import subprocess
+    import sys
+
+    code = f"""
+import json, threading, time
+from embedfleet.encode.packed import attention
+
+def held_back():  # the import's thread, 30 s late: the first calls must not wait for it
+    def run():
+        time.sleep(30)
+        attention._varlen()
+        attention._imported.set()
+    threading.Thread(target=run, daemon=True).start()
+attention.import_in_background = held_back
+
+from embedfleet.encode.encoder import Encoder
+from embedfleet.synth import world_texts
+texts = world_texts(2000, seed=5)
+t0 = time.perf_counter()
+enc = Encoder({str(MINILM)!r})
+first = enc.encode(texts)
+first_s = time.perf_counter() - t0
+imported_after_first = attention._imported.is_set()
+attention._imported.wait(120)
+again = enc.encode(texts)
+print(json.dumps({{"imported_after_first": imported_after_first, "first_s": first_s,
+                  "cos_min": float((first * again).sum(1).min())}}))
+"""
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr[-2000:]
+    got = json.loads(p.stdout.strip().splitlines()[-1])
+    assert got["imported_after_first"] is False and got["first_s"] < 30  # done before the import
+    assert got["cos_min"] >= 0.999

@@ -78,3 +78,19 @@ def test_small_models_get_bigger_batches():
     assert max_batch_tokens(384) == 16 * MAX_BATCH_TOKENS == 1 << 20
     assert max_batch_tokens(1024) == max_batch_tokens(768) == MAX_BATCH_TOKENS
     assert probe_batch_tokens(torch.device("cpu"), 1000, 512, 384) == 4096  # the CPU budget is its own
+
+
+def test_a_first_eager_call_on_cuda_takes_the_padded_path_rather_than_wait_for_the_flash_import():
+    from embedfleet.encode.packed.attention import PADDED_MASK_LIMIT, kernel_for
+
+    # CPU: always the padded reference path, never the import
+    assert kernel_for(False, False, False, False, 4, 64) == "padded"
+    assert kernel_for(False, True, True, True, 4, 64) == "padded"
+    # CUDA, module imported or a graph being compiled: the varlen kernel
+    assert kernel_for(True, False, True, False, 4096, 256) == "flash"
+    assert kernel_for(True, True, False, True, 64, 8192) == "flash"
+    # CUDA, eager, import under way: padded, unless a causal call's padded mask would be big
+    assert kernel_for(True, False, False, False, 4096, 8192) == "padded"  # bidirectional: [N, 1, 1, L] mask
+    side = int((PADDED_MASK_LIMIT // 16) ** 0.5)
+    assert kernel_for(True, False, False, True, 16, side) == "padded"
+    assert kernel_for(True, False, False, True, 16, side + 1) == "wait"

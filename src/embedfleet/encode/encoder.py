@@ -49,12 +49,12 @@ def _device(device: str) -> torch.device:
 
 def _start_cuda(dev: torch.device) -> None:
     """The CUDA context, on a thread while the weights are read; then, on a daemon thread of its own,
-    the varlen attention module, which the first forward pass needs (its import pulls torch._dynamo
-    in: 1.5 s on the 2-core VM) and the constructor does not wait for."""
+    the varlen attention module (its import pulls torch._dynamo in), which neither the constructor nor
+    the first eager calls wait for."""
     torch.empty(1, device=dev)
-    from embedfleet.encode.packed.attention import _varlen
+    from embedfleet.encode.packed.attention import import_in_background
 
-    threading.Thread(target=_varlen, name="embedfleet-import", daemon=True).start()
+    import_in_background()
 
 
 @dataclass
