@@ -17,12 +17,12 @@ Parts, each on every count of --gpus (one process a GPU, started the way `embedf
             ddp       the same batch, with the all-reduce
             full      what the trainer does: each step's batch gathered from the epoch's order
           all-reduce = ddp - compute, input = full - ddp, samples/s = GPUs x batch / full (the slowest
-          rank's times). Weak scaling: the same per-rank batch at N GPUs; strong: the same global batch
-          (N GPUs at batch/N each) against one GPU.
+          rank's times). Weak speed-up: samples/s at N GPUs over one GPU's at the same per-rank batch;
+          strong: at the same global batch (N GPUs at batch/N each).
   loader  the field report's loader under DDP: a DataLoader with --workers persistent workers per rank
           over a per-row __getitem__ reading a file cache (bench/train_loader.py's FileRows: a pread per
           row), with and without an fcntl.flock shared lock around each read, DistributedSampler,
-          per-rank batch --batch-per-gpu, linear head; --loader-batches steps after 2 x workers + 2 untimed
+          per-rank batch --batch-per-gpu, linear head; --loader-batches steps after 2 x workers + 1 untimed
           ones (the batches the workers prefetch at once would otherwise count as free),
           and the epoch over --rows extrapolated. Beside it: the sweep's gpu-tier `full` step for the
           same head and batch.
@@ -35,6 +35,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -159,12 +161,18 @@ def rank_sweep(job: dict) -> dict | None:
                          "all_reduce_ms": round(max(0.0, t_ddp - t_compute) * 1e3, 4),
                          "input_ms": round(max(0.0, t_full - t_ddp) * 1e3, 4),
                          "gather_alone_ms": round(t_input * 1e3, 4),
+                         "steps_per_epoch": -(-len(ds) // g),  # few: the epoch's set-up weighs on "input"
                          "samples_per_s": round(g / t_full, 1)})
             if rank == 0:
                 say(f"  {world} GPU(s) {spec} batch {b}: {rows[-1]}")
-            del net, step, batches
+                _keep(job, {"rows_read": len(ds), "results": rows})  # a rank failing later loses no row
+
     ds.close()
     return {"rows_read": len(ds), "results": rows} if rank == 0 else None
+
+
+def _keep(job: dict, result: dict) -> None:
+    Path(job["result"]).write_text(json.dumps(result))
 
 
 def rank_loader(job: dict) -> dict | None:
@@ -203,7 +211,7 @@ def rank_loader(job: dict) -> dict | None:
 
         timed = _timer(dev, world)
         # untimed until the workers' first round of batches (prefetched at once) is used up: a steady state
-        first = timed(one_step, 2 * job["workers"] + 2)
+        first = timed(one_step, 2 * job["workers"] + 1)
         t = timed(one_step, job["count"])
         first, t = _slowest([first, t], dev, world)
         out[name] = {"step_ms": round(t * 1e3, 3), "warmup_step_ms": round(first * 1e3, 1),
@@ -211,7 +219,7 @@ def rank_loader(job: dict) -> dict | None:
                      "epoch_s_extrapolated": round(job["epoch_rows"] / g * t, 2)}
         if rank == 0:
             say(f"  {world} GPU(s) DataLoader {name}: {out[name]}")
-        del it, loader
+
     return out if rank == 0 else None
 
 
@@ -263,9 +271,8 @@ def launch(job: dict, world: int, timeout: float) -> dict:
                 p.kill()
             p.wait()
         failed = failed or next((f"exit {p.returncode}" for p in procs if p.returncode), None)
-        if failed:
-            return {"error": failed}
-        return json.loads(Path(job["result"]).read_text())
+        kept = json.loads(Path(job["result"]).read_text()) if os.path.exists(job["result"]) else {}
+        return {**kept, "error": failed} if failed else kept
 
 
 def run_train(a, table: str, dsn: str, counts: list[int]) -> dict:
@@ -278,12 +285,22 @@ def run_train(a, table: str, dsn: str, counts: list[int]) -> dict:
                "--cache", "ram" if a.cpu else "gpu", "--db", dsn, "--json", "--out", tempfile.mkdtemp(prefix="ddp-")]
         say("running", " ".join(cmd[2:]))
         t0 = time.perf_counter()
-        p = subprocess.run(cmd, capture_output=True, text=True, timeout=a.part_timeout)
+        # a session of its own: past its time, the command and the rank processes it started go together
+        p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+        try:
+            stdout, stderr = p.communicate(timeout=a.part_timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(p.pid, signal.SIGKILL)
+            p.communicate()
+            out[str(n)] = {"error": f"over {a.part_timeout:.0f} s"}
+            continue
+        finally:
+            shutil.rmtree(cmd[-1], ignore_errors=True)
         wall = time.perf_counter() - t0
         if p.returncode:
-            out[str(n)] = {"error": (p.stderr.strip().splitlines() or [str(p.returncode)])[-1]}
+            out[str(n)] = {"error": (stderr.strip().splitlines() or [str(p.returncode)])[-1]}
             continue
-        doc = json.loads(p.stdout)
+        doc = json.loads(stdout)
         epochs = doc["epochs"]
         best = min(epochs[1:] or epochs, key=lambda e: e["seconds"])  # the first epoch pays for warm-up
         out[str(n)] = {"world_size": doc["world_size"], "global_batch": doc["batch_size"],
@@ -301,8 +318,8 @@ def run_train(a, table: str, dsn: str, counts: list[int]) -> dict:
 
 
 def scaling(sweep: dict, counts: list[int]) -> list[dict]:
-    """Per head and per-rank batch: weak scaling (same per-rank batch) and strong (same global batch)
-    at each count against one GPU, from the sweep's samples/s."""
+    """Per head and per-rank batch: the speed-up in samples/s at each count over the first count, weak
+    (the same per-rank batch) and strong (the same global batch) — times, not a share of N."""
     got = {}
     for n, part in sweep.items():
         for r in part.get("results", []):
@@ -316,8 +333,8 @@ def scaling(sweep: dict, counts: list[int]) -> list[dict]:
         strong = got.get((head, b * n // one, one))
         rows.append({"head": head, "gpus": n, "batch_per_rank": b, "step_ms": r["step_ms"],
                      "compute_ms": r["compute_ms"], "all_reduce_ms": r["all_reduce_ms"], "input_ms": r["input_ms"],
-                     "weak": None if base is None else round(r["samples_per_s"] / base["samples_per_s"] * one, 2),
-                     "strong": None if strong is None else round(r["samples_per_s"] / strong["samples_per_s"] * one, 2),
+                     "weak_speedup": None if base is None else round(r["samples_per_s"] / base["samples_per_s"], 2),
+                     "strong_speedup": None if strong is None else round(r["samples_per_s"] / strong["samples_per_s"], 2),
                      "strong_global_batch": b * n})
     return rows
 
@@ -335,7 +352,7 @@ def main() -> None:
     ap.add_argument("--heads", default="linear,mlp,mlp:4096")
     ap.add_argument("--batches", default="1024,2048,4096,8192,16384,32768,65536")
     ap.add_argument("--steps", type=int, default=100)
-    ap.add_argument("--file-rows", type=int, default=1_000_000)
+    ap.add_argument("--file-rows", type=int, default=1_000_000, help="at least; more where the steps need them")
     ap.add_argument("--loader-batches", type=int, default=100)
     ap.add_argument("--workers", type=int, default=8, help="DataLoader workers per rank")
     ap.add_argument("--skip", default="", help="comma list of: train, sweep, loader")
@@ -381,17 +398,19 @@ def main() -> None:
         doc["scaling"] = scaling(doc["sweep"], counts)
         save()
     if "loader" not in skip:
+        # rows enough that warm-up and timed steps stay inside one epoch on every rank at the most GPUs
+        file_rows = max(a.file_rows, counts[-1] * a.batch_per_gpu * (2 * a.workers + 2 + a.loader_batches))
         with tempfile.TemporaryDirectory(prefix="ddp-files-") as tmp:
             path, labels = os.path.join(tmp, "cache.f32"), os.path.join(tmp, "labels.npy")
             rng = np.random.default_rng(0)
-            with open(path, "wb") as f:  # random unit-free rows: a read's cost does not depend on values
-                for s in range(0, a.file_rows, 100_000):
-                    rng.standard_normal((min(100_000, a.file_rows - s), a.dim), dtype=np.float32).tofile(f)
-            np.save(labels, rng.integers(0, CLASSES, a.file_rows))
+            with open(path, "wb") as f:  # random rows: a read's cost does not depend on values
+                for s in range(0, file_rows, 100_000):
+                    rng.standard_normal((min(100_000, file_rows - s), a.dim), dtype=np.float32).tofile(f)
+            np.save(labels, rng.integers(0, CLASSES, file_rows))
             job = {"part": "loader", "cpu": a.cpu, "path": path, "labels": labels, "dim": a.dim,
                    "batch": a.batch_per_gpu, "workers": a.workers, "count": a.loader_batches, "epoch_rows": a.rows}
             doc["loader"] = {}
-            for n in (counts[0], counts[-1]):
+            for n in sorted({counts[0], counts[-1]}):
                 say(f"file loader on {n}")
                 doc["loader"][str(n)] = launch(job, n, a.part_timeout)
                 gpu = next((r for r in doc.get("sweep", {}).get(str(n), {}).get("results", [])

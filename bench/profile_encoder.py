@@ -1,6 +1,6 @@
 """Where the encoder's GPU time goes, and what a few variants change — one process, one GPU.
 
-    python bench/profile_encoder.py [--shape qwen3-0.6b] [--n 20000] [--variants default,flash_op,tokens_128k]
+    python bench/profile_encoder.py [--shape qwen3-0.6b] [--n 20000] [--variants default,tokens_128k]
 
 For each variant: texts/s and MFU end to end (tokenisation included, as `embedfleet bench`), then
 the forward passes alone on pre-tokenized input; for the first variant also a torch.profiler table
@@ -8,7 +8,6 @@ of GPU time by kernel family (matmul, attention, fused element-wise, copies) and
 
 Variants (each patches one thing in this process only):
   default       the encoder as shipped
-  flash_op      FlashAttention's aten op called directly, skipping varlen_attn's custom-op wrapper
   tokens_128k   twice the default token-budget ceiling (bigger matmuls per batch)
   autotune      torch.compile mode="max-autotune-no-cudagraphs" (Triton GEMMs with fused epilogues)
   manual_qk     Qwen3's q/k norm written out in float32 instead of F.rms_norm
@@ -38,21 +37,10 @@ def family(name: str) -> str:
     return "other"
 
 
-def flash_direct(q, k, v, cu_q, cu_k, max_q, max_k, scale=None, window_size=(-1, -1), **_):
-    out = torch.ops.aten._flash_attention_forward(
-        q, k, v, cu_q, cu_k, max_q, max_k, 0.0, window_size == (-1, 0), False, scale=scale)
-    return out[0]
-
-
 def apply(variant: str):
     """Patch this process for `variant`; returns the function that undoes it."""
     from embedfleet.encode import budget
-    from embedfleet.encode.packed import attention
 
-    if variant == "flash_op":
-        real_attn = attention._varlen
-        attention._varlen = lambda: (flash_direct, False)
-        return lambda: setattr(attention, "_varlen", real_attn)
     if variant == "tokens_128k":
         budget.MAX_BATCH_TOKENS = 131072
         return lambda: setattr(budget, "MAX_BATCH_TOKENS", 65536)
@@ -108,7 +96,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--shape", default="qwen3-0.6b")
     ap.add_argument("--n", type=int, default=20000)
-    ap.add_argument("--variants", default="default,flash_op,tokens_128k")
+    ap.add_argument("--variants", default="default,tokens_128k")
     ap.add_argument("--profile-texts", type=int, default=8000)
     ap.add_argument("--out", default=None, help="write every run as JSON here")
     ap.add_argument("--profile-all", action="store_true", help="profile every variant, not only the first")

@@ -188,8 +188,8 @@ def time_batches(loader, dim: int, dev: torch.device, n: int, batch: int, count:
     once (2 each, plus one): those arrive together, and timed would make a loader look up to
     workers x prefetch batches faster than its steady state. The epoch extrapolated."""
     step, sizes = _fresh_step(dim, dev, n, batch)
-    warmup = 2 * max(1, loader.num_workers) + 1
-    count = max(1, min(count, len(sizes) - warmup))
+    warmup = min(2 * max(1, loader.num_workers) + 1, len(loader) - 1)
+    count = max(1, min(count, len(loader) - warmup))
     it = iter(loader)
     t_first = time.perf_counter()
     for k in range(warmup):

@@ -52,6 +52,8 @@ def main() -> None:
     ap.add_argument("--work", default=None)
     ap.add_argument("--out", default=None, help="also write the JSON document here, after every step")
     a = ap.parse_args()
+    if a.passages_only and not a.passages:
+        ap.error("--passages-only needs --passages TOKENS[:OVERLAP]")
     dsn = resolve_dsn(None)
     with tempfile.TemporaryDirectory(dir=a.work) as tmp:
         work = Path(tmp)

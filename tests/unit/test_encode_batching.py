@@ -80,17 +80,17 @@ def test_small_models_get_bigger_batches():
     assert probe_batch_tokens(torch.device("cpu"), 1000, 512, 384) == 4096  # the CPU budget is its own
 
 
-def test_a_first_eager_call_on_cuda_takes_the_padded_path_rather_than_wait_for_the_flash_import():
-    from embedfleet.encode.packed.attention import PADDED_MASK_LIMIT, kernel_for
 
-    # CPU: always the padded reference path, never the import
-    assert kernel_for(False, False, False, False, 4, 64) == "padded"
-    assert kernel_for(False, True, True, True, 4, 64) == "padded"
-    # CUDA, module imported or a graph being compiled: the varlen kernel
-    assert kernel_for(True, False, True, False, 4096, 256) == "flash"
-    assert kernel_for(True, True, False, True, 64, 8192) == "flash"
-    # CUDA, eager, import under way: padded, unless a causal call's padded mask would be big
-    assert kernel_for(True, False, False, False, 4096, 8192) == "padded"  # bidirectional: [N, 1, 1, L] mask
-    side = int((PADDED_MASK_LIMIT // 16) ** 0.5)
-    assert kernel_for(True, False, False, True, 16, side) == "padded"
-    assert kernel_for(True, False, False, True, 16, side + 1) == "wait"
+def test_flash_attention_is_torchs_op_called_directly_and_only_with_the_arguments_it_takes():
+    import sys
+
+    from embedfleet.encode.packed.attention import _FLASH_ARGS, _flash_op, takes_flash_args
+
+    # this torch registers the op (CPU builds too): found without importing torch._dynamo
+    dynamo_before = "torch._dynamo" in sys.modules
+    assert _flash_op() is not None
+    assert ("torch._dynamo" in sys.modules) == dynamo_before
+    assert takes_flash_args(_FLASH_ARGS + ["scale", "window_size_left"])
+    assert not takes_flash_args(_FLASH_ARGS + ["window_size_left"])  # no scale
+    assert not takes_flash_args(["query", "key", "value", "cum_seq_q", "cum_seq_k", "max_q", "max_k", "is_causal",
+                                 "dropout_p", "return_debug_mask", "scale"])  # reordered: refused

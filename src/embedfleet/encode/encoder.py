@@ -48,13 +48,8 @@ def _device(device: str) -> torch.device:
 
 
 def _start_cuda(dev: torch.device) -> None:
-    """The CUDA context, on a thread while the weights are read; then, on a daemon thread of its own,
-    the varlen attention module (its import pulls torch._dynamo in), which neither the constructor nor
-    the first eager calls wait for."""
+    """The CUDA context, on a thread while the weights are read."""
     torch.empty(1, device=dev)
-    from embedfleet.encode.packed.attention import import_in_background
-
-    import_in_background()
 
 
 @dataclass

@@ -1,72 +1,40 @@
 """Variable-length attention over packed sequences.
 
 On CUDA in half precision, FlashAttention's varlen kernel reads the packed [T, heads, dim]
-tensors directly: no padding, GQA without repeating K/V. Elsewhere (CPU, float32, an older torch)
-a reference path scatters into a padded [N, L] layout and runs SDPA with a key mask; batches are
-length-sorted, so that padding is small. A process's first eager calls on CUDA take that path too
-while the varlen module is imported on a thread (it pulls torch._dynamo in: seconds).
+tensors directly: no padding, GQA without repeating K/V. Elsewhere (CPU, float32, a torch without
+that kernel) a reference path scatters into a padded [N, L] layout and runs SDPA with a key mask;
+batches are length-sorted, so that padding is small.
 """
 
 from __future__ import annotations
 
 import functools
-import threading
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
-# Mask elements (sequences x length x length) an eager causal call may build on the padded path
-# rather than wait for the varlen module: 64 MB of booleans.
-PADDED_MASK_LIMIT = 1 << 26
-
-_imported = threading.Event()  # the varlen module's import has ended (either way)
-_import_lock = threading.Lock()
-_import_started = False
+# The arguments aten::_flash_attention_forward takes before its keyword-only ones (torch 2.1 to 2.13).
+_FLASH_ARGS = ["query", "key", "value", "cum_seq_q", "cum_seq_k", "max_q", "max_k", "dropout_p", "is_causal",
+               "return_debug_mask"]
 
 
 @functools.cache
-def _varlen():
-    """(varlen_attn, whether it takes enable_gqa), or (None, False) before torch 2.10. Imported on
-    first use on a GPU: the module imports torch._dynamo (1.5 s on the 2-core VM, ~4 s on a GPU host),
-    which the CPU path (a query in `embedfleet search`) never needs."""
+def _flash_op():
+    """FlashAttention's varlen forward, torch's aten op called directly — as its public wrapper
+    (torch.nn.attention.varlen, torch >= 2.10) calls it, without that module's import, which pulls
+    torch._dynamo in: ~4 s a first forward pass on a GPU host waited for (bench/NOTES.md, run 60).
+    None where torch has no such op, or one with other arguments."""
     try:
-        import inspect
-
-        from torch.nn.attention.varlen import varlen_attn
-    except ImportError:  # torch < 2.10
-        return None, False
-    # torch 2.11 has no enable_gqa flag, but its flash kernel already takes fewer K/V heads.
-    return varlen_attn, "enable_gqa" in inspect.signature(varlen_attn).parameters
+        op = torch.ops.aten._flash_attention_forward.default
+    except (AttributeError, RuntimeError):
+        return None
+    return op if takes_flash_args([a.name for a in op._schema.arguments]) else None
 
 
-def import_in_background() -> None:
-    """Import the varlen module on a daemon thread, once a process: eager calls meanwhile take the
-    padded path rather than wait for torch._dynamo's import."""
-    global _import_started
-    with _import_lock:
-        if _import_started:
-            return
-        _import_started = True
-
-    def run():
-        try:
-            _varlen()
-        finally:
-            _imported.set()
-
-    threading.Thread(target=run, name="embedfleet-import", daemon=True).start()
-
-
-def kernel_for(on_cuda: bool, compiling: bool, imported: bool, causal: bool, sequences: int, max_len: int) -> str:
-    """Which attention a half-precision call takes: "flash" (the varlen kernel: in a compiled graph, or
-    once its module is imported), "padded" (an eager call while the module is still being imported,
-    or off CUDA) or "wait" (import it first: an eager causal call whose padded mask would be big)."""
-    if not on_cuda:
-        return "padded"
-    if compiling or imported:
-        return "flash"
-    return "wait" if causal and sequences * max_len * max_len > PADDED_MASK_LIMIT else "padded"
+def takes_flash_args(names: list[str]) -> bool:
+    """Whether an op's argument names are the ones `attention` passes (positionally, then scale=)."""
+    return names[:len(_FLASH_ARGS)] == _FLASH_ARGS and "scale" in names[len(_FLASH_ARGS):]
 
 
 def token_layout(lengths: torch.Tensor, total: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -91,25 +59,18 @@ class Packing:
     pos: torch.Tensor  # int32 [T] position inside its sequence
     lengths: torch.Tensor  # int32 [N]
 
-
-def _flash(pk: Packing, causal: bool) -> bool:
-    kernel = kernel_for(pk.cu.is_cuda, torch.compiler.is_compiling(), _imported.is_set(), causal,
-                        pk.lengths.shape[0], pk.max_len)
-    if kernel == "padded":
-        if pk.cu.is_cuda:
-            import_in_background()
-        return False
-    return _varlen()[0] is not None  # "wait": the import, if under way on its thread, is waited for
+    @property
+    def use_flash(self) -> bool:
+        return self.cu.is_cuda and _flash_op() is not None
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pk: Packing, causal: bool,
               scale: float | None = None) -> torch.Tensor:
-    """q [T, Hq, D], k/v [T, Hkv, D] -> [T, Hq, D]."""
-    if q.dtype in (torch.float16, torch.bfloat16) and _flash(pk, causal):
-        varlen_attn, gqa_flag = _varlen()
-        gqa = {"enable_gqa": True} if gqa_flag and k.shape[1] != q.shape[1] else {}
-        return varlen_attn(q, k, v, pk.cu, pk.cu, pk.max_len, pk.max_len, scale=scale,
-                           window_size=(-1, 0) if causal else (-1, -1), **gqa)
+    """q [T, Hq, D], k/v [T, Hkv, D] -> [T, Hq, D]. Fewer K/V heads than Q heads (GQA) go to the
+    kernel as they are."""
+    if q.dtype in (torch.float16, torch.bfloat16) and pk.use_flash:
+        # dropout 0, no debug mask; causal: each token sees its sequence up to itself
+        return _flash_op()(q, k, v, pk.cu, pk.cu, pk.max_len, pk.max_len, 0.0, causal, False, scale=scale)[0]
     return _padded_sdpa(q, k, v, pk, causal, scale)
 
 
