@@ -35,9 +35,13 @@ def use_compile_cache() -> None:
     writes its default into TORCHINDUCTOR_CACHE_DIR the first time anything asks (loading a model with
     transformers does): that value is taken as unset."""
     root = cache_dir()
+    ours = str(root / "inductor")
     current = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
-    if current is None or os.path.abspath(current) == _inductor_default():
-        os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(root / "inductor")
+    # Asking inductor for its default imports torch._inductor and torch._dynamo (seconds on a GPU
+    # host): only when the variable holds something neither unset nor ours.
+    if current is None or (os.path.abspath(current) != os.path.abspath(ours)
+                           and os.path.abspath(current) == _inductor_default()):
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = ours
     os.environ.setdefault("TRITON_CACHE_DIR", str(root / "triton"))
 
 

@@ -67,3 +67,37 @@ def test_a_function_that_fails_to_compile_stays_eager(tmp_path, monkeypatch):
     assert enc.describe()["compile"] == "failed" and not part.compiled
     np.testing.assert_allclose(enc.encode(texts), ref, atol=1e-6)
     assert compiled_before("broken") is None
+
+
+def test_pointing_the_compile_caches_here_imports_no_dynamo_unless_it_must(tmp_path):
+    """Unset, or already ours (a child of a process that set it): no import of torch._inductor, which
+    pulls torch._dynamo in. Inductor's own default (written by whoever asked it first): replaced."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    code = """
+import json, os, sys
+from embedfleet.cache import use_compile_cache
+use_compile_cache()
+print(json.dumps({"dir": os.environ["TORCHINDUCTOR_CACHE_DIR"], "inductor": "torch._inductor" in sys.modules}))
+"""
+    home = tmp_path / "home"
+    ours = str(home / "cache" / "inductor")
+    base = {k: v for k, v in os.environ.items() if k not in ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR")}
+    base["EMBEDFLEET_HOME"] = str(home)
+
+    def run(**env):
+        p = subprocess.run([sys.executable, "-c", code], env={**base, **env}, capture_output=True, text=True,
+                           timeout=120)
+        assert p.returncode == 0, p.stderr[-2000:]
+        return json.loads(p.stdout.strip().splitlines()[-1])
+
+    assert run() == {"dir": ours, "inductor": False}
+    assert run(TORCHINDUCTOR_CACHE_DIR=ours) == {"dir": ours, "inductor": False}
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+    assert run(TORCHINDUCTOR_CACHE_DIR=default_cache_dir())["dir"] == ours
+    elsewhere = str(tmp_path / "mine")
+    assert run(TORCHINDUCTOR_CACHE_DIR=elsewhere)["dir"] == elsewhere  # the user's own: kept
