@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-# The arguments aten::_flash_attention_forward takes before its keyword-only ones (torch 2.1 to 2.13).
+# The arguments aten::_flash_attention_forward takes before its keyword-only ones (torch 2.11, 2.13).
 _FLASH_ARGS = ["query", "key", "value", "cum_seq_q", "cum_seq_k", "max_q", "max_k", "dropout_p", "is_causal",
                "return_debug_mask"]
 
