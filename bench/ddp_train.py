@@ -17,7 +17,9 @@ Parts, each on every count of --gpus (one process a GPU, started the way `embedf
             ddp       the same batch, with the all-reduce
             full      what the trainer does: each step's batch gathered from the epoch's order
           all-reduce = ddp - compute, input = full - ddp, samples/s = GPUs x batch / full (the slowest
-          rank's times). Weak speed-up: samples/s at N GPUs over one GPU's at the same per-rank batch;
+          rank's times). make_step is the eager step under DDP (a user's loop, and the trainer's before
+          its TrainLoop); the loop_* columns time the trainer's TrainLoop the same way (one CUDA graph a
+          step: compute alone per rank, with the all-reduce, a whole epoch of gathered steps). Weak speed-up: samples/s at N GPUs over one GPU's at the same per-rank batch;
           strong: at the same global batch (N GPUs at batch/N each).
   loader  the field report's loader under DDP: a DataLoader with --workers persistent workers per rank
           over a per-row __getitem__ reading a file cache (bench/train_loader.py's FileRows: a pread per
@@ -110,7 +112,7 @@ def _trainer_step(kind: str, hidden: int | None, dim: int, dev, world: int):
     import torch
 
     from embedfleet.train.heads import build_head
-    from embedfleet.train.trainer import make_step
+    from train_loader import make_step
 
     torch.manual_seed(0)
     model = build_head(kind, dim, CLASSES, hidden).to(dev)
@@ -119,6 +121,36 @@ def _trainer_step(kind: str, hidden: int | None, dim: int, dev, world: int):
         net = torch.nn.parallel.DistributedDataParallel(model, device_ids=[dev.index] if dev.type == "cuda" else None)
     opt = torch.optim.AdamW(net.parameters(), lr=1e-3, fused=dev.type == "cuda")
     return net, make_step(net, opt, None, "classify", dev, world)
+
+
+def _loop_times(ds, kind: str, hidden: int | None, b: int, rank: int, world: int, steps: int, timed) -> list[float]:
+    """Seconds a step of the trainer's TrainLoop: (compute alone on one batch — each rank on its own,
+    no all-reduce —, the same with the all-reduce, a whole epoch of gathered steps / its steps)."""
+    import torch
+
+    from embedfleet.train.heads import build_head
+    from embedfleet.train.loop import TrainLoop
+    from embedfleet.train.order import step_sizes
+
+    sizes = step_sizes(len(ds), b, world)
+    lrs = [1e-3] * (3 * len(sizes) + 2 * steps + 16)
+
+    def loop(w: int, r: int, gather: bool) -> TrainLoop:
+        torch.manual_seed(0)
+        model = build_head(kind, ds.dim, CLASSES, hidden).to(ds.device)
+        return TrainLoop(model, ds, b, r, w, "classify", (0.0, 1.0), lrs, 0.01, gather=gather)
+
+    x0, y0 = next(iter(ds.batches(b, shuffle=False, rank=rank, world_size=world)))
+    alone, together = loop(1, 0, False), loop(world, rank, False)
+    times = []
+    for one in (alone, together):
+        one.steps_on(x0, y0, 8)  # warm-up, capture
+        times.append(timed(lambda one=one: one.steps_on(x0, y0, 1), steps))
+    full = loop(world, rank, True)
+    full.epoch(0)  # warm-up, capture
+    full_steps = int((sizes == b * world).sum())
+    times.append(timed(lambda: float(full.epoch(1)), 1) / max(1, full_steps))
+    return times
 
 
 def rank_sweep(job: dict) -> dict | None:
@@ -154,7 +186,9 @@ def rank_sweep(job: dict) -> dict | None:
                 t_compute = timed(lambda: step(x0, y0, g), steps)
             t_ddp = timed(lambda: step(x0, y0, g), steps)
             t_full = timed(lambda: step(*next(batches), g), steps)
+            loop_times = _loop_times(ds, kind, hidden, b, rank, world, steps, timed)
             t_input, t_compute, t_ddp, t_full = _slowest([t_input, t_compute, t_ddp, t_full], dev, world)
+            loop_compute, loop_reduce, loop_full = _slowest(loop_times, dev, world)
             rows.append({"head": spec, "batch_per_rank": b, "global_batch": g, "gpus": world,
                          "params": sum(p.numel() for p in net.parameters()),
                          "step_ms": round(t_full * 1e3, 4), "compute_ms": round(t_compute * 1e3, 4),
@@ -162,7 +196,12 @@ def rank_sweep(job: dict) -> dict | None:
                          "input_ms": round(max(0.0, t_full - t_ddp) * 1e3, 4),
                          "gather_alone_ms": round(t_input * 1e3, 4),
                          "steps_per_epoch": -(-len(ds) // g),  # few: the epoch's set-up weighs on "input"
-                         "samples_per_s": round(g / t_full, 1)})
+                         "samples_per_s": round(g / t_full, 1),
+                         # the trainer's TrainLoop (one CUDA graph a step, no DDP): the same split
+                         "loop_step_ms": round(loop_full * 1e3, 4), "loop_compute_ms": round(loop_compute * 1e3, 4),
+                         "loop_all_reduce_ms": round(max(0.0, loop_reduce - loop_compute) * 1e3, 4),
+                         "loop_input_ms": round(max(0.0, loop_full - loop_reduce) * 1e3, 4),
+                         "loop_samples_per_s": round(g / loop_full, 1)})
             if rank == 0:
                 say(f"  {world} GPU(s) {spec} batch {b}: {rows[-1]}")
                 _keep(job, {"rows_read": len(ds), "results": rows})  # a rank failing later loses no row
@@ -336,6 +375,12 @@ def scaling(sweep: dict, counts: list[int]) -> list[dict]:
                      "weak_speedup": None if base is None else round(r["samples_per_s"] / base["samples_per_s"], 2),
                      "strong_speedup": None if strong is None else round(r["samples_per_s"] / strong["samples_per_s"], 2),
                      "strong_global_batch": b * n})
+        if "loop_step_ms" in r:
+            rows[-1].update({k: r[k] for k in ("loop_step_ms", "loop_compute_ms", "loop_all_reduce_ms", "loop_input_ms")})
+            rows[-1]["loop_weak_speedup"] = None if base is None else round(
+                r["loop_samples_per_s"] / base["loop_samples_per_s"], 2)
+            rows[-1]["loop_strong_speedup"] = None if strong is None else round(
+                r["loop_samples_per_s"] / strong["loop_samples_per_s"], 2)
     return rows
 
 

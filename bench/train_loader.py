@@ -13,9 +13,13 @@ up by id). It is UNLOGGED, to write quickly: its pages read like any other table
 
 Each loader feeds the same step (linear head, cross-entropy, AdamW; bf16 autocast and fused AdamW
 on CUDA) with `--batch-size` rows:
-    pure_compute     tensors already on the device, contiguous slices: the floor
-    gpu, ram, stream EmbeddingDataset.batches in each tier (the ram tier is the gpu tier's rows
-                     copied to pinned memory: the table is read once)
+    pure_compute     the trainer's step (TrainLoop: one CUDA graph a step on CUDA) on one batch
+                     already on the device, an epoch's worth of steps: the floor
+    gpu, ram         TrainLoop over EmbeddingDataset in each tier, as `embedfleet train` runs it (the
+                     ram tier is the gpu tier's rows copied to pinned memory: the table is read once)
+    *_eager          the same with the eager step of a user's loop (make_step) over `batches()`
+                     (pure_compute_eager: contiguous slices of tensors on the device)
+    stream           the eager step over the stream tier's batches()
     sql_per_batch    the first field report: a torch Dataset whose __getitem__ opens a new session
                      and SELECTs a batch's rows by id, DataLoader with --workers workers
     dataloader_file, dataloader_file_flock
@@ -48,6 +52,7 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import psycopg
 import torch
+import torch.nn.functional as F
 from psycopg import sql
 
 from embedfleet.store.embedded import resolve_dsn
@@ -58,7 +63,7 @@ from embedfleet.train.dataset import load
 from embedfleet.train.heads import build_head
 from embedfleet.train.order import step_sizes
 from embedfleet.train.read import TableRead, describe
-from embedfleet.train.trainer import make_step
+from embedfleet.train.loop import TrainLoop
 
 CLASSES = 5
 
@@ -161,6 +166,32 @@ def _sync(dev: torch.device) -> None:
         torch.cuda.synchronize(dev)
 
 
+def make_step(model, optimizer, scheduler, task: str, device, world: int, target=(0.0, 1.0)):
+    """The eager step as a user writes it (DDP over ranks; what `embedfleet train` ran before its
+    TrainLoop): step(x, y, rows) → the batch's summed loss (a device tensor, no sync). `rows`: the
+    step's row count over all ranks; DDP averages gradients over ranks, hence the factor `world`."""
+
+    cuda = device.type == "cuda"
+    mean, std = target
+
+    def step(x, y, rows: int):
+        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=cuda):
+            out = model(x if cuda else x.float())
+        out = out.float()
+        if task == "classify":
+            loss = F.cross_entropy(out, y, reduction="sum")
+        else:
+            loss = F.mse_loss(out.squeeze(1), (y - mean) / std, reduction="sum")
+        optimizer.zero_grad(set_to_none=True)
+        (loss * (world / rows)).backward()
+        optimizer.step()
+        if scheduler is not None:
+            scheduler.step()
+        return loss.detach()
+
+    return step
+
+
 def _fresh_step(dim: int, dev: torch.device, n: int, batch: int):
     torch.manual_seed(0)
     model = build_head("linear", dim, CLASSES).to(dev)
@@ -179,6 +210,43 @@ def time_epochs(batches_of_epoch, dim: int, dev: torch.device, n: int, batch: in
         for s, (x, y) in enumerate(batches_of_epoch(e)):
             loss += step(x, y, sizes[s])
         float(loss)
+        out.append(round(time.perf_counter() - t0, 4))
+    return out
+
+
+def _fresh_loop(ds, batch: int, epochs: int, gather: bool = True) -> TrainLoop:
+    """The trainer's loop (loop.py: one CUDA graph a step on CUDA) over `ds`, the same head and AdamW."""
+    torch.manual_seed(0)
+    model = build_head("linear", ds.dim, CLASSES).to(ds.device)
+    steps = len(step_sizes(len(ds), batch))
+    return TrainLoop(model, ds, batch, 0, 1, "classify", (0.0, 1.0), [1e-3] * (steps * (epochs + 1)), 0.01,
+                     gather=gather)
+
+
+def time_loop_epochs(ds, batch: int, epochs: int) -> list[float]:
+    """Seconds of each epoch of TrainLoop over `ds`: what `embedfleet train` runs."""
+    loop = _fresh_loop(ds, batch, epochs)
+    out = []
+    for e in range(epochs):
+        _sync(ds.device)
+        t0 = time.perf_counter()
+        float(loop.epoch(e))
+        out.append(round(time.perf_counter() - t0, 4))
+    return out
+
+
+def time_loop_compute(ds, batch: int, epochs: int) -> list[float]:
+    """Seconds of an epoch's worth of TrainLoop's steps on one batch already on the device: the
+    step without its input."""
+    loop = _fresh_loop(ds, batch, epochs, gather=False)
+    x, y = next(iter(ds.batches(batch, shuffle=False)))
+    steps = int((step_sizes(len(ds), batch) == batch).sum())
+    out = []
+    for _ in range(epochs):
+        _sync(ds.device)
+        t0 = time.perf_counter()
+        loop.steps_on(x, y, steps)
+        float(loop.loss_sum)
         out.append(round(time.perf_counter() - t0, 4))
     return out
 
@@ -373,14 +441,18 @@ def main() -> None:
     x_dev = ds.vectors().to(dev)
     y_dev = ds.labels
 
-    say("pure compute")
-    epoch_s["pure_compute"] = time_epochs(
+    say("pure compute (the trainer's step on one batch on the device)")
+    epoch_s["pure_compute"] = time_loop_compute(ds, a.batch_size, a.epochs)
+    say("pure compute, eager step")
+    epoch_s["pure_compute_eager"] = time_epochs(
         lambda e: ((x_dev[s:s + a.batch_size], y_dev[s:s + a.batch_size]) for s in range(0, n, a.batch_size)),
         dim, dev, n, a.batch_size, a.epochs)
     for tier, d in tiers.items():
-        say(f"tier {tier}")
-        epoch_s[tier] = time_epochs(lambda e, d=d: d.batches(a.batch_size, epoch=e), dim, dev, n, a.batch_size,
-                                    a.epochs)
+        say(f"tier {tier} (the trainer's loop)")
+        epoch_s[tier] = time_loop_epochs(d, a.batch_size, a.epochs)
+        say(f"tier {tier}, eager step over batches()")
+        epoch_s[f"{tier}_eager"] = time_epochs(lambda e, d=d: d.batches(a.batch_size, epoch=e), dim, dev, n,
+                                               a.batch_size, a.epochs)
     if "ram" in tiers and a.ram_variants:
         for name in a.ram_variants.split(","):
             say(f"tier ram, {name}")

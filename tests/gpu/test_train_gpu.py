@@ -1,5 +1,6 @@
 """EmbeddingDataset and `embedfleet train` on CUDA: the tiers' batches agree on the device, and
-the command trains on one GPU (gpu and ram tiers alike) and on two (NCCL) like on one."""
+the command trains on one GPU (gpu and ram tiers alike, replayed as CUDA graphs or eagerly) and on two
+(NCCL) like on one."""
 
 import json
 import os
@@ -42,8 +43,8 @@ def test_tiers_give_the_same_device_batches(dsn, conn):
             d.close()
 
 
-def _train(tmp_path, dsn, *args):
-    env = dict(os.environ, EMBEDFLEET_HOME=str(tmp_path))
+def _train(tmp_path, dsn, *args, **environ):
+    env = dict(os.environ, EMBEDFLEET_HOME=str(tmp_path), **environ)
     p = subprocess.run([sys.executable, "-m", "embedfleet.cli", "train", "--table", "g", "--label", "rating",
                         "--task", "classify", "--epochs", "10", "--batch-size", "256", "--lr", "0.05", "--db", dsn,
                         "--json", *args], env=env, capture_output=True, text=True, timeout=600)
@@ -67,6 +68,17 @@ def test_two_gpus_train_like_one(dsn, conn, tmp_path):
     one = _train(tmp_path, dsn, "--devices", "cuda:0")
     two = _train(tmp_path, dsn, "--devices", "cuda:0,1")
     assert two["world_size"] == 2 and two["rows"] == one["rows"]
+    assert one["step"] == two["step"] == "cuda-graph"  # the all-reduce captured inside the graph
     for a, b in zip(one["epochs"], two["epochs"]):
         assert b["train_loss"] == pytest.approx(a["train_loss"], rel=2e-2)
     assert abs(two["final"]["val_accuracy"] - one["final"]["val_accuracy"]) < 0.05
+
+
+def test_steps_replayed_as_cuda_graphs_train_like_eager_steps(dsn, conn, tmp_path):
+    _table(conn)
+    graphed = _train(tmp_path, dsn, "--devices", "cuda:0", "--cache", "gpu")
+    eager = _train(tmp_path, dsn, "--devices", "cuda:0", "--cache", "gpu", EMBEDFLEET_TRAIN_GRAPH="0")
+    assert graphed["step"] == "cuda-graph" and eager["step"] == "eager"
+    for a, b in zip(graphed["epochs"], eager["epochs"]):
+        assert a["train_loss"] == pytest.approx(b["train_loss"], rel=1e-3)
+        assert a["val_loss"] == pytest.approx(b["val_loss"], rel=1e-3)

@@ -148,6 +148,52 @@ def test_two_gloo_processes_train_like_one(env):
     assert (root / "two" / "head.safetensors").exists()
 
 
+def test_the_training_loop_makes_a_plain_pytorch_loops_updates(env):
+    """TrainLoop (a flat gradient buffer, learning rates read from a device-side schedule; on CUDA one
+    graph a step) against the loop a user writes: AdamW and LambdaLR over batches(). The same epoch
+    losses and weights, for both tasks, with the epochs' short last steps."""
+    import torch.nn.functional as F
+
+    from embedfleet.train import order
+    from embedfleet.train.dataset import load
+    from embedfleet.train.heads import build_head
+    from embedfleet.train.loop import TrainLoop
+    from embedfleet.train.trainer import lr_factor
+
+    batch, epochs, lr = 40, 3, 0.01
+    for task in ("classify", "regress"):
+        ds = load("reviews", label="rating", db=env["dsn"], device="cpu", cache="ram", task=task, keys=True)
+        train, _ = ds.split_by_key(0.3)
+        assert len(train) % batch  # a short last step every epoch
+        total = epochs * len(order.step_sizes(len(train), batch))
+        outputs = len(ds.classes) if task == "classify" else 1
+        target = (3.0, 1.5) if task == "regress" else (0.0, 1.0)
+        torch.manual_seed(0)
+        ref = build_head("mlp", ds.dim, outputs)
+        torch.manual_seed(0)
+        mine = build_head("mlp", ds.dim, outputs)
+        opt = torch.optim.AdamW(ref.parameters(), lr=lr, weight_decay=0.01)
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_factor(s, total))
+        loop = TrainLoop(mine, train, batch, 0, 1, task, target, [lr * lr_factor(s, total) for s in range(total)],
+                         0.01)
+        for epoch in range(epochs):
+            want = 0.0
+            for x, y in train.batches(batch, epoch=epoch):
+                out = ref(x.float())
+                loss = (F.cross_entropy(out, y, reduction="sum") if task == "classify" else
+                        F.mse_loss(out.squeeze(1), (y - target[0]) / target[1], reduction="sum"))
+                opt.zero_grad()
+                (loss / len(x)).backward()
+                opt.step()
+                sched.step()
+                want += loss.item()
+            assert float(loop.epoch(epoch)) == pytest.approx(want, rel=1e-5), (task, epoch)
+        for a, b in zip(ref.parameters(), mine.parameters()):
+            assert torch.allclose(a, b, rtol=1e-4, atol=1e-6), task
+        assert loop.mode == "eager"  # the CPU runs the steps eagerly
+        ds.close()
+
+
 RANKS = Path(__file__).with_name("train_ranks.py")
 
 

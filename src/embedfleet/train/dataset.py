@@ -390,10 +390,8 @@ class EmbeddingDataset:
             world_size = dist.get_world_size() if dist else 1
         if rank is None:
             rank = dist.get_rank() if dist and world_size == dist.get_world_size() else 0
-        n = len(self)
-        positions = self._order(epoch, shuffle)
-        starts, ends = ordering.step_bounds(n, batch_size, rank, world_size, drop_last)
-        under = positions if self._rows is None else self._rows[positions]
+        starts, ends = ordering.step_bounds(len(self), batch_size, rank, world_size, drop_last)
+        under, positions = self.epoch_rows(epoch, shuffle)
         xs = self._store.batches(under, starts, ends, self.window_rows)
         if self.labels is None:
             for x in xs:
@@ -404,6 +402,19 @@ class EmbeddingDataset:
             yield x, self.labels.index_select(0, pos[a:b])
 
     # ---- beyond the contract ---------------------------------------------------------------------
+
+    @property
+    def resident(self) -> torch.Tensor | None:
+        """The vectors of every row read where they live on the dataset's device (the gpu tier's
+        storage; on the CPU, the ram tier's), else None."""
+        x = self._store.x
+        return x if x is not None and x.device == self.device else None
+
+    def epoch_rows(self, epoch: int, shuffle: bool = True) -> tuple[np.ndarray, np.ndarray]:
+        """(rows of the storage, positions in this dataset) in the epoch's order: what `batches`
+        slices step by step (`resident[rows]` are the vectors, `labels[positions]` their labels)."""
+        positions = self._order(epoch, shuffle)
+        return (positions if self._rows is None else self._rows[positions]), positions
 
     def subset(self, index: np.ndarray) -> EmbeddingDataset:
         """A view of some of this dataset's rows (ascending positions or a boolean mask), sharing storage."""

@@ -1,4 +1,4 @@
-"""`embedfleet train`: a head on a table's stored vectors, on one device or several (DDP).
+"""`embedfleet train`: a head on a table's stored vectors, on one device or several (one process each).
 
     train(settings)        what the command calls: one device runs here; several start one process
                            each (`python -m embedfleet.train.trainer`, torchrun's environment:
@@ -7,6 +7,9 @@
     run_rank(settings)     one rank: the shared bulk read (EmbeddingDataset), the split by row id,
                            the loop, validation sums reduced across ranks, and on rank 0 the run
                            directory (head.safetensors, head.json, metrics.json).
+
+The steps are loop.py's: gradients summed across ranks by one all-reduce of a flat buffer, and on
+CUDA each step replayed as one CUDA graph (EMBEDFLEET_TRAIN_GRAPH=0: eager).
 
 `--batch-size` is the global batch: each of W ranks takes batch_size / W rows a step, and the loss
 of a step is its rows' summed loss over the step's global row count, so W processes make the same
@@ -29,7 +32,7 @@ from pathlib import Path
 
 from embedfleet.errors import EmbedfleetError, InputError
 
-__all__ = ["TrainSettings", "train", "run_rank", "make_step", "default_out", "table_model"]
+__all__ = ["TrainSettings", "train", "run_rank", "lr_factor", "default_out", "table_model"]
 
 log = logging.getLogger("embedfleet")
 
@@ -181,46 +184,14 @@ def table_model(dsn: str, table: str) -> dict | None:
     return dict(row) if row else None
 
 
-def make_step(model, optimizer, scheduler, task: str, device, world: int, target=(0.0, 1.0)):
-    """step(x, y, rows) → the batch's summed loss (a device tensor, no sync). `rows`: the step's
-    row count over all ranks; DDP averages gradients over ranks, hence the factor `world`."""
-    import torch
-    import torch.nn.functional as F
-
-    cuda = device.type == "cuda"
-    mean, std = target
-
-    def step(x, y, rows: int):
-        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=cuda):
-            out = model(x if cuda else x.float())
-        out = out.float()
-        if task == "classify":
-            loss = F.cross_entropy(out, y, reduction="sum")
-        else:
-            loss = F.mse_loss(out.squeeze(1), (y - mean) / std, reduction="sum")
-        optimizer.zero_grad(set_to_none=True)
-        (loss * (world / rows)).backward()
-        optimizer.step()
-        if scheduler is not None:
-            scheduler.step()
-        return loss.detach()
-
-    return step
-
-
-def _schedule(optimizer, total_steps: int):
-    """Linear warm-up over the first 2% of steps, then cosine decay to zero."""
-    import torch
-
+def lr_factor(step: int, total_steps: int) -> float:
+    """The learning rate's share at `step`: linear warm-up over the first 2% of steps, then cosine
+    decay to zero."""
     warm = max(1, total_steps // 50)
-
-    def factor(step: int) -> float:
-        if step < warm:
-            return (step + 1) / warm
-        progress = (step - warm) / max(1, total_steps - warm)
-        return 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
-
-    return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+    if step < warm:
+        return (step + 1) / warm
+    progress = (step - warm) / max(1, total_steps - warm)
+    return 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
 
 
 def _evaluate(model, ds, task: str, classes: int, device, target, world: int) -> dict:
@@ -291,8 +262,10 @@ def run_rank(settings: TrainSettings, device: str) -> dict | None:
 def _train(settings: TrainSettings, dev, rank: int, world: int, dsn: str) -> dict | None:
     import torch
 
+    from embedfleet.config import Settings
     from embedfleet.train import order as ordering
     from embedfleet.train.dataset import load
+    from embedfleet.train.loop import TrainLoop
     from embedfleet.train.heads import build_head
 
     ds = load(settings.table, label=settings.label, where=settings.where, db=dsn, cache=settings.cache,
@@ -309,22 +282,16 @@ def _train(settings: TrainSettings, dev, rank: int, world: int, dsn: str) -> dic
         target = (float(y.mean()), float(y.std()) if len(y) > 1 and float(y.std()) > 0 else 1.0)
     torch.manual_seed(settings.seed)
     model = build_head(settings.head, ds.dim, classes or 1).to(dev)
-    net = model
-    if world > 1:
-        net = torch.nn.parallel.DistributedDataParallel(model, device_ids=[dev.index] if dev.type == "cuda" else None)
     per_rank = -(-settings.batch_size // world)
-    sizes = ordering.step_sizes(len(train_ds), per_rank, world).tolist()
-    optimizer = torch.optim.AdamW(net.parameters(), lr=settings.lr, weight_decay=settings.weight_decay,
-                                  fused=dev.type == "cuda")
-    scheduler = _schedule(optimizer, settings.epochs * len(sizes))
-    step = make_step(net, optimizer, scheduler, task, dev, world, target)
+    total_steps = settings.epochs * len(ordering.step_sizes(len(train_ds), per_rank, world))
+    lrs = [settings.lr * lr_factor(s, total_steps) for s in range(total_steps)]
+    loop = TrainLoop(model, train_ds, per_rank, rank, world, task, target, lrs, settings.weight_decay,
+                     graph=Settings.from_env().train_graph)
     epochs = []
     for epoch in range(settings.epochs):
         _sync(dev)
         t0 = time.perf_counter()
-        loss = torch.zeros((), dtype=torch.float64, device=dev)
-        for s, (x, y) in enumerate(train_ds.batches(per_rank, shuffle=True, epoch=epoch)):
-            loss += step(x, y, sizes[s])
+        loss = loop.epoch(epoch)
         if world > 1:
             torch.distributed.all_reduce(loss)
         train_loss = float(loss) / len(train_ds)  # float(): waits for the epoch's last step
@@ -332,11 +299,12 @@ def _train(settings: TrainSettings, dev, rank: int, world: int, dsn: str) -> dic
         row = {"epoch": epoch + 1, "train_loss": train_loss, "seconds": round(seconds, 4),
                "samples_per_s": round(len(train_ds) / seconds, 1) if seconds > 0 else None}
         if len(val_ds):
-            row.update(_evaluate(net, val_ds, task, classes, dev, target, world))
+            row.update(_evaluate(model, val_ds, task, classes, dev, target, world))
         epochs.append(row)
         if rank == 0 and not settings.json:
             log.info(_epoch_line(row, settings.epochs, task))
     doc = _metrics(settings, ds, train_ds, val_ds, epochs, world, dev, per_rank)
+    doc["step"] = loop.mode
     if rank == 0:
         _save(settings, dsn, ds, model, doc, target)
         if settings.json:
