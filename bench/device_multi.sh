@@ -1,12 +1,14 @@
 #!/usr/bin/env bash
 # Several-GPU runs on the GPU machine (device tool; issues 21 and 22), from the project root. Carry .whl
 # (../shared/device/prepare.sh msgspec, with typer 0.16.1 in place of 0.15.4) and .models (fp16 MiniLM).
+#   bash bench/device_multi.sh gputests # the GPU tests of training and the encoder's first call (stops a chain on failure)
 #   bash bench/device_multi.sh ingest   # bench/ingest.py 1,2,4… GPUs: the Qwen3-0.6B shape, then MiniLM
 #   bash bench/device_multi.sh train    # bench/ddp_train.py (train, step sweep, file loaders), then train_loader.py on one GPU
 #   bash bench/device_multi.sh wiki     # the Wikipedia scenario on every GPU (WIKI_PASSAGES=512:32: the passages pass)
 #   bash bench/device_multi.sh stpool   # sentence-transformers' multi-process pool on 1, 2, 4… GPUs, the peer
 # Sizes through the environment: N_QWEN (240000), N_MINILM (4000000), TRAIN_ROWS (10000000),
-# WIKI_N (250000), WIKI_PASSAGES (off), ST_N (100000). Results: $OUT/<part>*.json and .err logs.
+# WIKI_N (250000), WIKI_PASSAGES (off), ST_N (100000), SWEEP_HEADS (linear,mlp,mlp:4096), SWEEP_BATCHES
+# (1024,…,65536), DDP_SKIP (none; e.g. loader), RAM_VARIANTS (none). Results: $OUT/<part>*.json and .err logs.
 set -o pipefail
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
 M=$PWD/.models/all-MiniLM-L6-v2-fp16
@@ -19,6 +21,11 @@ GPUS=$(nvidia-smi -L | wc -l)
 COUNTS=$(python3 -c "print(','.join(str(k) for k in (1, 2, 4, 8) if k <= $GPUS))")
 nvidia-smi -L; lscpu | grep -E '^(CPU\(s\)|Model name)'; free -g | head -2
 case "$1" in
+gputests)
+  timeout 150 python3 -m pytest -q -p no:cacheprovider -x tests/gpu/test_train_gpu.py \
+    "tests/gpu/test_encode_gpu.py::test_a_first_call_on_cuda_runs_flash_attention_without_importing_dynamo" \
+    2>&1 | tee "$OUT/gputests.txt" | tail -n 25
+  ;;
 ingest)
   # The MiniLM corpus is written (all cores, seconds) while the Qwen3 shape's first run loads its model.
   python3 -c "from embedfleet.synth import cached_review_shards as c; c('/tmp/efbench', ${N_MINILM:-4000000}, 32)" &
@@ -29,11 +36,13 @@ ingest)
     --work /tmp/efbench --out "$OUT/ingest_minilm.json" 2>"$OUT/ingest_minilm.err" | tail -n "$(echo $COUNTS | tr , '\n' | wc -l)"
   ;;
 train)
-  timeout 400 python3 bench/ddp_train.py --rows "${TRAIN_ROWS:-10000000}" --gpus "$COUNTS" --out "$OUT/ddp_train.json" \
-    2>"$OUT/ddp_train.err" >/dev/null
+  timeout "${DDP_TIMEOUT:-400}" python3 bench/ddp_train.py --rows "${TRAIN_ROWS:-10000000}" --gpus "$COUNTS" \
+    ${SWEEP_HEADS:+--heads "$SWEEP_HEADS"} ${SWEEP_BATCHES:+--batches "$SWEEP_BATCHES"} ${DDP_SKIP:+--skip "$DDP_SKIP"} \
+    --out "$OUT/ddp_train.json" 2>"$OUT/ddp_train.err" >/dev/null
   # issue 16 on one GPU of the same machine: the tiers against pure compute and the DataLoaders (table reused)
-  timeout 150 python3 bench/train_loader.py --rows "${TRAIN_ROWS:-10000000}" --skip sql,stream,read --epochs 3 \
-    --ram-variants switch200us,one_thread,torch_gather --out "$OUT/train_loader.json" 2>"$OUT/train_loader.err" >/dev/null
+  timeout "${LOADER_TIMEOUT:-150}" python3 bench/train_loader.py --rows "${TRAIN_ROWS:-10000000}" --skip sql,stream,read \
+    --epochs 3 ${RAM_VARIANTS:+--ram-variants "$RAM_VARIANTS"} --out "$OUT/train_loader.json" \
+    2>"$OUT/train_loader.err" >/dev/null
   python3 - "$OUT/ddp_train.json" "$OUT/train_loader.json" <<'PY'
 import json, sys
 try:

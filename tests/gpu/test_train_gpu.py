@@ -82,3 +82,10 @@ def test_steps_replayed_as_cuda_graphs_train_like_eager_steps(dsn, conn, tmp_pat
     for a, b in zip(graphed["epochs"], eager["epochs"]):
         assert a["train_loss"] == pytest.approx(b["train_loss"], rel=1e-3)
         assert a["val_loss"] == pytest.approx(b["val_loss"], rel=1e-3)
+
+
+def test_the_epoch_order_on_the_gpu_is_the_cpus():
+    from embedfleet.train.order import epoch_order
+
+    for n, window in ((1_000_003, 262_144), (70_000, None)):
+        assert (epoch_order(n, 3, 2, 256, window, device="cuda").cpu().numpy() == epoch_order(n, 3, 2, 256, window)).all()

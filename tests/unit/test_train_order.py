@@ -98,3 +98,17 @@ def test_shards_cover_without_padding(n, world):
     assert bounds[0][0] == 0 and bounds[-1][1] == n
     assert all(bounds[r][1] == bounds[r + 1][0] for r in range(world - 1))
     assert max(b - a for a, b in bounds) - min(b - a for a, b in bounds) <= 1
+
+
+def test_the_order_is_the_same_on_any_device_and_spreads_every_row():
+    import torch
+
+    a = epoch_order(5000, 7, 1, 256, 1024)
+    t = epoch_order(5000, 7, 1, 256, 1024, device="cpu")
+    assert isinstance(t, torch.Tensor) and np.array_equal(t.numpy(), a)
+    # block_rows 1: a plain shuffle; over 300 epochs each row's mean position is near the middle
+    n, epochs = 100, 300
+    total = np.zeros(n)
+    for e in range(epochs):
+        total[epoch_order(n, 0, e, 1, None)] += np.arange(n)
+    assert np.all(np.abs(total / epochs - (n - 1) / 2) < 12)  # ~7 standard deviations

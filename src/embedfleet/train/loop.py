@@ -9,9 +9,9 @@ took as long as on one (bench/NOTES.md, run 58). Replayed, a step costs what its
     TrainLoop(model, ds, …).epoch(e)   one epoch's steps on this rank; returns its summed training loss
                                        (a device tensor, no sync)
 
-How a replayed step finds its rows without the host: in the gpu tier the epoch's order is copied to
-the device once an epoch, and the graph reads the step's rows at a device-side offset it advances
-itself. Other tiers copy each batch into the graph's input buffers before the replay. The learning
+How a replayed step finds its rows without the host: in the gpu tier the epoch's order is made on
+the device (order.py) into the graph's buffers, and the graph reads the step's rows at a device-side
+offset it advances itself. Other tiers copy each batch into the graph's input buffers before the replay. The learning
 rate comes from a device-side schedule at a device-side step counter. Each parameter's `.grad` is a
 view of one flat buffer that backward accumulates into. An epoch's short last step, the first
 WARMUP_STEPS steps, and every step on the CPU (or with EMBEDFLEET_TRAIN_GRAPH=0) run the same code
@@ -138,9 +138,9 @@ class TrainLoop:
         self.loss_sum.zero_()
         full = int((self.sizes == self.stride).sum())
         if self.resident is not None:
-            rows, positions = self.ds.epoch_rows(epoch)
-            self.order_rows.copy_(torch.from_numpy(rows))
-            self.order_pos.copy_(torch.from_numpy(positions))
+            rows, positions = self.ds.epoch_rows_on_device(epoch)
+            self.order_rows.copy_(rows)
+            self.order_pos.copy_(positions)
             self.offset.fill_(self.rank * self.per_rank)
             for _ in range(full):
                 self._full_step(self._gathered_step)

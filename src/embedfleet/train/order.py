@@ -2,8 +2,10 @@
 
 Glossary:
     order     a permutation of the dataset's row indices for one epoch, the same on every rank, every
-              tier and every run (numpy's PCG64 seeded from (seed, epoch), on the CPU: a seeded CUDA
-              generator's output differs between GPU models).
+              tier, every device and every run: positions sorted by a bijective 32-bit integer hash
+              salted from (seed, epoch). Integer arithmetic and a sort give the same values on any
+              CPU or GPU (a seeded CUDA generator's output differs between GPU models), and on a GPU
+              10M rows take milliseconds where numpy's shuffle took ~0.2 s of the host an epoch.
     block     `block_rows` consecutive rows of the dataset (its last one may be short).
     window    `window_rows` consecutive positions of the order: a set of whole blocks, shuffled
               row by row. The streaming tier holds one window (and the next) in memory, so the
@@ -18,6 +20,7 @@ Glossary:
 from __future__ import annotations
 
 import numpy as np
+import torch
 
 __all__ = ["epoch_order", "step_bounds", "step_sizes", "shard_bounds", "default_window_rows",
            "BLOCK_ROWS", "WINDOW_BYTES"]
@@ -32,28 +35,59 @@ def default_window_rows(dim: int, block_rows: int = BLOCK_ROWS) -> int:
     return max(block_rows, WINDOW_BYTES // (4 * max(1, dim)) // block_rows * block_rows)
 
 
-def _rng(seed: int, epoch: int) -> np.random.Generator:
-    return np.random.Generator(np.random.PCG64(np.random.SeedSequence([int(seed), int(epoch)])))
+M32 = 0xFFFFFFFF
 
 
-def epoch_order(n: int, seed: int, epoch: int, block_rows: int = BLOCK_ROWS,
-                window_rows: int | None = None, shuffle: bool = True) -> np.ndarray:
-    """The epoch's permutation of range(n) (int64): blocks in random order, rows shuffled within
-    each window of `window_rows` positions. `shuffle=False`: range(n)."""
+def _mul32(x: torch.Tensor, c: int) -> torch.Tensor:
+    """(x * c) mod 2^32 for 0 ≤ x < 2^32 held in int64, in two halves so that no product overflows."""
+    return (x * (c & 0xFFFF) + (((x * (c >> 16)) & 0xFFFF) << 16)) & M32
+
+
+def _mix32(x: torch.Tensor) -> torch.Tensor:
+    """A bijection of 32-bit values with good avalanche (lowbias32, from Chris Wellons' hash prospector)."""
+    x = x ^ (x >> 16)
+    x = _mul32(x, 0x7FEB352D)
+    x = x ^ (x >> 15)
+    x = _mul32(x, 0x846CA68B)
+    return x ^ (x >> 16)
+
+
+def _salts(seed: int, epoch: int, stream: int) -> tuple[int, int]:
+    a, b = np.random.SeedSequence([int(seed), int(epoch), int(stream)]).generate_state(2)
+    return int(a), int(b)
+
+
+def _shuffled(n: int, salts: tuple[int, int], device) -> torch.Tensor:
+    """A permutation of range(n) (n ≤ 2^32): positions sorted by a salted bijective hash (no ties)."""
+    i = torch.arange(n, dtype=torch.int64, device=device)
+    return torch.argsort(_mix32(_mix32(i ^ salts[0]) ^ salts[1]), stable=True)
+
+
+def epoch_order(n: int, seed: int, epoch: int, block_rows: int = BLOCK_ROWS, window_rows: int | None = None,
+                shuffle: bool = True, device=None):
+    """The epoch's permutation of range(n): blocks in random order, rows shuffled within each window of
+    `window_rows` positions. `shuffle=False`: range(n). A numpy int64 array; with `device`, a torch
+    int64 tensor computed there — the same values wherever it is computed."""
+    dev = torch.device("cpu") if device is None else torch.device(device)
     if not shuffle or n <= 1:
-        return np.arange(n, dtype=np.int64)
+        order = torch.arange(n, dtype=torch.int64, device=dev)
+        return order if device is not None else order.numpy()
     if block_rows < 1 or (window_rows is not None and (window_rows < block_rows or window_rows % block_rows)):
         raise ValueError(f"window_rows ({window_rows}) must be a positive multiple of block_rows ({block_rows})")
+    if n > 1 << 32:
+        raise ValueError(f"{n} rows: an order covers at most 2^32")
     window_rows = window_rows or n
-    rng = _rng(seed, epoch)
-    blocks = rng.permutation(-(-n // block_rows)).astype(np.int64)
+    blocks = _shuffled(-(-n // block_rows), _salts(seed, epoch, 0), dev)
     starts = blocks * block_rows
-    lengths = np.minimum(block_rows, n - starts)
-    placed = np.cumsum(lengths) - lengths  # where each block's first row lands in the order
-    order = np.arange(n, dtype=np.int64) - np.repeat(placed - starts, lengths)
+    lengths = torch.clamp(n - starts, max=block_rows)
+    placed = torch.cumsum(lengths, 0) - lengths  # where each block's first row lands in the order
+    order = torch.arange(n, dtype=torch.int64, device=dev) - torch.repeat_interleave(placed - starts, lengths,
+                                                                                     output_size=n)
+    salts = _salts(seed, epoch, 1)
     for w in range(0, n, window_rows):
-        rng.shuffle(order[w:w + window_rows])
-    return order
+        k = min(window_rows, n - w)
+        order[w:w + k] = order[w:w + k][_shuffled(k, (salts[0] ^ w & M32, salts[1]), dev)]
+    return order if device is not None else order.numpy()
 
 
 def step_sizes(n: int, batch_size: int, world_size: int = 1, drop_last: bool = False) -> np.ndarray:
