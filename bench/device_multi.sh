@@ -8,7 +8,7 @@
 #   bash bench/device_multi.sh stpool   # sentence-transformers' multi-process pool on 1, 2, 4… GPUs, the peer
 # Sizes through the environment: N_QWEN (240000), N_MINILM (4000000), TRAIN_ROWS (10000000),
 # WIKI_N (250000), WIKI_PASSAGES (off), ST_N (100000), SWEEP_HEADS (linear,mlp,mlp:4096), SWEEP_BATCHES
-# (1024,…,65536), DDP_SKIP (none; e.g. loader), RAM_VARIANTS (none). Results: $OUT/<part>*.json and .err logs.
+# (1024,…,65536), DDP_SKIP (none; e.g. loader), RAM_VARIANTS (none), GPU_TESTS (gputests' list). Results: $OUT/<part>*.json and .err logs.
 set -o pipefail
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
 M=$PWD/.models/all-MiniLM-L6-v2-fp16
@@ -22,8 +22,8 @@ COUNTS=$(python3 -c "print(','.join(str(k) for k in (1, 2, 4, 8) if k <= $GPUS))
 nvidia-smi -L; lscpu | grep -E '^(CPU\(s\)|Model name)'; free -g | head -2
 case "$1" in
 gputests)
-  timeout 150 python3 -m pytest -q -p no:cacheprovider -x tests/gpu/test_train_gpu.py \
-    "tests/gpu/test_encode_gpu.py::test_a_first_call_on_cuda_runs_flash_attention_without_importing_dynamo" \
+  timeout 150 python3 -m pytest -q -p no:cacheprovider -x ${GPU_TESTS:-tests/gpu/test_train_gpu.py \
+    tests/gpu/test_encode_gpu.py::test_a_first_call_on_cuda_runs_flash_attention_without_importing_dynamo} \
     2>&1 | tee "$OUT/gputests.txt" | tail -n 25
   ;;
 ingest)
