@@ -110,6 +110,14 @@ def test_rerun_is_idempotent_and_empty_input_is_a_finished_job(cli, dsn, conn, t
     assert j["state"] == "done" and j["rows_written"] == 0
 
 
+def test_a_job_of_one_chunk_starts_one_worker_whatever_the_devices(cli, dsn, tmp_path):
+    src = write_amazon_reviews(tmp_path / "few.jsonl", 30, seed=3)
+    p = cli("ingest", src, "--preset", "amazon-reviews", "--db", dsn, "--devices", "cpu", "--workers", "3",
+            "--no-index", "--json", check=True)
+    doc = orjson.loads(p.stdout)
+    assert doc["chunks_total"] == 1 and len(doc["workers"]) == 1 and doc["rows_written"] == 30
+
+
 def test_kill9_mid_run_with_two_workers_then_rerun_gives_every_row_once(cli, dsn, conn, tmp_path):
     src = write_amazon_reviews(tmp_path / "big.jsonl", 2500, seed=7)
     args = [sys.executable, "-m", "embedfleet.cli", "ingest", str(src), "--preset", "amazon-reviews", "--db", dsn,

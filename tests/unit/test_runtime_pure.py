@@ -9,7 +9,7 @@ import pytest
 from embedfleet.config import JobConfig, build_config
 from embedfleet.errors import InputError
 from embedfleet.runtime.job import apply_limit
-from embedfleet.runtime.local import parse_devices, writers_each
+from embedfleet.runtime.local import parse_devices, worker_count, writers_each
 from embedfleet.runtime.monitor import rate_and_eta
 from embedfleet.sources.plan import ChunkSpec
 from embedfleet.store.embedded import _settings_in, shared_buffers_mb
@@ -128,6 +128,13 @@ def test_writer_connections_fit_what_the_server_has_free():
     assert 8 * (writers_each(12, 8, free=90, others_each=3) + 3) <= 90
     assert writers_each(12, 8, free=90, others_each=3 + 8) == 1  # --meta: a connection per helper too
     assert writers_each(3, 2, free=4, others_each=3) == 1  # never none: the worker could not write at all
+
+
+def test_no_more_workers_than_chunks_left_to_claim():
+    assert worker_count(4, {"pending": 1, "running": 0, "done": 0, "failed": 0}) == 1  # 10 questions, 4 GPUs
+    assert worker_count(4, {"pending": 2, "running": 1, "done": 5, "failed": 1}) == 3
+    assert worker_count(4, {"pending": 40, "running": 0, "done": 0, "failed": 0}) == 4
+    assert worker_count(4, {"pending": 0, "running": 0, "done": 9, "failed": 0}) == 1  # one reports it done
 
 
 def test_the_embedded_server_buffers_a_quarter_of_memory_between_1_and_16_gb():

@@ -27,7 +27,7 @@ from embedfleet.store.ledger import Ledger
 from embedfleet.store.schema import free_connections
 from embedfleet.store.writer import default_writers
 
-__all__ = ["LocalLauncher", "parse_devices", "writers_each"]
+__all__ = ["LocalLauncher", "parse_devices", "worker_count", "writers_each"]
 
 log = logging.getLogger("embedfleet")
 
@@ -61,6 +61,13 @@ def _cuda_count() -> int:
         return 0
 
 
+def worker_count(available: int, chunks: dict[str, int]) -> int:
+    """Workers to start: one a device, but no more than the chunks left to claim (`chunks`: the ledger's
+    counts) — an extra one would load the model and warm up for nothing (10 questions on 4 GPUs took
+    51 s, bench/NOTES.md run 63); at least one, which reports a job with nothing left."""
+    return max(1, min(available, chunks.get("pending", 0) + chunks.get("running", 0)))
+
+
 def writers_each(wanted: int, workers: int, free: int, others_each: int) -> int:
     """Writer connections for each of `workers` workers: `wanted`, or as many as the server's `free`
     connections leave once each worker has its `others_each` other connections; never under one."""
@@ -84,22 +91,23 @@ class LocalLauncher:
         self.prefix = prefix or f"{settings.host_id}-{os.getpid()}"
         self.device_kind = "cpu" if devices[0] == "cpu" else "cuda"
 
-    def _worker_settings(self, conn, uses_meta: bool) -> tuple[Settings, int]:
-        """Each worker's Settings: its share of the cores for helpers, and writers that fit the server's
-        free connections (unless the user set them); and the threads each may use."""
-        threads = max(1, (os.cpu_count() or 1) // len(self.devices))
+    def _worker_settings(self, conn, uses_meta: bool, workers: int) -> tuple[Settings, int]:
+        """Each of `workers` workers' Settings: its share of the cores for helpers, and writers that fit
+        the server's free connections (unless the user set them); and the threads each may use."""
+        threads = max(1, (os.cpu_count() or 1) // workers)
         helpers = self.settings.helpers if self.settings.helpers is not None else helper_count(threads)
         # A worker also holds its ledger, claims and heartbeat connections, and with --meta one per
         # helper: 8 GPU workers with --meta would pass the 100 connections of a stock server. Two are
         # left spare (a psql, `embedfleet status`).
-        writers = self.settings.writers or writers_each(default_writers(self.devices[0])[0], len(self.devices),
+        writers = self.settings.writers or writers_each(default_writers(self.devices[0])[0], workers,
                                                         free_connections(conn) - 2, 3 + (helpers if uses_meta else 0))
         return replace(self.settings, helpers=helpers, writers=writers), threads
 
     def run(self, ledger: Ledger, job: str, dsn: str, quiet: bool) -> None:
         uses_meta = bool((ledger.job(job) or {}).get("meta_id"))
-        settings, threads = self._worker_settings(ledger.conn, uses_meta)
-        slots = [Slot(f"{self.prefix}-w{i}", d) for i, d in enumerate(self.devices)]
+        left = ledger.counts(job)
+        slots = [Slot(f"{self.prefix}-w{i}", d) for i, d in enumerate(self.devices[:worker_count(len(self.devices), left)])]
+        settings, threads = self._worker_settings(ledger.conn, uses_meta, len(slots))
         ledger.register_workers(job, [(s.worker, s.device) for s in slots])
         try:
             with Monitor(job, quiet=quiet) as mon:

@@ -17,6 +17,7 @@ from dataclasses import replace
 
 from embedfleet.config import Settings
 from embedfleet.errors import EmbedfleetError, InputError
+from embedfleet.runtime.local import worker_count
 from embedfleet.runtime.monitor import Monitor
 from embedfleet.store.ledger import Ledger
 
@@ -87,7 +88,7 @@ class RayLauncher:
         ray = _ray()
         actor = ray.remote(WorkerActor).options(max_restarts=MAX_RESTARTS, max_task_retries=MAX_RESTARTS,
                                                 **self.resources)
-        ids = [f"{self.prefix}{i}" for i in range(self.count)]
+        ids = [f"{self.prefix}{i}" for i in range(worker_count(self.count, ledger.counts(job)))]
         ledger.register_workers(job, [(w, self.device_kind) for w in ids])
         actors = [actor.remote(job, dsn, w, self.device_kind, self.settings.to_json()) for w in ids]
         by_id = dict(zip(ids, actors))
