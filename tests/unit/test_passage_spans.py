@@ -61,3 +61,28 @@ def test_parse(value, expected):
 def test_bad_values_are_one_line_errors(value):
     with pytest.raises(InputError, match="--passages"):
         parse_passages(value)
+
+
+def test_word_path_offsets_cut_like_the_librarys_on_clean_ascii():
+    """The splitter's token offsets from the word path (words and their piece counts) give the same
+    passages as the library's offsets, and the library's own token counts at every word boundary."""
+    from embedfleet.encode.models import resolve_model
+    from embedfleet.encode.passages import Splitter
+    from embedfleet.encode.tokenize import tokenizer_spec
+    from embedfleet.synth import long_tail_texts
+
+    spec = tokenizer_spec(resolve_model(None), None)
+    fast, library = Splitter(spec.tokenizer_json, 64, 8), Splitter(spec.tokenizer_json, 64, 8)
+    library._words = None
+    odd = ["Dr. Smith's e-mail (x@y.org) cost $4.99!", "unbelievably-hyphenated-compound-words", "x" * 130,
+           "Tokenization " * 3 + "antidisestablishmentarianism" * 4, "a,b;c:d?e!f", "  leading   spaces  "]
+    texts = [t for t in long_tail_texts(40, seed=5, median_words=700) if t.isascii()][:12] + odd + [" ".join(odd * 9)]
+    assert len(texts) > 14
+    for text in texts:
+        assert fast._words(text) is not None  # these texts take the word path
+        got, want = fast._offsets(text), library._offsets(text)
+        assert len(got) == len(want)  # the same number of tokens
+        gaps = [c for c in range(1, len(want)) if want[c][0] > want[c - 1][1]]
+        assert gaps == [c for c in range(1, len(got)) if got[c][0] > got[c - 1][1]]  # words begin at the same tokens
+        assert all(got[c][0] == want[c][0] and got[c - 1][1] == want[c - 1][1] for c in gaps)
+        assert fast.split(text) == library.split(text)

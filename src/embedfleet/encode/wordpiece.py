@@ -345,10 +345,21 @@ class AsciiWordPiece:
             return np.zeros(0, np.int32), np.zeros(0, np.int32)
         return np.concatenate([p[0] for p in parts]), np.concatenate([p[1] for p in parts])
 
-    def _entries(self, joined: str) -> np.ndarray:
-        """Every word's table entry, the separators (entry 0) included."""
+    def word_tokens(self, text: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Each word of one clean ASCII text: its start and end (exclusive) in `text`, and its number of
+        pieces (tokens) — what the passage splitter cuts between."""
+        joined = text.lower() if self.lowercase else text  # ASCII: lowercasing keeps every position
         data = np.frombuffer(joined.encode("ascii"), np.uint8)
         starts, ends = split_words(data)
+        entries = self._entries(joined, data, starts, ends)  # first: learning new words may grow the table
+        return starts, ends, self.table.count[entries]
+
+    def _entries(self, joined: str, data: np.ndarray | None = None, starts: np.ndarray | None = None,
+                 ends: np.ndarray | None = None) -> np.ndarray:
+        """Every word's table entry, the separators (entry 0) included."""
+        if data is None:
+            data = np.frombuffer(joined.encode("ascii"), np.uint8)
+            starts, ends = split_words(data)
         long = (ends - starts) > self.longest
         if long.any():  # [UNK] without a lookup (and without hashing what could be made to collide)
             entries = np.ones(len(starts), np.int64)
