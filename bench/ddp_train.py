@@ -12,7 +12,7 @@ Parts, each on every count of --gpus (one process a GPU, started the way `embedf
           bench/train_loader.py writes it, or --table) with the global batch --batch-per-gpu × GPUs, so
           that each GPU takes the same rows a step at every count: epoch seconds, samples/s, the read.
   sweep   each rank reads the table's first --sweep-rows rows once (EmbeddingDataset, gpu tier), then
-          for each head and per-rank batch times --steps steps of the trainer's own step (make_step):
+          for each head and per-rank batch times --steps steps of the eager step under DDP (make_step):
             compute   on one batch already gathered, without DDP's all-reduce (no_sync)
             ddp       the same batch, with the all-reduce
             full      what the trainer does: each step's batch gathered from the epoch's order
@@ -108,7 +108,8 @@ def _timer(dev, world: int):
 
 
 def _trainer_step(kind: str, hidden: int | None, dim: int, dev, world: int):
-    """(net, step) as `embedfleet train` builds them: the head, DDP over several ranks, fused AdamW."""
+    """(net, step): the head, DDP over several ranks, fused AdamW — the eager step of a user's loop (and
+    of `embedfleet train` before its TrainLoop)."""
     import torch
 
     from embedfleet.train.heads import build_head

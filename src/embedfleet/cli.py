@@ -6,7 +6,7 @@
     search   nearest neighbours of a query text (or a file of them)
     serve    the same over HTTP, the model loaded once
     verify   row counts, dimensions, norms
-    train    a head on a table's stored vectors, on every local device (DDP)  (train/trainer.py)
+    train    a head on a table's stored vectors, on every local device (one process each)  (train/trainer.py)
     predict  a trained head applied to a table's stored vectors              (train/predict.py)
     export   a table's ids, columns and vectors to Parquet, .npy or JSON lines (store/export.py)
     map      a 2-D UMAP of a table's vectors, as one self-contained HTML page or a PNG (viz/map.py)
@@ -287,7 +287,7 @@ def train(
     lr: float = typer.Option(1e-3, "--lr", help="AdamW learning rate (warm-up, then cosine decay)"),
     where: Optional[str] = typer.Option(None, "--where", help="SQL filter on the rows (read-only)"),
     val_fraction: float = typer.Option(0.1, "--val-fraction", help="share of rows, by id hash, kept for validation"),
-    devices: str = typer.Option("auto", "--devices", help="auto | cpu | cuda | cuda:0,1,… (one DDP process each)"),
+    devices: str = typer.Option("auto", "--devices", help="auto | cpu | cuda | cuda:0,1,… (one process each)"),
     workers: Optional[int] = typer.Option(None, "--workers", help="processes (default one per device; --devices cpu "
                                           "--workers 2: two gloo processes)"),
     cache: str = typer.Option("auto", "--cache", help="auto | gpu | ram | stream: where the vectors live"),

@@ -200,7 +200,7 @@ class Settings:
     train_gather_threads: int | None = _knob(None, "EMBEDFLEET_TRAIN_GATHER_THREADS",
                                              "threads gathering a batch on the host in the ram tier (default: half the cores, ≤ 8)")
     train_graph: bool = _knob(True, "EMBEDFLEET_TRAIN_GRAPH",
-                              "replay each training step on CUDA as one CUDA graph (0: eager, with DDP)")
+                              "replay each training step on CUDA as one CUDA graph (0: every step eager)")
     host_id: str = _knob(socket.gethostname(), "EMBEDFLEET_HOST_ID",
                          "this host's name in the ledger: a dead worker's chunks are freed at once only on its own host")
     metrics_port: int | None = _knob(None, "EMBEDFLEET_METRICS_PORT",

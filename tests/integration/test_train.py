@@ -191,6 +191,8 @@ def test_the_training_loop_makes_a_plain_pytorch_loops_updates(env):
         for a, b in zip(ref.parameters(), mine.parameters()):
             assert torch.allclose(a, b, rtol=1e-4, atol=1e-6), task
         assert loop.mode == "eager"  # the CPU runs the steps eagerly
+        with pytest.raises(ValueError, match="schedule"):  # past the schedule: an error, not a device assert
+            loop.epoch(epochs)
         ds.close()
 
 

@@ -112,3 +112,14 @@ def test_the_order_is_the_same_on_any_device_and_spreads_every_row():
     for e in range(epochs):
         total[epoch_order(n, 0, e, 1, None)] += np.arange(n)
     assert np.all(np.abs(total / epochs - (n - 1) / 2) < 12)  # ~7 standard deviations
+
+
+def test_the_host_and_the_device_code_make_the_same_order():
+    import torch
+
+    from embedfleet.train.order import _blocks_then_windows
+
+    for n, block, window in ((300_001, 256, 65_536), (5_000, 100, 5_000), (2, 1, 2)):
+        host = _blocks_then_windows(n, 3, 2, block, window, None)  # numpy, uint32 arithmetic
+        torch_path = _blocks_then_windows(n, 3, 2, block, window, torch.device("cpu"))  # what runs on a GPU
+        assert np.array_equal(host, torch_path.numpy())

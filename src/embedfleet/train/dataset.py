@@ -35,6 +35,9 @@ log = logging.getLogger(__name__)
 
 TIERS = ("auto", "gpu", "ram", "stream")
 GPU_HEADROOM = 2 << 30  # device memory left for the model, optimizer, activations and the allocator
+# The gpu tier's indices beside its vectors: the epoch's order, its rows, the training loop's copies of
+# both and the temporaries of making it — int64 each.
+INDEX_BYTES_PER_ROW = 7 * 8
 RAM_SHARE = 0.6  # share of available host memory the ram tier may take (all local ranks together)
 PREFETCH = 3  # batches (ram tier) gathered and copied ahead of the one in use
 
@@ -73,10 +76,10 @@ def resolve_dtype(dtype, vtype: str) -> torch.dtype:
     return out
 
 
-def choose_tier(cache: str, device: torch.device, nbytes: int, local_ranks: int = 1) -> str:
-    """The tier for `nbytes` of vectors: the one asked for, or with "auto" the fastest that fits
-    (device memory with GPU_HEADROOM to spare; RAM_SHARE of available host memory for every rank
-    of this host; else the database)."""
+def choose_tier(cache: str, device: torch.device, nbytes: int, local_ranks: int = 1, rows: int = 0) -> str:
+    """The tier for `nbytes` of vectors (`rows` rows): the one asked for, or with "auto" the fastest that
+    fits (device memory for them and their indices with GPU_HEADROOM to spare; RAM_SHARE of available
+    host memory for every rank of this host; else the database)."""
     if cache not in TIERS:
         raise InputError(f"cache {cache!r}: use {', '.join(TIERS)}")
     if cache == "gpu" and device.type != "cuda":
@@ -86,7 +89,7 @@ def choose_tier(cache: str, device: torch.device, nbytes: int, local_ranks: int 
         return cache
     if device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(device)
-        if nbytes + GPU_HEADROOM <= free:
+        if nbytes + rows * INDEX_BYTES_PER_ROW + GPU_HEADROOM <= free:
             return "gpu"
     import psutil
 
@@ -457,7 +460,7 @@ class EmbeddingDataset:
             raise InputError("with_cache copies from the gpu or ram tier to the gpu or ram tier")
         x, dev = self._store.x, self._store.device
         nbytes = x.numel() * x.element_size()
-        if choose_tier(cache, dev, nbytes) != cache:
+        if choose_tier(cache, dev, nbytes, rows=x.shape[0]) != cache:
             raise InputError(f"cache {cache!r} on {dev}")
         if cache == "gpu":
             store: _Store = _DeviceStore(x.to(dev), dev)
@@ -490,7 +493,7 @@ class EmbeddingDataset:
 
     def _order(self, epoch: int, shuffle: bool) -> np.ndarray:
         """The epoch's order on the host, computed on a side thread one epoch ahead (on the dataset's GPU
-        where it has one: 10M rows take ~1 s of a CPU core, milliseconds there)."""
+        where it has one: 10M rows take ~0.3 s of a CPU core, milliseconds there)."""
         if self._pool is None:
             self._pool = ThreadPoolExecutor(1, thread_name_prefix="embedfleet-order")
         n, seed, w, dev = len(self), self.seed, self.window_rows, self.device
@@ -563,7 +566,7 @@ def load(table: str, label: str | None = None, where: str | None = None, db: str
         raise error
     n = plan.n
     itemsize = torch.empty((), dtype=torch_dtype).element_size()
-    tier = choose_tier(cache, dev, n * source.dim * itemsize, _local_world())
+    tier = choose_tier(cache, dev, n * source.dim * itemsize, _local_world(), rows=n)
     if dist and world > 1:
         tiers = [None] * world
         dist.all_gather_object(tiers, tier)  # one rank's memory may not fit what another's does

@@ -54,6 +54,9 @@ class TrainLoop:
         for p in params:  # backward accumulates into these views in place
             p.grad = self.grads[at:at + p.numel()].view_as(p)
             at += p.numel()
+        if not lrs:
+            raise ValueError("lrs: a learning rate for every step of the run")
+        self.steps_left = len(lrs)  # the device-side schedule has no bounds check: the host keeps count
         self.lrs = torch.tensor(lrs, dtype=torch.float32, device=dev)
         self.lr = self.lrs[0].clone()
         self.step_no = torch.zeros(1, dtype=torch.int64, device=dev)
@@ -133,8 +136,14 @@ class TrainLoop:
 
     # ---- one epoch --------------------------------------------------------------------------------
 
+    def _spend(self, steps: int) -> None:
+        if steps > self.steps_left:
+            raise ValueError(f"{steps} more steps: the learning-rate schedule has {self.steps_left} left")
+        self.steps_left -= steps
+
     def epoch(self, epoch: int) -> torch.Tensor:
         """This rank's steps of `epoch`; returns its summed training loss (a device tensor)."""
+        self._spend(len(self.sizes))
         self.loss_sum.zero_()
         full = int((self.sizes == self.stride).sum())
         if self.resident is not None:
@@ -164,6 +173,7 @@ class TrainLoop:
     def steps_on(self, x: torch.Tensor, y: torch.Tensor, count: int) -> None:
         """`count` full steps on one batch already on the device: the step without its input (what
         bench/train_loader.py sets the tiers against). Needs a loop built with gather=False."""
+        self._spend(count)
         if not self.capture:
             for _ in range(count):
                 self._step(x, y, self.stride)

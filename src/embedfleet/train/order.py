@@ -38,12 +38,13 @@ def default_window_rows(dim: int, block_rows: int = BLOCK_ROWS) -> int:
 M32 = 0xFFFFFFFF
 
 
-def _mul32(x: torch.Tensor, c: int) -> torch.Tensor:
-    """(x * c) mod 2^32 for 0 ≤ x < 2^32 held in int64, in two halves so that no product overflows."""
+def _mul32(x, c: int):
+    """(x * c) mod 2^32 for 0 ≤ x < 2^32 held in int64 (numpy or torch), in two halves: no product
+    overflows."""
     return (x * (c & 0xFFFF) + (((x * (c >> 16)) & 0xFFFF) << 16)) & M32
 
 
-def _mix32(x: torch.Tensor) -> torch.Tensor:
+def _mix32(x):
     """A bijection of 32-bit values with good avalanche (lowbias32, from Chris Wellons' hash prospector)."""
     x = x ^ (x >> 16)
     x = _mul32(x, 0x7FEB352D)
@@ -57,8 +58,19 @@ def _salts(seed: int, epoch: int, stream: int) -> tuple[int, int]:
     return int(a), int(b)
 
 
-def _shuffled(n: int, salts: tuple[int, int], device) -> torch.Tensor:
-    """A permutation of range(n) (n ≤ 2^32): positions sorted by a salted bijective hash (no ties)."""
+def _shuffled(n: int, salts: tuple[int, int], device: torch.device | None):
+    """A permutation of range(n) (n ≤ 2^32): positions sorted by a salted bijective hash (no ties, so
+    any sort gives the same order): numpy on the host, torch on a device."""
+    if device is None:  # uint32 arithmetic wraps modulo 2^32 by itself: the same values, in place
+        x = np.arange(n, dtype=np.uint32)
+        for salt in salts:
+            x ^= np.uint32(salt)
+            x ^= x >> 16
+            x *= np.uint32(0x7FEB352D)
+            x ^= x >> 15
+            x *= np.uint32(0x846CA68B)
+            x ^= x >> 16
+        return np.argsort(x)  # unique keys: any sort gives this permutation; introsort is the fastest here
     i = torch.arange(n, dtype=torch.int64, device=device)
     return torch.argsort(_mix32(_mix32(i ^ salts[0]) ^ salts[1]), stable=True)
 
@@ -66,28 +78,38 @@ def _shuffled(n: int, salts: tuple[int, int], device) -> torch.Tensor:
 def epoch_order(n: int, seed: int, epoch: int, block_rows: int = BLOCK_ROWS, window_rows: int | None = None,
                 shuffle: bool = True, device=None):
     """The epoch's permutation of range(n): blocks in random order, rows shuffled within each window of
-    `window_rows` positions. `shuffle=False`: range(n). A numpy int64 array; with `device`, a torch
-    int64 tensor computed there — the same values wherever it is computed."""
-    dev = torch.device("cpu") if device is None else torch.device(device)
+    `window_rows` positions. `shuffle=False`: range(n). A numpy int64 array computed on the host; with
+    `device`, a torch int64 tensor computed there — the same values wherever it is computed."""
+    dev = None if device is None or torch.device(device).type == "cpu" else torch.device(device)
     if not shuffle or n <= 1:
-        order = torch.arange(n, dtype=torch.int64, device=dev)
-        return order if device is not None else order.numpy()
-    if block_rows < 1 or (window_rows is not None and (window_rows < block_rows or window_rows % block_rows)):
-        raise ValueError(f"window_rows ({window_rows}) must be a positive multiple of block_rows ({block_rows})")
-    if n > 1 << 32:
-        raise ValueError(f"{n} rows: an order covers at most 2^32")
-    window_rows = window_rows or n
+        order = np.arange(n, dtype=np.int64)
+    else:
+        if block_rows < 1 or (window_rows is not None and (window_rows < block_rows or window_rows % block_rows)):
+            raise ValueError(f"window_rows ({window_rows}) must be a positive multiple of block_rows ({block_rows})")
+        if n > 1 << 32:
+            raise ValueError(f"{n} rows: an order covers at most 2^32")
+        order = _blocks_then_windows(n, seed, epoch, block_rows, window_rows or n, dev)
+        if dev is not None:
+            return order
+    return order if device is None else torch.from_numpy(order).to(device)
+
+
+def _blocks_then_windows(n: int, seed: int, epoch: int, block_rows: int, window_rows: int, dev):
+    """Blocks of `block_rows` rows in a shuffled order, then each window of positions shuffled."""
+    xp_arange = (lambda k: np.arange(k, dtype=np.int64)) if dev is None else \
+        (lambda k: torch.arange(k, dtype=torch.int64, device=dev))
     blocks = _shuffled(-(-n // block_rows), _salts(seed, epoch, 0), dev)
     starts = blocks * block_rows
-    lengths = torch.clamp(n - starts, max=block_rows)
-    placed = torch.cumsum(lengths, 0) - lengths  # where each block's first row lands in the order
-    order = torch.arange(n, dtype=torch.int64, device=dev) - torch.repeat_interleave(placed - starts, lengths,
-                                                                                     output_size=n)
+    lengths = (np.minimum if dev is None else torch.clamp_max)(n - starts, block_rows)
+    placed = lengths.cumsum(0) - lengths  # where each block's first row lands in the order
+    shift = np.repeat(placed - starts, lengths) if dev is None else \
+        torch.repeat_interleave(placed - starts, lengths, output_size=n)
+    order = xp_arange(n) - shift
     salts = _salts(seed, epoch, 1)
     for w in range(0, n, window_rows):
         k = min(window_rows, n - w)
-        order[w:w + k] = order[w:w + k][_shuffled(k, (salts[0] ^ w & M32, salts[1]), dev)]
-    return order if device is not None else order.numpy()
+        order[w:w + k] = order[w:w + k][_shuffled(k, (salts[0] ^ (w & M32), salts[1]), dev)]
+    return order
 
 
 def step_sizes(n: int, batch_size: int, world_size: int = 1, drop_last: bool = False) -> np.ndarray:
