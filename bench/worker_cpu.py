@@ -56,7 +56,7 @@ class EmulatedEncoder:
         self.free_at = max(time.perf_counter(), self.free_at) + tok.num_tokens / self.rate
         return _Ready(v, self.free_at)
 
-    def warmup(self, wait=True):
+    def warmup(self, wait=True, compile=True):
         pass
 
     def close(self):

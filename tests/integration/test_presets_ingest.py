@@ -22,7 +22,9 @@ def test_wikipedia_parquet_layout(cli, dsn, conn, tmp_path):
     articles[5]["text"] = ""  # a title alone still makes a row
     path = tmp_path / "train-00000-of-00041.parquet"
     pq.write_table(pa.Table.from_pylist(articles), path, row_group_size=8)
-    cli("ingest", path, "--preset", "wikipedia", "--db", dsn, "--table", "wiki", "--quiet", "--no-index", check=True)
+    doc = orjson.loads(cli("ingest", path, "--preset", "wikipedia", "--db", dsn, "--table", "wiki", "--quiet",
+                           "--no-index", "--json", check=True).stdout)
+    assert doc["workers"][0]["startup"]["compile_first"] is True  # Parquet: its size in text is not known
     assert _types(conn, "wiki") == {"id": "text", "content": "text", "embedding": "vector(384)", "url": "text",
                                     "title": "text", "extra": "jsonb"}
     rows = {r[0]: r[1:] for r in conn.execute("SELECT id, content, url, title, extra FROM wiki").fetchall()}

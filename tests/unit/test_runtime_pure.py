@@ -130,6 +130,14 @@ def test_writer_connections_fit_what_the_server_has_free():
     assert writers_each(3, 2, free=4, others_each=3) == 1  # never none: the worker could not write at all
 
 
+def test_a_worker_compiles_first_only_for_work_that_pays_for_it():
+    from embedfleet.runtime.worker import COMPILE_MIN_BYTES, compile_pays
+
+    assert not compile_pays(0) and not compile_pays(4000) and not compile_pays(COMPILE_MIN_BYTES - 1)
+    assert compile_pays(COMPILE_MIN_BYTES) and compile_pays(10 ** 10)
+    assert compile_pays(None)  # Parquet, compressed or CSV input: its size in text is not known
+
+
 def test_no_more_workers_than_chunks_left_to_claim():
     assert worker_count(4, {"pending": 1, "running": 0, "done": 0, "failed": 0}) == 1  # 10 questions, 4 GPUs
     assert worker_count(4, {"pending": 2, "running": 1, "done": 5, "failed": 1}) == 3

@@ -132,14 +132,15 @@ class Encoder:
         if self._compile is not None:
             self._compile.start_if_due()
 
-    def warmup(self, wait: bool = True) -> None:
+    def warmup(self, wait: bool = True, compile: bool = True) -> None:
         """Pay start-up costs now rather than in the first real batches: the tokenizer's helper
         processes, and on CUDA the libraries' first use and the forward pass's compilation, which
-        runs in the background (eager meanwhile); `wait` waits for it."""
+        runs in the background (eager meanwhile); `wait` waits for it. `compile=False` (little work
+        ahead) leaves the compile to the usual rule: once enough tokens have been seen."""
         self._tok.start()
         if self._dev.type == "cuda":
             self.encode(["warm up"] * 8 + ["warm up " * 200] * 2)  # cuBLAS, FlashAttention: their first calls
-            if self._compile is not None:
+            if self._compile is not None and compile:
                 self._compile.start()
                 if wait:
                     self._compile.wait()

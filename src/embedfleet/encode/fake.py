@@ -49,7 +49,7 @@ class HashEncoder:
         self.texts += len(tok)
         return _Done(hash_vectors(tok.ids, tok.lengths, self.dim)[tok.inverse])
 
-    def warmup(self, wait: bool = True) -> None:
+    def warmup(self, wait: bool = True, compile: bool = True) -> None:
         pass
 
     def close(self) -> None:

@@ -189,6 +189,18 @@ class Heartbeat(threading.Thread):
 # ---- the worker ----------------------------------------------------------------------------------
 
 
+# Below this much input left, a worker does not compile before its loop: a compile costs ~4 s from the
+# cache (MiniLM; more for larger models) and saves ~1 s per 60k reviews embedded (120k texts/s compiled
+# against ~40k eager), so it pays from ~240k reviews (~120 MB); 32 MB stays well on the safe side.
+COMPILE_MIN_BYTES = 32 << 20
+
+
+def compile_pays(pending_bytes: int | None) -> bool:
+    """Whether a worker should compile before its loop, given the job's input bytes left (None: not
+    known, e.g. Parquet: compile)."""
+    return pending_bytes is None or pending_bytes >= COMPILE_MIN_BYTES
+
+
 def load_encoder(cfg: JobConfig, device: str, settings: Settings):
     """The real encoder for a job (imports torch): the helpers tokenize, so it needs no tokenizer pool."""
     from embedfleet.encode.encoder import Encoder
@@ -252,10 +264,13 @@ class Worker:
                 startup["helpers_wait_s"] = time.perf_counter() - t0
                 t0 = time.perf_counter()
                 # The compile (from the cache after a machine's first run) before the loop: a loop started
-                # eager ran slower than the compile it saved (bench/NOTES.md, the 2026-11-26 GPU runs).
-                encoder.warmup()
+                # eager ran slower than the compile it saved (bench/NOTES.md, the 2026-11-26 GPU runs) —
+                # unless the job is too small to pay for it.
+                compile_first = compile_pays(ledger.pending_bytes(self.job))
+                encoder.warmup(compile=compile_first)
                 startup["warmup_s"] = time.perf_counter() - t0
                 settle_gc()  # a full collection over torch's objects would stall the GPU loop (it holds the GIL)
+                startup["compile_first"] = compile_first
                 return self._embed(ledger, cfg, pool, encoder, vtype, startup)
             finally:
                 pool.close()
@@ -309,7 +324,7 @@ class Worker:
             "thread_cpu_s": {"loop": round(loop_cpu, 3), "records": round(ahead.cpu_s, 3),
                              "writers": round(writer.cpu_seconds, 3)},
             "started_at": round(epoch_start, 3),  # wall-clock start: to line several workers up
-            "startup": {k: round(v, 3) for k, v in startup.items()},
+            "startup": {k: round(v, 3) if isinstance(v, float) else v for k, v in startup.items()},
         }
         stats.state = "finished"
         heartbeat.stop(summary)  # in the ledger (`ingest --json` shows it), not on the user's terminal

@@ -388,6 +388,15 @@ class Ledger:
         out.update(dict(rows))
         return out
 
+    def pending_bytes(self, job: str) -> int | None:
+        """Input bytes of the chunks not done yet (pending or running); None when some are not plain
+        JSONL byte ranges (compressed, Parquet, CSV: their size in text is not known here)."""
+        known, unknown = self.conn.execute(
+            "SELECT coalesce(sum(end_pos - start_pos) FILTER (WHERE kind = 'jsonl'), 0)::bigint, "
+            "count(*) FILTER (WHERE kind <> 'jsonl') FROM embedfleet.chunks "
+            "WHERE job = %s AND state IN ('pending', 'running')", [job]).fetchone()
+        return None if unknown else int(known)
+
     def running_split(self, job: str, worker: str) -> tuple[int, int]:
         """Running chunks held by `worker` and by anyone else."""
         mine, others = self.conn.execute(
