@@ -1,10 +1,13 @@
 """How fast a worker's helper processes prepare units (read, template, tokenize, COPY-encode).
 
     python bench/prep_cpu.py [--n 200000] [--helpers 1,4,8,16] [--model DIR]
+                             [--articles N --passages 254:32]
 
 No GPU and no database: every chunk of a synthetic Amazon-review file (amazon-reviews preset, 2 MB
 chunks) goes through `UnitPool` with N helpers, and the rows/s it sustains is the most one worker
-can feed its GPU on this machine. One helper's time per row is also split by stage.
+can feed its GPU on this machine. One helper's time per row is also split by stage. `--articles N`:
+N Wikipedia-length articles (median ~700 words, the wikipedia preset, JSON lines) instead, cut into
+passages with `--passages`; rows are then passage rows.
 """
 
 from __future__ import annotations
@@ -13,13 +16,18 @@ import argparse
 import os
 import time
 
+from pathlib import Path
+
+import orjson
+
 from embedfleet.config import DEFAULT_CHUNK_BYTES
+from embedfleet.encode.passages import parse_passages
 from embedfleet.encode.tokenize import tokenizer_spec
 from embedfleet.records import to_records
 from embedfleet.runtime.units import Preparer, Task, UnitContext, UnitPool
 from embedfleet.sources import read_chunk
 from embedfleet.sources.plan import plan_chunks
-from embedfleet.synth import cached_reviews
+from embedfleet.synth import cached_reviews, long_tail_texts
 
 
 def stage_split(ctx: UnitContext, task: Task) -> dict:
@@ -48,11 +56,23 @@ def main() -> None:
     ap.add_argument("--helpers", default="1,4,8,16")
     ap.add_argument("--model", default=None)
     ap.add_argument("--work", default="/tmp/efbench")
+    ap.add_argument("--articles", type=int, default=0, help="Wikipedia-length articles instead of reviews")
+    ap.add_argument("--passages", default=None, help="TOKENS[:OVERLAP], with --articles")
     a = ap.parse_args()
-    data = cached_reviews(a.work, a.n)
-    ctx = UnitContext("amazon-reviews", None, None, None, tokenizer_spec(a.model))  # no torch, no weights
+    if a.articles:
+        data = Path(a.work) / f"articles-{a.articles}.jsonl"
+        if not data.exists():
+            data.parent.mkdir(parents=True, exist_ok=True)
+            texts = long_tail_texts(a.articles, seed=1, median_words=700)
+            data.write_bytes(b"".join(orjson.dumps({"id": str(i), "title": t[:40], "text": t}) + b"\n"
+                                      for i, t in enumerate(texts)))
+        ctx = UnitContext("wikipedia", None, None, None, tokenizer_spec(a.model), passages=parse_passages(a.passages))
+    else:
+        data = cached_reviews(a.work, a.n)
+        ctx = UnitContext("amazon-reviews", None, None, None, tokenizer_spec(a.model))  # no torch, no weights
     tasks = [Task(spec, 0, None) for spec in plan_chunks([str(data)], DEFAULT_CHUNK_BYTES)]
-    print(f"cores: {len(os.sched_getaffinity(0))}; one helper, per row: {stage_split(ctx, tasks[0])}", flush=True)
+    split = "(articles: not split by stage)" if a.articles else stage_split(ctx, tasks[0])
+    print(f"cores: {len(os.sched_getaffinity(0))}; one helper, per row: {split}", flush=True)
     for h in map(int, a.helpers.split(",")):
         pool = UnitPool(ctx, h)
         pool.start()
