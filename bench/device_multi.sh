@@ -54,7 +54,7 @@ try:
     for n, r in d.get("loader", {}).items():
         print("loader", n, r)
     t = json.load(open(sys.argv[2]))
-    print("train_loader", t.get("epoch_s"), t.get("ratios"), t.get("targets"))
+    print("train_loader", t.get("epoch_s"), t.get("ratios"), t.get("targets"), t.get("copies"))
 except Exception as e:
     print("summary:", repr(e))
 PY

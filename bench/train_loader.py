@@ -30,6 +30,8 @@ Slow loaders are timed over --slow-batches batches (after 2 x workers + 1 untime
 prefetched batches arrives at once) and their epoch time
 extrapolated (batches × time a batch); that is said in the output. Bulk read rates: one connection
 (over the first --read-rows rows, a TID range) and --readers connections (the whole table).
+On CUDA, `copies`: GB/s of a batch's bytes copied to the device from pinned and from pageable memory,
+and the ram tier's floor (an epoch's bytes over the pinned rate).
 `--ddp-devices cuda:0,1,…` also runs `embedfleet train --cache gpu` on 1 and on those devices and
 reports their epoch seconds (issue 22's scaling).
 One JSON document on stdout; progress on stderr.
@@ -367,6 +369,24 @@ def _machine() -> dict:
     return out
 
 
+def copy_rates(batch_bytes: int, dev: torch.device, count: int = 50) -> dict:
+    """GB/s of host-to-device copies of one batch's bytes, from pinned and from pageable memory: what the
+    ram tier's batches cost to move, however fast they are gathered."""
+    host = torch.empty(batch_bytes, dtype=torch.uint8, pin_memory=True)
+    pageable = torch.empty(batch_bytes, dtype=torch.uint8)
+    out = torch.empty(batch_bytes, dtype=torch.uint8, device=dev)
+    rates = {}
+    for name, src in (("h2d_pinned_gb_s", host), ("h2d_pageable_gb_s", pageable)):
+        out.copy_(src, non_blocking=True)
+        _sync(dev)
+        t0 = time.perf_counter()
+        for _ in range(count):
+            out.copy_(src, non_blocking=True)
+        _sync(dev)
+        rates[name] = round(batch_bytes * count / (time.perf_counter() - t0) / 1e9, 2)
+    return {"batch_bytes": batch_bytes, **rates}
+
+
 def ddp_epochs(dsn: str, table: str, devices: str, batch: int, epochs: int) -> dict:
     """`embedfleet train` on one device and on `devices`: epoch seconds of each (issue 22)."""
     out = {}
@@ -434,6 +454,9 @@ def main() -> None:
                                      connections=readers[-1])
     n, dim = len(ds), ds.dim
     doc["dataset"] = {"rows": n, "dim": dim, "cache": ds.cache, **ds.stats}
+    if dev.type == "cuda":  # the ram tier's floor: an epoch's bytes over the pinned copy's rate
+        doc["copies"] = copy_rates(a.batch_size * dim * ds.dtype.itemsize, dev)
+        doc["copies"]["ram_epoch_floor_s"] = round(n * dim * ds.dtype.itemsize / 1e9 / doc["copies"]["h2d_pinned_gb_s"], 3)
     epoch_s: dict = {}
     tiers = {ds.cache: ds}
     if ds.cache == "gpu":
