@@ -136,7 +136,7 @@ def _loop_times(ds, kind: str, hidden: int | None, b: int, rank: int, world: int
     sizes = step_sizes(len(ds), b, world)
     lrs = [1e-3] * (3 * len(sizes) + 2 * steps + 16)
 
-    def loop(w: int, r: int, gather: bool) -> TrainLoop:
+    def loop(w: int, r: int, gather: bool | None) -> TrainLoop:
         torch.manual_seed(0)
         model = build_head(kind, ds.dim, CLASSES, hidden).to(ds.device)
         return TrainLoop(model, ds, b, r, w, "classify", (0.0, 1.0), lrs, 0.01, gather=gather)
@@ -147,7 +147,7 @@ def _loop_times(ds, kind: str, hidden: int | None, b: int, rank: int, world: int
     for one in (alone, together):
         one.steps_on(x0, y0, 8)  # warm-up, capture
         times.append(timed(lambda one=one: one.steps_on(x0, y0, 1), steps))
-    full = loop(world, rank, True)
+    full = loop(world, rank, None)  # as the trainer builds it
     full.epoch(0)  # warm-up, capture
     full_steps = int((sizes == b * world).sum())
     times.append(timed(lambda: float(full.epoch(1)), 1) / max(1, full_steps))

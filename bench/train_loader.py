@@ -216,7 +216,7 @@ def time_epochs(batches_of_epoch, dim: int, dev: torch.device, n: int, batch: in
     return out
 
 
-def _fresh_loop(ds, batch: int, epochs: int, gather: bool = True) -> TrainLoop:
+def _fresh_loop(ds, batch: int, epochs: int, gather: bool | None = None) -> TrainLoop:
     """The trainer's loop (loop.py: one CUDA graph a step on CUDA) over `ds`, the same head and AdamW."""
     torch.manual_seed(0)
     model = build_head("linear", ds.dim, CLASSES).to(ds.device)

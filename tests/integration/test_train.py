@@ -151,7 +151,8 @@ def test_two_gloo_processes_train_like_one(env):
 def test_the_training_loop_makes_a_plain_pytorch_loops_updates(env):
     """TrainLoop (a flat gradient buffer, learning rates read from a device-side schedule; on CUDA one
     graph a step) against the loop a user writes: AdamW and LambdaLR over batches(). The same epoch
-    losses and weights, for both tasks, with the epochs' short last steps."""
+    losses and weights, for both tasks, with the epochs' short last steps, with the rows taken by the
+    order on the device (classify) or handed in by batches() (regress)."""
     import torch.nn.functional as F
 
     from embedfleet.train import order
@@ -174,8 +175,11 @@ def test_the_training_loop_makes_a_plain_pytorch_loops_updates(env):
         mine = build_head("mlp", ds.dim, outputs)
         opt = torch.optim.AdamW(ref.parameters(), lr=lr, weight_decay=0.01)
         sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_factor(s, total))
+        # gather=True: the steps take their rows from the storage by the epoch's order, as the gpu tier's
+        # graph does on CUDA (here eagerly, from the ram tier's storage)
         loop = TrainLoop(mine, train, batch, 0, 1, task, target, [lr * lr_factor(s, total) for s in range(total)],
-                         0.01)
+                         0.01, gather=task == "classify")
+        assert (loop.resident is not None) == (task == "classify")
         for epoch in range(epochs):
             want = 0.0
             for x, y in train.batches(batch, epoch=epoch):

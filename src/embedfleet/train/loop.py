@@ -33,12 +33,14 @@ WARMUP_STEPS = 3  # eager steps before the capture: AdamW's state, cuBLAS's work
 class TrainLoop:
     """One rank's training of `model` over `ds` (an EmbeddingDataset with labels), `per_rank` rows a
     step. `lrs[s]`: the learning rate of step s of the whole run. `target`: (mean, std) the
-    regression target is scaled by. `graph`: capture and replay full steps (CUDA only). `gather`: in
-    the gpu tier, gather each step's rows inside the graph (False: batches copied in, as other tiers)."""
+    regression target is scaled by. `graph`: capture and replay full steps (CUDA only). `gather`: take
+    each step's rows from the storage by the epoch's order on the device, inside the graph — None: in
+    the gpu tier when capturing; True: wherever the storage is on the device (the CPU's ram tier too:
+    tests run that code there); False: batches copied in, as other tiers."""
 
     def __init__(self, model: torch.nn.Module, ds, per_rank: int, rank: int, world: int, task: str,
                  target: tuple[float, float], lrs: list[float], weight_decay: float, graph: bool = True,
-                 gather: bool = True):
+                 gather: bool | None = None):
         dev = ds.device
         self.model, self.ds, self.dev = model, ds, dev
         self.per_rank, self.rank, self.world, self.task = per_rank, rank, world, task
@@ -66,7 +68,7 @@ class TrainLoop:
         self.sizes = ordering.step_sizes(len(ds), per_rank, world)
         self.stride = per_rank * world
         # the gpu tier: the step's rows gathered inside the graph from the epoch's order on the device
-        self.resident = ds.resident if self.capture and gather else None
+        self.resident = ds.resident if gather or (gather is None and self.capture) else None
         if self.resident is not None:
             self.order_rows = torch.empty(len(ds), dtype=torch.int64, device=dev)
             self.order_pos = torch.empty(len(ds), dtype=torch.int64, device=dev)
@@ -118,6 +120,9 @@ class TrainLoop:
         stream (as torch's CUDA-graph notes ask), then the capture and its first replay."""
         if self.graph is not None:
             self.graph.replay()
+            return
+        if not self.capture:
+            body()
             return
         if self.eager_steps < WARMUP_STEPS:
             side = torch.cuda.Stream(self.dev)
