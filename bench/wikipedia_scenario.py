@@ -86,10 +86,12 @@ def main() -> None:
                          "articles_per_s": round(a.n / wall, 1), "rows_per_s": round(doc["rows_written"] / wall, 1),
                          "tokens": tokens, "tokens_per_s": round(tokens / wall, 1), "workers": len(doc["workers"])}
             step(out, a.out, f"{name}: {out[name]}")
-            qwall, _ = cli("ingest", str(questions), "--text-field", "question", "--id-field", "qid", "--prompt",
-                           "query", "--table", f"{table}_q", "--model", model, "--devices", a.devices, "--db", dsn,
-                           "--no-index", "--quiet", "--json")
+            qwall, qdoc = cli("ingest", str(questions), "--text-field", "question", "--id-field", "qid", "--prompt",
+                              "query", "--table", f"{table}_q", "--model", model, "--devices", a.devices, "--db", dsn,
+                              "--no-index", "--quiet", "--json")
             out[name]["questions_wall_s"] = round(qwall, 1)
+            # where a small job's time goes: its workers' start-up, step by step
+            out[name]["questions_workers"] = [w.get("startup") for w in qdoc.get("workers", [])]
             step(out, a.out, f"{name}: questions in {qwall:.1f} s")
             vwall, report = cli("verify", "--table", table, "--table", f"{table}_q", "--db", dsn, "--json")
             out[name].update(verify_ok=report["ok"], same_model=report["same_model"], verify_wall_s=round(vwall, 1))
