@@ -72,8 +72,8 @@ def test_word_path_offsets_cut_like_the_librarys_on_clean_ascii():
     from embedfleet.synth import long_tail_texts
 
     spec = tokenizer_spec(resolve_model(None), None)
-    fast, library = Splitter(spec.tokenizer_json, 64, 8), Splitter(spec.tokenizer_json, 64, 8)
-    library._words = None
+    fast = Splitter(spec.tokenizer_json, 64, 8, words=spec.build().word_tokens)
+    library = Splitter(spec.tokenizer_json, 64, 8)
     odd = ["Dr. Smith's e-mail (x@y.org) cost $4.99!", "unbelievably-hyphenated-compound-words", "x" * 130,
            "Tokenization " * 3 + "antidisestablishmentarianism" * 4, "a,b;c:d?e!f", "  leading   spaces  "]
     texts = [t for t in long_tail_texts(40, seed=5, median_words=700) if t.isascii()][:12] + odd + [" ".join(odd * 9)]

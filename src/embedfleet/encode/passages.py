@@ -128,12 +128,13 @@ def piece_offsets(starts: np.ndarray, ends: np.ndarray, pieces: np.ndarray) -> l
 
 
 class Splitter:
-    """Cuts texts into passages with a model's tokenizer (tokenizer.json), none longer than `size` tokens."""
+    """Cuts texts into passages with a model's tokenizer (tokenizer.json), none longer than `size` tokens.
+    `words`: a tokenizer's `word_tokens` (TextTokenizer), which gives a text's words and their pieces
+    where its word path applies — the same word table the texts are then tokenized with."""
 
-    def __init__(self, tokenizer_json: str, size: int, overlap: int):
+    def __init__(self, tokenizer_json: str, size: int, overlap: int,
+                 words: Callable[[str], tuple | None] | None = None):
         from tokenizers import Tokenizer, models, pre_tokenizers
-
-        from embedfleet.encode.tokenize import word_counter
 
         self.size, self.overlap = size, overlap
         self.tok = Tokenizer.from_str(tokenizer_json)
@@ -141,11 +142,11 @@ class Splitter:
         self.tok.no_padding()
         self.words_stay = isinstance(self.tok.model, models.WordPiece) and isinstance(
             self.tok.pre_tokenizer, pre_tokenizers.BertPreTokenizer)
-        self._words = word_counter(tokenizer_json) if self.words_stay else None
+        self._words = words if self.words_stay else None
 
     def _offsets(self, text: str) -> list[tuple[int, int]]:
         """Token offsets of the whole text: from its words and their piece counts where the tokenizer's
-        word path takes the text (clean ASCII, a BERT tokenizer: the library's encode was ~70% of a
+        word path takes the text (clean ASCII, a BERT tokenizer: the library's encode was most of a
         helper's time per passage), else from the library, a window at a time (cut at whitespace) so
         that a huge document never becomes one huge encoding."""
         words = self._words(text) if self._words is not None else None

@@ -16,7 +16,6 @@ import os
 import re
 import threading
 from dataclasses import dataclass
-from typing import Callable
 
 import numpy as np
 
@@ -183,13 +182,6 @@ class _Tokenizer:
         return _merge(len(texts), groups)
 
 
-def word_counter(tokenizer_json: str, word_cache: int = 1 << 18) -> Callable[[str], tuple | None]:
-    """text → (starts, ends, pieces) of its words, by the word path (BERT-style tokenizers on clean
-    ASCII text: numpy and a table of known words instead of the library), or None where that path
-    does not apply — the passage splitter's token offsets at a tenth of the library's cost."""
-    return _Tokenizer(tokenizer_json, 512, word_cache=word_cache).word_tokens
-
-
 def _pack(tokenizer, texts: list[str], idx, pad_id: int) -> tuple[np.ndarray, np.ndarray]:
     """The library's ids of texts[i] for i in `idx`, packed."""
     seqs = [e.ids or [pad_id] for e in tokenizer.encode_batch_fast([texts[i] for i in idx], add_special_tokens=True)]
@@ -302,6 +294,11 @@ class TextTokenizer:
         step = max(256, -(-len(texts) // (self.workers * 4)))
         parts = pool.map(_worker_encode, [texts[i : i + step] for i in range(0, len(texts), step)])
         return np.concatenate([p[0] for p in parts]), np.concatenate([p[1] for p in parts])
+
+    def word_tokens(self, text: str) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
+        """(starts, ends, pieces) of `text`'s words by this tokenizer's word path (BERT-style tokenizers
+        on clean ASCII text), or None where it does not apply: the passage splitter's cuts."""
+        return self._local.word_tokens(text)
 
     def spec(self, prefix: str = "") -> TokenizerSpec:
         """How to rebuild this tokenizer (with a prompt prefix) in another process."""
