@@ -63,8 +63,8 @@ def _cuda_count() -> int:
 
 def worker_count(available: int, chunks: dict[str, int]) -> int:
     """Workers to start: one a device, but no more than the chunks left to claim (`chunks`: the ledger's
-    counts) — an extra one would load the model and warm up for nothing (10 questions on 4 GPUs took
-    51 s, bench/NOTES.md run 63); at least one, which reports a job with nothing left."""
+    counts) — an extra one would load the model and warm up for nothing; at least one, which reports a
+    job with nothing left."""
     return max(1, min(available, chunks.get("pending", 0) + chunks.get("running", 0)))
 
 

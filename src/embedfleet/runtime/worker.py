@@ -189,9 +189,7 @@ class Heartbeat(threading.Thread):
 # ---- the worker ----------------------------------------------------------------------------------
 
 
-# Below this much input left, a worker does not compile before its loop: a compile costs ~4 s from the
-# cache (MiniLM; more for larger models) and saves ~1 s per 60k reviews embedded (120k texts/s compiled
-# against ~40k eager), so it pays from ~240k reviews (~120 MB); 32 MB stays well on the safe side.
+# Below this much input left, the compile costs more than eager steps lose (bench/NOTES.md, run 63).
 COMPILE_MIN_BYTES = 32 << 20
 
 
