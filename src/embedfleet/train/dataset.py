@@ -493,7 +493,7 @@ class EmbeddingDataset:
 
     def _order(self, epoch: int, shuffle: bool) -> np.ndarray:
         """The epoch's order on the host, computed on a side thread one epoch ahead (on the dataset's GPU
-        where it has one: 10M rows take ~0.3 s of a CPU core, milliseconds there)."""
+        where it has one: 10M rows take ~0.4 s of a CPU core, milliseconds there)."""
         if self._pool is None:
             self._pool = ThreadPoolExecutor(1, thread_name_prefix="embedfleet-order")
         n, seed, w, dev = len(self), self.seed, self.window_rows, self.device

@@ -61,18 +61,9 @@ def _salts(seed: int, epoch: int, stream: int) -> tuple[int, int]:
 def _shuffled(n: int, salts: tuple[int, int], device: torch.device | None):
     """A permutation of range(n) (n ≤ 2^32): positions sorted by a salted bijective hash (no ties, so
     any sort gives the same order): numpy on the host, torch on a device."""
-    if device is None:  # uint32 arithmetic wraps modulo 2^32 by itself: the same values, in place
-        x = np.arange(n, dtype=np.uint32)
-        for salt in salts:
-            x ^= np.uint32(salt)
-            x ^= x >> 16
-            x *= np.uint32(0x7FEB352D)
-            x ^= x >> 15
-            x *= np.uint32(0x846CA68B)
-            x ^= x >> 16
-        return np.argsort(x)  # unique keys: any sort gives this permutation; introsort is the fastest here
-    i = torch.arange(n, dtype=torch.int64, device=device)
-    return torch.argsort(_mix32(_mix32(i ^ salts[0]) ^ salts[1]), stable=True)
+    i = np.arange(n, dtype=np.int64) if device is None else torch.arange(n, dtype=torch.int64, device=device)
+    keys = _mix32(_mix32(i ^ salts[0]) ^ salts[1])
+    return np.argsort(keys) if device is None else torch.argsort(keys, stable=True)
 
 
 def epoch_order(n: int, seed: int, epoch: int, block_rows: int = BLOCK_ROWS, window_rows: int | None = None,
@@ -89,9 +80,9 @@ def epoch_order(n: int, seed: int, epoch: int, block_rows: int = BLOCK_ROWS, win
         if n > 1 << 32:
             raise ValueError(f"{n} rows: an order covers at most 2^32")
         order = _blocks_then_windows(n, seed, epoch, block_rows, window_rows or n, dev)
-        if dev is not None:
-            return order
-    return order if device is None else torch.from_numpy(order).to(device)
+    if device is None or isinstance(order, torch.Tensor):
+        return order
+    return torch.from_numpy(order).to(device)
 
 
 def _blocks_then_windows(n: int, seed: int, epoch: int, block_rows: int, window_rows: int, dev):

@@ -265,8 +265,8 @@ def _train(settings: TrainSettings, dev, rank: int, world: int, dsn: str) -> dic
     from embedfleet.config import Settings
     from embedfleet.train import order as ordering
     from embedfleet.train.dataset import load
-    from embedfleet.train.loop import TrainLoop
     from embedfleet.train.heads import build_head
+    from embedfleet.train.loop import TrainLoop
 
     ds = load(settings.table, label=settings.label, where=settings.where, db=dsn, cache=settings.cache,
               device=dev, task=settings.task, seed=settings.seed, keys=True)
