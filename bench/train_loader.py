@@ -172,7 +172,6 @@ def make_step(model, optimizer, scheduler, task: str, device, world: int, target
     """The eager step as a user writes it (DDP over ranks; what `embedfleet train` ran before its
     TrainLoop): step(x, y, rows) → the batch's summed loss (a device tensor, no sync). `rows`: the
     step's row count over all ranks; DDP averages gradients over ranks, hence the factor `world`."""
-
     cuda = device.type == "cuda"
     mean, std = target
 
@@ -201,19 +200,28 @@ def _fresh_step(dim: int, dev: torch.device, n: int, batch: int):
     return make_step(model, opt, None, "classify", dev, 1), step_sizes(n, batch).tolist()
 
 
-def time_epochs(batches_of_epoch, dim: int, dev: torch.device, n: int, batch: int, epochs: int) -> list[float]:
-    """Seconds of each epoch of `batches_of_epoch(epoch)` through the training step."""
-    step, sizes = _fresh_step(dim, dev, n, batch)
+def _seconds_each(run_epoch, dev: torch.device, epochs: int) -> list[float]:
+    """Seconds of each of `epochs` calls run_epoch(e), which returns a device tensor (waited for)."""
     out = []
     for e in range(epochs):
         _sync(dev)
         t0 = time.perf_counter()
+        float(run_epoch(e))
+        out.append(round(time.perf_counter() - t0, 4))
+    return out
+
+
+def time_epochs(batches_of_epoch, dim: int, dev: torch.device, n: int, batch: int, epochs: int) -> list[float]:
+    """Seconds of each epoch of `batches_of_epoch(epoch)` through the eager training step."""
+    step, sizes = _fresh_step(dim, dev, n, batch)
+
+    def run(e):
         loss = torch.zeros((), device=dev)
         for s, (x, y) in enumerate(batches_of_epoch(e)):
             loss += step(x, y, sizes[s])
-        float(loss)
-        out.append(round(time.perf_counter() - t0, 4))
-    return out
+        return loss
+
+    return _seconds_each(run, dev, epochs)
 
 
 def _fresh_loop(ds, batch: int, epochs: int, gather: bool | None = None) -> TrainLoop:
@@ -227,14 +235,7 @@ def _fresh_loop(ds, batch: int, epochs: int, gather: bool | None = None) -> Trai
 
 def time_loop_epochs(ds, batch: int, epochs: int) -> list[float]:
     """Seconds of each epoch of TrainLoop over `ds`: what `embedfleet train` runs."""
-    loop = _fresh_loop(ds, batch, epochs)
-    out = []
-    for e in range(epochs):
-        _sync(ds.device)
-        t0 = time.perf_counter()
-        float(loop.epoch(e))
-        out.append(round(time.perf_counter() - t0, 4))
-    return out
+    return _seconds_each(_fresh_loop(ds, batch, epochs).epoch, ds.device, epochs)
 
 
 def time_loop_compute(ds, batch: int, epochs: int) -> list[float]:
@@ -243,14 +244,12 @@ def time_loop_compute(ds, batch: int, epochs: int) -> list[float]:
     loop = _fresh_loop(ds, batch, epochs, gather=False)
     x, y = next(iter(ds.batches(batch, shuffle=False)))
     steps = int((step_sizes(len(ds), batch) == batch).sum())
-    out = []
-    for _ in range(epochs):
-        _sync(ds.device)
-        t0 = time.perf_counter()
+
+    def run(_):
         loop.steps_on(x, y, steps)
-        float(loop.loss_sum)
-        out.append(round(time.perf_counter() - t0, 4))
-    return out
+        return loop.loss_sum
+
+    return _seconds_each(run, ds.device, epochs)
 
 
 def time_batches(loader, dim: int, dev: torch.device, n: int, batch: int, count: int) -> dict:
@@ -282,7 +281,7 @@ def time_batches(loader, dim: int, dev: torch.device, n: int, batch: int, count:
 
 
 def ram_variant(name: str, batches_of_epoch, dim: int, dev: torch.device, n: int, batch: int, epochs: int):
-    """The ram tier's epochs with one thing changed (what holds its side thread back?):
+    """The ram tier's epochs (eager step, as ram_eager) with one thing changed (what holds its side thread back?):
         switch200us   the interpreter's GIL switch interval at 200 µs (default 5 ms) during the epochs
         one_thread    the host gather in one np.take call (no gather pool)
         torch_gather  the host gather as one torch.index_select into the pinned buffer"""
