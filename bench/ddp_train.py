@@ -107,7 +107,7 @@ def _timer(dev, world: int):
     return timed
 
 
-def _trainer_step(kind: str, hidden: int | None, dim: int, dev, world: int):
+def _eager_step(kind: str, hidden: int | None, dim: int, dev, world: int):
     """(net, step): the head, DDP over several ranks, fused AdamW — the eager step of a user's loop (and
     of `embedfleet train` before its TrainLoop)."""
     import torch
@@ -167,7 +167,7 @@ def rank_sweep(job: dict) -> dict | None:
     for spec in job["heads"]:
         kind, hidden = _head(spec)
         for b in job["batches"]:
-            net, step = _trainer_step(kind, hidden, ds.dim, dev, world)
+            net, step = _eager_step(kind, hidden, ds.dim, dev, world)
 
             def endless():
                 e = 0
@@ -232,7 +232,7 @@ def rank_loader(job: dict) -> dict | None:
                    else RandomSampler(rows, generator=torch.Generator().manual_seed(0)))
         loader = DataLoader(rows, batch_size=job["batch"], sampler=sampler, num_workers=job["workers"],
                             persistent_workers=job["workers"] > 0, pin_memory=dev.type == "cuda", drop_last=True)
-        _, step = _trainer_step("linear", None, job["dim"], dev, world)
+        _, step = _eager_step("linear", None, job["dim"], dev, world)
         g = job["batch"] * world
 
         def endless():  # a file smaller than the steps timed is read again, as a next epoch
