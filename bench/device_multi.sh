@@ -6,6 +6,7 @@
 #   bash bench/device_multi.sh train    # bench/ddp_train.py (train, step sweep, file loaders), then train_loader.py on one GPU
 #   bash bench/device_multi.sh wiki     # the Wikipedia scenario on every GPU (WIKI_PASSAGES=512:32: the passages pass)
 #   bash bench/device_multi.sh stpool   # sentence-transformers' multi-process pool on 1, 2, 4… GPUs, the peer
+#   bash bench/device_multi.sh one      # one GPU: every GPU test, passages (issue 20), 500k-row ingest's wall (issue 17)
 # Sizes through the environment: N_QWEN (240000), N_MINILM (4000000), TRAIN_ROWS (10000000),
 # WIKI_N (250000), WIKI_PASSAGES (off), ST_N (100000), SWEEP_HEADS (linear,mlp,mlp:4096), SWEEP_BATCHES
 # (1024,…,65536), DDP_SKIP (none; e.g. loader), RAM_VARIANTS (none), GPU_TESTS (gputests' list). Results: $OUT/<part>*.json and .err logs.
@@ -70,5 +71,14 @@ stpool)
   timeout 570 python3 bench/st_pool.py --model "$M" --gpus "$COUNTS" --n "${ST_N:-100000}" > "$OUT/st_pool.json" \
     2>"$OUT/st_pool.err"; grep '^\[st_pool\]' "$OUT/st_pool.err"; cat "$OUT/st_pool.json"
   ;;
-*) echo "usage: bash bench/device_multi.sh ingest|train|wiki|stpool"; exit 2 ;;
+one)
+  python3 -c "import torch, transformers, sentence_transformers" # the image ships no bytecode: compile it once, untimed
+  timeout "${TESTS_TIMEOUT:-240}" python3 -m pytest -q -p no:cacheprovider ${GPU_TESTS:-tests/gpu} 2>&1 \
+    | tee "$OUT/gputests.txt" | tail -n 15
+  timeout 150 python3 bench/passages.py --n "${PASSAGE_N:-20000}" --passages 254:32 --model "$M" --devices cuda \
+    --work /tmp/efp >"$OUT/passages.json" 2>"$OUT/passages.err"; tail -n 4 "$OUT/passages.err"; cat "$OUT/passages.json"
+  timeout 150 python3 bench/ingest.py --n 500000 --shards 8 --gpus 1 --model "$M" --work /tmp/efbench \
+    --out "$OUT/ingest_minilm.json" 2>"$OUT/ingest_minilm.err" | tail -n 3
+  ;;
+*) echo "usage: bash bench/device_multi.sh gputests|ingest|train|wiki|stpool|one"; exit 2 ;;
 esac
