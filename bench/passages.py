@@ -46,6 +46,8 @@ def main() -> None:
     ap.add_argument("--work", default=None)
     a = ap.parse_args()
     dsn = resolve_dsn(None)
+    if a.work:
+        Path(a.work).mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=a.work) as tmp:
         t0 = time.time()
         src = write_articles(Path(tmp) / "articles.parquet", a.n)

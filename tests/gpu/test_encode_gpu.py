@@ -100,7 +100,13 @@ def test_a_first_call_on_cuda_runs_flash_attention_without_importing_dynamo():
     import sys
 
     code = f"""
-import json, sys
+import json, sys, traceback
+who = []
+class Spy:  # on failure, the stack that imported torch._dynamo
+    def find_spec(self, name, path=None, target=None):
+        if name == "torch._dynamo" and not who:
+            who.append("".join(traceback.format_stack(limit=25)))
+sys.meta_path.insert(0, Spy())
 from embedfleet.encode.encoder import Encoder
 from embedfleet.encode.packed import attention
 from embedfleet.synth import world_texts
@@ -109,13 +115,14 @@ enc = Encoder({str(MINILM)!r})
 vectors = enc.encode(texts)
 import numpy as np
 np.save(sys.argv[1], vectors)
+print(who[0] if who else "", file=sys.stderr)
 print(json.dumps({{"dynamo": "torch._dynamo" in sys.modules, "flash": attention._flash_op() is not None}}))
 """
     out = Path(os.environ.get("TMPDIR", "/tmp")) / f"first-call-{os.getpid()}.npy"
     p = subprocess.run([sys.executable, "-c", code, str(out)], capture_output=True, text=True, timeout=300)
     assert p.returncode == 0, p.stderr[-2000:]
     got = json.loads(p.stdout.strip().splitlines()[-1])
-    assert got == {"dynamo": False, "flash": True}
+    assert got == {"dynamo": False, "flash": True}, p.stderr[-4000:]
     import numpy as np
 
     from embedfleet.synth import world_texts

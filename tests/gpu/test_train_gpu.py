@@ -89,3 +89,60 @@ def test_the_epoch_order_on_the_gpu_is_the_cpus():
 
     for n, window in ((1_000_003, 262_144), (70_000, None)):
         assert (epoch_order(n, 3, 2, 256, window, device="cuda").cpu().numpy() == epoch_order(n, 3, 2, 256, window)).all()
+
+
+def test_the_take_kernel_reads_device_and_pinned_host_rows_like_torch():
+    """The step's rows by the order, one Triton kernel: from device memory and from pinned host memory
+    (read across PCIe), cast to bf16, at the step the device counter says, ahead of it, and a short
+    step; positions past the order's end are not read."""
+    from embedfleet.train.take import kernel_available, take
+
+    assert kernel_available(torch.device("cuda"))
+    g = torch.Generator().manual_seed(1)
+    n, dim, per, stride = 10_007, 384, 512, 1024
+    rows = torch.randperm(n, generator=g).cuda()
+    pos = torch.randperm(n, generator=g).cuda()
+    labels = torch.randint(0, 5, (n,), generator=g).cuda()
+    step_no, base = torch.tensor([7], device="cuda"), torch.tensor([2], device="cuda")
+    for dtype in (torch.float32, torch.float16):
+        table = torch.randn(n, dim, generator=g).to(dtype)
+        for src in (table.cuda(), table.pin_memory()):
+            for first, step_stride, ahead, count in ((512, stride, 0, per), (0, stride, 1, per), (9_900, 0, 0, 107),
+                                                     (4_675, stride, 0, per)):  # the last: 212 rows, then the end
+                x = torch.full((per, dim), -1.0, dtype=torch.bfloat16, device="cuda")
+                y = torch.full((per,), -1, dtype=torch.int64, device="cuda")
+                take(src, rows, pos, labels, x, y, step_no, base, first, step_stride, ahead, count, kernel=True)
+                at = first + (7 - 2 + ahead) * step_stride
+                ok = min(count, n - at)
+                want = table.cuda()[rows[at:at + ok]].to(torch.bfloat16)
+                assert torch.equal(x[:ok], want), (dtype, src.device, first, ahead)
+                assert torch.equal(y[:ok], labels[pos[at:at + ok]])
+                assert (x[count:] == -1).all() and (y[count:] == -1).all()  # nothing written past count
+
+
+def test_the_ram_tier_steps_read_pinned_rows_ahead_and_train_like_the_gpu_tier(dsn, conn):
+    """TrainLoop in the ram tier on CUDA: its graphs take each step's rows from pinned host memory one
+    step ahead (two graphs, two buffers) and give the gpu tier's losses and weights."""
+    from embedfleet.train import order
+    from embedfleet.train.dataset import load
+    from embedfleet.train.heads import build_head
+    from embedfleet.train.loop import TrainLoop
+
+    _table(conn)
+    batch, epochs = 256, 4
+    results = {}
+    for tier in ("gpu", "ram"):
+        ds = load("g", label="rating", db=dsn, device="cuda", cache=tier, task="classify", keys=True)
+        train, _ = ds.split_by_key(0.2)
+        steps = epochs * len(order.step_sizes(len(train), batch))
+        torch.manual_seed(0)
+        model = build_head("mlp", ds.dim, len(ds.classes)).cuda()
+        loop = TrainLoop(model, train, batch, 0, 1, "classify", (0.0, 1.0), [0.01] * steps, 0.01)
+        assert loop.src is not None and loop.ahead == (tier == "ram")
+        losses = [float(loop.epoch(e)) for e in range(epochs)]
+        assert loop.mode == "cuda-graph" and all(g is not None for g in loop.graphs)
+        results[tier] = (losses, [p.detach().cpu() for p in model.parameters()])
+        ds.close()
+    assert results["ram"][0] == pytest.approx(results["gpu"][0], rel=1e-5)
+    for a, b in zip(results["gpu"][1], results["ram"][1]):
+        assert torch.allclose(a, b, rtol=1e-4, atol=1e-6)

@@ -179,7 +179,7 @@ def test_the_training_loop_makes_a_plain_pytorch_loops_updates(env):
         # graph does on CUDA (here eagerly, from the ram tier's storage)
         loop = TrainLoop(mine, train, batch, 0, 1, task, target, [lr * lr_factor(s, total) for s in range(total)],
                          0.01, gather=task == "classify")
-        assert (loop.resident is not None) == (task == "classify")
+        assert (loop.src is not None) == (task == "classify")
         for epoch in range(epochs):
             want = 0.0
             for x, y in train.batches(batch, epoch=epoch):

@@ -409,6 +409,12 @@ class EmbeddingDataset:
     # ---- beyond the contract ---------------------------------------------------------------------
 
     @property
+    def storage(self) -> torch.Tensor | None:
+        """The tier's tensor of the vectors of every row read: in device memory (gpu) or host memory
+        (ram; pinned on CUDA); None in the stream tier."""
+        return self._store.x
+
+    @property
     def resident(self) -> torch.Tensor | None:
         """The vectors of every row read where they live on the dataset's device (the gpu tier's
         storage; on the CPU, the ram tier's), else None."""

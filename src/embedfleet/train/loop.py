@@ -9,13 +9,15 @@ took as long as on one (bench/NOTES.md, run 58). Replayed, a step costs what its
     TrainLoop(model, ds, …).epoch(e)   one epoch's steps on this rank; returns its summed training loss
                                        (a device tensor, no sync)
 
-How a replayed step finds its rows without the host: in the gpu tier the epoch's order is made on
-the device (order.py) into the graph's buffers, and the graph reads the step's rows at a device-side
-offset it advances itself. Other tiers copy each batch into the graph's input buffers before the replay. The learning
-rate comes from a device-side schedule at a device-side step counter. Each parameter's `.grad` is a
-view of one flat buffer that backward accumulates into. An epoch's short last step, the first
-WARMUP_STEPS steps, and every step on the CPU (or with EMBEDFLEET_TRAIN_GRAPH=0) run the same code
-eagerly.
+How a replayed step finds its rows without the host: the epoch's order is made on the device
+(order.py) into the graph's buffers, and one kernel (take.py) reads the step's rows at an offset it
+computes from the device-side step counter. In the gpu tier the rows come from device memory; in the
+ram tier on CUDA the kernel reads them from pinned host memory across PCIe, one step ahead on a side
+stream while the step before computes (two graphs, one per input buffer). The stream tier copies
+each batch into the graph's input buffer before the replay. The learning rate comes from a
+device-side schedule at the same step counter. Each parameter's `.grad` is a view of one flat buffer
+that backward accumulates into. An epoch's short last step, the first WARMUP_STEPS steps, and every
+step on the CPU (or with EMBEDFLEET_TRAIN_GRAPH=0) run the same code eagerly.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from embedfleet.train import order as ordering
+from embedfleet.train.take import kernel_available, take
 
 __all__ = ["TrainLoop", "WARMUP_STEPS"]
 
@@ -34,9 +37,9 @@ class TrainLoop:
     """One rank's training of `model` over `ds` (an EmbeddingDataset with labels), `per_rank` rows a
     step. `lrs[s]`: the learning rate of step s of the whole run. `target`: (mean, std) the
     regression target is scaled by. `graph`: capture and replay full steps (CUDA only). `gather`: take
-    each step's rows from the storage by the epoch's order on the device, inside the graph — None: in
-    the gpu tier when capturing; True: wherever the storage is on the device (the CPU's ram tier too:
-    tests run that code there); False: batches copied in, as other tiers."""
+    each step's rows from the storage by the epoch's order on the device, inside the graph — None:
+    when capturing, in the gpu tier, and in the ram tier where the kernel runs; True: also eagerly
+    (on the CPU: tests run that code there); False: batches copied in, as the stream tier."""
 
     def __init__(self, model: torch.nn.Module, ds, per_rank: int, rank: int, world: int, task: str,
                  target: tuple[float, float], lrs: list[float], weight_decay: float, graph: bool = True,
@@ -67,28 +70,42 @@ class TrainLoop:
         self.loss_sum = torch.zeros((), dtype=torch.float64, device=dev)
         self.sizes = ordering.step_sizes(len(ds), per_rank, world)
         self.stride = per_rank * world
-        # the gpu tier: the step's rows gathered inside the graph from the epoch's order on the device
-        self.resident = ds.resident if gather or (gather is None and self.capture) else None
-        if self.resident is not None:
+        self.kernel = kernel_available(dev)
+        self.src = self._source(ds, gather)
+        # read across PCIe: each step's rows are taken during the step before, into the other buffer
+        self.ahead = int(self.src is not None and self.src.device != dev)
+        slots = 2 if self.ahead else 1
+        # bf16 on CUDA: the dtype autocast casts a head's first Linear's input to, cast once in the take
+        x_dtype = torch.bfloat16 if self.cuda else ds.dtype
+        self.x_bufs = [torch.empty((per_rank, ds.dim), dtype=x_dtype, device=dev) for _ in range(slots)]
+        self.y_bufs = [torch.empty(per_rank, dtype=ds.labels.dtype, device=dev) for _ in range(slots)]
+        if self.src is not None:
             self.order_rows = torch.empty(len(ds), dtype=torch.int64, device=dev)
             self.order_pos = torch.empty(len(ds), dtype=torch.int64, device=dev)
-            self.offset = torch.zeros(1, dtype=torch.int64, device=dev)
-            self.arange = torch.arange(per_rank, device=dev)
-        elif self.capture:
-            self.x_in = torch.empty((per_rank, ds.dim), dtype=ds.dtype, device=dev)
-            self.y_in = torch.empty(per_rank, dtype=ds.labels.dtype, device=dev)
-        self.graph: torch.cuda.CUDAGraph | None = None
+            self.base = torch.zeros(1, dtype=torch.int64, device=dev)  # step_no at the epoch's first step
+        self.side = torch.cuda.Stream(dev) if self.ahead else None
+        self.graphs: list[torch.cuda.CUDAGraph | None] = [None] * slots
         self.eager_steps = 0
+
+    def _source(self, ds, gather: bool | None) -> torch.Tensor | None:
+        """The storage the steps take their rows from by the order, or None (batches copied in)."""
+        x = ds.storage
+        readable = x is not None and (x.device == self.dev or
+                                      (self.kernel and x.device.type == "cpu" and x.is_pinned()))
+        if gather and not readable:
+            raise ValueError("gather=True: the dataset's storage is neither on its device nor readable there")
+        return x if readable and (gather or (gather is None and self.capture)) else None
 
     @property
     def mode(self) -> str:
         """"cuda-graph" once full steps are replayed, else "eager"."""
-        return "cuda-graph" if self.graph is not None else "eager"
+        return "cuda-graph" if any(g is not None for g in self.graphs) else "eager"
 
     # ---- one step ---------------------------------------------------------------------------------
 
     def _step(self, x: torch.Tensor, y: torch.Tensor, rows: int) -> None:
-        """The whole step; `rows`: the step's rows over all ranks (the loss is their mean)."""
+        """Forward, backward, all-reduce and update; `rows`: the step's rows over all ranks (the loss
+        is their mean). The caller advances step_no."""
         self.grads.zero_()
         with torch.autocast("cuda", dtype=torch.bfloat16, enabled=self.cuda, cache_enabled=False):
             out = self.model(x if self.cuda else x.float())
@@ -102,41 +119,56 @@ class TrainLoop:
             torch.distributed.all_reduce(self.grads)  # the sum over ranks of each rank's sum / global rows
         self.lr.copy_(self.lrs.index_select(0, self.step_no)[0])
         self.optimizer.step()
-        self.step_no += 1
         self.loss_sum += loss.detach().double()
 
-    def _gathered_step(self) -> None:
-        i = self.offset + self.arange
-        self.offset += self.stride
-        x = self.resident.index_select(0, self.order_rows.index_select(0, i))
-        y = self.ds.labels.index_select(0, self.order_pos.index_select(0, i))
-        self._step(x, y, self.stride)
+    def _take(self, slot: int, ahead: int, first: int | None = None, count: int | None = None) -> None:
+        """This rank's rows of the step `ahead` of step_no into buffer `slot`; with `first`, the `count`
+        rows at that position of the order instead (an epoch's short last step)."""
+        take(self.src, self.order_rows, self.order_pos, self.ds.labels, self.x_bufs[slot], self.y_bufs[slot],
+             self.step_no, self.base, self.rank * self.per_rank if first is None else first,
+             self.stride if first is None else 0, ahead, count, kernel=self.kernel)
 
-    def _copied_step(self) -> None:
-        self._step(self.x_in, self.y_in, self.stride)
+    def _gathered_step(self, slot: int) -> None:
+        if not self.ahead:
+            self._take(slot, 0)
+            self._step(self.x_bufs[slot], self.y_bufs[slot], self.stride)
+        else:
+            main = torch.cuda.current_stream(self.dev)
+            self.side.wait_stream(main)
+            with torch.cuda.stream(self.side):
+                self._take(1 - slot, 1)
+            self._step(self.x_bufs[slot], self.y_bufs[slot], self.stride)
+            main.wait_stream(self.side)
+        self.step_no += 1
 
-    def _full_step(self, body) -> None:
-        """A full-size step: replayed once captured; before that WARMUP_STEPS eager steps on a side
-        stream (as torch's CUDA-graph notes ask), then the capture and its first replay."""
-        if self.graph is not None:
-            self.graph.replay()
+    def _copied_step(self, slot: int) -> None:
+        self._step(self.x_bufs[slot], self.y_bufs[slot], self.stride)
+        self.step_no += 1
+
+    def _full_step(self, body, slot: int = 0) -> None:
+        """A full-size step on input buffer `slot`: replayed once captured; before that WARMUP_STEPS
+        eager steps on a side stream (as torch's CUDA-graph notes ask), then the capture (one graph
+        per buffer, sharing their memory pool) and its first replay."""
+        if self.graphs[slot] is not None:
+            self.graphs[slot].replay()
             return
         if not self.capture:
-            body()
+            body(slot)
             return
         if self.eager_steps < WARMUP_STEPS:
             side = torch.cuda.Stream(self.dev)
             side.wait_stream(torch.cuda.current_stream(self.dev))
             with torch.cuda.stream(side):
-                body()
+                body(slot)
             torch.cuda.current_stream(self.dev).wait_stream(side)
             self.eager_steps += 1
             return
         graph = torch.cuda.CUDAGraph()
-        # thread_local: the ram tier's gather thread goes on copying on its own stream meanwhile
-        with torch.cuda.graph(graph, capture_error_mode="thread_local"):
-            body()
-        self.graph = graph
+        pool = next((g.pool() for g in self.graphs if g is not None), None)
+        # thread_local: another thread (a ram tier's copies, the stream tier's reads) may use CUDA meanwhile
+        with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
+            body(slot)
+        self.graphs[slot] = graph
         graph.replay()
 
     # ---- one epoch --------------------------------------------------------------------------------
@@ -151,28 +183,31 @@ class TrainLoop:
         self._spend(len(self.sizes))
         self.loss_sum.zero_()
         full = int((self.sizes == self.stride).sum())
-        if self.resident is not None:
+        if self.src is not None:
             rows, positions = self.ds.epoch_rows_on_device(epoch)
             self.order_rows.copy_(rows)
             self.order_pos.copy_(positions)
-            self.offset.fill_(self.rank * self.per_rank)
-            for _ in range(full):
-                self._full_step(self._gathered_step)
+            self.base.copy_(self.step_no)
+            if self.ahead and full:
+                self._take(0, 0)  # the first step's rows; each step takes the next one's
+            for s in range(full):
+                self._full_step(self._gathered_step, s % len(self.graphs))
             starts, ends = ordering.step_bounds(len(self.ds), self.per_rank, self.rank, self.world)
             for s in range(full, len(self.sizes)):  # the short last step
-                a, b = int(starts[s]), int(ends[s])
-                x = self.resident.index_select(0, self.order_rows[a:b])
-                y = self.ds.labels.index_select(0, self.order_pos[a:b])
-                self._step(x, y, int(self.sizes[s]))
+                a, k = int(starts[s]), int(ends[s] - starts[s])
+                self._take(0, 0, first=a, count=k)
+                self._step(self.x_bufs[0][:k], self.y_bufs[0][:k], int(self.sizes[s]))
+                self.step_no += 1
             return self.loss_sum
         for s, (x, y) in enumerate(self.ds.batches(self.per_rank, shuffle=True, epoch=epoch, rank=self.rank,
                                                    world_size=self.world)):
             if self.capture and s < full:
-                self.x_in.copy_(x)
-                self.y_in.copy_(y)
+                self.x_bufs[0].copy_(x)
+                self.y_bufs[0].copy_(y)
                 self._full_step(self._copied_step)
             else:
                 self._step(x, y, int(self.sizes[s]))
+                self.step_no += 1
         return self.loss_sum
 
     def steps_on(self, x: torch.Tensor, y: torch.Tensor, count: int) -> None:
@@ -182,8 +217,9 @@ class TrainLoop:
         if not self.capture:
             for _ in range(count):
                 self._step(x, y, self.stride)
+                self.step_no += 1
             return
-        self.x_in.copy_(x)
-        self.y_in.copy_(y)
+        self.x_bufs[0].copy_(x)
+        self.y_bufs[0].copy_(y)
         for _ in range(count):
             self._full_step(self._copied_step)
