@@ -3,7 +3,7 @@ EmbeddingDataset's tiers, against the training step alone.
 
     python bench/train_loader.py [--rows 200000] [--dim 384] [--table NAME] [--device auto]
         [--batch-size 4096] [--epochs 2] [--slow-batches 60] [--workers 4] [--readers 1,4]
-        [--file-rows 1000000] [--skip sql,file,stream] [--ram-variants switch200us,…]
+        [--file-rows 1000000] [--skip sql,file,stream,read,eager] [--ram-variants switch200us,…]
         [--ddp-devices cuda:0,1] [--db DSN] [--out FILE]
 
 The table (`bench_train_<rows>_<dim>`, reused when it exists with that many rows) is written by
@@ -72,6 +72,12 @@ CLASSES = 5
 
 def say(*args) -> None:
     print(*args, file=sys.stderr, flush=True)
+
+
+def said(seconds: list[float]) -> list[float]:
+    """Epoch seconds, also said as they come (a run cut short keeps what it measured)."""
+    say(f"  epoch seconds {seconds}")
+    return seconds
 
 
 # ---- the table ------------------------------------------------------------------------------------
@@ -417,7 +423,7 @@ def main() -> None:
     ap.add_argument("--readers", default=None, help="connection counts for the bulk read (default 1 and the default)")
     ap.add_argument("--read-rows", type=int, default=2_000_000, help="rows of the one-connection read")
     ap.add_argument("--file-rows", type=int, default=1_000_000, help="rows in the DataLoader's file cache")
-    ap.add_argument("--skip", default="", help="comma list of: sql, file, stream, read")
+    ap.add_argument("--skip", default="", help="comma list of: sql, file, stream, read, eager")
     ap.add_argument("--ram-variants", default="", help="comma list of: switch200us, one_thread, torch_gather "
                     "(the ram tier again with that change)")
     ap.add_argument("--ddp-devices", default=None, help="also `embedfleet train` on these devices (issue 22)")
@@ -464,17 +470,19 @@ def main() -> None:
     y_dev = ds.labels
 
     say("pure compute (the trainer's step on one batch on the device)")
-    epoch_s["pure_compute"] = time_loop_compute(ds, a.batch_size, a.epochs)
-    say("pure compute, eager step")
-    epoch_s["pure_compute_eager"] = time_epochs(
-        lambda e: ((x_dev[s:s + a.batch_size], y_dev[s:s + a.batch_size]) for s in range(0, n, a.batch_size)),
-        dim, dev, n, a.batch_size, a.epochs)
+    epoch_s["pure_compute"] = said(time_loop_compute(ds, a.batch_size, a.epochs))
+    if "eager" not in skip:
+        say("pure compute, eager step")
+        epoch_s["pure_compute_eager"] = said(time_epochs(
+            lambda e: ((x_dev[s:s + a.batch_size], y_dev[s:s + a.batch_size]) for s in range(0, n, a.batch_size)),
+            dim, dev, n, a.batch_size, a.epochs))
     for tier, d in tiers.items():
         say(f"tier {tier} (the trainer's loop)")
-        epoch_s[tier] = time_loop_epochs(d, a.batch_size, a.epochs)
-        say(f"tier {tier}, eager step over batches()")
-        epoch_s[f"{tier}_eager"] = time_epochs(lambda e, d=d: d.batches(a.batch_size, epoch=e), dim, dev, n,
-                                               a.batch_size, a.epochs)
+        epoch_s[tier] = said(time_loop_epochs(d, a.batch_size, a.epochs))
+        if "eager" not in skip:
+            say(f"tier {tier}, eager step over batches()")
+            epoch_s[f"{tier}_eager"] = said(time_epochs(lambda e, d=d: d.batches(a.batch_size, epoch=e), dim, dev, n,
+                                                        a.batch_size, a.epochs))
     if "ram" in tiers and a.ram_variants:
         for name in a.ram_variants.split(","):
             say(f"tier ram, {name}")

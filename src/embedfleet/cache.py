@@ -16,6 +16,8 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import sys
+import tempfile
 import threading
 from pathlib import Path
 
@@ -37,20 +39,25 @@ def use_compile_cache() -> None:
     root = cache_dir()
     ours = str(root / "inductor")
     current = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
-    # Asking inductor for its default imports torch._inductor and torch._dynamo (seconds on a GPU
-    # host): only when the variable holds something neither unset nor ours.
-    if current is None or (os.path.abspath(current) != os.path.abspath(ours)
-                           and os.path.abspath(current) == _inductor_default()):
+    if current is None or (os.path.abspath(current) != os.path.abspath(ours) and _inductor_default(current)):
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = ours
     os.environ.setdefault("TRITON_CACHE_DIR", str(root / "triton"))
 
 
-def _inductor_default() -> str | None:
-    try:
-        from torch._inductor.runtime.cache_dir_utils import default_cache_dir
-    except ImportError:  # another torch: only an unset variable is ours to set
-        return None
-    return os.path.abspath(default_cache_dir())
+def _inductor_default(path: str) -> bool:
+    """Whether `path` is the default inductor writes (<temp dir>/torchinductor_<user>). Asked of
+    inductor only where it is imported already: importing it imports torch._dynamo (~4 s a first
+    encode on a GPU host waited for, tests/gpu/test_encode_gpu.py)."""
+    path = os.path.abspath(path)
+    if "torch._inductor" in sys.modules:
+        try:
+            from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+        except ImportError:  # another torch: judged by the name below
+            pass
+        else:
+            return path == os.path.abspath(default_cache_dir())
+    head, name = os.path.split(path)
+    return head == os.path.abspath(tempfile.gettempdir()) and name.startswith("torchinductor_")
 
 
 def _compiled_file() -> Path:
