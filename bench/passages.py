@@ -34,7 +34,11 @@ def ingest(src: Path, dsn: str, table: str, extra: list[str], model: str | None,
             "rows_per_s": round(rows / loop, 1), "tokens_per_s": round(tokens / loop, 1),
             "input_wait_s": round(max(x["input_wait_s"] for x in w), 3),
             "gpu_waited_share": round(max(x["input_wait_s"] for x in w) / loop, 4),
-            "helpers": w[0]["helpers"], "startup": w[0]["startup"]}
+            "helpers": w[0]["helpers"], "startup": w[0]["startup"],
+            # where the input's time went: the helpers' CPU a row, and the worker's records thread
+            "helper_cpu_us_per_row": round(1e6 * sum(x.get("helper_cpu_s", 0) for x in w) / max(1, rows), 1),
+            "helper_busy_s": sum(x.get("helper_busy_s", 0) for x in w),
+            "records_thread_s": {k: max(x.get(k, 0) for x in w) for k in ("read_s", "collect_s", "records_blocked_s")}}
 
 
 def main() -> None:
