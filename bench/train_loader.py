@@ -15,8 +15,9 @@ Each loader feeds the same step (linear head, cross-entropy, AdamW; bf16 autocas
 on CUDA) with `--batch-size` rows:
     pure_compute     the trainer's step (TrainLoop: one CUDA graph a step on CUDA) on one batch
                      already on the device, an epoch's worth of steps: the floor
-    gpu, ram         TrainLoop over EmbeddingDataset in each tier, as `embedfleet train` runs it (the
-                     ram tier is the gpu tier's rows copied to pinned memory: the table is read once)
+    gpu, ram         TrainLoop over EmbeddingDataset in each tier, as `embedfleet train` runs it (its
+                     storage dtype: bf16 on CUDA; the ram tier is the gpu tier's rows copied to
+                     pinned memory: the table is read once)
     *_eager          the same with the eager step of a user's loop (make_step) over `batches()`
                      (pure_compute_eager: contiguous slices of tensors on the device)
     stream           the eager step over the stream tier's batches()
@@ -66,6 +67,7 @@ from embedfleet.train.heads import build_head
 from embedfleet.train.order import step_sizes
 from embedfleet.train.read import TableRead, describe
 from embedfleet.train.loop import TrainLoop
+from embedfleet.train.trainer import storage_dtype
 
 CLASSES = 5
 
@@ -456,9 +458,9 @@ def main() -> None:
     # EmbeddingDataset: read once into the fastest tier, the ram tier copied from it
     say("EmbeddingDataset.from_table (cache auto)")
     ds = EmbeddingDataset.from_table(table, label="rating", db=dsn, device=dev, cache="auto",
-                                     connections=readers[-1])
+                                     connections=readers[-1], dtype=storage_dtype(dev))  # as `embedfleet train`
     n, dim = len(ds), ds.dim
-    doc["dataset"] = {"rows": n, "dim": dim, "cache": ds.cache, **ds.stats}
+    doc["dataset"] = {"rows": n, "dim": dim, "cache": ds.cache, "dtype": str(ds.dtype), **ds.stats}
     if dev.type == "cuda":  # the ram tier's floor: an epoch's bytes over the pinned copy's rate
         doc["copies"] = copy_rates(a.batch_size * dim * ds.dtype.itemsize, dev)
         doc["copies"]["ram_epoch_floor_s"] = round(n * dim * ds.dtype.itemsize / 1e9 / doc["copies"]["h2d_pinned_gb_s"], 3)

@@ -57,6 +57,7 @@ def test_train_on_one_gpu_in_both_tiers(dsn, conn, tmp_path):
     gpu = _train(tmp_path, dsn, "--devices", "cuda:0", "--cache", "gpu")
     ram = _train(tmp_path, dsn, "--devices", "cuda:0", "--cache", "ram")
     assert gpu["cache"] == "gpu" and ram["cache"] == "ram" and gpu["device"] == "cuda:0"
+    assert gpu["dtype"] == ram["dtype"] == "bfloat16"  # what autocast feeds the head: stored so on CUDA
     assert gpu["final"]["val_accuracy"] > 0.45  # chance is 0.2: the rating is a step function of one component
     for a, b in zip(gpu["epochs"], ram["epochs"]):
         assert a["train_loss"] == pytest.approx(b["train_loss"], rel=1e-3)
@@ -122,7 +123,8 @@ def test_the_take_kernel_reads_device_and_pinned_host_rows_like_torch():
 
 def test_the_ram_tier_steps_read_pinned_rows_ahead_and_train_like_the_gpu_tier(dsn, conn):
     """TrainLoop in the ram tier on CUDA: its graphs take each step's rows from pinned host memory one
-    step ahead (two graphs, two buffers) and give the gpu tier's losses and weights."""
+    step ahead (two graphs, two buffers), as the gpu tier's from device memory, and give its losses
+    and weights."""
     from embedfleet.train import order
     from embedfleet.train.dataset import load
     from embedfleet.train.heads import build_head
@@ -138,7 +140,7 @@ def test_the_ram_tier_steps_read_pinned_rows_ahead_and_train_like_the_gpu_tier(d
         torch.manual_seed(0)
         model = build_head("mlp", ds.dim, len(ds.classes)).cuda()
         loop = TrainLoop(model, train, batch, 0, 1, "classify", (0.0, 1.0), [0.01] * steps, 0.01)
-        assert loop.src is not None and loop.ahead == (tier == "ram")
+        assert loop.src is not None and loop.ahead == 1
         losses = [float(loop.epoch(e)) for e in range(epochs)]
         assert loop.mode == "cuda-graph" and all(g is not None for g in loop.graphs)
         results[tier] = (losses, [p.detach().cpu() for p in model.parameters()])

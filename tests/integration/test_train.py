@@ -89,7 +89,7 @@ def test_train_beats_chance_and_predict_agrees_with_the_head(env):
     assert final["val_accuracy"] >= 0.6 and final["val_macro_f1"] >= 0.5  # chance is 0.2
     assert doc["rows"]["skipped_null_label"] == NULL_RATINGS
     assert doc["rows"]["train"] + doc["rows"]["val"] == ROWS - NULL_RATINGS and doc["rows"]["val"] > 60
-    assert doc["cache"] == "ram" and doc["world_size"] == 1 and doc["classes"] == [1.0, 2.0, 3.0, 4.0, 5.0]
+    assert doc["cache"] == "ram" and doc["dtype"] == "float32" and doc["world_size"] == 1 and doc["classes"] == [1.0, 2.0, 3.0, 4.0, 5.0]
     assert len(doc["epochs"]) == 30
     for e in doc["epochs"]:
         assert {"train_loss", "val_accuracy", "val_macro_f1", "confusion", "seconds", "samples_per_s"} <= set(e)

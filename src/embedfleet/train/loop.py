@@ -11,9 +11,9 @@ took as long as on one (bench/NOTES.md, run 58). Replayed, a step costs what its
 
 How a replayed step finds its rows without the host: the epoch's order is made on the device
 (order.py) into the graph's buffers, and one kernel (take.py) reads the step's rows at an offset it
-computes from the device-side step counter. In the gpu tier the rows come from device memory; in the
-ram tier on CUDA the kernel reads them from pinned host memory across PCIe, one step ahead on a side
-stream while the step before computes (two graphs, one per input buffer). The stream tier copies
+computes from the device-side step counter, one step ahead on a side stream while the step before
+computes (two graphs, one per input buffer). In the gpu tier the rows come from device memory; in the
+ram tier on CUDA the kernel reads them from pinned host memory across PCIe. The stream tier copies
 each batch into the graph's input buffer before the replay. The learning rate comes from a
 device-side schedule at the same step counter. Each parameter's `.grad` is a view of one flat buffer
 that backward accumulates into. An epoch's short last step, the first WARMUP_STEPS steps, and every
@@ -72,8 +72,9 @@ class TrainLoop:
         self.stride = per_rank * world
         self.kernel = kernel_available(dev)
         self.src = self._source(ds, gather)
-        # read across PCIe: each step's rows are taken during the step before, into the other buffer
-        self.ahead = int(self.src is not None and self.src.device != dev)
+        # replayed: each step's rows are taken during the step before (a side stream, the other buffer),
+        # off the step's critical path — in the ram tier they cross PCIe meanwhile
+        self.ahead = int(self.src is not None and self.capture)
         slots = 2 if self.ahead else 1
         # bf16 on CUDA: the dtype autocast casts a head's first Linear's input to, cast once in the take
         x_dtype = torch.bfloat16 if self.cuda else ds.dtype

@@ -6,7 +6,7 @@ import torch
 import triton
 import triton.language as tl
 
-ROWS = 16  # rows a program: 256 programs for a 4,096-row step keep many reads in flight (PCIe's latency)
+ELEMENTS = 8192  # a program's rows x columns: every row loaded at once, many reads in flight (PCIe's latency)
 
 
 # values that change between calls are not specialised on: one compile, not one per step kind
@@ -34,6 +34,7 @@ def take_rows(src: torch.Tensor, rows: torch.Tensor, pos: torch.Tensor, labels: 
               count: int) -> None:
     """take.take's work (contiguous `src` and `x_out`)."""
     dim = src.shape[1]
-    cols = min(128, triton.next_power_of_2(dim))
-    _take_kernel[(triton.cdiv(count, ROWS),)](src, rows, pos, labels, x_out, y_out, step_no, base, first, stride,
-                                             ahead, count, rows.shape[0], dim, ROWS=ROWS, COLS=cols, num_warps=4)
+    cols = min(1024, triton.next_power_of_2(dim))
+    per = max(1, ELEMENTS // cols)
+    _take_kernel[(triton.cdiv(count, per),)](src, rows, pos, labels, x_out, y_out, step_no, base, first, stride,
+                                            ahead, count, rows.shape[0], dim, ROWS=per, COLS=cols, num_warps=4)
