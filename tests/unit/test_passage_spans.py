@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 from embedfleet.encode.passages import parse_passages, spans
@@ -72,17 +73,40 @@ def test_word_path_offsets_cut_like_the_librarys_on_clean_ascii():
     from embedfleet.synth import long_tail_texts
 
     spec = tokenizer_spec(resolve_model(None), None)
-    fast = Splitter(spec.tokenizer_json, 64, 8, words=spec.build().word_tokens)
+    fast = Splitter(spec.tokenizer_json, 64, 8, words=spec.build().word_tokens_many)
     library = Splitter(spec.tokenizer_json, 64, 8)
     odd = ["Dr. Smith's e-mail (x@y.org) cost $4.99!", "unbelievably-hyphenated-compound-words", "x" * 130,
            "Tokenization " * 3 + "antidisestablishmentarianism" * 4, "a,b;c:d?e!f", "  leading   spaces  "]
     texts = [t for t in long_tail_texts(40, seed=5, median_words=700) if t.isascii()][:12] + odd + [" ".join(odd * 9)]
     assert len(texts) > 14
     for text in texts:
-        assert fast._words(text) is not None  # these texts take the word path
-        got, want = fast._offsets(text), library._offsets(text)
+        words = fast.words([text])[0]
+        assert words is not None  # these texts take the word path
+        got, want = fast._offsets(text, words), library._offsets(text)
         assert len(got) == len(want)  # the same number of tokens
         gaps = [c for c in range(1, len(want)) if want[c][0] > want[c - 1][1]]
         assert gaps == [c for c in range(1, len(got)) if got[c][0] > got[c - 1][1]]  # words begin at the same tokens
         assert all(got[c][0] == want[c][0] and got[c - 1][1] == want[c - 1][1] for c in gaps)
         assert fast.split(text) == library.split(text)
+
+
+def test_the_words_of_many_texts_at_once_are_each_texts_own():
+    """word_tokens_many (one pass over many texts' new words) gives each text what word_tokens gives it
+    alone, None where the word path does not take a text (non-ASCII), and nothing for an empty one."""
+    from embedfleet.encode.models import resolve_model
+    from embedfleet.encode.tokenize import tokenizer_spec
+    from embedfleet.synth import long_tail_texts
+
+    spec = tokenizer_spec(resolve_model(None), None)
+    texts = long_tail_texts(30, seed=11, median_words=300)
+    texts[3:3] = ["", "Café crème, naïve — ok", "end.", "  spaced   out  ", "x" * 130]
+    alone, together = spec.build(), spec.build()  # separate word tables: new words learnt either way
+    many = together.word_tokens_many(texts)
+    assert len(many) == len(texts) and sum(w is not None for w in many) == len(texts) - 1  # all but the café
+    for text, got in zip(texts, many):
+        want = alone.word_tokens(text)
+        if want is None:
+            assert got is None and not text.isascii()
+            continue
+        assert all(np.array_equal(a, b) for a, b in zip(got, want)), text[:40]
+    assert len(many[3][0]) == 0  # the empty text has no words

@@ -129,11 +129,11 @@ def piece_offsets(starts: np.ndarray, ends: np.ndarray, pieces: np.ndarray) -> l
 
 class Splitter:
     """Cuts texts into passages with a model's tokenizer (tokenizer.json), none longer than `size` tokens.
-    `words`: a tokenizer's `word_tokens` (TextTokenizer), which gives a text's words and their pieces
-    where its word path applies — the same word table the texts are then tokenized with."""
+    `words`: a tokenizer's `word_tokens_many` (TextTokenizer), which gives each text's words and their
+    pieces where its word path applies — the same word table the texts are then tokenized with."""
 
     def __init__(self, tokenizer_json: str, size: int, overlap: int,
-                 words: Callable[[str], tuple | None] | None = None):
+                 words: Callable[[list[str]], list[tuple | None]] | None = None):
         from tokenizers import Tokenizer, models, pre_tokenizers
 
         self.size, self.overlap = size, overlap
@@ -144,12 +144,11 @@ class Splitter:
             self.tok.pre_tokenizer, pre_tokenizers.BertPreTokenizer)
         self._words = words if self.words_stay else None
 
-    def _offsets(self, text: str) -> list[tuple[int, int]]:
-        """Token offsets of the whole text: from its words and their piece counts where the tokenizer's
+    def _offsets(self, text: str, words: tuple | None = None) -> list[tuple[int, int]]:
+        """Token offsets of the whole text: from its `words` and their piece counts where the tokenizer's
         word path takes the text (clean ASCII, a BERT tokenizer: the library's encode was most of a
         helper's time per passage), else from the library, a window at a time (cut at whitespace) so
         that a huge document never becomes one huge encoding."""
-        words = self._words(text) if self._words is not None else None
         if words is not None:
             return piece_offsets(*words)
         out, base = [], 0
@@ -164,8 +163,13 @@ class Splitter:
     def count(self, text: str) -> int:
         return len(self.tok.encode(text, add_special_tokens=False).ids)
 
-    def split(self, text: str) -> list[str]:
-        offsets = self._offsets(text)
+    def words(self, texts: list[str]) -> list[tuple | None]:
+        """Each text's words and piece counts by the word path, or None (the library's offsets)."""
+        return self._words(texts) if self._words is not None else [None] * len(texts)
+
+    def split(self, text: str, words: tuple | None = None) -> list[str]:
+        """`text`'s passages; `words`: its entry of `words([...])`, if asked already."""
+        offsets = self._offsets(text, words if words is not None else self.words([text])[0])
         if not offsets:
             return [text]
         # Tokenized on its own a piece can take a token more than in context (a word cut in two, a BPE
@@ -179,8 +183,9 @@ def expand(records: list[Record], splitter: Splitter) -> list[Record]:
     """Each record as its passages: id `<record id>#<n>`, `parent_id`, `passage` n (0-based), the
     passage's text as content, and the record's other values."""
     out = []
-    for r in records:
-        for n, piece in enumerate(splitter.split(r.content)):
+    words = splitter.words([r.content for r in records])  # the unit's new words learnt in one pass
+    for r, w in zip(records, words):
+        for n, piece in enumerate(splitter.split(r.content, w)):
             out.append(dataclasses.replace(r, id=f"{r.id}#{n}", content=piece,
                                            values={**r.values, "parent_id": r.id, "passage": n}))
     return out

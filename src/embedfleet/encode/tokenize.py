@@ -150,12 +150,20 @@ class _Tokenizer:
     def word_tokens(self, text: str) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
         """(starts, ends, pieces) of `text`'s words by the word path, where it applies to this tokenizer
         and to `text`; else None."""
+        return self.word_tokens_many([text])[0]
+
+    def word_tokens_many(self, texts: list[str]) -> list[tuple[np.ndarray, np.ndarray, np.ndarray] | None]:
+        """word_tokens of each text, the texts the word path takes done together."""
         words = self._words_for(WORD_PATH_MIN_TEXTS)
-        if (words is None or not text.isascii() or _CONTROL.search(text) is not None
-                or (self._added is not None and self._added.search(text) is not None)):
-            return None
+        out: list = [None] * len(texts)
+        if words is None:
+            return out
+        clean = [i for i, t in enumerate(texts) if t.isascii() and _CONTROL.search(t) is None
+                 and (self._added is None or self._added.search(t) is None)]
         with self._words_lock:
-            return words.word_tokens(text)
+            for i, w in zip(clean, words.word_tokens_many([texts[i] for i in clean])):
+                out[i] = w
+        return out
 
     def encode(self, texts: list[str], pad_id: int) -> tuple[np.ndarray, np.ndarray]:
         """Packed int32 ids and int32 lengths, in input order; an empty encoding becomes [pad_id]."""
@@ -299,6 +307,10 @@ class TextTokenizer:
         """(starts, ends, pieces) of `text`'s words by this tokenizer's word path (BERT-style tokenizers
         on clean ASCII text), or None where it does not apply: the passage splitter's cuts."""
         return self._local.word_tokens(text)
+
+    def word_tokens_many(self, texts: list[str]) -> list[tuple[np.ndarray, np.ndarray, np.ndarray] | None]:
+        """word_tokens of each text, done together (one pass over the texts' new words)."""
+        return self._local.word_tokens_many(texts)
 
     def spec(self, prefix: str = "") -> TokenizerSpec:
         """How to rebuild this tokenizer (with a prompt prefix) in another process."""

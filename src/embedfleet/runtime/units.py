@@ -132,7 +132,7 @@ class Preparer:
         columns = table_columns(ctx.preset, ctx.passages is not None)
         self.encoder = RowEncoder(["text", "text"] + [COPY_TYPES[c.pgtype] for c in columns])
         self._column_names = tuple(c.name for c in columns)  # each row's values, in column order
-        self.splitter = (Splitter(ctx.tokenizer.tokenizer_json, *ctx.passages, words=self.tokenizer.word_tokens)
+        self.splitter = (Splitter(ctx.tokenizer.tokenizer_json, *ctx.passages, words=self.tokenizer.word_tokens_many)
                          if ctx.passages else None)
         self._ledger = None
 
