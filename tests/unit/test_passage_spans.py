@@ -110,3 +110,60 @@ def test_the_words_of_many_texts_at_once_are_each_texts_own():
             continue
         assert all(np.array_equal(a, b) for a, b in zip(got, want)), text[:40]
     assert len(many[3][0]) == 0  # the empty text has no words
+
+
+def _plain_spans(offsets, text, size, overlap, fits=None):
+    """The cut rules as a walk over the tokens, the way they read: the reference for `spans`."""
+    import re
+
+    sentence_end = re.compile(r"[.!?。！？…]['\"”’)\]]*$")
+    n = len(offsets)
+
+    def gap(c):
+        return c == 0 or offsets[c][0] > offsets[c - 1][1]
+
+    def cut(start, end):
+        half = start + max(1, (end - start) // 2)
+        word = None
+        for c in range(end, half - 1, -1):
+            if gap(c) and sentence_end.search(text[offsets[c - 1][0]:offsets[c - 1][1]]):
+                return c
+            if gap(c) and word is None:
+                word = c
+        if word is not None:
+            return word
+        return next((c for c in range(half - 1, start, -1) if gap(c)), end)
+
+    out, start = [], 0
+    while start < n:
+        limit = min(start + size, n)
+        while True:
+            c = cut(start, limit) if limit < n else n
+            if fits is None or c - start <= max(1, size - 4) or fits(text[offsets[start][0]:offsets[c - 1][1]]):
+                break
+            limit = c - 1
+        out.append((offsets[start][0], offsets[c - 1][1]))
+        if c >= n:
+            break
+        at = max(c - overlap, start + 1)
+        start = next((k for k in range(at, c) if gap(k)), at) if overlap else c
+    return out
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_spans_cut_where_a_walk_over_the_tokens_would(seed):
+    """The cuts as array lookups against the rules walked token by token: random tokens (several to a
+    word, punctuation, sentence ends with closing quotes, non-ASCII), sizes, overlaps and checks."""
+    rng = np.random.default_rng(seed)
+    pieces = ["ab", "c", "déf", "g.", "h!", "i?”", "j.)", "k", "。", "x…", "'"]
+    text, offsets = "", []
+    for _ in range(int(rng.integers(1, 400))):
+        if text and rng.random() < 0.6:
+            text += " " * int(rng.integers(1, 3))
+        tok = pieces[int(rng.integers(len(pieces)))]
+        offsets.append((len(text), len(text) + len(tok)))
+        text += tok
+    size = int(rng.integers(8, 40))
+    overlap = int(rng.integers(0, size // 2))
+    fits = (lambda piece: len(piece) <= 3 * size) if seed % 2 else None
+    assert spans(offsets, text, size, overlap, fits) == _plain_spans(offsets, text, size, overlap, fits)

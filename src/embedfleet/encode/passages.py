@@ -23,7 +23,9 @@ __all__ = ["COLUMNS", "parse_passages", "room", "spans", "piece_offsets", "Split
 # What a passage row has besides its record's columns: the record it came from and its place in it.
 COLUMNS = (Column("parent_id", "text"), Column("passage", "integer"))
 _SENTENCE_END = re.compile(r"[.!?。！？…]['\"”’)\]]*$")
-_SENTENCE_TAIL = frozenset(".!?。！？…'\"”’)]")  # a token that ends a sentence ends with one of these
+_SENTENCE_TAIL = ".!?。！？…'\"”’)]"  # a token that ends a sentence ends with one of these
+_IS_TAIL = np.zeros(1 << 16, bool)  # by code point (any above the table's end is none of them)
+_IS_TAIL[[ord(c) for c in _SENTENCE_TAIL]] = True
 _WINDOW_CHARS = 100_000  # a long text is tokenized a window at a time, each cut at whitespace
 # A slice tokenized on its own differs from its tokens in context only at its two ends (a word cut in two,
 # a BPE word without its leading space): a token or so each. Only pieces this near the limit are checked.
@@ -58,73 +60,89 @@ def room(tokenizer_json: str, max_length: int, prefix: str = "") -> int:
     return max_length - specials - prompt
 
 
-def _cut(offsets: list[tuple[int, int]], text: str, start: int, end: int) -> int:
-    """Where to end a passage that may hold tokens [start, end): after a sentence in its second half,
-    else between two words, else (one word longer than a passage) at `end`."""
-    word = None
-    for c in range(end, start + max(1, (end - start) // 2) - 1, -1):
-        if c >= len(offsets):
-            return c
-        gap = offsets[c][0] > offsets[c - 1][1]  # whitespace (or nothing the tokenizer kept) between tokens
-        if gap and text[offsets[c - 1][1] - 1] in _SENTENCE_TAIL and \
-                _SENTENCE_END.search(text[offsets[c - 1][0]:offsets[c - 1][1]]):
-            return c
-        if gap and word is None:
-            word = c
-    if word is not None:
-        return word
-    for c in range(start + max(1, (end - start) // 2) - 1, start, -1):  # a word boundary in the first half
-        if offsets[c][0] > offsets[c - 1][1]:
-            return c
-    return end
+class _Bounds:
+    """A text's token boundaries as arrays, so each cut is a lookup, not a walk over tokens (the walk
+    was ~30% of a passage helper's time). Token c "starts a word" when whitespace (or nothing the
+    tokenizer kept) lies between it and token c-1, or c is 0; it "starts a sentence" when it starts a
+    word and token c-1 ends a sentence."""
+
+    def __init__(self, offsets, text: str):
+        o = np.asarray(offsets, dtype=np.int64).reshape(-1, 2)
+        self.n = n = len(o)
+        idx = np.arange(n)
+        word = np.ones(n, bool)
+        word[1:] = o[1:, 0] > o[:-1, 1]
+        sentence = np.zeros(n, bool)
+        chars = np.frombuffer(text.encode("utf-32-le"), np.uint32)
+        tail = np.zeros(n, bool)
+        tail[1:] = _IS_TAIL[np.minimum(chars[o[:-1, 1] - 1], len(_IS_TAIL) - 1)]
+        for c in np.flatnonzero(word & tail).tolist():  # a token ending in . ! ? (and their kin), then a gap
+            sentence[c] = _SENTENCE_END.search(text[o[c - 1, 0]:o[c - 1, 1]]) is not None
+        self.word = word
+        self.last_word = np.maximum.accumulate(np.where(word, idx, -1))  # the last word start at or before c
+        self.last_sentence = np.maximum.accumulate(np.where(sentence, idx, -1))
+        nxt = np.where(word, idx, n)
+        self.next_word = np.minimum.accumulate(nxt[::-1])[::-1]  # the first word start at or after c
+
+    def cut(self, start: int, end: int) -> int:
+        """Where to end a passage that may hold tokens [start, end) (end < n): after a sentence in its
+        second half, else between two words there, else in its first half, else (one word longer than
+        a passage) at `end`."""
+        half = start + max(1, (end - start) // 2)
+        if self.last_sentence[end] >= half:
+            return int(self.last_sentence[end])
+        if self.last_word[end] >= half:
+            return int(self.last_word[end])
+        if self.last_word[half - 1] > start:
+            return int(self.last_word[half - 1])
+        return end
+
+    def word_start(self, at: int, limit: int) -> int:
+        """The first token at or after `at` (before `limit`) that begins a word; `at` if none does."""
+        c = int(self.next_word[at])
+        return c if c < limit else at
+
+    def whole_words(self, a: int, b: int) -> bool:
+        return bool(self.word[a]) and (b == self.n or bool(self.word[b]))
 
 
-def _word_start(offsets: list[tuple[int, int]], at: int, limit: int) -> int:
-    """The first token at or after `at` (before `limit`) that begins a word; `at` if none does."""
-    for c in range(at, limit):
-        if c == 0 or offsets[c][0] > offsets[c - 1][1]:
-            return c
-    return at
-
-
-def spans(offsets: list[tuple[int, int]], text: str, size: int, overlap: int,
+def spans(offsets, text: str, size: int, overlap: int,
           fits: Callable[[str], bool] | None = None, words_stay: bool = False) -> list[tuple[int, int]]:
     """(start, end) character ranges of the passages of `text`, from its tokens' character `offsets`
-    (without special tokens): at most `size` tokens each, the next starting `overlap` tokens before the
-    previous one's end (at a word's start where the overlap holds one). `fits(piece)`, if given, has the
-    last word on pieces within EDGE tokens of the limit: a piece it refuses is cut shorter. `words_stay`:
-    the tokenizer splits a slice cut between words into the same tokens as in context (WordPiece after
-    BERT's pre-tokenizer), so such pieces need no check."""
-    n, out, start = len(offsets), [], 0
-
-    def whole_words(a: int, b: int) -> bool:
-        return (a == 0 or offsets[a][0] > offsets[a - 1][1]) and (b == n or offsets[b][0] > offsets[b - 1][1])
-
+    (pairs, or an (n, 2) array; without special tokens): at most `size` tokens each, the next starting
+    `overlap` tokens before the previous one's end (at a word's start where the overlap holds one).
+    `fits(piece)`, if given, has the last word on pieces within EDGE tokens of the limit: a piece it
+    refuses is cut shorter. `words_stay`: the tokenizer splits a slice cut between words into the same
+    tokens as in context (WordPiece after BERT's pre-tokenizer), so such pieces need no check."""
+    o = np.asarray(offsets, dtype=np.int64).reshape(-1, 2)
+    b = _Bounds(o, text)
+    n, out, start = b.n, [], 0
+    first, last = o[:, 0].tolist(), o[:, 1].tolist()
     while start < n:
         limit = min(start + size, n)
         while True:
-            cut = _cut(offsets, text, start, limit) if limit < n else n
-            if (fits is None or cut - start <= max(1, size - EDGE) or (words_stay and whole_words(start, cut))
-                    or fits(text[offsets[start][0]:offsets[cut - 1][1]])):
+            cut = b.cut(start, limit) if limit < n else n
+            if (fits is None or cut - start <= max(1, size - EDGE) or (words_stay and b.whole_words(start, cut))
+                    or fits(text[first[start]:last[cut - 1]])):
                 break
             limit = cut - 1
-        out.append((offsets[start][0], offsets[cut - 1][1]))
+        out.append((first[start], last[cut - 1]))
         if cut >= n:
             break
-        start = _word_start(offsets, max(cut - overlap, start + 1), cut) if overlap else cut
+        start = b.word_start(max(cut - overlap, start + 1), cut) if overlap else cut
     return out
 
 
-def piece_offsets(starts: np.ndarray, ends: np.ndarray, pieces: np.ndarray) -> list[tuple[int, int]]:
-    """Token offsets from words (start, end, number of pieces): a word's pieces are contiguous spans
-    inside it, the last one ending where the word ends. Exact at every word boundary, which is all the
-    cuts use (a cut inside a word, for a word longer than a passage, is checked by `fits`)."""
+def piece_offsets(starts: np.ndarray, ends: np.ndarray, pieces: np.ndarray) -> np.ndarray:
+    """Token offsets ((n, 2) array) from words (start, end, number of pieces): a word's pieces are
+    contiguous spans inside it, the last one ending where the word ends. Exact at every word boundary,
+    which is all the cuts use (a cut inside a word, for a word longer than a passage, is checked by `fits`)."""
     keep = pieces > 0
     starts, ends, pieces = starts[keep], ends[keep], pieces[keep].astype(np.int64)
     k = np.arange(int(pieces.sum())) - np.repeat(np.cumsum(pieces) - pieces, pieces)  # place in its word
     first = np.repeat(starts, pieces) + k
     last = np.where(k == np.repeat(pieces, pieces) - 1, np.repeat(ends, pieces), first + 1)
-    return list(zip(first.tolist(), last.tolist()))
+    return np.stack([first, last], axis=1)
 
 
 class Splitter:
@@ -144,7 +162,7 @@ class Splitter:
             self.tok.pre_tokenizer, pre_tokenizers.BertPreTokenizer)
         self._words = words if self.words_stay else None
 
-    def _offsets(self, text: str, words: tuple | None = None) -> list[tuple[int, int]]:
+    def _offsets(self, text: str, words: tuple | None = None):
         """Token offsets of the whole text: from its `words` and their piece counts where the tokenizer's
         word path takes the text (clean ASCII, a BERT tokenizer: the library's encode was most of a
         helper's time per passage), else from the library, a window at a time (cut at whitespace) so
@@ -170,7 +188,7 @@ class Splitter:
     def split(self, text: str, words: tuple | None = None) -> list[str]:
         """`text`'s passages; `words`: its entry of `words([...])`, if asked already."""
         offsets = self._offsets(text, words if words is not None else self.words([text])[0])
-        if not offsets:
+        if len(offsets) == 0:
             return [text]
         # Tokenized on its own a piece can take a token more than in context (a word cut in two, a BPE
         # word without its leading space): each is checked as the embedding will see it.
