@@ -1,7 +1,7 @@
 """Passages against whole documents: Wikipedia-length articles ingested twice, with `--passages` and
 without, on the same corpus, model and GPU (the embedded PostgreSQL, --no-index).
 
-    python bench/passages.py [--n 50000] [--passages 256:32] [--model DIR] [--devices cuda]
+    python bench/passages.py [--n 50000] [--passages 256:32] [--model DIR] [--devices cuda] [--skip-whole]
 
 Writes `--n` articles (median ~700 words, `synth.write_articles`, Wikipedia's Parquet layout), then for
 each run reads the worker's summary from `ingest --json`: rows and tokens over the loop's time, and the
@@ -48,6 +48,7 @@ def main() -> None:
     ap.add_argument("--model", default=None)
     ap.add_argument("--devices", default="auto")
     ap.add_argument("--work", default=None)
+    ap.add_argument("--skip-whole", action="store_true", help="only the run with passages")
     a = ap.parse_args()
     dsn = resolve_dsn(None)
     if a.work:
@@ -57,7 +58,7 @@ def main() -> None:
         src = write_articles(Path(tmp) / "articles.parquet", a.n)
         written = time.time() - t0
         stamp = int(time.time())
-        whole = ingest(src, dsn, f"articles_{stamp}", [], a.model, a.devices)
+        whole = None if a.skip_whole else ingest(src, dsn, f"articles_{stamp}", [], a.model, a.devices)
         parts = ingest(src, dsn, f"passages_{stamp}", ["--passages", a.passages], a.model, a.devices)
     print(orjson.dumps({"articles": a.n, "corpus_written_s": round(written, 1), "passages": a.passages,
                         "cores": os.cpu_count(), "whole_documents": whole, "with_passages": parts},
