@@ -73,7 +73,7 @@ class _Bounds:
         word = np.ones(n, bool)
         word[1:] = o[1:, 0] > o[:-1, 1]
         sentence = np.zeros(n, bool)
-        chars = np.frombuffer(text.encode("utf-32-le"), np.uint32)
+        chars = np.frombuffer(text.encode("utf-32-le", "surrogatepass"), np.uint32)  # one per character
         tail = np.zeros(n, bool)
         tail[1:] = _IS_TAIL[np.minimum(chars[o[:-1, 1] - 1], len(_IS_TAIL) - 1)]
         for c in np.flatnonzero(word & tail).tolist():  # a token ending in . ! ? (and their kin), then a gap
