@@ -1,6 +1,6 @@
 """One encoder's start-up, step by step, in a fresh process (GPU or CPU).
 
-    python bench/encoder_startup.py [MODEL_DIR] [--device auto|cpu|cuda] [--helpers N] [--json]
+    python bench/encoder_startup.py [MODEL_DIR] [--device auto|cpu|cuda] [--helpers N] [--first N] [--json]
 
 Times what every ingest worker (and a user's first call) pays before its first vectors: the
 interpreter, torch's import, CUDA's first use, `Encoder(...)` — split, from a profile of the
@@ -9,6 +9,10 @@ on the device and the batch-token probe — then the first small encode (eager),
 processes (N of them, 2 by default) and the background compile (CUDA; cold on a machine's first run,
 from `$EMBEDFLEET_HOME/cache` after). Prints the steps, then the constructor's 18 costliest calls.
 Run it twice: the second run shows the cached compile (the issue's "second run on the machine").
+
+`--first N`: the first encode is a call of N reviews instead of one query — what `embedfleet bench`
+times as the first call — profiled: where its wall time went (waiting for the device's results, for
+the tokenizer's chunks, starting the helpers), then its 18 costliest calls.
 """
 
 from __future__ import annotations
@@ -20,6 +24,13 @@ import json
 import os
 import pstats
 import time
+
+_FIRST = {  # where a first big call waits (profile entries, cumulative wall time of the main thread)
+    "launch": ("encode/encoder.py", "_launch"),
+    "device_results": ("encode/encoder.py", "result"),
+    "tokenized_chunks": ("concurrent/futures/_base.py", "result"),
+    "helpers_start": ("encode/tokenize.py", "_start_pool"),
+}
 
 _STEPS = {  # profile entries (file suffix, function) whose cumulative time is one step of Encoder(...)
     "read_spec": ("encode/models.py", "read_spec"),
@@ -45,6 +56,7 @@ def main() -> None:
     ap.add_argument("model", nargs="?", default=None, help="model directory (default: the bundled MiniLM)")
     ap.add_argument("--device", default="auto")
     ap.add_argument("--helpers", type=int, default=2, help="tokenizer helper processes to start (0: none)")
+    ap.add_argument("--first", type=int, default=0, help="the first encode: N reviews, profiled (0: one query)")
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args()
 
@@ -74,9 +86,24 @@ def main() -> None:
     stats = pstats.Stats(profile)
     for name, (suffix, func) in _STEPS.items():
         steps[f"  {name}"] = sum(v[3] for k, v in stats.stats.items() if k[0].endswith(suffix) and k[2] == func)
-    t0 = time.perf_counter()
-    enc.encode(["one query, eagerly"])
-    steps["first_query"] = time.perf_counter() - t0
+    first = None
+    if a.first:
+        from embedfleet.synth import review_texts
+
+        texts = review_texts(a.first, seed=0)
+        first = cProfile.Profile()
+        t0 = time.perf_counter()
+        first.enable()
+        enc.encode(texts)
+        first.disable()
+        steps[f"first_call_{a.first}"] = time.perf_counter() - t0
+        fs = pstats.Stats(first)
+        for name, (suffix, func) in _FIRST.items():
+            steps[f"  {name}"] = sum(v[3] for k, v in fs.stats.items() if k[0].endswith(suffix) and k[2] == func)
+    else:
+        t0 = time.perf_counter()
+        enc.encode(["one query, eagerly"])
+        steps["first_query"] = time.perf_counter() - t0
     if a.helpers:
         t0 = time.perf_counter()
         enc._tok.start()
@@ -98,9 +125,11 @@ def main() -> None:
     print({k: v for k, v in info.items() if k != "steps_s"})
     for k, v in info["steps_s"].items():
         print(f"  {k:<22} {'-' if v is None else f'{v:8.3f} s'}")
-    out = io.StringIO()
-    pstats.Stats(profile, stream=out).sort_stats("cumulative").print_stats(18)
-    print(out.getvalue()[-3500:])
+    for prof in (profile, first):
+        if prof is not None:
+            out = io.StringIO()
+            pstats.Stats(prof, stream=out).sort_stats("cumulative").print_stats(18)
+            print(out.getvalue()[-3500:])
     enc.close()
 
 
