@@ -25,7 +25,7 @@ import select
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Callable, Iterable, Sequence
+from typing import Callable, Iterable, Iterator, Sequence
 
 import numpy as np
 import psycopg
@@ -33,13 +33,19 @@ from psycopg import pq, sql
 
 from embedfleet.errors import DatabaseError, InputError
 from embedfleet.store.schema import split_table, table_exists, table_sql
-from embedfleet.train.copybin import TRAILER, check_rows, header_length, row_dtype, scalar_field, vector_field
+from embedfleet.train.copybin import (TRAILER, check_rows, chunk_count, chunk_rows, header_length, row_dtype,
+                                      scalar_field, vector_field)
 
 __all__ = ["Source", "Split", "Plan", "Ids", "Columns", "TableRead", "describe", "class_index", "default_connections",
            "MAX_CLASSES"]
 
 MAX_CLASSES = 10_000
 BLOCK_ROWS = 16_384  # rows parsed per np.frombuffer: ~25 MB of 384-dim float32 rows
+# Heap pages a COPY message carries (a chunk: ~512 kB). One message a row left ~2-7 µs of Python a row
+# on the client (one libpq call, slices, appends), which held one process near 300k rows/s whatever
+# its connections (bench/NOTES.md, runs 62, 67, 68).
+CHUNK_PAGES = 64
+_LAST_PAGE = 4_294_967_294  # the highest heap page number a tid can name
 _KEY = "('x' || left(md5({id}), 8))::bit(32)"  # a stable 32-bit hash of the row id (md5, not hashtext)
 
 
@@ -365,9 +371,10 @@ class TableRead:
         lo = sql.SQL("ctid >= {}::tid").format(sql.Literal(f"({start},0)"))
         return lo if end is None else sql.SQL("{} AND ctid < {}::tid").format(lo, sql.Literal(f"({end},0)"))
 
-    def _filter(self, rng, with_label: bool, with_split: bool) -> sql.Composable:
+    def _filter(self, rng, with_label: bool, with_split: bool, pages: sql.Composable | None = None) -> sql.Composable:
+        """The rows a read takes from range `rng` (or the pages `pages` says, a condition on ctid)."""
         s = self.source
-        parts = [self._range_sql(rng), sql.SQL("{} IS NOT NULL").format(sql.Identifier(s.column))]
+        parts = [pages or self._range_sql(rng), sql.SQL("{} IS NOT NULL").format(sql.Identifier(s.column))]
         if with_label and s.label and self.null_labels == "skip":
             parts.append(sql.SQL("{} IS NOT NULL").format(sql.Identifier(s.label)))
         if with_split and self.split is not None:
@@ -406,6 +413,10 @@ class TableRead:
         return out
 
     def _copy_sql(self, rng, classes: list | None, with_vectors: bool) -> sql.Composable:
+        """The COPY of range `rng` in chunks of CHUNK_PAGES heap pages, one tuple each (copybin's
+        `chunk_rows`): the row count, an array per field of `fields()`, the ids' lengths and the ids.
+        Each chunk is a TID range scan; its arrays keep the scan's (ctid) order, and the chunks come in
+        page order."""
         s = self.source
         cols = [sql.SQL("ctid")]
         if s.label is not None:
@@ -418,9 +429,20 @@ class TableRead:
             cols.append(sql.SQL("{}::int4").format(s.key_sql()))
         if with_vectors:
             cols.append(sql.Identifier(s.column))
-        cols.append(s.id_sql())
-        return sql.SQL("COPY (SELECT {cols} FROM {t} WHERE {w}) TO STDOUT (FORMAT BINARY)").format(
-            cols=sql.SQL(", ").join(cols), t=s.table_sql(), w=self._filter(rng, True, True))
+        aggs = [sql.SQL("array_agg({})").format(c) for c in cols]
+        aggs += [sql.SQL("array_agg(octet_length({}))::int4[]").format(s.id_sql()),
+                 sql.SQL("coalesce(string_agg({}, ''), '')").format(s.id_sql())]
+        start, end = rng
+        last = end if end is not None else max(self.pages, start + 1)
+        cap = end if end is not None else _LAST_PAGE  # open-ended: the last chunk takes any page after
+        upper = sql.SQL("CASE WHEN p + {k} >= {last} THEN {cap} ELSE p + {k} END").format(
+            k=sql.Literal(CHUNK_PAGES), last=sql.Literal(last), cap=sql.Literal(cap))
+        pages = sql.SQL("ctid >= format('(%s,0)', p)::tid AND ctid < format('(%s,0)', {u})::tid").format(u=upper)
+        return sql.SQL(
+            "COPY (SELECT c.* FROM generate_series({a}::bigint, {b}::bigint, {k}) AS p, LATERAL "
+            "(SELECT count(*)::int8 AS n, {aggs} FROM {t} WHERE {w}) AS c WHERE c.n > 0) TO STDOUT (FORMAT BINARY)"
+        ).format(a=sql.Literal(start), b=sql.Literal(last - 1), k=sql.Literal(CHUNK_PAGES),
+                 aggs=sql.SQL(", ").join(aggs), t=s.table_sql(), w=self._filter(rng, True, True, pages))
 
     # ---- plan ---------------------------------------------------------------------------------
 
@@ -542,7 +564,7 @@ class TableRead:
                 pos[0] = o + k
 
             try:
-                copy_rows(conn, query, dtype.itemsize, on_block)
+                copy_chunks(conn, query, fields, dtype, on_block, s.table)
             except _CopyFailed as e:
                 raise _user_error(e.sqlstate, e.message, s.where) from None
             except psycopg.Error as e:
@@ -601,20 +623,10 @@ def class_index(classes: np.ndarray, values: np.ndarray) -> np.ndarray:
     return np.where(classes[pos] == values, pos, -1).astype(np.int64)
 
 
-def copy_rows(conn: psycopg.Connection, query: sql.Composable, fixed: int,
-              on_block: Callable[[np.ndarray, bytearray, list], None], block_rows: int = BLOCK_ROWS,
-              with_text: bool = True) -> int:
-    """Run a binary `COPY ... TO STDOUT` and hand its rows on in blocks: on_block(raw (k, fixed)
-    uint8 — the fixed-width prefix of each row, contiguous for np.frombuffer —, the bytes after the
-    prefix of every row, concatenated, and their lengths). PostgreSQL sends one message a row; this
-    loop only copies each into a reused buffer (the per-row work psycopg's Copy.read adds is most of
-    a read's client time). Returns the rows."""
-    buf = np.empty(block_rows * fixed, np.uint8)
-    view = memoryview(buf)
+def _messages(conn: psycopg.Connection, query: sql.Composable) -> Iterator[memoryview]:
+    """The tuples of a binary `COPY ... TO STDOUT`, one message each (header and trailer left out);
+    a failed COPY raises _CopyFailed once its results are read."""
     pg = conn.pgconn
-    total = k = 0
-    tail = bytearray()
-    lens: list[int] = []
     with conn.cursor() as cur, cur.copy(query):
         poller = select.poll()
         poller.register(pg.socket, select.POLLIN)
@@ -630,18 +642,7 @@ def copy_rows(conn: psycopg.Connection, query: sql.Composable, fixed: int,
                         continue
                 if nb == 2 and bytes(d) == TRAILER:
                     continue
-                if nb < fixed:
-                    raise DatabaseError(f"a row of {nb} bytes where at least {fixed} were expected (NULL or "
-                                        "a vector of another dimension?)")
-                view[k * fixed:(k + 1) * fixed] = d[:fixed]
-                if with_text:
-                    tail += d[fixed:]
-                    lens.append(nb - fixed)
-                k += 1
-                if k == block_rows:
-                    on_block(buf.reshape(block_rows, fixed), tail, lens)
-                    total += k
-                    k, tail, lens = 0, bytearray(), []
+                yield d
                 continue
             if nb == 0:
                 poller.poll()
@@ -661,8 +662,73 @@ def copy_rows(conn: psycopg.Connection, query: sql.Composable, fixed: int,
                                     (res.error_field(pq.DiagnosticField.MESSAGE_PRIMARY) or b"").decode())
         if error is not None:
             raise error
+
+
+def copy_rows(conn: psycopg.Connection, query: sql.Composable, fixed: int,
+              on_block: Callable[[np.ndarray, bytearray, list], None], block_rows: int = BLOCK_ROWS,
+              with_text: bool = True) -> int:
+    """Run a binary `COPY ... TO STDOUT` of one row a tuple and hand its rows on in blocks:
+    on_block(raw (k, fixed) uint8 — the fixed-width prefix of each row, contiguous for np.frombuffer —,
+    the bytes after the prefix of every row, concatenated, and their lengths). This loop only copies
+    each row into a reused buffer (the per-row work psycopg's Copy.read adds is most of a read's client
+    time). Returns the rows."""
+    buf = np.empty(block_rows * fixed, np.uint8)
+    view = memoryview(buf)
+    total = k = 0
+    tail = bytearray()
+    lens: list[int] = []
+    for d in _messages(conn, query):
+        nb = len(d)
+        if nb < fixed:
+            raise DatabaseError(f"a row of {nb} bytes where at least {fixed} were expected (NULL or "
+                                "a vector of another dimension?)")
+        view[k * fixed:(k + 1) * fixed] = d[:fixed]
+        if with_text:
+            tail += d[fixed:]
+            lens.append(nb - fixed)
+        k += 1
+        if k == block_rows:
+            on_block(buf.reshape(block_rows, fixed), tail, lens)
+            total += k
+            k, tail, lens = 0, bytearray(), []
     if k:
         on_block(buf[:k * fixed].reshape(k, fixed), tail, lens if with_text else [0] * k)
         total += k
     return total
 
+
+def copy_chunks(conn: psycopg.Connection, query: sql.Composable, fields: list, dtype: np.dtype,
+                on_block: Callable[[np.ndarray, bytes, np.ndarray], None], table: str,
+                block_rows: int = BLOCK_ROWS) -> int:
+    """Run a chunked binary COPY of `table` (TableRead._copy_sql: many rows a tuple) and hand its rows
+    on as copy_rows does, in blocks of whole chunks, at most `block_rows` rows unless one chunk has
+    more. Each chunk is parsed straight into the block's buffer. Returns the rows."""
+    rows = np.empty(block_rows, dtype)
+    total = k = 0
+    ids: list[bytes] = []
+    lengths: list[np.ndarray] = []
+
+    def flush() -> None:
+        on_block(rows[:k].view(np.uint8).reshape(k, dtype.itemsize), b"".join(ids), np.concatenate(lengths))
+        ids.clear()
+        lengths.clear()
+
+    for d in _messages(conn, query):
+        try:
+            n = chunk_count(d)
+            if k + n > len(rows):
+                if k:
+                    flush()
+                    total, k = total + k, 0
+                if n > len(rows):
+                    rows = np.empty(n, dtype)
+            _, id_bytes, id_lengths = chunk_rows(d, fields, dtype, out=rows[k:k + n])
+        except ValueError as e:
+            raise DatabaseError(f"table {table!r}: {e}") from None
+        ids.append(id_bytes)
+        lengths.append(id_lengths)
+        k += n
+    if k:
+        flush()
+        total += k
+    return total

@@ -1,0 +1,66 @@
+"""The bulk read's chunked COPY (many rows a message) against a real PostgreSQL: the same rows, in the
+same order, as a plain SELECT by ctid — across ranges, with pages left empty by deletes, a --where,
+text labels and halfvec — and a one-line error for a vector of another dimension."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from embedfleet.errors import DatabaseError
+from embedfleet.train import read as readmod
+from embedfleet.train.read import TableRead, describe
+
+DIM = 8
+
+
+def _table(conn, name: str, vtype: str = "vector", rows: int = 3000):
+    conn.execute("CREATE EXTENSION IF NOT EXISTS vector")
+    conn.execute(f"CREATE TABLE {name} (id text, embedding {vtype}({DIM}), genre text, pad text)")
+    # wide rows (pad) spread them over many heap pages; ids carry multi-byte characters
+    conn.execute(
+        f"INSERT INTO {name} SELECT 'é-' || i || repeat('x', i % 7), "
+        f"(SELECT array_agg(((i * 31 + j) % 97)::real / 97) FROM generate_series(1, {DIM}) j)::{vtype}({DIM}), "
+        f"(ARRAY['a', 'b', 'c'])[1 + i % 3], repeat('p', 700) FROM generate_series(1, {rows}) i")
+    conn.execute(f"DELETE FROM {name} WHERE (ctid::text::point)[0]::int % 5 = 2")  # whole pages left empty
+
+
+def _plain(conn, name: str, where: str = "true") -> list[tuple]:
+    return conn.execute(f"SELECT id, embedding::real[], genre FROM {name} WHERE embedding IS NOT NULL AND genre "
+                        f"IS NOT NULL AND ({where}) ORDER BY ctid").fetchall()
+
+
+@pytest.mark.parametrize("vtype", ["vector", "halfvec"])
+def test_chunks_give_the_rows_of_a_plain_select_in_order(dsn, conn, monkeypatch, vtype):
+    monkeypatch.setattr(readmod, "CHUNK_PAGES", 3)  # many chunks, some of them empty
+    _table(conn, "c", vtype)
+    for where, connections in ((None, 1), (None, 3), ("genre <> 'b'", 2)):
+        source = describe(conn, "c", "genre", where, "classify")
+        with TableRead(dsn, source, connections=connections) as r:
+            plan = r.plan(parts=connections)
+            got = np.zeros((plan.n, DIM), np.float32)
+
+            def put(o, v, got=got):
+                got[o:o + len(v)] = v
+
+            cols = r.read(plan, put)
+        want = _plain(conn, "c", where or "true")
+        assert len(plan.ranges) == connections and plan.n == len(want) > 1000
+        assert list(cols.ids) == [w[0] for w in want]
+        assert np.array_equal(got, np.array([w[1] for w in want], np.float32))
+        assert [plan.classes[i] for i in cols.labels.tolist()] == [w[2] for w in want]
+        assert np.all(np.diff(cols.tids.astype(np.int64)) > 0)  # ctid order across the ranges
+
+
+def test_a_vector_of_another_dimension_is_a_one_line_error(dsn, conn):
+    conn.execute("CREATE EXTENSION IF NOT EXISTS vector")
+    conn.execute("CREATE TABLE mixed (id text, embedding vector, rating real)")
+    conn.execute("INSERT INTO mixed SELECT 'r' || i, '[1,2,3]', 1 FROM generate_series(1, 50) i")
+    conn.execute("INSERT INTO mixed VALUES ('odd', '[1,2,3,4]', 1)")
+    source = describe(conn, "mixed", "rating", None, "regress")
+    with TableRead(dsn, source) as r:
+        plan = r.plan()
+        with pytest.raises(DatabaseError, match=r"table 'mixed': vec: a value of 20 bytes where 16 were expected "
+                                                r"\(a vector of another dimension\?\)") as e:
+            r.read(plan, lambda o, v: None)
+    assert "\n" not in str(e.value)
