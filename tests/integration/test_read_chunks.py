@@ -32,11 +32,12 @@ def _plain(conn, name: str, where: str = "true") -> list[tuple]:
 
 @pytest.mark.parametrize("vtype", ["vector", "halfvec"])
 def test_chunks_give_the_rows_of_a_plain_select_in_order(dsn, conn, monkeypatch, vtype):
-    monkeypatch.setattr(readmod, "CHUNK_PAGES", 3)  # many chunks, some of them empty
+    monkeypatch.setattr(readmod, "CHUNK_BYTES", 20_000)  # chunks of a few pages: many, some of them empty
     _table(conn, "c", vtype)
     for where, connections in ((None, 1), (None, 3), ("genre <> 'b'", 2)):
         source = describe(conn, "c", "genre", where, "classify")
         with TableRead(dsn, source, connections=connections) as r:
+            assert 1 < r.chunk_pages < 10
             plan = r.plan(parts=connections)
             got = np.zeros((plan.n, DIM), np.float32)
 
@@ -64,3 +65,13 @@ def test_a_vector_of_another_dimension_is_a_one_line_error(dsn, conn):
                                                 r"\(a vector of another dimension\?\)") as e:
             r.read(plan, lambda o, v: None)
     assert "\n" not in str(e.value)
+
+
+def test_a_chunk_spans_about_the_same_bytes_whatever_the_rows_a_page():
+    from embedfleet.train.read import Source, chunk_pages
+
+    inline = Source(table="t", column="embedding", vtype="vector", dim=384, id_column="id")
+    assert 50 <= chunk_pages(inline, None) <= 80  # ~5 rows of 1.6 kB a page: ~64 pages
+    assert chunk_pages(inline, 5.0) == chunk_pages(inline, None)
+    wide = Source(table="t", column="e", vtype="vector", dim=1024, id_column="id")
+    assert chunk_pages(wide, 150.0) == 1  # vectors out of line: many rows a page

@@ -41,10 +41,10 @@ __all__ = ["Source", "Split", "Plan", "Ids", "Columns", "TableRead", "describe",
 
 MAX_CLASSES = 10_000
 BLOCK_ROWS = 16_384  # rows parsed per np.frombuffer: ~25 MB of 384-dim float32 rows
-# Heap pages a COPY message carries (a chunk: ~512 kB). One message a row left ~2-7 µs of Python a row
-# on the client (one libpq call, slices, appends), which held one process near 300k rows/s whatever
-# its connections (bench/NOTES.md, runs 62, 67, 68).
-CHUNK_PAGES = 64
+# Bytes a COPY message carries (a chunk of heap pages, see chunk_pages). One message a row left ~1-3 µs
+# of Python a row on the client (a libpq call, slices, appends), which held one process near 300k
+# rows/s whatever its connections (bench/NOTES.md, runs 62, 67, 68).
+CHUNK_BYTES = 1 << 19
 _LAST_PAGE = 4_294_967_294  # the highest heap page number a tid can name
 _KEY = "('x' || left(md5({id}), 8))::bit(32)"  # a stable 32-bit hash of the row id (md5, not hashtext)
 
@@ -314,8 +314,11 @@ class TableRead:
             for c in self.conns[1:]:
                 self._begin(c, self.snapshot)
             t = source.table_sql().as_string(lead)
-            self.pages = lead.execute("SELECT pg_relation_size(%s::regclass) / current_setting('block_size')::int",
-                                      [t]).fetchone()[0]
+            self.pages, per_page = lead.execute(
+                "SELECT pg_relation_size(c.oid) / current_setting('block_size')::int, "
+                "CASE WHEN c.relpages > 0 AND c.reltuples > 0 THEN c.reltuples / c.relpages END "
+                "FROM pg_class c WHERE c.oid = %s::regclass", [t]).fetchone()
+            self.chunk_pages = chunk_pages(source, per_page)
         except psycopg.Error as e:
             self.close()
             raise DatabaseError(f"cannot open a read of {source.table!r}: {_first_line(e)}") from None
@@ -413,7 +416,7 @@ class TableRead:
         return out
 
     def _copy_sql(self, rng, classes: list | None, with_vectors: bool) -> sql.Composable:
-        """The COPY of range `rng` in chunks of CHUNK_PAGES heap pages, one tuple each (copybin's
+        """The COPY of range `rng` in chunks of `chunk_pages` heap pages, one tuple each (copybin's
         `chunk_rows`): the row count, an array per field of `fields()`, the ids' lengths and the ids.
         Each chunk is a TID range scan; its arrays keep the scan's (ctid) order, and the chunks come in
         page order."""
@@ -436,12 +439,12 @@ class TableRead:
         last = end if end is not None else max(self.pages, start + 1)
         cap = end if end is not None else _LAST_PAGE  # open-ended: the last chunk takes any page after
         upper = sql.SQL("CASE WHEN p + {k} >= {last} THEN {cap} ELSE p + {k} END").format(
-            k=sql.Literal(CHUNK_PAGES), last=sql.Literal(last), cap=sql.Literal(cap))
+            k=sql.Literal(self.chunk_pages), last=sql.Literal(last), cap=sql.Literal(cap))
         pages = sql.SQL("ctid >= format('(%s,0)', p)::tid AND ctid < format('(%s,0)', {u})::tid").format(u=upper)
         return sql.SQL(
             "COPY (SELECT c.* FROM generate_series({a}::bigint, {b}::bigint, {k}) AS p, LATERAL "
             "(SELECT count(*)::int8 AS n, {aggs} FROM {t} WHERE {w}) AS c WHERE c.n > 0) TO STDOUT (FORMAT BINARY)"
-        ).format(a=sql.Literal(start), b=sql.Literal(last - 1), k=sql.Literal(CHUNK_PAGES),
+        ).format(a=sql.Literal(start), b=sql.Literal(last - 1), k=sql.Literal(self.chunk_pages),
                  aggs=sql.SQL(", ").join(aggs), t=s.table_sql(), w=self._filter(rng, True, True, pages))
 
     # ---- plan ---------------------------------------------------------------------------------
@@ -695,6 +698,15 @@ def copy_rows(conn: psycopg.Connection, query: sql.Composable, fixed: int,
         on_block(buf[:k * fixed].reshape(k, fixed), tail, lens if with_text else [0] * k)
         total += k
     return total
+
+
+def chunk_pages(source: Source, rows_per_page: float | None) -> int:
+    """Heap pages a chunk spans for about CHUNK_BYTES of rows: from the table's statistics, and never
+    fewer rows a page than inline vectors would fill (vectors stored out of line leave many rows on a
+    page, which only the statistics tell)."""
+    row = (2 if source.vtype == "halfvec" else 4) * source.dim + 48  # the vector, ctid, label, key and id
+    per_page = max(rows_per_page or 0.0, 8192 / row)
+    return max(1, min(1024, int(CHUNK_BYTES / (per_page * row))))
 
 
 def copy_chunks(conn: psycopg.Connection, query: sql.Composable, fields: list, dtype: np.dtype,
