@@ -34,10 +34,12 @@ def _plain(conn, name: str, where: str = "true") -> list[tuple]:
 def test_chunks_give_the_rows_of_a_plain_select_in_order(dsn, conn, monkeypatch, vtype):
     monkeypatch.setattr(readmod, "CHUNK_BYTES", 20_000)  # chunks of a few pages: many, some of them empty
     _table(conn, "c", vtype)
-    for where, connections in ((None, 1), (None, 3), ("genre <> 'b'", 2)):
+    for where, connections, chunked in ((None, 1, True), (None, 3, True), ("genre <> 'b'", 2, True),
+                                        ("genre <> 'b'", 2, False)):  # False: PostgreSQL 13's row-a-message COPY
         source = describe(conn, "c", "genre", where, "classify")
         with TableRead(dsn, source, connections=connections) as r:
-            assert 1 < r.chunk_pages < 10
+            assert 1 < r.chunk_pages < 10 and r.chunked
+            r.chunked = chunked
             plan = r.plan(parts=connections)
             got = np.zeros((plan.n, DIM), np.float32)
 

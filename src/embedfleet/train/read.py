@@ -319,6 +319,7 @@ class TableRead:
                 "CASE WHEN c.relpages > 0 AND c.reltuples > 0 THEN c.reltuples / c.relpages END "
                 "FROM pg_class c WHERE c.oid = %s::regclass", [t]).fetchone()
             self.chunk_pages = chunk_pages(source, per_page)
+            self.chunked = lead.info.server_version >= 140000  # TID range scans
         except psycopg.Error as e:
             self.close()
             raise DatabaseError(f"cannot open a read of {source.table!r}: {_first_line(e)}") from None
@@ -415,11 +416,8 @@ class TableRead:
             out.append(vector_field("vec", s.vtype, s.dim))
         return out
 
-    def _copy_sql(self, rng, classes: list | None, with_vectors: bool) -> sql.Composable:
-        """The COPY of range `rng` in chunks of `chunk_pages` heap pages, one tuple each (copybin's
-        `chunk_rows`): the row count, an array per field of `fields()`, the ids' lengths and the ids.
-        Each chunk is a TID range scan; its arrays keep the scan's (ctid) order, and the chunks come in
-        page order."""
+    def _columns_sql(self, classes: list | None, with_vectors: bool) -> list[sql.Composable]:
+        """What a read takes of each row, as `fields()` says (the id follows)."""
         s = self.source
         cols = [sql.SQL("ctid")]
         if s.label is not None:
@@ -432,7 +430,23 @@ class TableRead:
             cols.append(sql.SQL("{}::int4").format(s.key_sql()))
         if with_vectors:
             cols.append(sql.Identifier(s.column))
-        aggs = [sql.SQL("array_agg({})").format(c) for c in cols]
+        return cols
+
+    def _rows_sql(self, rng, classes: list | None, with_vectors: bool) -> sql.Composable:
+        """The COPY of range `rng`, a tuple a row (copy_rows): PostgreSQL 13, which has no TID range
+        scan for the chunks to use."""
+        s = self.source
+        cols = self._columns_sql(classes, with_vectors) + [s.id_sql()]
+        return sql.SQL("COPY (SELECT {cols} FROM {t} WHERE {w}) TO STDOUT (FORMAT BINARY)").format(
+            cols=sql.SQL(", ").join(cols), t=s.table_sql(), w=self._filter(rng, True, True))
+
+    def _chunks_sql(self, rng, classes: list | None, with_vectors: bool) -> sql.Composable:
+        """The COPY of range `rng` in chunks of `chunk_pages` heap pages, one tuple each (copybin's
+        `chunk_rows`): the row count, an array per field of `fields()`, the ids' lengths and the ids.
+        Each chunk is a TID range scan (PostgreSQL 14+); its arrays keep the scan's (ctid) order, and the
+        chunks come in page order."""
+        s = self.source
+        aggs = [sql.SQL("array_agg({})").format(c) for c in self._columns_sql(classes, with_vectors)]
         aggs += [sql.SQL("array_agg(octet_length({}))::int4[]").format(s.id_sql()),
                  sql.SQL("coalesce(string_agg({}, ''), '')").format(s.id_sql())]
         start, end = rng
@@ -540,7 +554,8 @@ class TableRead:
         pieces: dict[int, Ids] = {}
 
         def one(conn, i):
-            query = self._copy_sql(plan.ranges[i], plan.classes, put_vectors is not None)
+            make = self._chunks_sql if self.chunked else self._rows_sql
+            query = make(plan.ranges[i], plan.classes, put_vectors is not None)
             off0 = offsets[i]
             pos = [off0]
             id_parts: list[Ids] = []
@@ -567,7 +582,10 @@ class TableRead:
                 pos[0] = o + k
 
             try:
-                copy_chunks(conn, query, fields, dtype, on_block, s.table)
+                if self.chunked:
+                    copy_chunks(conn, query, fields, dtype, on_block, s.table)
+                else:
+                    copy_rows(conn, query, dtype.itemsize, on_block)
             except _CopyFailed as e:
                 raise _user_error(e.sqlstate, e.message, s.where) from None
             except psycopg.Error as e:
@@ -712,7 +730,7 @@ def chunk_pages(source: Source, rows_per_page: float | None) -> int:
 def copy_chunks(conn: psycopg.Connection, query: sql.Composable, fields: list, dtype: np.dtype,
                 on_block: Callable[[np.ndarray, bytes, np.ndarray], None], table: str,
                 block_rows: int = BLOCK_ROWS) -> int:
-    """Run a chunked binary COPY of `table` (TableRead._copy_sql: many rows a tuple) and hand its rows
+    """Run a chunked binary COPY of `table` (TableRead._chunks_sql: many rows a tuple) and hand its rows
     on as copy_rows does, in blocks of whole chunks, at most `block_rows` rows unless one chunk has
     more. Each chunk is parsed straight into the block's buffer. Returns the rows."""
     rows = np.empty(block_rows, dtype)
