@@ -452,12 +452,14 @@ class TableRead:
         start, end = rng
         last = end if end is not None else max(self.pages, start + 1)
         cap = end if end is not None else _LAST_PAGE  # open-ended: the last chunk takes any page after
-        upper = sql.SQL("CASE WHEN p + {k} >= {last} THEN {cap} ELSE p + {k} END").format(
+        # the page variable's name: the user's --where and columns share the chunk's scope
+        upper = sql.SQL("CASE WHEN _ef_page + {k} >= {last} THEN {cap} ELSE _ef_page + {k} END").format(
             k=sql.Literal(self.chunk_pages), last=sql.Literal(last), cap=sql.Literal(cap))
-        pages = sql.SQL("ctid >= format('(%s,0)', p)::tid AND ctid < format('(%s,0)', {u})::tid").format(u=upper)
+        pages = sql.SQL("ctid >= format('(%s,0)', _ef_page)::tid AND ctid < format('(%s,0)', {u})::tid").format(u=upper)
         return sql.SQL(
-            "COPY (SELECT c.* FROM generate_series({a}::bigint, {b}::bigint, {k}) AS p, LATERAL "
-            "(SELECT count(*)::int8 AS n, {aggs} FROM {t} WHERE {w}) AS c WHERE c.n > 0) TO STDOUT (FORMAT BINARY)"
+            "COPY (SELECT _ef_chunk.* FROM generate_series({a}::bigint, {b}::bigint, {k}) AS _ef_page, LATERAL "
+            "(SELECT count(*)::int8 AS n, {aggs} FROM {t} WHERE {w}) AS _ef_chunk WHERE _ef_chunk.n > 0) "
+            "TO STDOUT (FORMAT BINARY)"
         ).format(a=sql.Literal(start), b=sql.Literal(last - 1), k=sql.Literal(self.chunk_pages),
                  aggs=sql.SQL(", ").join(aggs), t=s.table_sql(), w=self._filter(rng, True, True, pages))
 
