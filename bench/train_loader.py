@@ -62,7 +62,6 @@ from embedfleet.store.embedded import resolve_dsn
 from embedfleet.store.ledger import connect
 from embedfleet.store.schema import ensure_vector
 from embedfleet.train import EmbeddingDataset
-from embedfleet.train.dataset import load
 from embedfleet.train.heads import build_head
 from embedfleet.train.order import step_sizes
 from embedfleet.train.read import TableRead, describe

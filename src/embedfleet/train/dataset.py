@@ -25,7 +25,7 @@ from typing import Iterator, Sequence
 import numpy as np
 import torch
 
-from embedfleet.errors import DatabaseError, InputError
+from embedfleet.errors import InputError
 from embedfleet.train import order as ordering
 from embedfleet.train.read import Columns, Ids, Plan, Source, Split, TableRead, default_connections, describe
 
