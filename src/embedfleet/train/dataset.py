@@ -414,16 +414,9 @@ class EmbeddingDataset:
         (ram; pinned on CUDA); None in the stream tier."""
         return self._store.x
 
-    @property
-    def resident(self) -> torch.Tensor | None:
-        """The vectors of every row read where they live on the dataset's device (the gpu tier's
-        storage; on the CPU, the ram tier's), else None."""
-        x = self._store.x
-        return x if x is not None and x.device == self.device else None
-
     def epoch_rows(self, epoch: int, shuffle: bool = True) -> tuple[np.ndarray, np.ndarray]:
         """(rows of the storage, positions in this dataset) in the epoch's order: what `batches`
-        slices step by step (`resident[rows]` are the vectors, `labels[positions]` their labels)."""
+        slices step by step (`storage[rows]` are the vectors, `labels[positions]` their labels)."""
         positions = self._order(epoch, shuffle)
         return (positions if self._rows is None else self._rows[positions]), positions
 
