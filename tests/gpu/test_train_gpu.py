@@ -148,3 +148,24 @@ def test_the_ram_tier_steps_read_pinned_rows_ahead_and_train_like_the_gpu_tier(d
     assert results["ram"][0] == pytest.approx(results["gpu"][0], rel=1e-5)
     for a, b in zip(results["gpu"][1], results["ram"][1]):
         assert torch.allclose(a, b, rtol=1e-4, atol=1e-6)
+
+
+def test_each_epoch_replays_the_order_made_during_the_one_before(dsn, conn):
+    """TrainLoop makes epoch e+1's order on a side stream during epoch e, and epoch e+1's steps read
+    exactly that order; the last epoch makes none."""
+    from embedfleet.train import order
+    from embedfleet.train.dataset import load
+    from embedfleet.train.heads import build_head
+    from embedfleet.train.loop import TrainLoop
+
+    _table(conn)
+    ds = load("g", label="rating", db=dsn, device="cuda", cache="gpu", task="classify")
+    batch, epochs = 128, 3
+    loop = TrainLoop(build_head("linear", ds.dim, len(ds.classes)).cuda(), ds, batch, 0, 1, "classify", (0.0, 1.0),
+                     [0.01] * (epochs * len(order.step_sizes(len(ds), batch))), 0.01)
+    for e in range(epochs):
+        loop.epoch(e)
+        rows, positions = ds.epoch_rows_on_device(e)
+        assert torch.equal(loop.order_rows, rows) and torch.equal(loop.order_pos, positions)
+        assert (loop.next_order[0] == e + 1) if e + 1 < epochs else loop.next_order is None
+    ds.close()

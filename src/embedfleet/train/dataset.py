@@ -36,8 +36,8 @@ log = logging.getLogger(__name__)
 TIERS = ("auto", "gpu", "ram", "stream")
 GPU_HEADROOM = 2 << 30  # device memory left for the model, optimizer, activations and the allocator
 # The gpu tier's indices beside its vectors: the epoch's order, its rows, the training loop's copies of
-# both and the temporaries of making it — int64 each.
-INDEX_BYTES_PER_ROW = 7 * 8
+# both, the next epoch's pair made meanwhile and the temporaries of making it — int64 each.
+INDEX_BYTES_PER_ROW = 9 * 8
 RAM_SHARE = 0.6  # share of available host memory the ram tier may take (all local ranks together)
 PREFETCH = 3  # batches (ram tier) gathered and copied ahead of the one in use
 

@@ -12,7 +12,8 @@ took as long as on one (bench/NOTES.md, run 58). Replayed, a step costs what its
 How a replayed step finds its rows without the host: the epoch's order is made on the device
 (order.py) into the graph's buffers, and one kernel (take.py) reads the step's rows at an offset it
 computes from the device-side step counter, one step ahead on a side stream while the step before
-computes (two graphs, one per input buffer). In the gpu tier the rows come from device memory; in the
+computes (two graphs, one per input buffer). The next epoch's order is made on another side stream
+while this epoch's steps run, so an epoch starts with a copy, not a sort. In the gpu tier the rows come from device memory; in the
 ram tier on CUDA the kernel reads them from pinned host memory across PCIe. The stream tier copies
 each batch into the graph's input buffer before the replay. The learning rate comes from a
 device-side schedule at the same step counter. Each parameter's `.grad` is a view of one flat buffer
@@ -84,6 +85,9 @@ class TrainLoop:
             self.order_rows = torch.empty(len(ds), dtype=torch.int64, device=dev)
             self.order_pos = torch.empty(len(ds), dtype=torch.int64, device=dev)
             self.base = torch.zeros(1, dtype=torch.int64, device=dev)  # step_no at the epoch's first step
+        # (epoch, rows, positions, done): the next epoch's order, made meanwhile on `order_stream`
+        self.next_order: tuple[int, torch.Tensor, torch.Tensor, torch.cuda.Event] | None = None
+        self.order_stream = torch.cuda.Stream(dev) if self.src is not None and self.cuda else None
         self.side = torch.cuda.Stream(dev) if self.ahead else None
         self.graphs: list[torch.cuda.CUDAGraph | None] = [None] * slots
         self.eager_steps = 0
@@ -179,20 +183,42 @@ class TrainLoop:
             raise ValueError(f"{steps} more steps: the learning-rate schedule has {self.steps_left} left")
         self.steps_left -= steps
 
+    def _load_order(self, epoch: int) -> None:
+        """The epoch's order into the buffers the steps read: made during the last epoch if it was, else now."""
+        main = torch.cuda.current_stream(self.dev) if self.cuda else None
+        if self.next_order is not None and self.next_order[0] == epoch:
+            _, rows, positions, done = self.next_order
+            main.wait_event(done)
+        else:
+            rows, positions = self.ds.epoch_rows_on_device(epoch)
+        self.next_order = None
+        self.order_rows.copy_(rows)
+        self.order_pos.copy_(positions)
+        if self.order_stream is not None:  # the next order's memory may be reused only after these copies
+            self.order_stream.wait_stream(main)
+
+    def _prepare_order(self, epoch: int) -> None:
+        """Make `epoch`'s order on the order stream while the steps queued before it run."""
+        with torch.cuda.stream(self.order_stream):
+            rows, positions = self.ds.epoch_rows_on_device(epoch)
+            done = torch.cuda.Event()
+            done.record()
+        self.next_order = (epoch, rows, positions, done)
+
     def epoch(self, epoch: int) -> torch.Tensor:
         """This rank's steps of `epoch`; returns its summed training loss (a device tensor)."""
         self._spend(len(self.sizes))
         self.loss_sum.zero_()
         full = int((self.sizes == self.stride).sum())
         if self.src is not None:
-            rows, positions = self.ds.epoch_rows_on_device(epoch)
-            self.order_rows.copy_(rows)
-            self.order_pos.copy_(positions)
+            self._load_order(epoch)
             self.base.copy_(self.step_no)
             if self.ahead and full:
                 self._take(0, 0)  # the first step's rows; each step takes the next one's
             for s in range(full):
                 self._full_step(self._gathered_step, s % len(self.graphs))
+            if self.order_stream is not None and self.steps_left:
+                self._prepare_order(epoch + 1)
             starts, ends = ordering.step_bounds(len(self.ds), self.per_rank, self.rank, self.world)
             for s in range(full, len(self.sizes)):  # the short last step
                 a, k = int(starts[s]), int(ends[s] - starts[s])

@@ -31,10 +31,10 @@ def _take_kernel(src, rows, pos, labels, x_out, y_out, step_no, base, first, str
 
 def take_rows(src: torch.Tensor, rows: torch.Tensor, pos: torch.Tensor, labels: torch.Tensor, x_out: torch.Tensor,
               y_out: torch.Tensor, step_no: torch.Tensor, base: torch.Tensor, first: int, stride: int, ahead: int,
-              count: int) -> None:
-    """take.take's work (contiguous `src` and `x_out`)."""
+              count: int, elements: int = ELEMENTS, warps: int = 4) -> None:
+    """take.take's work (contiguous `src` and `x_out`); `elements` and `warps` shape a program (bench/take_pcie.py)."""
     dim = src.shape[1]
     cols = min(1024, triton.next_power_of_2(dim))
-    per = max(1, ELEMENTS // cols)
+    per = max(1, elements // cols)
     _take_kernel[(triton.cdiv(count, per),)](src, rows, pos, labels, x_out, y_out, step_no, base, first, stride,
-                                            ahead, count, rows.shape[0], dim, ROWS=per, COLS=cols, num_warps=4)
+                                            ahead, count, rows.shape[0], dim, ROWS=per, COLS=cols, num_warps=warps)

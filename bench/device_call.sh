@@ -1,0 +1,35 @@
+#!/usr/bin/env bash
+# One device call of several one-GPU parts, in order, each under its own timeout, results in $OUT:
+#   bash bench/device_call.sh startup passages startup gputrain take loader first
+# startup: bench/encoder_startup.py --first 20000 (run it twice: the machine's first and second run);
+# passages: bench/passages.py --skip-whole (issue 20); gputrain: the trainer's GPU tests; take: bench/take_pcie.py;
+# loader: bench/train_loader.py on 10M rows (issue 16); first: `embedfleet bench` (issue 17's first call).
+# Prelude and carry as bench/device_multi.sh's.
+set -o pipefail
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
+M=$PWD/.models/all-MiniLM-L6-v2-fp16
+export PYTHONPATH=/tmp/site:$PWD/src PYTHONUNBUFFERED=1 PYTHONPYCACHEPREFIX=/tmp/pycache EMBEDFLEET_HOME=/tmp/efhome \
+  EMBEDFLEET_GPU_MINILM=$M EMBEDFLEET_MODEL=$M
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+nvidia-smi -L; nproc
+k=0
+for part in "$@"; do
+  k=$((k + 1)); t0=$(date +%s.%N); echo "== $k $part"
+  case "$part" in
+  startup) timeout 120 python3 bench/encoder_startup.py "$M" --first 20000 >"$OUT/startup$k.txt" 2>&1; head -40 "$OUT/startup$k.txt" ;;
+  passages) EMBEDFLEET_PREP_WORKERS=${PREP:-14} timeout 150 python3 bench/passages.py --n "${PASSAGE_N:-40000}" \
+      --passages 254:32 --model "$M" --devices cuda --work /tmp/efp --skip-whole >"$OUT/passages.json" 2>"$OUT/passages.err"
+    tail -n 6 "$OUT/passages.err"; cat "$OUT/passages.json" ;;
+  gputrain) timeout 150 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_train_gpu.py \
+      -k "${TRAIN_TESTS:-order or take or ram_tier or graphs}" 2>&1 | tail -n 8 ;;
+  take) timeout 120 python3 bench/take_pcie.py --out "$OUT/take_pcie.json" 2>"$OUT/take_pcie.err" \
+      | python3 -c "import json,sys; d=json.load(sys.stdin); print(d['copy_engine_gb_s'], d['current']); [print(k, v) for k, v in d['best'].items()]" ;;
+  loader) timeout "${LOADER_TIMEOUT:-280}" python3 bench/train_loader.py --rows "${TRAIN_ROWS:-10000000}" \
+      --skip sql,stream,file,eager --readers "${READERS:-1,8}" --epochs 3 --out "$OUT/train_loader.json" \
+      2>"$OUT/train_loader.err" >/dev/null; grep -v "^ *$" "$OUT/train_loader.err" | tail -n 14 ;;
+  first) timeout 300 python3 -m embedfleet.cli bench --model "$M" --texts "${TEXTS:-reviews}" --n 20000 --json \
+      >"$OUT/bench_first.json" 2>"$OUT/bench_first.err"; tail -n 20 "$OUT/bench_first.err" ;;
+  *) echo "unknown part $part"; exit 2 ;;
+  esac
+  echo "== $part took $(python3 -c "import time; print(round(time.time() - $t0, 1))") s"
+done
