@@ -22,12 +22,13 @@ for part in "$@"; do
     tail -n 6 "$OUT/passages.err"; cat "$OUT/passages.json" ;;
   gputrain) timeout 150 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_train_gpu.py \
       -k "${TRAIN_TESTS:-order or take or ram_tier or graphs}" 2>&1 | tail -n 8 ;;
-  take) timeout 120 python3 bench/take_pcie.py --out "$OUT/take_pcie.json" 2>"$OUT/take_pcie.err" \
-      | python3 -c "import json,sys; d=json.load(sys.stdin); print(d['copy_engine_gb_s'], d['current']); [print(k, v) for k, v in d['best'].items()]" ;;
+  take) timeout 150 python3 bench/take_pcie.py --out "$OUT/take_pcie.json" 2>"$OUT/take_pcie.err" \
+      | python3 -c "import json,sys; d=json.load(sys.stdin); print(d['copy_engine_gb_s'], d['compute_us']); [print(r) for r in d['results']]" ;;
   loader) timeout "${LOADER_TIMEOUT:-280}" python3 bench/train_loader.py --rows "${TRAIN_ROWS:-10000000}" \
-      --skip sql,stream,file,eager --readers "${READERS:-1,8}" --epochs 3 --out "$OUT/train_loader.json" \
+      --skip sql,stream,file,eager --readers "${READERS:-1,8}" --epochs 3 ${TAKE_SHAPES:+--take-shapes "$TAKE_SHAPES"} \
+      --out "$OUT/train_loader.json" \
       2>"$OUT/train_loader.err" >/dev/null; grep -v "^ *$" "$OUT/train_loader.err" | tail -n 14 ;;
-  first) timeout 300 python3 -m embedfleet.cli bench --model "$M" --texts "${TEXTS:-reviews}" --n 20000 --json \
+  first) timeout "${FIRST_TIMEOUT:-300}" python3 -m embedfleet.cli bench --model "$M" --texts "${TEXTS:-reviews}" --n 20000 --json \
       >"$OUT/bench_first.json" 2>"$OUT/bench_first.err"; tail -n 20 "$OUT/bench_first.err" ;;
   *) echo "unknown part $part"; exit 2 ;;
   esac

@@ -6,7 +6,7 @@ Times what every ingest worker (and a user's first call) pays before its first v
 interpreter, torch's import, CUDA's first use, `Encoder(...)` — split, from a profile of the
 constructor, into reading the config, the safetensors load, the tokenizer, building the packed model
 on the device and the batch-token probe — then the first small encode (eager), the tokenizer's helper
-processes (N of them, 2 by default) and the background compile (CUDA; cold on a machine's first run,
+processes (N of them, the Encoder's default unless given) and the background compile (CUDA; cold on a machine's first run,
 from `$EMBEDFLEET_HOME/cache` after). Prints the steps, then the constructor's 18 costliest calls.
 Run it twice: the second run shows the cached compile (the issue's "second run on the machine").
 
@@ -55,7 +55,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("model", nargs="?", default=None, help="model directory (default: the bundled MiniLM)")
     ap.add_argument("--device", default="auto")
-    ap.add_argument("--helpers", type=int, default=2, help="tokenizer helper processes to start (0: none)")
+    ap.add_argument("--helpers", type=int, default=None, help="tokenizer helper processes (0: none; default: the Encoder's)")
     ap.add_argument("--first", type=int, default=0, help="the first encode: N reviews, profiled (0: one query)")
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args()
@@ -104,7 +104,7 @@ def main() -> None:
         t0 = time.perf_counter()
         enc.encode(["one query, eagerly"])
         steps["first_query"] = time.perf_counter() - t0
-    if a.helpers:
+    if a.helpers is None or a.helpers:
         t0 = time.perf_counter()
         enc._tok.start()
         steps["helpers"] = time.perf_counter() - t0

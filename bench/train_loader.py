@@ -4,7 +4,7 @@ EmbeddingDataset's tiers, against the training step alone.
     python bench/train_loader.py [--rows 200000] [--dim 384] [--table NAME] [--device auto]
         [--batch-size 4096] [--epochs 2] [--slow-batches 60] [--workers 4] [--readers 1,4]
         [--file-rows 1000000] [--skip sql,file,stream,read,eager] [--ram-variants switch200us,…]
-        [--ddp-devices cuda:0,1] [--db DSN] [--out FILE]
+        [--take-shapes 8192x4x32,…] [--ddp-devices cuda:0,1] [--db DSN] [--out FILE]
 
 The table (`bench_train_<rows>_<dim>`, reused when it exists with that many rows) is written by
 parallel binary COPY: random unit vectors, a rating that is a linear function's argmax of them (so
@@ -134,7 +134,9 @@ def write_table(dsn: str, table: str, rows: int, dim: int, writers: int) -> dict
         conn.execute(sql.SQL("SET max_parallel_maintenance_workers = {}").format(
             sql.Literal(max(0, min(7, (os.cpu_count() or 2) - 1)))))
         conn.execute(sql.SQL("ALTER TABLE {} ADD PRIMARY KEY (id)").format(sql.Identifier(table)))
-        conn.execute(sql.SQL("ANALYZE {}").format(sql.Identifier(table)))
+        # what autovacuum does after a bulk insert (off for this table): hint bits and the visibility map set,
+        # so the reads below do not pay the first scan's page writes
+        conn.execute(sql.SQL("VACUUM (ANALYZE) {}").format(sql.Identifier(table)))
     return {"name": table, "rows": rows, "dim": dim, "written": True, "write_s": round(written, 2),
             "write_rows_per_s": round(rows / written), "primary_key_s": round(time.perf_counter() - t0, 2),
             "unlogged": True}
@@ -427,6 +429,8 @@ def main() -> None:
     ap.add_argument("--skip", default="", help="comma list of: sql, file, stream, read, eager")
     ap.add_argument("--ram-variants", default="", help="comma list of: switch200us, one_thread, torch_gather "
                     "(the ram tier again with that change)")
+    ap.add_argument("--take-shapes", default="", help="comma list of ELEMENTSxWARPS[xPROGRAMS]: the ram tier's "
+                    "loop again with the take kernel in that shape (train/take_kernel.py's SHAPE)")
     ap.add_argument("--ddp-devices", default=None, help="also `embedfleet train` on these devices (issue 22)")
     ap.add_argument("--db", default=None)
     ap.add_argument("--out", default=None, help="also write the JSON document here")
@@ -489,6 +493,16 @@ def main() -> None:
             say(f"tier ram, {name}")
             epoch_s[f"ram_{name}"] = ram_variant(name, lambda e: tiers["ram"].batches(a.batch_size, epoch=e),
                                                  dim, dev, n, a.batch_size, a.epochs)
+    if "ram" in tiers and a.take_shapes and tiers["ram"].device.type == "cuda":
+        from embedfleet.train import take_kernel
+
+        default = take_kernel.SHAPE
+        for text in a.take_shapes.split(","):
+            e, w, *p = (int(v) for v in text.split("x"))
+            take_kernel.SHAPE = (e, w, p[0] if p else None)
+            say(f"tier ram, take shape {take_kernel.SHAPE}")
+            epoch_s[f"ram_take_{text}"] = said(time_loop_epochs(tiers["ram"], a.batch_size, a.epochs))
+        take_kernel.SHAPE = default
     if "stream" not in skip:
         say("tier stream (1 epoch)")
         st = EmbeddingDataset.from_table(table, label="rating", db=dsn, device=dev, cache="stream")

@@ -221,3 +221,32 @@ def test_a_tokenizer_spec_needs_no_torch():
     code = ("import sys; from embedfleet.encode.tokenize import tokenizer_spec; tokenizer_spec(None); "
             "sys.exit('torch' in sys.modules)")
     assert subprocess.run([sys.executable, "-c", code]).returncode == 0
+
+
+def test_throttle_keeps_enough_in_preparation_for_units_slower_to_prepare_than_to_embed():
+    """Passages of long documents: a unit takes a helper 0.5 s and the GPU 0.05 s. Even with the GPU the
+    bottleneck and units queued for it, the limit stays at the 11 the GPU uses up while one is
+    prepared (Little's law, plus one), not two."""
+    t = Throttle(14)
+    for _ in range(100):
+        t.prepared(0.5)
+        t.feedback(False, backlog=3, wait_s=0.0, cycle_s=0.05)
+    assert t.floor == 11 and t.limit == 11
+    quick = Throttle(14)  # reviews: units quicker to prepare than to embed shrink to two, as before
+    for _ in range(100):
+        quick.prepared(0.01)
+        quick.feedback(False, backlog=3, wait_s=0.0, cycle_s=0.05)
+    assert quick.limit == 2
+
+
+def test_a_streams_first_tasks_start_small_and_double(tmp_path):
+    """`first_bytes`: the first task is about that big, each next one twice the last, up to
+    chunk_bytes; the tasks still hold every row once, in order."""
+    path = tmp_path / "r.csv"
+    path.write_text("id,text\n" + "".join(f"{i},review number {i:04d} {'x' * 30}\n" for i in range(1, 401)))
+    spec = ChunkSpec(str(path), "csv", 0, -1, 1)
+    tasks = list(stream_tasks(spec, after_line=0, last_line=None, chunk_bytes=3200, first_bytes=400))
+    sizes = [sum(len(r.raw) + 1 for r in t.raws) for t in tasks]
+    assert [n for t in tasks for n in (r.line for r in t.raws)] == list(range(1, 401))
+    assert sizes[0] < 500 and 800 <= sizes[1] < 900 and 1600 <= sizes[2] < 1700
+    assert all(3200 <= s < 3300 for s in sizes[3:-1])

@@ -23,7 +23,11 @@ class Throttle:
     waiting and the one after it is ready too) does the limit drop by one, down to two: claiming
     more chunks then would only leave other workers idle at the end of the job. Each time the GPU
     loop had to wait raises it by one. When the helpers are the bottleneck (small models) the limit
-    stays up even though units sometimes arrive in bursts: shrinking then would idle helpers."""
+    stays up even though units sometimes arrive in bursts: shrinking then would idle helpers. Nor does
+    it drop below what the GPU uses up while one unit is prepared (Little's law: a unit's preparation
+    time over the GPU's time a unit, plus one): long units (passages of long documents, ~0.5 s of a
+    helper each against ~50 ms of the GPU's) shrunk to two in preparation left 12 of 14 helpers idle
+    and the GPU waiting (bench/NOTES.md, run 69)."""
 
     GPU_BOUND = 0.05  # recent share of the loop's time spent waiting for input, below which the GPU is the bottleneck
     MEMORY_S = 1.0  # how far back "recent" reaches (seconds)
@@ -32,7 +36,20 @@ class Throttle:
         self.most, self.least = (most or 2 * helpers + 2, 2) if helpers else (0, 0)
         self.limit = self.most
         self.waiting = 1.0  # moving average of the loop's share of time waiting for input
+        self.prep_s = 0.0  # moving averages: a helper's seconds preparing a unit, the GPU loop's seconds a unit
+        self.use_s = 0.0
         self._sum = self._n = 0
+
+    def prepared(self, seconds: float) -> None:
+        """A helper took `seconds` to prepare a unit."""
+        self.prep_s = seconds if not self.prep_s else 0.8 * self.prep_s + 0.2 * seconds
+
+    @property
+    def floor(self) -> int:
+        """The fewest tasks in preparation that keep a busy GPU fed: the units it uses up while one is prepared, plus one."""
+        if not (self.prep_s and self.use_s):
+            return self.least
+        return min(self.most, max(self.least, math.ceil(self.prep_s / self.use_s) + 1))
 
     def feedback(self, waited: bool, backlog: int = 0, wait_s: float = 0.0, cycle_s: float = 0.0) -> None:
         """`waited`: the GPU loop found no unit ready; `backlog`: units ready when it looked;
@@ -40,10 +57,13 @@ class Throttle:
         if cycle_s > 0:  # averaged over time (about the last second), so a burst of quick units barely moves it
             keep = math.exp(-cycle_s / self.MEMORY_S)
             self.waiting = keep * self.waiting + (1 - keep) * min(1.0, wait_s / cycle_s)
+            use = max(0.0, cycle_s - wait_s)
+            self.use_s = use if not self.use_s else 0.8 * self.use_s + 0.2 * use
         if waited:
             self.limit = min(self.most, self.limit + 1)
         elif backlog >= 2 and self.waiting < self.GPU_BOUND:
-            self.limit = max(self.least, self.limit - 1)
+            self.limit = max(self.floor, self.limit - 1)
+        self.limit = max(self.limit, self.floor)
         self._sum, self._n = self._sum + self.limit, self._n + 1
 
     @property

@@ -289,11 +289,14 @@ def _spool_dir() -> str:
     return tempfile.mkdtemp(dir=base, prefix=f"embedfleet-units-{os.getpid()}-")
 
 
-def stream_tasks(spec: ChunkSpec, after_line: int, last_line: int | None, chunk_bytes: int) -> Iterator[Task]:
+def stream_tasks(spec: ChunkSpec, after_line: int, last_line: int | None, chunk_bytes: int,
+                 first_bytes: int | None = None) -> Iterator[Task]:
     """A stream chunk as tasks of about `chunk_bytes` of input each, read in order here; the last one
-    is marked so. A chunk with nothing left still yields one (empty) task, to mark it done."""
+    is marked so. A chunk with nothing left still yields one (empty) task, to mark it done.
+    `first_bytes`: the first task's size, doubling up to chunk_bytes (a worker's first chunk: the GPU
+    gets its first unit after a small one's preparation, not a full one's)."""
     pending: Task | None = None  # one task of look-ahead, to know which one is the last
-    for task in _stream_pieces(spec, after_line, last_line, chunk_bytes):
+    for task in _stream_pieces(spec, after_line, last_line, _sizes(chunk_bytes, first_bytes)):
         if pending is not None:
             yield pending
         pending = task
@@ -303,9 +306,16 @@ def stream_tasks(spec: ChunkSpec, after_line: int, last_line: int | None, chunk_
     yield pending
 
 
-def _stream_pieces(spec: ChunkSpec, after_line: int, last_line: int | None, chunk_bytes: int) -> Iterator[Task]:
+def _sizes(chunk_bytes: int, first_bytes: int | None) -> Iterator[int]:
+    size = min(chunk_bytes, first_bytes or chunk_bytes)
+    while True:
+        yield size
+        size = min(chunk_bytes, 2 * size)
+
+
+def _stream_pieces(spec: ChunkSpec, after_line: int, last_line: int | None, sizes: Iterator[int]) -> Iterator[Task]:
     if spec.kind == "stream":  # compressed JSONL: here only decompress and count lines; helpers parse
-        for first, block in stream_blocks(spec, after_line, chunk_bytes):
+        for first, block in stream_blocks(spec, after_line, sizes):
             if last_line is not None and first > last_line:
                 return
             end = first + block_lines(block) - 1
@@ -313,15 +323,15 @@ def _stream_pieces(spec: ChunkSpec, after_line: int, last_line: int | None, chun
                        cursor_line=end if last_line is None else min(end, last_line), last=False)
         return
     group: list[RawRecord] = []  # CSV, Parquet: records read here
-    size, cursor = 0, after_line
+    size, cursor, limit = 0, after_line, next(sizes)
     for raw in read_chunk(spec, after_line=after_line):
         if last_line is not None and raw.line > last_line:
             break
         group.append(raw)
         size += len(raw.raw) + 1
         cursor = raw.line
-        if size >= chunk_bytes:
+        if size >= limit:
             yield Task(spec, after_line, last_line, raws=group, cursor_line=cursor, last=False)
-            group, size = [], 0
+            group, size, limit = [], 0, next(sizes)
     if group:
         yield Task(spec, after_line, last_line, raws=group, cursor_line=cursor, last=False)

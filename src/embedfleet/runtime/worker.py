@@ -81,6 +81,7 @@ def claimed_tasks(ledger: Ledger, job: str, worker: str, lease: float, unit_byte
     caller then finishes what it has in flight: those chunks count as running too); a Failure for a
     stream that cannot be read. Keeps looking while chunks are still running: one of ours may fail and
     come back, and a dead worker's come back when its lease expires."""
+    first_bytes = max(64 << 10, unit_bytes // 8)  # the first stream chunk's units start small: the GPU starts sooner
     while True:
         t0 = time.perf_counter()
         claim = ledger.claim(job, worker, lease)
@@ -98,8 +99,9 @@ def claimed_tasks(ledger: Ledger, job: str, worker: str, lease: float, unit_byte
             yield claim, Task(spec, claim.cursor_line, claim.last_line)
             continue
         try:  # a stream: read here in order, committed every unit_bytes so a crash resumes from there
-            for task in stream_tasks(spec, claim.cursor_line, claim.last_line, unit_bytes):
+            for task in stream_tasks(spec, claim.cursor_line, claim.last_line, unit_bytes, first_bytes):
                 yield claim, task
+            first_bytes = None
         except Exception as e:  # unreadable file, decompression error…: the chunk fails, the job goes on
             yield Failure(claim, e)
 
@@ -124,6 +126,7 @@ def produce_units(ledger: Ledger, claims: Iterator, pool: UnitPool, throttle: Th
             stats.collect_seconds += time.perf_counter() - t0
         stats.helper_seconds += p.busy_s
         stats.helper_cpu_seconds += p.cpu_s
+        throttle.prepared(p.busy_s)
         if claim.token not in started:
             started.add(claim.token)
             ledger.mark_started(claim)

@@ -7,6 +7,7 @@ processes parse.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Iterator
 
 from embedfleet.sources.base import (BOM, STREAM_ERRORS, RawRecord, iter_lines, open_binary, parse_line, split_lines,
@@ -34,15 +35,18 @@ def read_stream(spec: ChunkSpec, after_line: int = 0) -> Iterator[RawRecord]:
         raise stream_error(spec.source, number, e) from e
 
 
-def stream_blocks(spec: ChunkSpec, after_line: int = 0, block_bytes: int = 2 << 20) -> Iterator[tuple[int, bytes]]:
-    """(first line number, block of whole lines) of about `block_bytes` each from a compressed file,
-    skipping blocks whose lines are all <= `after_line`. The last block may lack a final newline."""
+def stream_blocks(spec: ChunkSpec, after_line: int = 0,
+                  block_bytes: int | Iterator[int] = 2 << 20) -> Iterator[tuple[int, bytes]]:
+    """(first line number, block of whole lines) of about `block_bytes` each (or each the next of an
+    iterator of sizes) from a compressed file, skipping blocks whose lines are all <= `after_line`.
+    The last block may lack a final newline."""
+    sizes = itertools.repeat(block_bytes) if isinstance(block_bytes, int) else block_bytes
     number = 1  # the first line of the next block
     f = open_binary(spec.source)  # outside the try: a missing file is not a corrupt one
     try:
         with f:
             tail = b""
-            while block := f.read(block_bytes):
+            while block := f.read(next(sizes)):
                 block = tail + block if tail else block
                 cut = block.rfind(b"\n") + 1
                 if cut == 0:  # one line longer than a block: keep reading

@@ -6,35 +6,44 @@ import torch
 import triton
 import triton.language as tl
 
-ELEMENTS = 8192  # a program's rows x columns: every row loaded at once, many reads in flight (PCIe's latency)
+# A program's tile (elements: rows x columns, all loaded at once: many reads in flight against PCIe's
+# latency), its warps, and at most how many programs loop over the tiles (None: one program a tile).
+# Few programs leave SMs free for the step's own kernels when the take runs beside them (the ram tier,
+# one step ahead). bench/take_pcie.py measures shapes alone and beside a step's compute.
+SHAPE: tuple[int, int, int | None] = (8192, 4, None)
 
 
 # values that change between calls are not specialised on: one compile, not one per step kind
 @triton.jit(do_not_specialize=["first", "stride", "ahead", "count", "n"])
 def _take_kernel(src, rows, pos, labels, x_out, y_out, step_no, base, first, stride, ahead, count, n, dim,
                  ROWS: tl.constexpr, COLS: tl.constexpr):
-    r = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
-    at = first + (tl.load(step_no) - tl.load(base) + ahead) * stride + r
-    write = r < count
-    read = write & (at < n)
-    row = tl.load(rows + at, mask=read, other=0)
-    p = tl.load(pos + at, mask=read, other=0)
-    tl.store(y_out + r, tl.load(labels + p, mask=read), mask=write)
+    at0 = first + (tl.load(step_no) - tl.load(base) + ahead) * stride
     c = tl.arange(0, COLS)
-    for c0 in range(0, dim, COLS):
-        cols = c0 + c
-        inside = cols[None, :] < dim
-        v = tl.load(src + row[:, None] * dim + cols[None, :], mask=read[:, None] & inside, other=0.0)
-        tl.store(x_out + r[:, None].to(tl.int64) * dim + cols[None, :], v.to(x_out.dtype.element_ty),
-                 mask=write[:, None] & inside)
+    for tile in range(tl.program_id(0), tl.cdiv(count, ROWS), tl.num_programs(0)):
+        r = tile * ROWS + tl.arange(0, ROWS)
+        at = at0 + r
+        write = r < count
+        read = write & (at < n)
+        row = tl.load(rows + at, mask=read, other=0)
+        p = tl.load(pos + at, mask=read, other=0)
+        tl.store(y_out + r, tl.load(labels + p, mask=read), mask=write)
+        for c0 in range(0, dim, COLS):
+            cols = c0 + c
+            inside = cols[None, :] < dim
+            v = tl.load(src + row[:, None] * dim + cols[None, :], mask=read[:, None] & inside, other=0.0)
+            tl.store(x_out + r[:, None].to(tl.int64) * dim + cols[None, :], v.to(x_out.dtype.element_ty),
+                     mask=write[:, None] & inside)
 
 
 def take_rows(src: torch.Tensor, rows: torch.Tensor, pos: torch.Tensor, labels: torch.Tensor, x_out: torch.Tensor,
               y_out: torch.Tensor, step_no: torch.Tensor, base: torch.Tensor, first: int, stride: int, ahead: int,
-              count: int, elements: int = ELEMENTS, warps: int = 4) -> None:
-    """take.take's work (contiguous `src` and `x_out`); `elements` and `warps` shape a program (bench/take_pcie.py)."""
+              count: int, shape: tuple[int, int, int | None] | None = None) -> None:
+    """take.take's work (contiguous `src` and `x_out`); `shape`: (elements, warps, programs), default SHAPE."""
+    elements, warps, programs = shape or SHAPE
     dim = src.shape[1]
     cols = min(1024, triton.next_power_of_2(dim))
     per = max(1, elements // cols)
-    _take_kernel[(triton.cdiv(count, per),)](src, rows, pos, labels, x_out, y_out, step_no, base, first, stride,
-                                            ahead, count, rows.shape[0], dim, ROWS=per, COLS=cols, num_warps=warps)
+    tiles = triton.cdiv(count, per)
+    _take_kernel[(min(tiles, programs or tiles),)](src, rows, pos, labels, x_out, y_out, step_no, base, first,
+                                                   stride, ahead, count, rows.shape[0], dim, ROWS=per, COLS=cols,
+                                                   num_warps=warps)
