@@ -430,7 +430,7 @@ def main() -> None:
     ap.add_argument("--ram-variants", default="", help="comma list of: switch200us, one_thread, torch_gather "
                     "(the ram tier again with that change)")
     ap.add_argument("--take-shapes", default="", help="comma list of ELEMENTSxWARPS[xPROGRAMS]: the ram tier's "
-                    "loop again with the take kernel in that shape (train/take_kernel.py's SHAPE)")
+                    "loop again with the take kernel in that shape (train/take_kernel.py's SHAPES['cpu'])")
     ap.add_argument("--ddp-devices", default=None, help="also `embedfleet train` on these devices (issue 22)")
     ap.add_argument("--db", default=None)
     ap.add_argument("--out", default=None, help="also write the JSON document here")
@@ -496,13 +496,13 @@ def main() -> None:
     if "ram" in tiers and a.take_shapes and tiers["ram"].device.type == "cuda":
         from embedfleet.train import take_kernel
 
-        default = take_kernel.SHAPE
+        default = take_kernel.SHAPES["cpu"]  # the shape of a take from pinned host memory
         for text in a.take_shapes.split(","):
             e, w, *p = (int(v) for v in text.split("x"))
-            take_kernel.SHAPE = (e, w, p[0] if p else None)
-            say(f"tier ram, take shape {take_kernel.SHAPE}")
+            take_kernel.SHAPES["cpu"] = (e, w, p[0] if p else None)
+            say(f"tier ram, take shape {take_kernel.SHAPES['cpu']}")
             epoch_s[f"ram_take_{text}"] = said(time_loop_epochs(tiers["ram"], a.batch_size, a.epochs))
-        take_kernel.SHAPE = default
+        take_kernel.SHAPES["cpu"] = default
     if "stream" not in skip:
         say("tier stream (1 epoch)")
         st = EmbeddingDataset.from_table(table, label="rating", db=dsn, device=dev, cache="stream")

@@ -7,6 +7,7 @@ import pytest
 
 st_mod = pytest.importorskip("sentence_transformers")
 
+from embedfleet.encode import encoder as encoder_mod  # noqa: E402
 from embedfleet.encode import tokenize as tokenize_mod  # noqa: E402
 from embedfleet.encode.encoder import Encoder  # noqa: E402
 from embedfleet.encode.models import bundled_model_dir  # noqa: E402
@@ -135,6 +136,29 @@ def test_tokenizer_pool_matches_in_process(tiny, monkeypatch):
         enc.close()
     b = Encoder(str(tiny["qwen3"]), tokenizer_workers=0).tokenize(texts)
     assert np.array_equal(a.ids, b.ids) and np.array_equal(a.inverse, b.inverse) and a.num_tokens == b.num_tokens
+
+
+def test_a_call_begun_before_the_helpers_are_up_stays_in_process(tiny, monkeypatch):
+    """Issue 17: the first big call starts the helpers for later calls but does not switch to them
+    mid-call (cold helpers made it 3.4x slower); once they are up, calls use them, same vectors."""
+    monkeypatch.setattr(tokenize_mod, "POOL_MIN_TEXTS", 10)
+    monkeypatch.setattr(encoder_mod, "MIN_CHUNK", 64)
+    enc = Encoder(str(tiny["bert-cls"]), tokenizer_workers=2)
+    texts = review_texts(3000, seed=3)
+    try:
+        first = enc.encode(texts)
+        assert enc._tok._pool is not None  # started for later calls
+        enc._tok.start()  # waits until they are up
+        enc._tok.pool_ready = lambda: False  # as if they came up just after the call began
+        mid = enc.encode(texts)
+        assert enc._tok.pooled == 0  # up, yet not used by that call
+        del enc._tok.pool_ready
+        again = enc.encode(texts)
+        assert enc._tok.pooled > 0
+    finally:
+        enc.close()
+    np.testing.assert_allclose(first, mid, atol=1e-5)
+    np.testing.assert_allclose(first, again, atol=1e-5)
 
 
 def test_unresolvable_models_raise_model_error(tmp_path, monkeypatch):

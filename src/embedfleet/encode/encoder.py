@@ -116,8 +116,8 @@ class Encoder:
                 "pooling": self.spec.pooling, "tokenizer_workers": self._tok.workers,
                 "compile": self._compile.state if self._compile is not None else "off"}
 
-    def tokenize(self, texts: list[str], prompt: str | None = None) -> Tokenized:
-        return self._tok.tokenize(texts, self.spec.prompt_text(prompt if prompt is not None else self.prompt))
+    def tokenize(self, texts: list[str], prompt: str | None = None, pool: bool = True) -> Tokenized:
+        return self._tok.tokenize(texts, self.spec.prompt_text(prompt if prompt is not None else self.prompt), pool)
 
     def tokenizer_spec(self, prompt: str | None = None) -> TokenizerSpec:
         """This model's tokenizer and prompt, for tokenizing in another process."""
@@ -160,19 +160,23 @@ class Encoder:
         if self._compile is not None and len(texts) >= LONG_CALL_TEXTS:
             self._compile.start()  # a long call: the compiled graph will be ready for most of it
         size = min(MAX_CHUNK, max(MIN_CHUNK, len(texts) // 8))  # >= 8 chunks, so the overlap pays
+        # A call that starts before the helpers are up stays in this process: helpers that come up
+        # mid-call start with empty word tables, and switching to them made a first call of 20,000
+        # reviews 3.4x slower on an H100 host (bench/NOTES.md, run 70). A long call switches anyway.
+        pool = len(texts) >= LONG_CALL_TEXTS or self._tok.pool_ready()
         if len(texts) <= size:
-            return self.embed(self.tokenize(texts, prompt))
+            return self.embed(self.tokenize(texts, prompt, pool))
         # A small first chunk: the device idles only while that one is tokenized.
         first = MIN_CHUNK // 2
         chunks = [texts[:first]] + [texts[i : i + size] for i in range(first, len(texts), size)]
         out, pending = [], None
         # Two chunks tokenize ahead (keeping the pool busy between them) while the device embeds;
         # chunk k's result is read only after chunk k+1 has been queued on the device.
-        with ThreadPoolExecutor(2, thread_name_prefix="embedfleet-tok") as pool:
-            futures = [pool.submit(self.tokenize, c, prompt) for c in chunks[:2]]
+        with ThreadPoolExecutor(2, thread_name_prefix="embedfleet-tok") as ahead:
+            futures = [ahead.submit(self.tokenize, c, prompt, pool) for c in chunks[:2]]
             for k in range(len(chunks)):
                 if k + 2 < len(chunks):
-                    futures.append(pool.submit(self.tokenize, chunks[k + 2], prompt))
+                    futures.append(ahead.submit(self.tokenize, chunks[k + 2], prompt, pool))
                 nxt = self._launch(futures[k].result())
                 if pending is not None:
                     out.append(pending.result())

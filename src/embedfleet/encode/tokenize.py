@@ -265,6 +265,7 @@ class TextTokenizer:
         self._local = _Tokenizer(tokenizer_json, max_length, shortcuts, self.word_cache)
         self.workers = default_workers() if workers is None else max(0, int(workers))
         self._pool: HelperPool | None = None
+        self.pooled = 0  # calls the helpers tokenized
         self._lock = threading.Lock()
 
     def _start_pool(self) -> HelperPool | None:
@@ -286,21 +287,27 @@ class TextTokenizer:
         if pool is not None:
             pool.start()
 
-    def encode_unsorted(self, texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
-        """Packed ids and lengths in input order."""
+    def pool_ready(self) -> bool:
+        """Whether the helpers are up (a call that starts before they are tokenizes in this process)."""
+        return self._pool is not None and self._pool.ready()
+
+    def encode_unsorted(self, texts: list[str], pool: bool = True) -> tuple[np.ndarray, np.ndarray]:
+        """Packed ids and lengths in input order. `pool=False`: in this process (the helpers are
+        still started for later calls when these are many)."""
         cap = self.max_length * CHARS_PER_TOKEN
         texts = [t if len(t) <= cap else t[:cap] for t in texts]
         if self.lowercase:
             texts = [t.lower() for t in texts]
-        pool = self._start_pool() if self.workers and len(texts) >= POOL_MIN_TEXTS else None
-        if pool is not None and pool.broken is not None and not pool.ready():
-            log.warning("tokenizer helpers failed to start (%s); tokenizing in this process", pool.broken)
+        helpers = self._start_pool() if self.workers and len(texts) >= POOL_MIN_TEXTS else None
+        if helpers is not None and helpers.broken is not None and not helpers.ready():
+            log.warning("tokenizer helpers failed to start (%s); tokenizing in this process", helpers.broken)
             self.close()
-            self.workers, pool = 0, None
-        if pool is None or not pool.ready():  # small, or the helpers are still starting: here
+            self.workers, helpers = 0, None
+        if not pool or helpers is None or not helpers.ready():  # small, or the helpers are still starting: here
             return self._local.encode(texts, self.pad_id)
+        self.pooled += 1
         step = max(256, -(-len(texts) // (self.workers * 4)))
-        parts = pool.map(_worker_encode, [texts[i : i + step] for i in range(0, len(texts), step)])
+        parts = helpers.map(_worker_encode, [texts[i : i + step] for i in range(0, len(texts), step)])
         return np.concatenate([p[0] for p in parts]), np.concatenate([p[1] for p in parts])
 
     def word_tokens(self, text: str) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
@@ -316,10 +323,10 @@ class TextTokenizer:
         """How to rebuild this tokenizer (with a prompt prefix) in another process."""
         return TokenizerSpec(self._json, self.max_length, self.pad_id, self.lowercase, prefix, self.word_cache)
 
-    def tokenize(self, texts: list[str], prefix: str = "") -> Tokenized:
+    def tokenize(self, texts: list[str], prefix: str = "", pool: bool = True) -> Tokenized:
         if prefix:
             texts = [prefix + t for t in texts]
-        return pack_sorted(*self.encode_unsorted(list(texts)))
+        return pack_sorted(*self.encode_unsorted(list(texts), pool))
 
     def close(self) -> None:
         with self._lock:

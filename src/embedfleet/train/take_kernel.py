@@ -7,10 +7,11 @@ import triton
 import triton.language as tl
 
 # A program's tile (elements: rows x columns, all loaded at once: many reads in flight against PCIe's
-# latency), its warps, and at most how many programs loop over the tiles (None: one program a tile).
-# Few programs leave SMs free for the step's own kernels when the take runs beside them (the ram tier,
-# one step ahead). bench/take_pcie.py measures shapes alone and beside a step's compute.
-SHAPE: tuple[int, int, int | None] = (8192, 4, None)
+# latency), its warps, and at most how many programs loop over the tiles (None: one program a tile),
+# by where the rows are. From pinned host memory the take runs beside the step's kernels (the ram
+# tier, one step ahead): 32 programs leave them SMs, where a program a tile made the two take turns
+# (one H100: 0.205 s an epoch against 0.347; bench/take_pcie.py, bench/NOTES.md run 70).
+SHAPES: dict[str, tuple[int, int, int | None]] = {"cuda": (8192, 4, None), "cpu": (8192, 4, 32)}
 
 
 # values that change between calls are not specialised on: one compile, not one per step kind
@@ -38,8 +39,9 @@ def _take_kernel(src, rows, pos, labels, x_out, y_out, step_no, base, first, str
 def take_rows(src: torch.Tensor, rows: torch.Tensor, pos: torch.Tensor, labels: torch.Tensor, x_out: torch.Tensor,
               y_out: torch.Tensor, step_no: torch.Tensor, base: torch.Tensor, first: int, stride: int, ahead: int,
               count: int, shape: tuple[int, int, int | None] | None = None) -> None:
-    """take.take's work (contiguous `src` and `x_out`); `shape`: (elements, warps, programs), default SHAPE."""
-    elements, warps, programs = shape or SHAPE
+    """take.take's work (contiguous `src` and `x_out`); `shape`: (elements, warps, programs), default
+    SHAPES' for where `src` is."""
+    elements, warps, programs = shape or SHAPES[src.device.type]
     dim = src.shape[1]
     cols = min(1024, triton.next_power_of_2(dim))
     per = max(1, elements // cols)
