@@ -7,8 +7,9 @@ on the device into one output buffer, one device->host copy at the end: no sync 
 encode() pipelines the two over chunks so the device never waits for the tokenizer.
 
 Small work stays small: a query or a few thousand texts run eagerly in this process. The tokenizer's
-helper processes start at the first big call (and tokenizing goes on here until they are up), and on
-CUDA the forward pass is compiled in the background once enough work has come (`compile.py`).
+helper processes start with warmup() or at the first very long call (tokenizing goes on here until they
+are up), and on CUDA the forward pass is compiled in the background once enough work has come
+(`compile.py`).
 """
 
 from __future__ import annotations
@@ -160,9 +161,9 @@ class Encoder:
         if self._compile is not None and len(texts) >= LONG_CALL_TEXTS:
             self._compile.start()  # a long call: the compiled graph will be ready for most of it
         size = min(MAX_CHUNK, max(MIN_CHUNK, len(texts) // 8))  # >= 8 chunks, so the overlap pays
-        # A call that starts before the helpers are up stays in this process: helpers that come up
-        # mid-call start with empty word tables, and switching to them made a first call of 20,000
-        # reviews 3.4x slower on an H100 host (bench/NOTES.md, run 70). A long call switches anyway.
+        # The helpers serve a call only if they are up when it starts, or it is very long (it starts
+        # them): starting or switching to them inside a first call of 20,000 reviews made it 2.5-3.4x
+        # slower on an H100 host (bench/NOTES.md, runs 70-71).
         pool = len(texts) >= LONG_CALL_TEXTS or self._tok.pool_ready()
         if len(texts) <= size:
             return self.embed(self.tokenize(texts, prompt, pool))

@@ -4,8 +4,9 @@ One fast-tokenizer call is limited by building Python objects under the GIL (abo
 however many cores), so big inputs go to a pool of single-threaded processes instead
 (`helper_pool.HelperPool`: fresh interpreters that import this module, never the caller's
 `__main__`; forking after the tokenizers library has started its threads can deadlock). The pool
-starts at the first big call, in the background, and that call's texts are tokenized here until it is
-up; small calls never start it. This module imports no torch so that helpers start quickly.
+starts with `start()` (an Encoder's warmup) or at the first very long call (in the background, that
+call's texts tokenized here until it is up); other calls tokenize here: starting eight helpers inside
+a first call of 20,000 reviews made it 2.5x slower on an H100 host (bench/NOTES.md, run 71). This module imports no torch so that helpers start quickly.
 """
 
 from __future__ import annotations
@@ -292,18 +293,18 @@ class TextTokenizer:
         return self._pool is not None and self._pool.ready()
 
     def encode_unsorted(self, texts: list[str], pool: bool = True) -> tuple[np.ndarray, np.ndarray]:
-        """Packed ids and lengths in input order. `pool=False`: in this process (the helpers are
-        still started for later calls when these are many)."""
+        """Packed ids and lengths in input order: on the helpers when `pool` and there are enough
+        texts (starting them if need be, here until they are up), else in this process."""
         cap = self.max_length * CHARS_PER_TOKEN
         texts = [t if len(t) <= cap else t[:cap] for t in texts]
         if self.lowercase:
             texts = [t.lower() for t in texts]
-        helpers = self._start_pool() if self.workers and len(texts) >= POOL_MIN_TEXTS else None
+        helpers = self._start_pool() if pool and self.workers and len(texts) >= POOL_MIN_TEXTS else None
         if helpers is not None and helpers.broken is not None and not helpers.ready():
             log.warning("tokenizer helpers failed to start (%s); tokenizing in this process", helpers.broken)
             self.close()
             self.workers, helpers = 0, None
-        if not pool or helpers is None or not helpers.ready():  # small, or the helpers are still starting: here
+        if helpers is None or not helpers.ready():  # small, or the helpers are still starting: here
             return self._local.encode(texts, self.pad_id)
         self.pooled += 1
         step = max(256, -(-len(texts) // (self.workers * 4)))

@@ -64,6 +64,7 @@ class Stats:
     tokens: int = 0
     embed_seconds: float = 0.0  # time the main thread spent queuing forward passes and reading results
     wait_seconds: float = 0.0  # time the main thread waited for the prefetch thread
+    first_wait_seconds: float | None = None  # of which, for the first unit (the pipeline's fill)
     sink_wait_seconds: float = 0.0  # time the main thread waited for the writer (back-pressure)
     read_seconds: float = 0.0  # records thread: waiting for claims (and streams read with them), for prepared units
     claim_seconds: float = 0.0  # claims thread: claiming chunks from the ledger (a query each)
@@ -315,6 +316,7 @@ class Worker:
             "worker": self.id, "device": encoder.device, "rows": stats.rows, "tokens": stats.tokens,
             "wall_s": round(wall, 3), "rows_per_s": round(stats.rows / wall, 1) if wall else 0.0,
             "embed_s": round(stats.embed_seconds, 3), "input_wait_s": round(stats.wait_seconds, 3),
+            "first_wait_s": round(stats.first_wait_seconds or 0.0, 3),
             "db_s": round(writer.db_seconds, 3), "sink_wait_s": round(stats.sink_wait_seconds, 3),
             "read_s": round(stats.read_seconds, 3), "claim_s": round(stats.claim_seconds, 3),
             "collect_s": round(stats.collect_seconds, 3), "records_blocked_s": round(ahead.blocked_s, 3),
@@ -367,6 +369,8 @@ class Worker:
             item = next(units, None)
             waited = time.perf_counter() - t0
             stats.wait_seconds += waited
+            if stats.first_wait_seconds is None:
+                stats.first_wait_seconds = waited
             throttle.feedback(not ready, backlog, waited, time.perf_counter() - t_cycle)
             t_cycle = time.perf_counter()
             if item is None:
