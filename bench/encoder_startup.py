@@ -55,7 +55,8 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("model", nargs="?", default=None, help="model directory (default: the bundled MiniLM)")
     ap.add_argument("--device", default="auto")
-    ap.add_argument("--helpers", type=int, default=None, help="tokenizer helper processes (0: none; default: the Encoder's)")
+    ap.add_argument("--helpers", type=int, default=None,
+                    help="tokenizer helper processes (0: none; default: the Encoder's)")
     ap.add_argument("--first", type=int, default=0, help="the first encode: N reviews, profiled (0: one query)")
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args()

@@ -497,12 +497,14 @@ def main() -> None:
         from embedfleet.train import take_kernel
 
         default = take_kernel.SHAPES["cpu"]  # the shape of a take from pinned host memory
-        for text in a.take_shapes.split(","):
-            e, w, *p = (int(v) for v in text.split("x"))
-            take_kernel.SHAPES["cpu"] = (e, w, p[0] if p else None)
-            say(f"tier ram, take shape {take_kernel.SHAPES['cpu']}")
-            epoch_s[f"ram_take_{text}"] = said(time_loop_epochs(tiers["ram"], a.batch_size, a.epochs))
-        take_kernel.SHAPES["cpu"] = default
+        try:
+            for text in a.take_shapes.split(","):
+                e, w, *p = (int(v) for v in text.split("x"))
+                take_kernel.SHAPES["cpu"] = (e, w, p[0] if p else None)
+                say(f"tier ram, take shape {take_kernel.SHAPES['cpu']}")
+                epoch_s[f"ram_take_{text}"] = said(time_loop_epochs(tiers["ram"], a.batch_size, a.epochs))
+        finally:
+            take_kernel.SHAPES["cpu"] = default
     if "stream" not in skip:
         say("tier stream (1 epoch)")
         st = EmbeddingDataset.from_table(table, label="rating", db=dsn, device=dev, cache="stream")

@@ -2,6 +2,7 @@
 the command trains on one GPU (gpu and ram tiers alike, replayed as CUDA graphs or eagerly) and on two
 (NCCL) like on one."""
 
+import itertools
 import json
 import os
 import subprocess
@@ -95,8 +96,10 @@ def test_the_epoch_order_on_the_gpu_is_the_cpus():
 def test_the_take_kernel_reads_device_and_pinned_host_rows_like_torch():
     """The step's rows by the order, one Triton kernel: from device memory and from pinned host memory
     (read across PCIe), cast to bf16, at the step the device counter says, ahead of it, and a short
-    step; positions past the order's end are not read."""
+    step; positions past the order's end are not read. In the default shapes and with fewer programs
+    than tiles (each program then loops over several)."""
     from embedfleet.train.take import kernel_available, take
+    from embedfleet.train.take_kernel import take_rows
 
     assert kernel_available(torch.device("cuda"))
     g = torch.Generator().manual_seed(1)
@@ -107,16 +110,19 @@ def test_the_take_kernel_reads_device_and_pinned_host_rows_like_torch():
     step_no, base = torch.tensor([7], device="cuda"), torch.tensor([2], device="cuda")
     for dtype in (torch.float32, torch.float16):
         table = torch.randn(n, dim, generator=g).to(dtype)
-        for src in (table.cuda(), table.pin_memory()):
+        for src, shape in itertools.product((table.cuda(), table.pin_memory()), (None, (8192, 4, 3), (1024, 1, 5))):
             for first, step_stride, ahead, count in ((512, stride, 0, per), (0, stride, 1, per), (9_900, 0, 0, 107),
                                                      (4_675, stride, 0, per)):  # the last: 212 rows, then the end
                 x = torch.full((per, dim), -1.0, dtype=torch.bfloat16, device="cuda")
                 y = torch.full((per,), -1, dtype=torch.int64, device="cuda")
-                take(src, rows, pos, labels, x, y, step_no, base, first, step_stride, ahead, count, kernel=True)
+                if shape is None:
+                    take(src, rows, pos, labels, x, y, step_no, base, first, step_stride, ahead, count, kernel=True)
+                else:
+                    take_rows(src, rows, pos, labels, x, y, step_no, base, first, step_stride, ahead, count, shape)
                 at = first + (7 - 2 + ahead) * step_stride
                 ok = min(count, n - at)
                 want = table.cuda()[rows[at:at + ok]].to(torch.bfloat16)
-                assert torch.equal(x[:ok], want), (dtype, src.device, first, ahead)
+                assert torch.equal(x[:ok], want), (dtype, src.device, shape, first, ahead)
                 assert torch.equal(y[:ok], labels[pos[at:at + ok]])
                 assert (x[count:] == -1).all() and (y[count:] == -1).all()  # nothing written past count
 
@@ -151,8 +157,8 @@ def test_the_ram_tier_steps_read_pinned_rows_ahead_and_train_like_the_gpu_tier(d
 
 
 def test_each_epoch_replays_the_order_made_during_the_one_before(dsn, conn):
-    """TrainLoop makes epoch e+1's order on a side stream during epoch e, and epoch e+1's steps read
-    exactly that order; the last epoch makes none."""
+    """TrainLoop makes each epoch's order once, on its order stream (epoch e+1's during epoch e), and
+    the steps read exactly that order; the last epoch makes none."""
     from embedfleet.train import order
     from embedfleet.train.dataset import load
     from embedfleet.train.heads import build_head
@@ -163,9 +169,17 @@ def test_each_epoch_replays_the_order_made_during_the_one_before(dsn, conn):
     batch, epochs = 128, 3
     loop = TrainLoop(build_head("linear", ds.dim, len(ds.classes)).cuda(), ds, batch, 0, 1, "classify", (0.0, 1.0),
                      [0.01] * (epochs * len(order.step_sizes(len(ds), batch))), 0.01)
+    made, real = [], ds.epoch_rows_on_device
+
+    def spy(e, *args, **kw):
+        made.append((e, torch.cuda.current_stream() == loop.order_stream))
+        return real(e, *args, **kw)
+
+    ds.epoch_rows_on_device = spy
     for e in range(epochs):
         loop.epoch(e)
-        rows, positions = ds.epoch_rows_on_device(e)
+        rows, positions = real(e)
         assert torch.equal(loop.order_rows, rows) and torch.equal(loop.order_pos, positions)
         assert (loop.next_order[0] == e + 1) if e + 1 < epochs else loop.next_order is None
+    assert made == [(e, True) for e in range(epochs)]
     ds.close()

@@ -129,7 +129,7 @@ def test_tokenizer_pool_matches_in_process(tiny, monkeypatch):
     enc = Encoder(str(tiny["qwen3"]), tokenizer_workers=2)
     texts = review_texts(300, seed=9)
     try:
-        enc.warmup()  # the helpers start in the background at the first big call; here, now
+        enc.warmup()  # starts the helpers and waits for them
         assert enc._tok._pool.ready()
         a = enc.tokenize(texts)
     finally:
@@ -149,9 +149,11 @@ def test_a_call_begun_before_the_helpers_are_up_stays_in_process(tiny, monkeypat
         first = enc.encode(texts)
         assert enc._tok._pool is None  # not started by an ordinary call
         enc._tok.start()  # starts them and waits until they are up
-        enc._tok.pool_ready = lambda: False  # as if they came up just after the call began
+        asked = []
+        # as if they came up just after the call began: asked again (per chunk), they would say so
+        enc._tok.pool_ready = lambda: bool(asked.append(1)) or len(asked) > 1
         mid = enc.encode(texts)
-        assert enc._tok.pooled == 0  # up, yet not used by that call
+        assert enc._tok.pooled == 0 and len(asked) == 1  # up, yet not used by that call, asked once
         del enc._tok.pool_ready
         again = enc.encode(texts)
         assert enc._tok.pooled > 0

@@ -224,13 +224,15 @@ def test_a_tokenizer_spec_needs_no_torch():
 
 
 def test_throttle_keeps_enough_in_preparation_for_units_slower_to_prepare_than_to_embed():
-    """Passages of long documents: a unit takes a helper 0.5 s and the GPU 0.05 s. Even with the GPU the
+    """Passages of long documents: a unit takes a helper 0.48 s and the GPU 0.05 s. Even with the GPU the
     bottleneck and units queued for it, the limit stays at the 11 the GPU uses up while one is
-    prepared (Little's law, plus one), not two."""
+    prepared (Little's law: 9.6, up to 10, plus one), not two. Cycles that embedded nothing (a
+    failure, a skipped unit) do not count as the GPU's time a unit."""
     t = Throttle(14)
     for _ in range(100):
-        t.prepared(0.5)
+        t.prepared(0.48)
         t.feedback(False, backlog=3, wait_s=0.0, cycle_s=0.05)
+        t.feedback(False, backlog=3, wait_s=0.0, cycle_s=0.0001, embedded=False)
     assert t.floor == 11 and t.limit == 11
     quick = Throttle(14)  # reviews: units quicker to prepare than to embed shrink to two, as before
     for _ in range(100):
@@ -250,3 +252,18 @@ def test_a_streams_first_tasks_start_small_and_double(tmp_path):
     assert [n for t in tasks for n in (r.line for r in t.raws)] == list(range(1, 401))
     assert sizes[0] < 500 and 800 <= sizes[1] < 900 and 1600 <= sizes[2] < 1700
     assert all(3200 <= s < 3300 for s in sizes[3:-1])
+
+
+def test_a_compressed_streams_first_blocks_start_small_also_on_resume(tmp_path):
+    """The same ramp for a .jsonl.gz read as blocks of lines; blocks skipped on resume take none of it."""
+    import gzip
+
+    path = tmp_path / "r.jsonl.gz"
+    with gzip.open(path, "wt") as f:
+        f.writelines(f'{{"id": "{i}", "text": "review number {i:04d} {"x" * 30}"}}\n' for i in range(1, 401))
+    spec = ChunkSpec(str(path), "stream", 0, 0, 1)
+    for after in (0, 200):
+        tasks = list(stream_tasks(spec, after_line=after, last_line=None, chunk_bytes=3200, first_bytes=400))
+        sizes = [len(t.block) for t in tasks]
+        assert tasks[0].first_line <= after + 1 and tasks[-1].last
+        assert sizes[0] < 500 and 700 <= sizes[1] < 900 and 1500 <= sizes[2] < 1700, (after, sizes[:4])

@@ -7,9 +7,9 @@ on the device into one output buffer, one device->host copy at the end: no sync 
 encode() pipelines the two over chunks so the device never waits for the tokenizer.
 
 Small work stays small: a query or a few thousand texts run eagerly in this process. The tokenizer's
-helper processes start with warmup() or at the first very long call (tokenizing goes on here until they
-are up), and on CUDA the forward pass is compiled in the background once enough work has come
-(`compile.py`).
+helper processes start with warmup() or at the first call of LONG_CALL_TEXTS texts (tokenizing goes on
+here until they are up): a script making many big calls calls warmup() once. On CUDA the forward pass
+is compiled in the background once enough work has come (`compile.py`).
 """
 
 from __future__ import annotations

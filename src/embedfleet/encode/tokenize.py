@@ -3,10 +3,12 @@
 One fast-tokenizer call is limited by building Python objects under the GIL (about 22k texts/s
 however many cores), so big inputs go to a pool of single-threaded processes instead
 (`helper_pool.HelperPool`: fresh interpreters that import this module, never the caller's
-`__main__`; forking after the tokenizers library has started its threads can deadlock). The pool
-starts with `start()` (an Encoder's warmup) or at the first very long call (in the background, that
-call's texts tokenized here until it is up); other calls tokenize here: starting eight helpers inside
-a first call of 20,000 reviews made it 2.5x slower on an H100 host (bench/NOTES.md, run 71). This module imports no torch so that helpers start quickly.
+`__main__`; forking after the tokenizers library has started its threads can deadlock). `Encoder.encode`
+uses the pool only when it is up as the call starts (`start()`, which an Encoder's warmup calls) or
+when the call is very long (it starts the pool, tokenizing here until it is up): starting eight helpers
+inside a first call of 20,000 reviews made it 4x slower on an H100 host (bench/NOTES.md, runs 70-72).
+`tokenize(…, pool=True)` called directly starts the pool for 2,048 texts or more. This module imports
+no torch so that helpers start quickly.
 """
 
 from __future__ import annotations
@@ -266,7 +268,7 @@ class TextTokenizer:
         self._local = _Tokenizer(tokenizer_json, max_length, shortcuts, self.word_cache)
         self.workers = default_workers() if workers is None else max(0, int(workers))
         self._pool: HelperPool | None = None
-        self.pooled = 0  # calls the helpers tokenized
+        self.pooled = 0  # chunks the helpers tokenized
         self._lock = threading.Lock()
 
     def _start_pool(self) -> HelperPool | None:
@@ -306,7 +308,8 @@ class TextTokenizer:
             self.workers, helpers = 0, None
         if helpers is None or not helpers.ready():  # small, or the helpers are still starting: here
             return self._local.encode(texts, self.pad_id)
-        self.pooled += 1
+        with self._lock:
+            self.pooled += 1
         step = max(256, -(-len(texts) // (self.workers * 4)))
         parts = helpers.map(_worker_encode, [texts[i : i + step] for i in range(0, len(texts), step)])
         return np.concatenate([p[0] for p in parts]), np.concatenate([p[1] for p in parts])

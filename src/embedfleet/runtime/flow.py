@@ -46,17 +46,21 @@ class Throttle:
 
     @property
     def floor(self) -> int:
-        """The fewest tasks in preparation that keep a busy GPU fed: the units it uses up while one is prepared, plus one."""
+        """The fewest tasks in preparation that keep a busy GPU fed: the units it uses up while one is
+        prepared, plus one."""
         if not (self.prep_s and self.use_s):
             return self.least
         return min(self.most, max(self.least, math.ceil(self.prep_s / self.use_s) + 1))
 
-    def feedback(self, waited: bool, backlog: int = 0, wait_s: float = 0.0, cycle_s: float = 0.0) -> None:
+    def feedback(self, waited: bool, backlog: int = 0, wait_s: float = 0.0, cycle_s: float = 0.0,
+                 embedded: bool = True) -> None:
         """`waited`: the GPU loop found no unit ready; `backlog`: units ready when it looked;
-        `wait_s` of `cycle_s`: how long it waited, out of the time since its previous unit."""
+        `wait_s` of `cycle_s`: how long it waited, out of the time since its previous unit; `embedded`:
+        whether the rest of that time went to embedding a unit (the GPU's time a unit, for `floor`)."""
         if cycle_s > 0:  # averaged over time (about the last second), so a burst of quick units barely moves it
             keep = math.exp(-cycle_s / self.MEMORY_S)
             self.waiting = keep * self.waiting + (1 - keep) * min(1.0, wait_s / cycle_s)
+        if cycle_s > 0 and embedded:  # a failure or a skipped unit is no measure of the GPU's time a unit
             use = max(0.0, cycle_s - wait_s)
             self.use_s = use if not self.use_s else 0.8 * self.use_s + 0.2 * use
         if waited:

@@ -82,7 +82,7 @@ def claimed_tasks(ledger: Ledger, job: str, worker: str, lease: float, unit_byte
     caller then finishes what it has in flight: those chunks count as running too); a Failure for a
     stream that cannot be read. Keeps looking while chunks are still running: one of ours may fail and
     come back, and a dead worker's come back when its lease expires."""
-    first_bytes = max(64 << 10, unit_bytes // 8)  # the first stream chunk's units start small: the GPU starts sooner
+    first_bytes = max(64 << 10, unit_bytes // 8)  # a first stream chunk's units start small: the GPU starts sooner
     while True:
         t0 = time.perf_counter()
         claim = ledger.claim(job, worker, lease)
@@ -97,6 +97,7 @@ def claimed_tasks(ledger: Ledger, job: str, worker: str, lease: float, unit_byte
             continue
         spec = ChunkSpec(claim.source, claim.kind, claim.start, claim.end, claim.first_line)
         if claim.kind == "jsonl":  # a byte range of about chunk_bytes: one unit, read by the helper
+            first_bytes = None
             yield claim, Task(spec, claim.cursor_line, claim.last_line)
             continue
         try:  # a stream: read here in order, committed every unit_bytes so a crash resumes from there
@@ -356,6 +357,7 @@ class Worker:
         units = iter(ahead)
         pending = None  # (unit, handle) queued on the device whose result is not read yet
         t_cycle = time.perf_counter()
+        embedded = False  # whether the last cycle embedded a unit (the throttle's measure of the GPU's time)
         while True:
             if pending is not None and not ahead.ready():
                 # Nothing to overlap with: commit now. (Holding it could also stall our own
@@ -371,8 +373,8 @@ class Worker:
             stats.wait_seconds += waited
             if stats.first_wait_seconds is None:
                 stats.first_wait_seconds = waited
-            throttle.feedback(not ready, backlog, waited, time.perf_counter() - t_cycle)
-            t_cycle = time.perf_counter()
+            throttle.feedback(not ready, backlog, waited, time.perf_counter() - t_cycle, embedded)
+            t_cycle, embedded = time.perf_counter(), False
             if item is None:
                 break
             if isinstance(item, Failure):
@@ -380,6 +382,7 @@ class Worker:
                 continue
             if item.claim.token in self._failed:
                 continue  # the rest of a chunk that failed; it is retried from its last commit
+            embedded = True
             stats.state = f"chunk {item.claim.chunk}"
             t0 = time.perf_counter()
             try:

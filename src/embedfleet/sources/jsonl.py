@@ -41,12 +41,13 @@ def stream_blocks(spec: ChunkSpec, after_line: int = 0,
     iterator of sizes) from a compressed file, skipping blocks whose lines are all <= `after_line`.
     The last block may lack a final newline."""
     sizes = itertools.repeat(block_bytes) if isinstance(block_bytes, int) else block_bytes
+    size = next(sizes)  # the next size is drawn once a block is yielded: blocks skipped on resume take none
     number = 1  # the first line of the next block
     f = open_binary(spec.source)  # outside the try: a missing file is not a corrupt one
     try:
         with f:
             tail = b""
-            while block := f.read(next(sizes)):
+            while block := f.read(size):
                 block = tail + block if tail else block
                 cut = block.rfind(b"\n") + 1
                 if cut == 0:  # one line longer than a block: keep reading
@@ -56,6 +57,7 @@ def stream_blocks(spec: ChunkSpec, after_line: int = 0,
                 count = block.count(b"\n")
                 if number + count - 1 > after_line:
                     yield number, block
+                    size = next(sizes)
                 number += count
             if tail and number > after_line:
                 yield number, tail

@@ -13,12 +13,12 @@ How a replayed step finds its rows without the host: the epoch's order is made o
 (order.py) into the graph's buffers, and one kernel (take.py) reads the step's rows at an offset it
 computes from the device-side step counter, one step ahead on a side stream while the step before
 computes (two graphs, one per input buffer). The next epoch's order is made on another side stream
-while this epoch's steps run, so an epoch starts with a copy, not a sort. In the gpu tier the rows come from device memory; in the
-ram tier on CUDA the kernel reads them from pinned host memory across PCIe. The stream tier copies
-each batch into the graph's input buffer before the replay. The learning rate comes from a
-device-side schedule at the same step counter. Each parameter's `.grad` is a view of one flat buffer
-that backward accumulates into. An epoch's short last step, the first WARMUP_STEPS steps, and every
-step on the CPU (or with EMBEDFLEET_TRAIN_GRAPH=0) run the same code eagerly.
+while this epoch's steps run, so an epoch starts with a copy, not a sort. In the gpu tier the rows
+come from device memory; in the ram tier on CUDA the kernel reads them from pinned host memory across
+PCIe. The stream tier copies each batch into the graph's input buffer before the replay. The learning
+rate comes from a device-side schedule at the same step counter. Each parameter's `.grad` is a view of
+one flat buffer that backward accumulates into. An epoch's short last step, the first WARMUP_STEPS
+steps, and every step on the CPU (or with EMBEDFLEET_TRAIN_GRAPH=0) run the same code eagerly.
 """
 
 from __future__ import annotations
@@ -184,9 +184,12 @@ class TrainLoop:
         self.steps_left -= steps
 
     def _load_order(self, epoch: int) -> None:
-        """The epoch's order into the buffers the steps read: made during the last epoch if it was, else now."""
+        """The epoch's order into the buffers the steps read: made during the last epoch if it was, else now
+        (on CUDA on the order stream too, so that one stream's cache holds the sort's temporaries)."""
         main = torch.cuda.current_stream(self.dev) if self.cuda else None
-        if self.next_order is not None and self.next_order[0] == epoch:
+        if self.order_stream is not None and (self.next_order is None or self.next_order[0] != epoch):
+            self._prepare_order(epoch)
+        if self.next_order is not None:
             _, rows, positions, done = self.next_order
             main.wait_event(done)
         else:
