@@ -34,6 +34,32 @@ def test_tasks_run_in_the_helpers_and_their_errors_travel():
     assert not any(psutil.pid_exists(p) for p in pool.pids)  # ended and reaped
 
 
+def test_the_pool_does_not_wait_for_its_helpers_to_read_their_setup(tmp_path, monkeypatch):
+    """Issue 17: the constructor only starts the processes; each helper's setup (here 1 MB, more than a
+    pipe holds) is sent from its own thread. Sent from the constructor, one helper after another, it
+    held a GPU host's worker 3.5-8.6 s before its model load. A helper that never reads (a stand-in
+    interpreter that sleeps) does not hold up the constructor, and start() says it is not ready."""
+    import threading
+
+    fake = tmp_path / "python"
+    fake.write_text("#!/bin/sh\nexec sleep 60\n")
+    fake.chmod(0o755)
+    monkeypatch.setattr(sys, "executable", str(fake))
+    built: list = []
+    t = threading.Thread(target=lambda: built.append(HelperPool(3, bytes, (b"x" * (1 << 20),))), daemon=True)
+    t.start()
+    t.join(20)
+    assert built, "the constructor waited for its helpers to read their setup"
+    pool = built[0]
+    try:
+        with pytest.raises(TimeoutError):
+            pool.start(timeout=0.5)
+        assert not pool.ready()
+    finally:
+        pool.close(wait=False)
+    assert not any(psutil.pid_exists(p) for p in pool.pids)
+
+
 def test_a_helper_that_dies_breaks_the_pool():
     pool = HelperPool(1, os.getpid)
     try:
