@@ -26,6 +26,7 @@ for part in "$@"; do
       | python3 -c "import json,sys; d=json.load(sys.stdin); print(d['copy_engine_gb_s'], d['compute_us']); [print(r) for r in d['results']]" ;;
   loader) timeout "${LOADER_TIMEOUT:-280}" python3 bench/train_loader.py --rows "${TRAIN_ROWS:-10000000}" \
       --skip sql,stream,file,eager --readers "${READERS:-1,8}" --epochs 3 ${TAKE_SHAPES:+--take-shapes "$TAKE_SHAPES"} \
+      ${LOADER_ARGS:-} \
       --out "$OUT/train_loader.json" \
       2>"$OUT/train_loader.err" >/dev/null; grep -v "^ *$" "$OUT/train_loader.err" | tail -n 14 ;;
   first) timeout "${FIRST_TIMEOUT:-300}" python3 -m embedfleet.cli bench --model "$M" --texts "${TEXTS:-reviews}" --n 20000 --json \

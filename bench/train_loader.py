@@ -4,7 +4,7 @@ EmbeddingDataset's tiers, against the training step alone.
     python bench/train_loader.py [--rows 200000] [--dim 384] [--table NAME] [--device auto]
         [--batch-size 4096] [--epochs 2] [--slow-batches 60] [--workers 4] [--readers 1,4]
         [--file-rows 1000000] [--skip sql,file,stream,read,eager] [--ram-variants switch200us,…]
-        [--take-shapes 8192x4x32,…] [--ddp-devices cuda:0,1] [--db DSN] [--out FILE]
+        [--gpu-inline] [--take-shapes 8192x4x32,…] [--ddp-devices cuda:0,1] [--db DSN] [--out FILE]
 
 The table (`bench_train_<rows>_<dim>`, reused when it exists with that many rows) is written by
 parallel binary COPY: random unit vectors, a rating that is a linear function's argmax of them (so
@@ -233,18 +233,19 @@ def time_epochs(batches_of_epoch, dim: int, dev: torch.device, n: int, batch: in
     return _seconds_each(run, dev, epochs)
 
 
-def _fresh_loop(ds, batch: int, epochs: int, gather: bool | None = None) -> TrainLoop:
+def _fresh_loop(ds, batch: int, epochs: int, gather: bool | None = None,
+                ahead: bool | None = None) -> TrainLoop:
     """The trainer's loop (loop.py: one CUDA graph a step on CUDA) over `ds`, the same head and AdamW."""
     torch.manual_seed(0)
     model = build_head("linear", ds.dim, CLASSES).to(ds.device)
     steps = len(step_sizes(len(ds), batch))
     return TrainLoop(model, ds, batch, 0, 1, "classify", (0.0, 1.0), [1e-3] * (steps * (epochs + 1)), 0.01,
-                     gather=gather)
+                     gather=gather, ahead=ahead)
 
 
-def time_loop_epochs(ds, batch: int, epochs: int) -> list[float]:
-    """Seconds of each epoch of TrainLoop over `ds`: what `embedfleet train` runs."""
-    return _seconds_each(_fresh_loop(ds, batch, epochs).epoch, ds.device, epochs)
+def time_loop_epochs(ds, batch: int, epochs: int, ahead: bool | None = None) -> list[float]:
+    """Seconds of each epoch of TrainLoop over `ds`: what `embedfleet train` runs (`ahead`: forced)."""
+    return _seconds_each(_fresh_loop(ds, batch, epochs, ahead=ahead).epoch, ds.device, epochs)
 
 
 def time_loop_compute(ds, batch: int, epochs: int) -> list[float]:
@@ -429,6 +430,8 @@ def main() -> None:
     ap.add_argument("--skip", default="", help="comma list of: sql, file, stream, read, eager")
     ap.add_argument("--ram-variants", default="", help="comma list of: switch200us, one_thread, torch_gather "
                     "(the ram tier again with that change)")
+    ap.add_argument("--gpu-inline", action="store_true", help="also the gpu tier's loop with each step's rows "
+                    "taken within the step (TrainLoop's ahead=False; by default during the step before)")
     ap.add_argument("--take-shapes", default="", help="comma list of ELEMENTSxWARPS[xPROGRAMS]: the ram tier's "
                     "loop again with the take kernel in that shape (train/take_kernel.py's SHAPES['cpu'])")
     ap.add_argument("--ddp-devices", default=None, help="also `embedfleet train` on these devices (issue 22)")
@@ -493,6 +496,9 @@ def main() -> None:
             say(f"tier ram, {name}")
             epoch_s[f"ram_{name}"] = ram_variant(name, lambda e: tiers["ram"].batches(a.batch_size, epoch=e),
                                                  dim, dev, n, a.batch_size, a.epochs)
+    if a.gpu_inline and "gpu" in tiers:  # bench/take_pcie.py: a device take costs less in the step than beside it
+        say("tier gpu, rows taken within the step")
+        epoch_s["gpu_inline"] = said(time_loop_epochs(tiers["gpu"], a.batch_size, a.epochs, ahead=False))
     if "ram" in tiers and a.take_shapes and tiers["ram"].device.type == "cuda":
         from embedfleet.train import take_kernel
 

@@ -40,11 +40,13 @@ class TrainLoop:
     regression target is scaled by. `graph`: capture and replay full steps (CUDA only). `gather`: take
     each step's rows from the storage by the epoch's order on the device, inside the graph — None:
     when capturing, in the gpu tier, and in the ram tier where the kernel runs; True: also eagerly
-    (on the CPU: tests run that code there); False: batches copied in, as the stream tier."""
+    (on the CPU: tests run that code there); False: batches copied in, as the stream tier. `ahead`
+    (None: True): when replaying, take each step's rows during the step before, on a side stream;
+    False: within the step (bench/train_loader.py --gpu-inline times the gpu tier so)."""
 
     def __init__(self, model: torch.nn.Module, ds, per_rank: int, rank: int, world: int, task: str,
                  target: tuple[float, float], lrs: list[float], weight_decay: float, graph: bool = True,
-                 gather: bool | None = None):
+                 gather: bool | None = None, ahead: bool | None = None):
         dev = ds.device
         self.model, self.ds, self.dev = model, ds, dev
         self.per_rank, self.rank, self.world, self.task = per_rank, rank, world, task
@@ -75,7 +77,7 @@ class TrainLoop:
         self.src = self._source(ds, gather)
         # replayed: each step's rows are taken during the step before (a side stream, the other buffer),
         # off the step's critical path — in the ram tier they cross PCIe meanwhile
-        self.ahead = int(self.src is not None and self.capture)
+        self.ahead = int(self.src is not None and self.capture and ahead is not False)
         slots = 2 if self.ahead else 1
         # bf16 on CUDA: the dtype autocast casts a head's first Linear's input to, cast once in the take
         x_dtype = torch.bfloat16 if self.cuda else ds.dtype
