@@ -139,21 +139,22 @@ def test_the_ram_tier_steps_read_pinned_rows_ahead_and_train_like_the_gpu_tier(d
     _table(conn)
     batch, epochs = 256, 4
     results = {}
-    for tier in ("gpu", "ram"):
+    for tier, ahead in (("gpu", None), ("ram", None), ("gpu", False)):  # False: the rows taken within the step
         ds = load("g", label="rating", db=dsn, device="cuda", cache=tier, task="classify", keys=True)
         train, _ = ds.split_by_key(0.2)
         steps = epochs * len(order.step_sizes(len(train), batch))
         torch.manual_seed(0)
         model = build_head("mlp", ds.dim, len(ds.classes)).cuda()
-        loop = TrainLoop(model, train, batch, 0, 1, "classify", (0.0, 1.0), [0.01] * steps, 0.01)
-        assert loop.src is not None and loop.ahead == 1
+        loop = TrainLoop(model, train, batch, 0, 1, "classify", (0.0, 1.0), [0.01] * steps, 0.01, ahead=ahead)
+        assert loop.src is not None and loop.ahead == (ahead is None)
         losses = [float(loop.epoch(e)) for e in range(epochs)]
         assert loop.mode == "cuda-graph" and all(g is not None for g in loop.graphs)
-        results[tier] = (losses, [p.detach().cpu() for p in model.parameters()])
+        results[tier, ahead] = (losses, [p.detach().cpu() for p in model.parameters()])
         ds.close()
-    assert results["ram"][0] == pytest.approx(results["gpu"][0], rel=1e-5)
-    for a, b in zip(results["gpu"][1], results["ram"][1]):
-        assert torch.allclose(a, b, rtol=1e-4, atol=1e-6)
+    for other in (("ram", None), ("gpu", False)):
+        assert results[other][0] == pytest.approx(results["gpu", None][0], rel=1e-5)
+        for a, b in zip(results["gpu", None][1], results[other][1]):
+            assert torch.allclose(a, b, rtol=1e-4, atol=1e-6)
 
 
 def test_each_epoch_replays_the_order_made_during_the_one_before(dsn, conn):
