@@ -35,6 +35,7 @@ def ingest(src: Path, dsn: str, table: str, extra: list[str], model: str | None,
             "input_wait_s": round(max(x["input_wait_s"] for x in w), 3),
             "gpu_waited_share": round(max(x["input_wait_s"] for x in w) / loop, 4),
             "first_wait_s": max(x.get("first_wait_s", 0) for x in w), "sink_wait_s": max(x["sink_wait_s"] for x in w),
+            "input_wait_by_tenth_s": w[0].get("input_wait_by_tenth_s"),
             "claims_ahead": [w[0]["claims_ahead_mean"], w[0]["claims_ahead_end"]],
             "helpers": w[0]["helpers"], "startup": w[0]["startup"],
             # where the input's time went: the helpers' CPU a row, and the worker's records thread

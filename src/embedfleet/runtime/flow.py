@@ -9,7 +9,7 @@ import threading
 import time
 from typing import Iterator
 
-__all__ = ["Prefetch", "Throttle", "timed"]
+__all__ = ["Prefetch", "Throttle", "timed", "wait_profile"]
 
 
 class Throttle:
@@ -73,6 +73,16 @@ class Throttle:
     @property
     def mean(self) -> float:
         return self._sum / self._n if self._n else float(self.limit)
+
+
+def wait_profile(waits: list[tuple[float, float]], span: float, parts: int = 10) -> list[float]:
+    """Seconds waited in each of `parts` equal stretches of `span` seconds, from (start, seconds) pairs
+    (a wait across a boundary counts where it started): whether a loop waits at its start, its end or
+    throughout."""
+    out = [0.0] * parts
+    for start, seconds in waits:
+        out[min(parts - 1, max(0, int(start / span * parts))) if span > 0 else 0] += seconds
+    return [round(v, 3) for v in out]
 
 
 def timed(gen: Iterator, stats) -> Iterator:

@@ -27,7 +27,7 @@ import threading
 import time
 from collections import deque
 from concurrent.futures.process import BrokenProcessPool
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, Iterator
 
 import orjson
@@ -35,7 +35,7 @@ import orjson
 from embedfleet.config import JobConfig, Settings, default_chunk_bytes, use_settings
 from embedfleet.encode.tokenize import tokenizer_spec
 from embedfleet.errors import EmbedfleetError, JobError
-from embedfleet.runtime.flow import Prefetch, Throttle, timed
+from embedfleet.runtime.flow import Prefetch, Throttle, timed, wait_profile
 from embedfleet.runtime.gpu import gpu_reader
 from embedfleet.runtime.units import Task, UnitContext, UnitPool, settle_gc, stream_tasks
 from embedfleet.sources.plan import ChunkSpec
@@ -65,6 +65,8 @@ class Stats:
     embed_seconds: float = 0.0  # time the main thread spent queuing forward passes and reading results
     wait_seconds: float = 0.0  # time the main thread waited for the prefetch thread
     first_wait_seconds: float | None = None  # of which, for the first unit (the pipeline's fill)
+    waits: list = field(default_factory=list)  # (seconds into the loop, seconds) of waits >= 1 ms
+    loop_seconds: float = 0.0
     sink_wait_seconds: float = 0.0  # time the main thread waited for the writer (back-pressure)
     read_seconds: float = 0.0  # records thread: waiting for claims (and streams read with them), for prepared units
     claim_seconds: float = 0.0  # claims thread: claiming chunks from the ledger (a query each)
@@ -318,6 +320,7 @@ class Worker:
             "wall_s": round(wall, 3), "rows_per_s": round(stats.rows / wall, 1) if wall else 0.0,
             "embed_s": round(stats.embed_seconds, 3), "input_wait_s": round(stats.wait_seconds, 3),
             "first_wait_s": round(stats.first_wait_seconds or 0.0, 3),
+            "input_wait_by_tenth_s": wait_profile(stats.waits, stats.loop_seconds),
             "db_s": round(writer.db_seconds, 3), "sink_wait_s": round(stats.sink_wait_seconds, 3),
             "read_s": round(stats.read_seconds, 3), "claim_s": round(stats.claim_seconds, 3),
             "collect_s": round(stats.collect_seconds, 3), "records_blocked_s": round(ahead.blocked_s, 3),
@@ -356,7 +359,7 @@ class Worker:
         stats = self.stats
         units = iter(ahead)
         pending = None  # (unit, handle) queued on the device whose result is not read yet
-        t_cycle = time.perf_counter()
+        t_cycle = t_loop = time.perf_counter()
         embedded = False  # whether the last cycle embedded a unit (the throttle's measure of the GPU's time)
         while True:
             if pending is not None and not ahead.ready():
@@ -373,9 +376,12 @@ class Worker:
             stats.wait_seconds += waited
             if stats.first_wait_seconds is None:
                 stats.first_wait_seconds = waited
+            if waited >= 1e-3:
+                stats.waits.append((t0 - t_loop, waited))
             throttle.feedback(not ready, backlog, waited, time.perf_counter() - t_cycle, embedded)
             t_cycle, embedded = time.perf_counter(), False
             if item is None:
+                stats.loop_seconds = t_cycle - t_loop
                 break
             if isinstance(item, Failure):
                 self._fail(ledger, item)
