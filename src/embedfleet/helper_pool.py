@@ -115,9 +115,8 @@ class _State:
 def _feed(helper: _Helper, state: _State) -> None:
     """Parent side of one helper: send it where to import from and its initializer, wait for that to
     run, then send tasks and collect results. Once the pool is broken it fails each task it takes,
-    until told to stop. (The sends are here, not in the pool's constructor: a pipe holds 64 kB, so each
-    send of a tokenizer's initializer waited for its helper's interpreter to start reading, one helper
-    after another — 0.7 s for 8 helpers on the 2-core VM, seconds on a GPU host.)"""
+    until told to stop. (The sends are here, not in the pool's constructor: a pipe holds 64 kB, so
+    there each helper's setup waited for its interpreter to start reading, one helper after another.)"""
     alive = True
     try:
         helper.send.send_bytes(pickle.dumps(list(sys.path)))

@@ -161,9 +161,8 @@ class Encoder:
         if self._compile is not None and len(texts) >= LONG_CALL_TEXTS:
             self._compile.start()  # a long call: the compiled graph will be ready for most of it
         size = min(MAX_CHUNK, max(MIN_CHUNK, len(texts) // 8))  # >= 8 chunks, so the overlap pays
-        # The helpers serve a call only if they are up when it starts, or it is very long (it starts
-        # them): starting or switching to them inside a first call of 20,000 reviews made it 2.5-3.4x
-        # slower on an H100 host (bench/NOTES.md, runs 70-71).
+        # The helpers serve a call only if up when it starts, or if it is very long (it starts them):
+        # helpers starting inside a first call slowed it several times over (bench/NOTES.md, runs 70-72).
         pool = len(texts) >= LONG_CALL_TEXTS or self._tok.pool_ready()
         if len(texts) <= size:
             return self.embed(self.tokenize(texts, prompt, pool))

@@ -5,10 +5,10 @@ however many cores), so big inputs go to a pool of single-threaded processes ins
 (`helper_pool.HelperPool`: fresh interpreters that import this module, never the caller's
 `__main__`; forking after the tokenizers library has started its threads can deadlock). `Encoder.encode`
 uses the pool only when it is up as the call starts (`start()`, which an Encoder's warmup calls) or
-when the call is very long (it starts the pool, tokenizing here until it is up): starting eight helpers
-inside a first call of 20,000 reviews made it 4x slower on an H100 host (bench/NOTES.md, runs 70-72).
-`tokenize(…, pool=True)` called directly starts the pool for 2,048 texts or more. This module imports
-no torch so that helpers start quickly.
+when the call is very long (it starts the pool, tokenizing here until it is up): helpers starting inside
+a first call slowed it several times over (bench/NOTES.md, runs 70-72). `tokenize(…, pool=True)` called
+directly starts the pool for 2,048 texts or more. This module imports no torch so that helpers start
+quickly.
 """
 
 from __future__ import annotations
@@ -150,13 +150,9 @@ class _Tokenizer:
             return None  # a tokenizer this reimplementation does not match: the library's path only
         return words
 
-    def word_tokens(self, text: str) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
-        """(starts, ends, pieces) of `text`'s words by the word path, where it applies to this tokenizer
-        and to `text`; else None."""
-        return self.word_tokens_many([text])[0]
-
     def word_tokens_many(self, texts: list[str]) -> list[tuple[np.ndarray, np.ndarray, np.ndarray] | None]:
-        """word_tokens of each text, the texts the word path takes done together."""
+        """(starts, ends, pieces) of each text's words by the word path, where it applies to this
+        tokenizer and to the text, else None; the texts it takes done together."""
         words = self._words_for(WORD_PATH_MIN_TEXTS)
         out: list = [None] * len(texts)
         if words is None:
@@ -314,13 +310,10 @@ class TextTokenizer:
         parts = helpers.map(_worker_encode, [texts[i : i + step] for i in range(0, len(texts), step)])
         return np.concatenate([p[0] for p in parts]), np.concatenate([p[1] for p in parts])
 
-    def word_tokens(self, text: str) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
-        """(starts, ends, pieces) of `text`'s words by this tokenizer's word path (BERT-style tokenizers
-        on clean ASCII text), or None where it does not apply: the passage splitter's cuts."""
-        return self._local.word_tokens(text)
-
     def word_tokens_many(self, texts: list[str]) -> list[tuple[np.ndarray, np.ndarray, np.ndarray] | None]:
-        """word_tokens of each text, done together (one pass over the texts' new words)."""
+        """(starts, ends, pieces) of each text's words by this tokenizer's word path (BERT-style
+        tokenizers on clean ASCII text), or None where it does not apply: the passage splitter's cuts.
+        Done together: one pass over the texts' new words."""
         return self._local.word_tokens_many(texts)
 
     def spec(self, prefix: str = "") -> TokenizerSpec:

@@ -25,9 +25,8 @@ class Throttle:
     loop had to wait raises it by one. When the helpers are the bottleneck (small models) the limit
     stays up even though units sometimes arrive in bursts: shrinking then would idle helpers. Nor does
     it drop below what the GPU uses up while one unit is prepared (Little's law: a unit's preparation
-    time over the GPU's time a unit, plus one): long units (passages of long documents, ~0.5 s of a
-    helper each against ~50 ms of the GPU's) shrunk to two in preparation left 12 of 14 helpers idle
-    and the GPU waiting (bench/NOTES.md, run 69)."""
+    time over the GPU's time a unit, plus one): units slower to prepare than to embed (passages of long
+    documents) left the GPU waiting with two in preparation (bench/NOTES.md, runs 69-70)."""
 
     GPU_BOUND = 0.05  # recent share of the loop's time spent waiting for input, below which the GPU is the bottleneck
     MEMORY_S = 1.0  # how far back "recent" reaches (seconds)
@@ -66,7 +65,7 @@ class Throttle:
         if waited:
             self.limit = min(self.most, self.limit + 1)
         elif backlog >= 2 and self.waiting < self.GPU_BOUND:
-            self.limit = max(self.floor, self.limit - 1)
+            self.limit -= 1
         self.limit = max(self.limit, self.floor)
         self._sum, self._n = self._sum + self.limit, self._n + 1
 

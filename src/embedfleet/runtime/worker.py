@@ -64,8 +64,7 @@ class Stats:
     tokens: int = 0
     embed_seconds: float = 0.0  # time the main thread spent queuing forward passes and reading results
     wait_seconds: float = 0.0  # time the main thread waited for the prefetch thread
-    first_wait_seconds: float | None = None  # of which, for the first unit (the pipeline's fill)
-    waits: list = field(default_factory=list)  # (seconds into the loop, seconds) of waits >= 1 ms
+    waits: list = field(default_factory=list)  # (seconds into the loop, seconds): the first wait, then those >= 1 ms
     loop_seconds: float = 0.0
     sink_wait_seconds: float = 0.0  # time the main thread waited for the writer (back-pressure)
     read_seconds: float = 0.0  # records thread: waiting for claims (and streams read with them), for prepared units
@@ -319,7 +318,7 @@ class Worker:
             "worker": self.id, "device": encoder.device, "rows": stats.rows, "tokens": stats.tokens,
             "wall_s": round(wall, 3), "rows_per_s": round(stats.rows / wall, 1) if wall else 0.0,
             "embed_s": round(stats.embed_seconds, 3), "input_wait_s": round(stats.wait_seconds, 3),
-            "first_wait_s": round(stats.first_wait_seconds or 0.0, 3),
+            "first_wait_s": round(stats.waits[0][1] if stats.waits else 0.0, 3),
             "input_wait_by_tenth_s": wait_profile(stats.waits, stats.loop_seconds),
             "db_s": round(writer.db_seconds, 3), "sink_wait_s": round(stats.sink_wait_seconds, 3),
             "read_s": round(stats.read_seconds, 3), "claim_s": round(stats.claim_seconds, 3),
@@ -374,9 +373,7 @@ class Worker:
             item = next(units, None)
             waited = time.perf_counter() - t0
             stats.wait_seconds += waited
-            if stats.first_wait_seconds is None:
-                stats.first_wait_seconds = waited
-            if waited >= 1e-3:
+            if waited >= 1e-3 or not stats.waits:
                 stats.waits.append((t0 - t_loop, waited))
             throttle.feedback(not ready, backlog, waited, time.perf_counter() - t_cycle, embedded)
             t_cycle, embedded = time.perf_counter(), False

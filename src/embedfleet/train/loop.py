@@ -188,19 +188,20 @@ class TrainLoop:
     def _load_order(self, epoch: int) -> None:
         """The epoch's order into the buffers the steps read: made during the last epoch if it was, else now
         (on CUDA on the order stream too, so that one stream's cache holds the sort's temporaries)."""
-        main = torch.cuda.current_stream(self.dev) if self.cuda else None
-        if self.order_stream is not None and (self.next_order is None or self.next_order[0] != epoch):
-            self._prepare_order(epoch)
-        if self.next_order is not None:
-            _, rows, positions, done = self.next_order
-            main.wait_event(done)
-        else:
+        if self.order_stream is None:  # the CPU
             rows, positions = self.ds.epoch_rows_on_device(epoch)
+            self.order_rows.copy_(rows)
+            self.order_pos.copy_(positions)
+            return
+        if self.next_order is None or self.next_order[0] != epoch:
+            self._prepare_order(epoch)
+        _, rows, positions, done = self.next_order
         self.next_order = None
+        main = torch.cuda.current_stream(self.dev)
+        main.wait_event(done)
         self.order_rows.copy_(rows)
         self.order_pos.copy_(positions)
-        if self.order_stream is not None:  # the next order's memory may be reused only after these copies
-            self.order_stream.wait_stream(main)
+        self.order_stream.wait_stream(main)  # the order's memory may be reused only after these copies
 
     def _prepare_order(self, epoch: int) -> None:
         """Make `epoch`'s order on the order stream while the steps queued before it run."""

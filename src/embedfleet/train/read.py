@@ -41,9 +41,8 @@ __all__ = ["Source", "Split", "Plan", "Ids", "Columns", "TableRead", "describe",
 
 MAX_CLASSES = 10_000
 BLOCK_ROWS = 16_384  # rows parsed per np.frombuffer: ~25 MB of 384-dim float32 rows
-# Bytes a COPY message carries (a chunk of heap pages, see chunk_pages). One message a row left ~1-3 µs
-# of Python a row on the client (a libpq call, slices, appends), which held one process near 300k
-# rows/s whatever its connections (bench/NOTES.md, runs 62, 67, 68).
+# Bytes a COPY message carries (a chunk of heap pages, see chunk_pages): one message a row left the
+# client a libpq call and slices of Python a row, its bound (bench/NOTES.md, runs 62, 67, 68).
 CHUNK_BYTES = 1 << 19
 _LAST_PAGE = 4_294_967_294  # the highest heap page number a tid can name
 _KEY = "('x' || left(md5({id}), 8))::bit(32)"  # a stable 32-bit hash of the row id (md5, not hashtext)
