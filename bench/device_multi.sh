@@ -30,10 +30,10 @@ gputests)
 ingest)
   # The MiniLM corpus is written (all cores, seconds) while the Qwen3 shape's first run loads its model.
   python3 -c "from embedfleet.synth import cached_review_shards as c; c('/tmp/efbench', ${N_MINILM:-4000000}, 32)" &
-  timeout 300 python3 bench/ingest.py --n "${N_QWEN:-240000}" --shards 16 --gpus "$COUNTS" --shape qwen3-0.6b --no-index \
+  timeout "${QWEN_TIMEOUT:-300}" python3 bench/ingest.py --n "${N_QWEN:-240000}" --shards 16 --gpus "$COUNTS" --shape qwen3-0.6b --no-index \
     --work /tmp/efq --out "$OUT/ingest_qwen3.json" 2>"$OUT/ingest_qwen3.err" | tail -n "$(echo $COUNTS | tr , '\n' | wc -l)"
   wait
-  timeout 200 python3 bench/ingest.py --n "${N_MINILM:-4000000}" --shards 32 --gpus "$COUNTS" --model "$M" --no-index \
+  timeout "${MINILM_TIMEOUT:-200}" python3 bench/ingest.py --n "${N_MINILM:-4000000}" --shards 32 --gpus "$COUNTS" --model "$M" --no-index \
     --work /tmp/efbench --out "$OUT/ingest_minilm.json" 2>"$OUT/ingest_minilm.err" | tail -n "$(echo $COUNTS | tr , '\n' | wc -l)"
   ;;
 train)

@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import subprocess
 import sys
 import threading
@@ -71,7 +72,7 @@ class PgWaitSampler(threading.Thread):
 
     def __init__(self, dsn: str, period: float = 0.05):
         super().__init__(daemon=True)
-        self.dsn, self.period, self.counts = dsn, period, {}
+        self.dsn, self.period, self.counts, self.extend = dsn, period, {}, {}
         self._halt = threading.Event()
 
     def run(self):
@@ -84,14 +85,21 @@ class PgWaitSampler(threading.Thread):
                     if who == "client" or kind not in (None, "Activity"):
                         key = f"{who}: {kind}:{event}" if kind else f"{who}: CPU"
                         self.counts[key] = self.counts.get(key, 0) + 1
+                # whose extension lock the waiters queue on: the table's heap, its primary key, or TOAST
+                for (rel,) in conn.execute("SELECT relation::regclass::text FROM pg_locks "
+                                           "WHERE locktype = 'extend' AND NOT granted"):
+                    key = "extend waiter: " + re.sub(r"bench_\d+gpu_\d+", "T", rel)
+                    self.extend[key] = self.extend.get(key, 0) + 1
 
     def stop(self) -> dict:
         self._halt.set()
         self.join()
         total = sum(v for k, v in self.counts.items() if k.startswith("client")) or 1
         # client connections' states as shares of their samples; background processes' as counts
-        return {k: round(v / total, 3) if k.startswith("client") else v
-                for k, v in sorted(self.counts.items(), key=lambda kv: -kv[1]) if v / total >= 0.005}
+        shares = {k: round(v / total, 3) if k.startswith("client") else v
+                  for k, v in sorted(self.counts.items(), key=lambda kv: -kv[1]) if v / total >= 0.005}
+        # extension-lock waiters per relation, as shares of the client connections' samples
+        return shares | {k: round(v / total, 3) for k, v in sorted(self.extend.items(), key=lambda kv: -kv[1])}
 
 
 class GilSampler(threading.Thread):
