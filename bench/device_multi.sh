@@ -7,7 +7,7 @@
 #   bash bench/device_multi.sh wiki     # the Wikipedia scenario on every GPU (WIKI_PASSAGES=512:32: the passages pass)
 #   bash bench/device_multi.sh stpool   # sentence-transformers' multi-process pool on 1, 2, 4… GPUs, the peer
 #   bash bench/device_multi.sh one      # one GPU: every GPU test, passages (issue 20), 500k-row ingest's wall (issue 17)
-# Sizes through the environment: N_QWEN (240000), N_MINILM (4000000), TRAIN_ROWS (10000000),
+# Sizes through the environment: GPU_COUNTS (1,2,4… up to the machine's), N_QWEN (240000), N_MINILM (4000000; 0: none), TRAIN_ROWS (10000000),
 # WIKI_N (250000), WIKI_PASSAGES (off), ST_N (100000), SWEEP_HEADS (linear,mlp,mlp:4096), SWEEP_BATCHES
 # (1024,…,65536), DDP_SKIP (none; e.g. loader), RAM_VARIANTS (none), GPU_TESTS (gputests' list). Results: $OUT/<part>*.json and .err logs.
 set -o pipefail
@@ -19,7 +19,7 @@ export PYTHONPATH=/tmp/site:$PWD/src PYTHONUNBUFFERED=1 PYTHONPYCACHEPREFIX=/tmp
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 GPUS=$(nvidia-smi -L | wc -l)
-COUNTS=$(python3 -c "print(','.join(str(k) for k in (1, 2, 4, 8) if k <= $GPUS))")
+COUNTS=${GPU_COUNTS:-$(python3 -c "print(','.join(str(k) for k in (1, 2, 4, 8) if k <= $GPUS))")}
 nvidia-smi -L; lscpu | grep -E '^(CPU\(s\)|Model name)'; free -g | head -2
 case "$1" in
 gputests)
@@ -29,10 +29,11 @@ gputests)
   ;;
 ingest)
   # The MiniLM corpus is written (all cores, seconds) while the Qwen3 shape's first run loads its model.
-  python3 -c "from embedfleet.synth import cached_review_shards as c; c('/tmp/efbench', ${N_MINILM:-4000000}, 32)" &
+  [ "${N_MINILM:-4000000}" != 0 ] && python3 -c "from embedfleet.synth import cached_review_shards as c; c('/tmp/efbench', ${N_MINILM:-4000000}, 32)" &
   timeout "${QWEN_TIMEOUT:-300}" python3 bench/ingest.py --n "${N_QWEN:-240000}" --shards 16 --gpus "$COUNTS" --shape qwen3-0.6b --no-index \
     --work /tmp/efq --out "$OUT/ingest_qwen3.json" 2>"$OUT/ingest_qwen3.err" | tail -n "$(echo $COUNTS | tr , '\n' | wc -l)"
   wait
+  [ "${N_MINILM:-4000000}" = 0 ] && exit 0
   timeout "${MINILM_TIMEOUT:-200}" python3 bench/ingest.py --n "${N_MINILM:-4000000}" --shards 32 --gpus "$COUNTS" --model "$M" --no-index \
     --work /tmp/efbench --out "$OUT/ingest_minilm.json" 2>"$OUT/ingest_minilm.err" | tail -n "$(echo $COUNTS | tr , '\n' | wc -l)"
   ;;
@@ -68,7 +69,7 @@ wiki)
     2>"$OUT/wiki.err" >/dev/null; grep '^\[wiki\]' "$OUT/wiki.err"
   ;;
 stpool)
-  timeout 570 python3 bench/st_pool.py --model "$M" --gpus "$COUNTS" --n "${ST_N:-100000}" > "$OUT/st_pool.json" \
+  timeout "${ST_TIMEOUT:-570}" python3 bench/st_pool.py --model "$M" --gpus "$COUNTS" --n "${ST_N:-100000}" > "$OUT/st_pool.json" \
     2>"$OUT/st_pool.err"; grep '^\[st_pool\]' "$OUT/st_pool.err"; cat "$OUT/st_pool.json"
   ;;
 one)

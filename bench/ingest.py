@@ -391,8 +391,15 @@ def main() -> None:
     if args.gil:
         start, seconds, py_spy = args.gil.split(":", 2)
         gil = (float(start), float(seconds), py_spy)
-    results = [run_once(data, g, model, env, "amazon-reviews", extra, args.cpu, not args.no_index,
-                        per[i % len(per)], gil) for i, g in enumerate(counts)]
+    results = []
+    for i, g in enumerate(counts):
+        results.append(run_once(data, g, model, env, "amazon-reviews", extra, args.cpu, not args.no_index,
+                                per[i % len(per)], gil))
+        if args.out:  # each run as it ends: a command cut short by its timeout keeps the runs before
+            Path(args.out).write_text(json.dumps({"partial": True, "results": results}, indent=2))
+        r = results[-1]
+        print(f"[ingest] {g} GPU: {r['rows_per_s_steady']:,.0f} rows/s steady, {r['rows_per_s_all_running']} while all "
+              f"ran, {r['rows_per_s_workers_sum']:,.0f} workers' sum, wall {r['wall_s']} s", file=sys.stderr, flush=True)
     # Against the first GPU count's rate per GPU, averaged over its runs (--gpus 1,2,1,2 repeats them).
     first = [r for r in results if r["gpus"] == results[0]["gpus"]]
 
