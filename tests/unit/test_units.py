@@ -10,7 +10,7 @@ import numpy as np
 
 from embedfleet.encode.tokenize import Tokenized
 from embedfleet.records import Reject
-from embedfleet.runtime.units import Prepared, helper_count, spool, stream_tasks, unspool
+from embedfleet.runtime.units import Prepared, helper_count, spool, stream_tasks, task_sizes, unspool
 from embedfleet.sources.jsonl import block_records
 from embedfleet.runtime.flow import Throttle
 from embedfleet.sources.plan import ChunkSpec
@@ -43,16 +43,16 @@ def test_a_compressed_stream_is_cut_into_blocks_of_whole_lines_the_last_marked(t
         return [r.line for r in block_records(spec.source, task.first_line, task.block, task.after_line)
                 if task.last_line is None or r.line <= task.last_line]
 
-    tasks = list(stream_tasks(spec, after_line=0, last_line=None, chunk_bytes=150))
+    tasks = list(stream_tasks(spec, after_line=0, last_line=None, sizes=150))
     assert len(tasks) > 2 and all(t.raws is None and t.block for t in tasks)
     assert [n for t in tasks for n in lines_of(t)] == list(range(1, 11))
     assert [t.cursor_line for t in tasks] == [lines_of(t)[-1] for t in tasks]
     assert [t.last for t in tasks] == [False] * (len(tasks) - 1) + [True]
     # resume after line 7, stop at --limit 9
-    tasks = list(stream_tasks(spec, after_line=7, last_line=9, chunk_bytes=150))
+    tasks = list(stream_tasks(spec, after_line=7, last_line=9, sizes=150))
     assert [n for t in tasks for n in lines_of(t)] == [8, 9] and tasks[-1].last and tasks[-1].cursor_line == 9
     # nothing left still yields one task, so the chunk gets marked done
-    (t,) = stream_tasks(spec, after_line=10, last_line=None, chunk_bytes=150)
+    (t,) = stream_tasks(spec, after_line=10, last_line=None, sizes=150)
     assert t.raws == [] and t.last and t.cursor_line == 10
 
 
@@ -60,7 +60,7 @@ def test_csv_goes_to_helpers_as_parsed_records_in_groups(tmp_path):
     path = tmp_path / "r.csv"
     path.write_text("id,text\n" + "".join(f"{i},review number {i}\n" for i in range(1, 21)))
     spec = ChunkSpec(str(path), "csv", 0, -1, 1)
-    tasks = list(stream_tasks(spec, after_line=0, last_line=None, chunk_bytes=200))
+    tasks = list(stream_tasks(spec, after_line=0, last_line=None, sizes=200))
     assert len(tasks) > 1 and all(t.block is None for t in tasks)
     assert [r.data["text"] for t in tasks for r in t.raws] == [f"review number {i}" for i in range(1, 21)]
     assert [t.cursor_line for t in tasks] == [t.raws[-1].line for t in tasks] and tasks[-1].last
@@ -241,13 +241,13 @@ def test_throttle_keeps_enough_in_preparation_for_units_slower_to_prepare_than_t
     assert quick.limit == 2
 
 
-def test_a_streams_first_tasks_start_small_and_double(tmp_path):
-    """`first_bytes`: the first task is about that big, each next one twice the last, up to
+def test_a_streams_first_tasks_start_small_and_grow(tmp_path):
+    """`task_sizes`: the first task is about that big, each next one `growth` times the last, up to
     chunk_bytes; the tasks still hold every row once, in order."""
     path = tmp_path / "r.csv"
     path.write_text("id,text\n" + "".join(f"{i},review number {i:04d} {'x' * 30}\n" for i in range(1, 401)))
     spec = ChunkSpec(str(path), "csv", 0, -1, 1)
-    tasks = list(stream_tasks(spec, after_line=0, last_line=None, chunk_bytes=3200, first_bytes=400))
+    tasks = list(stream_tasks(spec, after_line=0, last_line=None, sizes=task_sizes(3200, 400, growth=2)))
     sizes = [sum(len(r.raw) + 1 for r in t.raws) for t in tasks]
     assert [n for t in tasks for n in (r.line for r in t.raws)] == list(range(1, 401))
     assert sizes[0] < 500 and 800 <= sizes[1] < 900 and 1600 <= sizes[2] < 1700
@@ -263,7 +263,7 @@ def test_a_compressed_streams_first_blocks_start_small_also_on_resume(tmp_path):
         f.writelines(f'{{"id": "{i}", "text": "review number {i:04d} {"x" * 30}"}}\n' for i in range(1, 401))
     spec = ChunkSpec(str(path), "stream", 0, 0, 1)
     for after in (0, 200):
-        tasks = list(stream_tasks(spec, after_line=after, last_line=None, chunk_bytes=3200, first_bytes=400))
+        tasks = list(stream_tasks(spec, after_line=after, last_line=None, sizes=task_sizes(3200, 400, growth=2)))
         sizes = [len(t.block) for t in tasks]
         assert tasks[0].first_line <= after + 1 and tasks[-1].last
         assert sizes[0] < 500 and 700 <= sizes[1] < 900 and 1500 <= sizes[2] < 1700, (after, sizes[:4])
@@ -276,3 +276,70 @@ def test_wait_profile_says_where_in_the_loop_the_waits_were():
     assert wait_profile(waits, 10.0) == [0.6, 0.0, 0.0, 0.0, 0.2, 0.0, 0.0, 0.0, 0.0, 0.35]
     assert wait_profile(waits, 10.0, parts=2) == [0.8, 0.35]
     assert wait_profile([], 0.0) == [0.0] * 10 and wait_profile([(0.0, 0.2)], 0.0) == [0.2] + [0.0] * 9
+
+
+def test_task_sizes_grow_gently_from_a_small_first_task_to_a_full_unit():
+    from itertools import islice
+
+    from embedfleet.runtime.units import FIRST_TASK_BYTES, RAMP
+
+    sizes = list(islice(task_sizes(2 << 20), 200))
+    assert sizes[0] == FIRST_TASK_BYTES and sizes[-1] == 2 << 20
+    ramp = sizes[: sizes.index(2 << 20)]
+    assert len(ramp) > 50 and all(b > a and b <= a * RAMP + 1 for a, b in zip(ramp, ramp[1:]))
+    assert set(sizes[len(ramp):]) == {2 << 20}
+    assert list(islice(task_sizes(3200, None), 3)) == [3200] * 3
+
+
+def test_a_workers_ramp_goes_on_across_its_chunks(tmp_path):
+    """One sizes iterator shared by two chunks (as a worker's claims share it): the second chunk's first
+    task continues the ramp, it does not start small again."""
+    path = tmp_path / "r.csv"
+    path.write_text("id,text\n" + "".join(f"{i},review number {i:04d} {'x' * 30}\n" for i in range(1, 401)))
+    sizes = task_sizes(3200, 100, growth=1.2)
+    first = list(stream_tasks(ChunkSpec(str(path), "csv", 0, -1, 1), 0, 200, sizes))
+    second = list(stream_tasks(ChunkSpec(str(path), "csv", 0, -1, 1), 200, None, sizes))
+    measure = [sum(len(r.raw) + 1 for r in t.raws) for t in first + second]
+    assert [r.line for t in first + second for r in t.raws] == list(range(1, 401))
+    assert measure[len(first)] > max(measure[: len(first) - 1])  # the first chunk's last task may be short
+    assert measure[0] < 200 and max(measure) >= 3200
+
+
+def _csv_units(tmp_path, hungry):
+    """produce_units over one CSV chunk's 20 tasks, prepared inline: how many tasks had been read from the
+    claims when the first unit came out, and the units' rows in order."""
+    import uuid
+
+    from embedfleet.encode.tokenize import tokenizer_spec
+    from embedfleet.runtime.units import UnitContext, UnitPool
+    from embedfleet.runtime.worker import Stats, produce_units
+    from embedfleet.store.ledger import Claim
+
+    path = tmp_path / "r.csv"
+    path.write_text("id,text\n" + "".join(f"{i},review number {i}\n" for i in range(1, 201)))
+    spec = ChunkSpec(str(path), "csv", 0, -1, 1)
+    claim = Claim("j", 1, str(path), "csv", 0, -1, 1, None, 0, uuid.uuid4())
+    pulled, started = [0], []
+
+    def claims():
+        for task in stream_tasks(spec, 0, None, 200):
+            pulled[0] += 1
+            yield claim, task
+
+    pool = UnitPool(UnitContext("generic", None, "text", "id", tokenizer_spec(None)), workers=0)
+    throttle = Throttle(8)  # room for 18 tasks ahead
+    units, first_at = [], None
+    for unit in produce_units(claims(), pool, throttle, Stats(), started.append, hungry=hungry):
+        first_at = pulled[0] if first_at is None else first_at
+        units.append(unit)
+    return first_at, units, started
+
+
+def test_a_prepared_unit_goes_to_a_hungry_gpu_loop_before_the_window_fills(tmp_path):
+    first_at, units, started = _csv_units(tmp_path, hungry=lambda: True)
+    assert first_at == 1
+    full_at, full_units, _ = _csv_units(tmp_path, hungry=lambda: False)
+    assert full_at == Throttle(8).limit + 1  # not hungry: units wait for the window to fill, as before
+    rows = [[bytes(u.rows.blob)] for u in units]
+    assert rows == [[bytes(u.rows.blob)] for u in full_units] and sum(u.rows.n for u in units) == 200
+    assert len(started) == 1 and [u.last for u in units] == [False] * (len(units) - 1) + [True]

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 import gc
+import itertools
 import os
 import shutil
 import tempfile
@@ -289,14 +290,33 @@ def _spool_dir() -> str:
     return tempfile.mkdtemp(dir=base, prefix=f"embedfleet-units-{os.getpid()}-")
 
 
-def stream_tasks(spec: ChunkSpec, after_line: int, last_line: int | None, chunk_bytes: int,
-                 first_bytes: int | None = None) -> Iterator[Task]:
-    """A stream chunk as tasks of about `chunk_bytes` of input each, read in order here; the last one
-    is marked so. A chunk with nothing left still yields one (empty) task, to mark it done.
-    `first_bytes`: the first task's size, doubling up to chunk_bytes (a worker's first chunk: the GPU
-    gets its first unit after a small one's preparation, not a full one's)."""
+# How much larger each of a worker's first stream tasks is than the one before, from FIRST_TASK_BYTES up to
+# a full unit. Helpers start together, so a unit k arrives after its own preparation; the GPU, ~10x one
+# helper (passages of long documents on an H100, bench/NOTES.md run 77), has then embedded everything
+# before it. Growth of 1 + (a helper's speed over the GPU's) keeps it fed: doubling left it waiting for
+# about a full unit's preparation (0.46-0.65 s), 1.05 for none in a simulation of that run.
+RAMP = 1.05
+FIRST_TASK_BYTES = 64 << 10
+
+
+def task_sizes(chunk_bytes: int, first_bytes: int | None = FIRST_TASK_BYTES, growth: float = RAMP) -> Iterator[int]:
+    """Sizes of a worker's stream tasks: from `first_bytes`, each next `growth` times the last, up to
+    `chunk_bytes`, then `chunk_bytes` on (None: `chunk_bytes` from the start)."""
+    size = float(min(chunk_bytes, first_bytes or chunk_bytes))
+    while size < chunk_bytes:
+        yield int(size)
+        size *= growth
+    yield from itertools.repeat(chunk_bytes)
+
+
+def stream_tasks(spec: ChunkSpec, after_line: int, last_line: int | None,
+                 sizes: int | Iterator[int]) -> Iterator[Task]:
+    """A stream chunk as tasks of about `sizes` bytes of input each (or each the next size of an iterator,
+    which a worker shares across its chunks: `task_sizes`), read in order here; the last one is marked
+    so. A chunk with nothing left still yields one (empty) task, to mark it done."""
+    sizes = itertools.repeat(sizes) if isinstance(sizes, int) else sizes
     pending: Task | None = None  # one task of look-ahead, to know which one is the last
-    for task in _stream_pieces(spec, after_line, last_line, _sizes(chunk_bytes, first_bytes)):
+    for task in _stream_pieces(spec, after_line, last_line, sizes):
         if pending is not None:
             yield pending
         pending = task
@@ -304,13 +324,6 @@ def stream_tasks(spec: ChunkSpec, after_line: int, last_line: int | None, chunk_
         pending = Task(spec, after_line, last_line, raws=[], cursor_line=after_line)
     pending.last = True
     yield pending
-
-
-def _sizes(chunk_bytes: int, first_bytes: int | None) -> Iterator[int]:
-    size = min(chunk_bytes, first_bytes or chunk_bytes)
-    while True:
-        yield size
-        size = min(chunk_bytes, 2 * size)
 
 
 def _stream_pieces(spec: ChunkSpec, after_line: int, last_line: int | None, sizes: Iterator[int]) -> Iterator[Task]:

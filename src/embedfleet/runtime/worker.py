@@ -20,6 +20,7 @@ no torch) and `helpers=` (the pool that prepares units).
 from __future__ import annotations
 
 import argparse
+import itertools
 import logging
 import os
 import sys
@@ -37,11 +38,11 @@ from embedfleet.encode.tokenize import tokenizer_spec
 from embedfleet.errors import EmbedfleetError, JobError
 from embedfleet.runtime.flow import Prefetch, Throttle, timed, wait_profile
 from embedfleet.runtime.gpu import gpu_reader
-from embedfleet.runtime.units import Task, UnitContext, UnitPool, settle_gc, stream_tasks
+from embedfleet.runtime.units import Task, UnitContext, UnitPool, settle_gc, stream_tasks, task_sizes
 from embedfleet.sources.plan import ChunkSpec
 from embedfleet.encode.passages import parse_passages
 from embedfleet.sources.presets import table_columns
-from embedfleet.store.ledger import Ledger, Reconnect, process_started
+from embedfleet.store.ledger import Claim, Ledger, Reconnect, process_started
 from embedfleet.store.schema import ensure_table, vector_type
 from embedfleet.store.writer import Failure, TableSink, Unit, Writer, default_writers
 
@@ -83,7 +84,7 @@ def claimed_tasks(ledger: Ledger, job: str, worker: str, lease: float, unit_byte
     caller then finishes what it has in flight: those chunks count as running too); a Failure for a
     stream that cannot be read. Keeps looking while chunks are still running: one of ours may fail and
     come back, and a dead worker's come back when its lease expires."""
-    first_bytes = max(64 << 10, unit_bytes // 8)  # a first stream chunk's units start small: the GPU starts sooner
+    sizes = task_sizes(unit_bytes)  # a worker's first stream units start small and grow: the GPU starts sooner
     while True:
         t0 = time.perf_counter()
         claim = ledger.claim(job, worker, lease)
@@ -98,21 +99,24 @@ def claimed_tasks(ledger: Ledger, job: str, worker: str, lease: float, unit_byte
             continue
         spec = ChunkSpec(claim.source, claim.kind, claim.start, claim.end, claim.first_line)
         if claim.kind == "jsonl":  # a byte range of about chunk_bytes: one unit, read by the helper
-            first_bytes = None
+            sizes = itertools.repeat(unit_bytes)  # full units have gone out: no ramp after them
             yield claim, Task(spec, claim.cursor_line, claim.last_line)
             continue
         try:  # a stream: read here in order, committed every unit_bytes so a crash resumes from there
-            for task in stream_tasks(spec, claim.cursor_line, claim.last_line, unit_bytes, first_bytes):
+            for task in stream_tasks(spec, claim.cursor_line, claim.last_line, sizes):
                 yield claim, task
-            first_bytes = None
         except Exception as e:  # unreadable file, decompression error…: the chunk fails, the job goes on
             yield Failure(claim, e)
 
 
-def produce_units(ledger: Ledger, claims: Iterator, pool: UnitPool, throttle: Throttle, stats: Stats) -> Iterator:
-    """Units (or Failures) in claim order, prepared up to `throttle.limit` tasks ahead on the pool's helpers."""
+def produce_units(claims: Iterator, pool: UnitPool, throttle: Throttle, stats: Stats,
+                  started: Callable[[Claim], None], hungry: Callable[[], bool] = lambda: False) -> Iterator:
+    """Units (or Failures) in claim order, prepared up to `throttle.limit` tasks ahead on the pool's helpers.
+    `started(claim)` as a chunk's first unit goes out. A prepared unit goes out at once while the GPU loop
+    is `hungry()` (has nothing queued), else once the window is full: waiting for that first had the
+    GPU's first unit wait for 30 tasks read from a Parquet file (0.69 s, bench/NOTES.md run 77)."""
     window: deque = deque()  # (claim, task, future), oldest first
-    started: set = set()  # claim tokens whose chunk has gone to the GPU (marked in the ledger)
+    begun: set = set()  # claim tokens whose chunk has gone to the GPU
 
     def collect() -> Iterator:
         claim, task, future = window.popleft()
@@ -130,9 +134,9 @@ def produce_units(ledger: Ledger, claims: Iterator, pool: UnitPool, throttle: Th
         stats.helper_seconds += p.busy_s
         stats.helper_cpu_seconds += p.cpu_s
         throttle.prepared(p.busy_s)
-        if claim.token not in started:
-            started.add(claim.token)
-            ledger.mark_started(claim)
+        if claim.token not in begun:
+            begun.add(claim.token)
+            started(claim)
         yield Unit(claim, p.rows, p.seen, p.rejects, p.cursor_line, task.last, p.tok.num_tokens, p.tok)
 
     for item in claims:
@@ -145,7 +149,7 @@ def produce_units(ledger: Ledger, claims: Iterator, pool: UnitPool, throttle: Th
             continue
         claim, task = item
         window.append((claim, task, pool.submit(task)))
-        while len(window) > throttle.limit:
+        while window and (len(window) > throttle.limit or (window[0][2].done() and hungry())):
             yield from collect()
     while window:
         yield from collect()
@@ -302,7 +306,10 @@ class Worker:
                 claims = Prefetch(claimed_tasks(records, self.job, self.id, s.lease_seconds,
                                                 cfg.chunk_bytes or default_chunk_bytes(device), stats),
                                   depth=2, name="embedfleet-claims")
-                ahead = Prefetch(timed(produce_units(records, iter(claims), pool, throttle, stats), stats), depth=1)
+                ahead = None  # a unit ready while the loop has none queued goes to it at once
+                units = produce_units(iter(claims), pool, throttle, stats, records.mark_started,
+                                      hungry=lambda: ahead is None or ahead.backlog() == 0)
+                ahead = Prefetch(timed(units, stats), depth=1)
                 self._loop(ahead, encoder, writer, ledger, throttle)
                 loop_cpu = time.thread_time() - loop_cpu_start
                 writer.close()
