@@ -111,6 +111,8 @@ def ingest(
                "rejected": progress["rejected"], "workers": progress["summaries"]}
     if json_out:
         _emit(summary)
+    elif not progress["table_exists"]:  # a worker creates the table with the model's dimension: none started
+        typer.echo(f"{cfg.job}: no records in the inputs; nothing embedded, no table {cfg.table!r} created", err=True)
     else:
         import shlex
 

@@ -108,6 +108,13 @@ def test_rerun_is_idempotent_and_empty_input_is_a_finished_job(cli, dsn, conn, t
     cli("ingest", empty, "--db", dsn, "--quiet", check=True)
     j = status(cli, dsn, "empty")
     assert j["state"] == "done" and j["rows_written"] == 0
+    # A file of no bytes has no chunk, so no worker starts to make the table: the summary says so.
+    nothing = tmp_path / "nothing.jsonl"
+    nothing.write_bytes(b"")
+    said = cli("ingest", nothing, "--db", dsn, "--quiet", check=True).stderr
+    assert status(cli, dsn, "nothing")["state"] == "done"
+    assert "no records in the inputs" in said and "embedfleet search" not in said
+    assert conn.execute("SELECT to_regclass('public.nothing')").fetchone()[0] is None
 
 
 def test_a_job_of_one_chunk_starts_one_worker_whatever_the_devices(cli, dsn, tmp_path):

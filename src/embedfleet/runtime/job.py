@@ -59,6 +59,7 @@ def run_job(cfg: JobConfig, settings: Settings, launcher: Launcher) -> dict:
         counts = finalize(ledger, job, cfg)
         progress = ledger.progress(job)
         progress["summaries"] = ledger.summaries(job)
+        progress["table_exists"] = table_exists(ledger.conn, cfg.table)  # none when no worker had a record
         errors = ledger.worker_errors(job)
     finally:
         ledger.close()
