@@ -125,6 +125,17 @@ def shape_key(config: dict, dtype: torch.dtype, device: torch.device) -> str:
     return f"{digest}|{str(dtype).removeprefix('torch.')}|{gpu}|torch {torch.__version__}"
 
 
+def _cache_counts() -> dict:
+    """Inductor's FX-graph cache and AOTAutograd's cache, hits and misses so far in this process: whether
+    a compile on a machine that compiled the shape before loaded its graphs or made them again."""
+    from torch._dynamo.utils import counters
+
+    return {"fxgraph_hit": counters["inductor"]["fxgraph_cache_hit"],
+            "fxgraph_miss": counters["inductor"]["fxgraph_cache_miss"],
+            "aot_hit": counters["aot_autograd"]["autograd_cache_hit"],
+            "aot_miss": counters["aot_autograd"]["autograd_cache_miss"]}
+
+
 # Two synthetic batches (sequences, tokens each): the second, of another token count, shows that the
 # first compiled a graph for any count (or makes torch.compile's automatic dynamic shapes do it).
 _EXAMPLES = (((40, 23), (6, 301)), ((17, 29),))
@@ -150,6 +161,7 @@ class BackgroundCompile:
         self._compiler = compiler
         self._seen = self._calls = 0
         self.state, self.seconds, self.error = "waiting", None, None
+        self.cache: dict | None = None  # the compile's Inductor and AOTAutograd cache hits and misses
         self._lock = threading.Lock()
         self._thread: threading.Thread | None = None
         self._done = threading.Event()
@@ -178,6 +190,11 @@ class BackgroundCompile:
                  else "first time on this machine")
         self._thread.start()
 
+    def report(self) -> dict:
+        """State, seconds, the last compile's seconds on this machine before this one, cache hits/misses."""
+        return {"state": self.state, "seconds": self.seconds, "cached_before_s": self.cached_seconds,
+                "cache": self.cache}
+
     def wait(self, timeout: float | None = None) -> bool:
         """Wait for a started compile to finish (at once if none started); True when finished."""
         with self._lock:
@@ -202,6 +219,7 @@ class BackgroundCompile:
             from embedfleet.cache import use_compile_cache
 
             use_compile_cache()
+            before = _cache_counts()
             compiler = self._compiler or torch.compile
             stream = torch.cuda.Stream(self.device) if cuda else None
             # The current device and stream are per thread: this thread's batches run beside the caller's.
@@ -215,6 +233,8 @@ class BackgroundCompile:
                     _WARMING.compiler = None
                 if cuda:
                     stream.synchronize()
+            after = _cache_counts()
+            self.cache = {k: after[k] - before[k] for k in after}
             switched = [p.switch() for p in self.parts if p.warmed or p.failed is not None]
             failed = [p for p in self.parts if p.failed is not None]
             self.seconds = time.perf_counter() - t0
@@ -227,7 +247,8 @@ class BackgroundCompile:
                 from embedfleet.cache import record_compiled
 
                 record_compiled(self.key, self.seconds)
-                log.info("forward pass compiled in %.1f s; switched to it", self.seconds)
+                log.info("forward pass compiled in %.1f s (cache: %s); switched to it", self.seconds,
+                         ", ".join(f"{k} {v}" for k, v in self.cache.items()))
         except Exception as err:  # noqa: BLE001 - the model stays eager; say why once
             self.state, self.error, self.seconds = "failed", err, time.perf_counter() - t0
             log.warning("compiling the forward pass failed (%s); running eager", str(err).splitlines()[0])

@@ -146,6 +146,10 @@ class Encoder:
                 if wait:
                     self._compile.wait()
 
+    def compile_report(self) -> dict | None:
+        """The background compile's state, seconds and cache hits (None where nothing compiles)."""
+        return self._compile.report() if self._compile is not None else None
+
     def wait_compiled(self, timeout: float | None = None) -> bool:
         """Wait for a background compile that has started (at once if none has); True when done."""
         return self._compile is None or self._compile.wait(timeout)

@@ -279,6 +279,7 @@ class Worker:
                 startup["warmup_s"] = time.perf_counter() - t0
                 settle_gc()  # a full collection over torch's objects would stall the GPU loop (it holds the GIL)
                 startup["compile_first"] = compile_first
+                startup["compile"] = encoder.compile_report()  # with compile_first: whether the cache served it
                 return self._embed(ledger, cfg, pool, encoder, vtype, startup)
             finally:
                 pool.close()
