@@ -38,6 +38,8 @@ def main() -> None:
             model = model.to(torch.bfloat16)  # its best setting on a GPU, as in `embedfleet bench`
         t_pool = time.perf_counter()
         pool = model.start_multi_process_pool(target_devices=devices)
+        # each step as it ends: a run cut short by a timeout says where it was (run 75's 4-GPU pool left nothing)
+        print(f"[st_pool] {count} GPU(s): pool started in {time.perf_counter() - t_pool:.1f} s", file=sys.stderr, flush=True)
         try:
             def run(t):
                 try:  # sentence-transformers ≥ 5 takes the pool in encode()
@@ -45,6 +47,7 @@ def main() -> None:
                 except TypeError:
                     return model.encode_multi_process(t, pool, batch_size=a.batch)
             run(texts[: 20 * a.batch * count])  # warm-up: every process's model and kernels
+            print(f"[st_pool] {count} GPU(s): warmed up at {time.perf_counter() - t_pool:.1f} s", file=sys.stderr, flush=True)
             t0 = time.perf_counter()
             out = run(texts)
             seconds = time.perf_counter() - t0
