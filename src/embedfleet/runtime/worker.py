@@ -38,7 +38,7 @@ from embedfleet.encode.tokenize import tokenizer_spec
 from embedfleet.errors import EmbedfleetError, JobError
 from embedfleet.runtime.flow import Prefetch, Throttle, timed, wait_profile
 from embedfleet.runtime.gpu import gpu_reader
-from embedfleet.runtime.units import Task, UnitContext, UnitPool, settle_gc, stream_tasks, task_sizes
+from embedfleet.runtime.units import FIRST_TASK_BYTES, Task, UnitContext, UnitPool, settle_gc, stream_tasks, task_sizes
 from embedfleet.sources.plan import ChunkSpec
 from embedfleet.encode.passages import parse_passages
 from embedfleet.sources.presets import table_columns
@@ -79,12 +79,14 @@ class Stats:
 # ---- stage 1: claim chunks, have their units prepared (claims, records threads + helper processes) 
 
 
-def claimed_tasks(ledger: Ledger, job: str, worker: str, lease: float, unit_bytes: int, stats: Stats) -> Iterator:
+def claimed_tasks(ledger: Ledger, job: str, worker: str, lease: float, unit_bytes: int, stats: Stats,
+                  ramp: bool = True) -> Iterator:
     """(claim, task) pairs until no chunk is left; None whenever nothing can be claimed right now (the
     caller then finishes what it has in flight: those chunks count as running too); a Failure for a
     stream that cannot be read. Keeps looking while chunks are still running: one of ours may fail and
-    come back, and a dead worker's come back when its lease expires."""
-    sizes = task_sizes(unit_bytes)  # a worker's first stream units start small and grow: the GPU starts sooner
+    come back, and a dead worker's come back when its lease expires. `ramp`: a worker's first stream
+    units start small and grow (`task_sizes`), so a GPU, far quicker than a helper, starts sooner."""
+    sizes = task_sizes(unit_bytes, FIRST_TASK_BYTES if ramp else None)
     while True:
         t0 = time.perf_counter()
         claim = ledger.claim(job, worker, lease)
@@ -305,7 +307,8 @@ class Worker:
                 # Claims come from their own thread, a few ahead: a query waited for on the records thread
                 # would hold back both the next unit for the GPU and the next task for an idle helper.
                 claims = Prefetch(claimed_tasks(records, self.job, self.id, s.lease_seconds,
-                                                cfg.chunk_bytes or default_chunk_bytes(device), stats),
+                                                cfg.chunk_bytes or default_chunk_bytes(device), stats,
+                                                ramp=device == "cuda"),
                                   depth=2, name="embedfleet-claims")
                 ahead = None  # a unit ready while the loop has none queued goes to it at once
                 units = produce_units(iter(claims), pool, throttle, stats, records.mark_started,
