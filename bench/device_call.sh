@@ -3,7 +3,8 @@
 #   bash bench/device_call.sh startup passages startup gputrain take loader first
 # startup: bench/encoder_startup.py --first 20000 (run it twice: the machine's first and second run);
 # passages: bench/passages.py --skip-whole (issue 20); gputrain: the trainer's GPU tests; take: bench/take_pcie.py;
-# loader: bench/train_loader.py on 10M rows (issue 16); first: `embedfleet bench` (issue 17's first call).
+# loader: bench/train_loader.py on 10M rows (issue 16); first: `embedfleet bench` (issue 17's first call);
+# ingest500k: bench/ingest.py --n 500000 --gpus 1, twice (issue 17's wall rate; the second run's compile from the cache).
 # Prelude and carry as bench/device_multi.sh's.
 set -o pipefail
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
@@ -29,6 +30,12 @@ for part in "$@"; do
       ${LOADER_ARGS:-} \
       --out "$OUT/train_loader.json" \
       2>"$OUT/train_loader.err" >/dev/null; grep -v "^ *$" "$OUT/train_loader.err" | tail -n 14 ;;
+  ingest500k) for r in 1 2; do  # issue 17's wall rate, the machine's first run and its second (compile cache)
+      timeout "${INGEST_TIMEOUT:-150}" python3 bench/ingest.py --n 500000 --shards 8 --gpus 1 --model "$M" --no-index \
+        --work /tmp/efbench --out "$OUT/ingest500k_$r.json" 2>"$OUT/ingest500k_$r.err" >/dev/null
+      python3 -c "import json,sys; r=json.load(open(sys.argv[1]))['results'][0]; w=r['workers'][0]; \
+print(r['rows_per_s_steady'], r['rows_per_s_wall'], r['wall_s'], w['first_wait_s'], w['startup'])" "$OUT/ingest500k_$r.json"
+    done ;;
   first) timeout "${FIRST_TIMEOUT:-300}" python3 -m embedfleet.cli bench --model "$M" --texts "${TEXTS:-reviews}" --n 20000 --json \
       >"$OUT/bench_first.json" 2>"$OUT/bench_first.err"; tail -n 20 "$OUT/bench_first.err" ;;
   *) echo "unknown part $part"; exit 2 ;;
