@@ -34,7 +34,7 @@ for part in "$@"; do
       timeout "${INGEST_TIMEOUT:-150}" python3 bench/ingest.py --n 500000 --shards 8 --gpus 1 --model "$M" --no-index \
         --work /tmp/efbench --out "$OUT/ingest500k_$r.json" 2>"$OUT/ingest500k_$r.err" >/dev/null
       python3 -c "import json,sys; r=json.load(open(sys.argv[1]))['results'][0]; w=r['workers'][0]; \
-print(r['rows_per_s_steady'], r['rows_per_s_wall'], r['wall_s'], w['first_wait_s'], w['startup'])" "$OUT/ingest500k_$r.json"
+print(r['rows_per_s_steady'], r['rows_per_s_wall'], r['wall_s'], r['timeline_s'], w['first_wait_s'], w['startup'])" "$OUT/ingest500k_$r.json"
     done ;;
   first) timeout "${FIRST_TIMEOUT:-300}" python3 -m embedfleet.cli bench --model "$M" --texts "${TEXTS:-reviews}" --n 20000 --json \
       >"$OUT/bench_first.json" 2>"$OUT/bench_first.err"; tail -n 20 "$OUT/bench_first.err" ;;

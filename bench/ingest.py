@@ -252,6 +252,7 @@ def run_once(data: list[Path], gpus: int, model: str | None, env: dict, preset: 
         data_dir = conn.execute("SHOW data_directory").fetchone()[0]
     disk0 = _disk_written_bytes(data_dir)
     t0, host0, pg0 = time.perf_counter(), _jiffies(), _postgres_cpu_s()
+    t0_wall = time.time()
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     gil_sampler = GilSampler(proc.pid, *gil) if gil else None
     if gil_sampler:
@@ -279,6 +280,7 @@ def run_once(data: list[Path], gpus: int, model: str | None, env: dict, preset: 
     # without the seconds where one worker starts up or finishes its last chunk alone.
     together = (max(w["started_at"] for w in workers), min(w["started_at"] + w["wall_s"] for w in workers))
     rows_together = _rows_finished(conn, table, *together)
+    timeline = _timeline(conn, table, t0_wall, wall, workers)
     index_s = None
     if index:
         from embedfleet.store.schema import finish_table
@@ -313,9 +315,29 @@ def run_once(data: list[Path], gpus: int, model: str | None, env: dict, preset: 
         "wal": wal,  # over the whole command: WAL volume, WAL buffers found full, checkpoints, disk writes
         "records_thread_s": {k: round(max(w.get(k, 0) for w in workers), 3)
                              for k in ("read_s", "claim_s", "collect_s", "records_blocked_s")},
+        "timeline_s": timeline,
         "hnsw_index_s": index_s, "workers_per_gpu": 1 if cpu else per_gpu,
         "gil": gil_sampler.result if gil_sampler else None, "workers": workers,
     }
+
+
+def _timeline(conn, job: str, t0: float, wall: float, workers: list[dict]) -> dict:
+    """Where the command's wall time went (issue 17's wall rate): seconds from its start to the job's row,
+    to the job running (planned), to the first worker's loop (a worker's start-up), the loops' span, from
+    the last loop's end to the job marked done (the table's statistics, its index), and to the exit."""
+    created, started, finished = conn.execute(
+        "SELECT extract(epoch FROM created), extract(epoch FROM started), extract(epoch FROM finished) "
+        "FROM embedfleet.jobs WHERE job = %s", [job]).fetchone()
+    first = min(w["started_at"] for w in workers)
+    last = max(w["started_at"] + w["wall_s"] for w in workers)
+    marks = [("to_job_created", float(created)), ("to_job_running", float(started or created)),
+             ("to_first_loop", first), ("loops", last), ("to_job_done", float(finished or last)),
+             ("to_exit", t0 + wall)]
+    out, prev = {}, t0
+    for name, t in marks:
+        out[name] = round(t - prev, 2)
+        prev = t
+    return out
 
 
 def _rows_finished(conn, job: str, t0: float, t1: float) -> int:
@@ -399,7 +421,8 @@ def main() -> None:
             Path(args.out).write_text(json.dumps({"partial": True, "results": results}, indent=2))
         r = results[-1]
         print(f"[ingest] {g} GPU: {r['rows_per_s_steady']:,.0f} rows/s steady, {r['rows_per_s_all_running']} while all "
-              f"ran, {r['rows_per_s_workers_sum']:,.0f} workers' sum, wall {r['wall_s']} s", file=sys.stderr, flush=True)
+              f"ran, {r['rows_per_s_workers_sum']:,.0f} workers' sum, wall {r['wall_s']} s {r['timeline_s']}",
+              file=sys.stderr, flush=True)
     # Against the first GPU count's rate per GPU, averaged over its runs (--gpus 1,2,1,2 repeats them).
     first = [r for r in results if r["gpus"] == results[0]["gpus"]]
 
