@@ -34,3 +34,21 @@ def test_ingest_on_every_gpu_then_verify(tmp_path, dsn):
     hits = orjson.loads(cli("search", "charger stopped working", "--table", "Cell_Phones_and_Accessories",
                             "--db", dsn, "--json").stdout)["results"]
     assert len(hits) == 10
+
+
+def test_the_launcher_counts_gpus_as_torch_does_without_importing_it():
+    code = ("import sys; from embedfleet.runtime.gpu import visible_gpu_count; n = visible_gpu_count(); "
+            "print(n, 'torch' in sys.modules)")
+    for visible in (None, "0"):
+        env = {k: v for k, v in os.environ.items() if k != "CUDA_VISIBLE_DEVICES"}
+        if visible is not None:
+            env["CUDA_VISIBLE_DEVICES"] = visible
+        out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+        count, imported = out.stdout.split()
+        want = torch.cuda.device_count() if visible is None else 1
+        assert int(count) == want, out.stderr[-2000:]
+        try:
+            import pynvml  # noqa: F401
+        except ImportError:
+            continue  # without NVML the count comes from torch
+        assert imported == "False"  # NVML answered: torch was not imported

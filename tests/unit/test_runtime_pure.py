@@ -224,3 +224,26 @@ def test_every_knob_is_read_once_and_listed_in_the_readme():
     for env, bad in (("EMBEDFLEET_WRITERS", "two"), ("EMBEDFLEET_LEASE_SECONDS", "-1"), ("EMBEDFLEET_COMPILE", "maybe")):
         with pytest.raises(InputError, match=env):
             Settings.from_env({env: bad})
+
+
+def test_cuda_visible_devices_read_as_cuda_reads_them():
+    from embedfleet.runtime.gpu import cuda_visible_count
+
+    assert cuda_visible_count(None, 4) == 4
+    assert cuda_visible_count("", 4) == 0 and cuda_visible_count("-1", 4) == 0
+    assert cuda_visible_count("0,2", 4) == 2 and cuda_visible_count(" 3 ", 4) == 1
+    assert cuda_visible_count("1,7,2", 4) == 1  # CUDA stops at the first index it does not have
+    assert cuda_visible_count("0,0", 4) == 1  # a repeated device ends the list too
+    assert cuda_visible_count("GPU-8f0e-aa,GPU-77b1-cc", 2) == 2
+
+
+def test_counting_gpus_without_nvml_falls_back_to_torch_and_a_cpu_machine_has_none():
+    import sys
+
+    from embedfleet.runtime.gpu import visible_gpu_count
+
+    if "pynvml" in sys.modules or __import__("importlib.util").util.find_spec("pynvml"):
+        pytest.skip("NVML is installed here: the fallback is not what runs")
+    import torch
+
+    assert visible_gpu_count() == torch.cuda.device_count()

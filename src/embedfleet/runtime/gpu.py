@@ -3,9 +3,61 @@ nvidia-ml-py is optional: without it (or on a CPU) the reader returns nothing.""
 
 from __future__ import annotations
 
+import os
 from typing import Callable
 
-__all__ = ["gpu_reader"]
+__all__ = ["cuda_visible_count", "gpu_reader", "visible_gpu_count"]
+
+
+def visible_gpu_count() -> int:
+    """GPUs this process may use, from NVML and CUDA_VISIBLE_DEVICES, without importing torch: the
+    launcher asks before a job starts, and `import torch` there cost 4-6 s on the GPU hosts (bench/NOTES.md,
+    run 69), paid again by each worker. torch's count where NVML cannot answer (no nvidia-ml-py or driver)
+    or where a GPU is split into MIG instances (CUDA then counts instances, not GPUs)."""
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        try:
+            total = pynvml.nvmlDeviceGetCount()
+            if any(_mig_enabled(pynvml, i) for i in range(total)):
+                raise LookupError("MIG")
+        finally:
+            pynvml.nvmlShutdown()
+    except Exception:
+        return _torch_count()
+    return cuda_visible_count(os.environ.get("CUDA_VISIBLE_DEVICES"), total)
+
+
+def cuda_visible_count(value: str | None, total: int) -> int:
+    """How many of `total` GPUs CUDA_VISIBLE_DEVICES (`value`) leaves visible: CUDA reads its comma-separated
+    indices or UUIDs up to the first one that is not valid (unset: every GPU; empty or -1: none)."""
+    if value is None:
+        return total
+    seen: set[str] = set()
+    for item in (part.strip() for part in value.split(",")):
+        valid = (item.isdigit() and int(item) < total) or item.startswith(("GPU-", "MIG-"))
+        if not valid or item in seen:
+            break
+        seen.add(item)
+    return len(seen)
+
+
+def _mig_enabled(pynvml, index: int) -> bool:
+    try:
+        current, _ = pynvml.nvmlDeviceGetMigMode(pynvml.nvmlDeviceGetHandleByIndex(index))
+    except Exception:  # not supported on this GPU: no MIG
+        return False
+    return bool(current)
+
+
+def _torch_count() -> int:
+    try:
+        import torch
+
+        return torch.cuda.device_count()
+    except Exception:
+        return 0
 
 
 def gpu_reader(device: str) -> Callable[[], dict]:

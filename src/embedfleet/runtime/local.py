@@ -52,13 +52,10 @@ def parse_devices(devices: str, workers: int | None) -> list[str]:
 
 
 def _cuda_count() -> int:
-    """GPUs visible to this process (NVML-based: does not initialise CUDA in the launcher)."""
-    try:
-        import torch
+    """GPUs visible to this process (NVML first: the launcher need not import torch)."""
+    from embedfleet.runtime.gpu import visible_gpu_count
 
-        return torch.cuda.device_count()
-    except Exception:
-        return 0
+    return visible_gpu_count()
 
 
 def worker_count(available: int, chunks: dict[str, int]) -> int:
