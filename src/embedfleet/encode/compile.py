@@ -126,14 +126,33 @@ def shape_key(config: dict, dtype: torch.dtype, device: torch.device) -> str:
 
 
 def _cache_counts() -> dict:
-    """Inductor's FX-graph cache and AOTAutograd's cache, hits and misses so far in this process: whether
-    a compile on a machine that compiled the shape before loaded its graphs or made them again."""
+    """Inductor's FX-graph cache and AOTAutograd's cache, hits and misses so far in this process (whether
+    a compile on a machine that compiled the shape before loaded its graphs or made them again), and the
+    graphs dynamo traced."""
     from torch._dynamo.utils import counters
 
     return {"fxgraph_hit": counters["inductor"]["fxgraph_cache_hit"],
             "fxgraph_miss": counters["inductor"]["fxgraph_cache_miss"],
             "aot_hit": counters["aot_autograd"]["autograd_cache_hit"],
-            "aot_miss": counters["aot_autograd"]["autograd_cache_miss"]}
+            "aot_miss": counters["aot_autograd"]["autograd_cache_miss"],
+            "graphs": counters["stats"]["unique_graphs"]}  # more than one a function: a recompile
+
+
+# dynamo's timed phases worth telling apart: all of it, tracing, AOTAutograd with Inductor inside, Inductor,
+# waiting for kernels, loading compiled code, guards
+_PHASES = ("_compile.compile_inner", "bytecode_tracing", "create_aot_dispatcher_function", "compile_fx_inner",
+           "async_compile.wait", "PyCodeCache.load_by_key_path", "build_guards")
+
+
+def _compile_phases() -> dict:
+    """Seconds this process has spent in each of _PHASES (dynamo's own timers, summed over its compiles)."""
+    from torch._dynamo.utils import compile_times
+
+    try:
+        keys, values = compile_times(repr="csv", aggregate=True)
+    except Exception:  # noqa: BLE001 - another torch's format: the counts above still tell
+        return {}
+    return {k: round(float(v), 2) for k, v in zip(keys, values) if k in _PHASES}
 
 
 # Two synthetic batches (sequences, tokens each): the second, of another token count, shows that the
@@ -234,7 +253,7 @@ class BackgroundCompile:
                 if cuda:
                     stream.synchronize()
             after = _cache_counts()
-            self.cache = {k: after[k] - before[k] for k in after}
+            self.cache = {k: after[k] - before[k] for k in after} | {"phases_s": _compile_phases()}
             switched = [p.switch() for p in self.parts if p.warmed or p.failed is not None]
             failed = [p for p in self.parts if p.failed is not None]
             self.seconds = time.perf_counter() - t0
@@ -248,7 +267,7 @@ class BackgroundCompile:
 
                 record_compiled(self.key, self.seconds)
                 log.info("forward pass compiled in %.1f s (cache: %s); switched to it", self.seconds,
-                         ", ".join(f"{k} {v}" for k, v in self.cache.items()))
+                         ", ".join(f"{k} {v}" for k, v in self.cache.items() if k != "phases_s"))
         except Exception as err:  # noqa: BLE001 - the model stays eager; say why once
             self.state, self.error, self.seconds = "failed", err, time.perf_counter() - t0
             log.warning("compiling the forward pass failed (%s); running eager", str(err).splitlines()[0])
