@@ -237,13 +237,12 @@ def test_cuda_visible_devices_read_as_cuda_reads_them():
     assert cuda_visible_count("GPU-8f0e-aa,GPU-77b1-cc", 2) == 2
 
 
-def test_counting_gpus_without_nvml_falls_back_to_torch_and_a_cpu_machine_has_none():
-    import sys
+def test_counting_gpus_where_nvml_cannot_answer_falls_back_to_torch():
+    """No NVIDIA driver here: NVML's init fails (nvidia-ml-py is installed) and torch's count is the answer."""
+    import torch
 
     from embedfleet.runtime.gpu import visible_gpu_count
 
-    if "pynvml" in sys.modules or __import__("importlib.util").util.find_spec("pynvml"):
-        pytest.skip("NVML is installed here: the fallback is not what runs")
-    import torch
-
-    assert visible_gpu_count() == torch.cuda.device_count()
+    if torch.cuda.is_available():
+        pytest.skip("a GPU machine: NVML answers (tests/gpu checks that count)")
+    assert visible_gpu_count() == torch.cuda.device_count() == 0

@@ -1,5 +1,5 @@
 """What NVML says about a worker's GPU — utilisation, memory, temperature, power — for the fleet view.
-nvidia-ml-py is optional: without it (or on a CPU) the reader returns nothing."""
+Without NVML's library (no NVIDIA driver, or a CPU) the reader returns nothing."""
 
 from __future__ import annotations
 
