@@ -1,5 +1,6 @@
-"""What NVML says about a worker's GPU — utilisation, memory, temperature, power — for the fleet view.
-Without NVML's library (no NVIDIA driver, or a CPU) the reader returns nothing."""
+"""What NVML says: how many GPUs this process may use (the launcher's count, without torch), and a
+worker's GPU's utilisation, memory, temperature and power for the fleet view. Without NVML's library
+(no NVIDIA driver, or a CPU) the count comes from torch and the reader returns nothing."""
 
 from __future__ import annotations
 
@@ -10,10 +11,9 @@ __all__ = ["cuda_visible_count", "gpu_reader", "visible_gpu_count"]
 
 
 def visible_gpu_count() -> int:
-    """GPUs this process may use, from NVML and CUDA_VISIBLE_DEVICES, without importing torch: the
-    launcher asks before a job starts, and `import torch` there cost 4-6 s on the GPU hosts (bench/NOTES.md,
-    run 69), paid again by each worker. torch's count where NVML cannot answer (no nvidia-ml-py or driver)
-    or where a GPU is split into MIG instances (CUDA then counts instances, not GPUs)."""
+    """GPUs this process may use, from NVML and CUDA_VISIBLE_DEVICES: the launcher asks before a job starts,
+    and importing torch there costs seconds that each worker pays again. torch's count where NVML cannot
+    answer (no driver) or a GPU is split into MIG instances (CUDA then counts instances, not GPUs)."""
     try:
         import pynvml
 

@@ -290,11 +290,9 @@ def _spool_dir() -> str:
     return tempfile.mkdtemp(dir=base, prefix=f"embedfleet-units-{os.getpid()}-")
 
 
-# How much larger each of a worker's first stream tasks is than the one before, from FIRST_TASK_BYTES up to
-# a full unit. Helpers start together, so a unit k arrives after its own preparation; the GPU, ~10x one
-# helper (passages of long documents on an H100, bench/NOTES.md run 77), has then embedded everything
-# before it. Growth of 1 + (a helper's speed over the GPU's) keeps it fed: doubling left it waiting for
-# about a full unit's preparation (0.46-0.65 s), 1.05 for none in a simulation of that run.
+# Each of a GPU worker's first stream tasks is this much larger than the one before, from FIRST_TASK_BYTES up
+# to a full unit: helpers start together, so growth above 1 + (a helper's speed over the GPU's) leaves the
+# GPU waiting for each next unit; doubling did (bench/ramp_sim.py, bench/NOTES.md run 77).
 RAMP = 1.05
 FIRST_TASK_BYTES = 64 << 10
 

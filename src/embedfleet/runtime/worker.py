@@ -115,8 +115,8 @@ def produce_units(claims: Iterator, pool: UnitPool, throttle: Throttle, stats: S
                   started: Callable[[Claim], None], hungry: Callable[[], bool] = lambda: False) -> Iterator:
     """Units (or Failures) in claim order, prepared up to `throttle.limit` tasks ahead on the pool's helpers.
     `started(claim)` as a chunk's first unit goes out. A prepared unit goes out at once while the GPU loop
-    is `hungry()` (has nothing queued), else once the window is full: waiting for that first had the
-    GPU's first unit wait for 30 tasks read from a Parquet file (0.69 s, bench/NOTES.md run 77)."""
+    is `hungry()` (has nothing queued), else once the window is full: otherwise a job's first unit waits
+    for a window's worth of tasks read from a stream (bench/NOTES.md, run 77)."""
     window: deque = deque()  # (claim, task, future), oldest first
     begun: set = set()  # claim tokens whose chunk has gone to the GPU
 

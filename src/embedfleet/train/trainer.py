@@ -405,8 +405,7 @@ def main(argv: list[str] | None = None) -> None:
             raise
         sys.stderr.write(f"error (rank {rank}): {type(e).__name__}: {e}\n")
         sys.exit(1)
-    # Its work done and written, the rank leaves without C++'s exit-time destructors: one of them once
-    # aborted a gloo rank after a finished run ("terminate called without an active exception", exit -6).
+    # Its work written, the rank skips C++'s exit-time destructors: one once aborted a finished gloo rank.
     logging.shutdown()
     sys.stdout.flush()
     sys.stderr.flush()
