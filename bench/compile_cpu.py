@@ -49,6 +49,7 @@ def main() -> None:
           f"{meanwhile} batches on the caller's thread meanwhile, graphs {graphs} -> "
           f"{counters['stats']['unique_graphs']} after three more token counts, max |diff| {diff:.1e}, "
           f"inductor {dict(counters['inductor'])}")
+    print(f"report {job.report()}")  # what a worker's startup.compile carries
 
 
 if __name__ == "__main__":

@@ -180,7 +180,8 @@ class BackgroundCompile:
         self._compiler = compiler
         self._seen = self._calls = 0
         self.state, self.seconds, self.error = "waiting", None, None
-        self.cache: dict | None = None  # the compile's Inductor and AOTAutograd cache hits and misses
+        self.cache: dict | None = None  # the compile's Inductor and AOTAutograd cache hits and misses, graphs
+        self.phases: dict | None = None  # seconds in dynamo's timed phases
         self._lock = threading.Lock()
         self._thread: threading.Thread | None = None
         self._done = threading.Event()
@@ -210,9 +211,10 @@ class BackgroundCompile:
         self._thread.start()
 
     def report(self) -> dict:
-        """State, seconds, the last compile's seconds on this machine before this one, cache hits/misses."""
+        """State, seconds, the last compile's seconds on this machine before this one, cache hits/misses,
+        phases."""
         return {"state": self.state, "seconds": self.seconds, "cached_before_s": self.cached_seconds,
-                "cache": self.cache}
+                "cache": self.cache, "phases_s": self.phases}
 
     def wait(self, timeout: float | None = None) -> bool:
         """Wait for a started compile to finish (at once if none started); True when finished."""
@@ -253,7 +255,7 @@ class BackgroundCompile:
                 if cuda:
                     stream.synchronize()
             after = _cache_counts()
-            self.cache = {k: after[k] - before[k] for k in after} | {"phases_s": _compile_phases()}
+            self.cache, self.phases = {k: after[k] - before[k] for k in after}, _compile_phases()
             switched = [p.switch() for p in self.parts if p.warmed or p.failed is not None]
             failed = [p for p in self.parts if p.failed is not None]
             self.seconds = time.perf_counter() - t0
@@ -267,7 +269,7 @@ class BackgroundCompile:
 
                 record_compiled(self.key, self.seconds)
                 log.info("forward pass compiled in %.1f s (cache: %s); switched to it", self.seconds,
-                         ", ".join(f"{k} {v}" for k, v in self.cache.items() if k != "phases_s"))
+                         ", ".join(f"{k} {v}" for k, v in self.cache.items()))
         except Exception as err:  # noqa: BLE001 - the model stays eager; say why once
             self.state, self.error, self.seconds = "failed", err, time.perf_counter() - t0
             log.warning("compiling the forward pass failed (%s); running eager", str(err).splitlines()[0])
