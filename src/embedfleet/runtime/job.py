@@ -56,10 +56,10 @@ def run_job(cfg: JobConfig, settings: Settings, launcher: Launcher) -> dict:
             ledger.set_job_state(job, "running")
             with _metrics(settings.metrics_port, dsn, job):
                 launcher.run(ledger, job, dsn, cfg.quiet)
-        counts = finalize(ledger, job, cfg)
+        counts, loaded = finalize(ledger, job, cfg)
         progress = ledger.progress(job)
         progress["summaries"] = ledger.summaries(job)
-        progress["table_exists"] = table_exists(ledger.conn, cfg.table)  # none when no worker had a record
+        progress["table_exists"] = loaded  # none when no worker had a record
         errors = ledger.worker_errors(job)
     finally:
         ledger.close()
@@ -168,9 +168,10 @@ def prepare(cfg: JobConfig, ledger: Ledger, device: str) -> str:
     return cfg.job
 
 
-def finalize(ledger: Ledger, job: str, cfg: JobConfig) -> dict:
+def finalize(ledger: Ledger, job: str, cfg: JobConfig) -> tuple[dict, bool]:
     """Mark the job done or failed; once everything landed, make the table searchable (statistics,
-    autovacuum back, the HNSW index) — safe when two runs of the job finish together."""
+    autovacuum back, the HNSW index) — safe when two runs of the job finish together. Returns the
+    chunks' counts and whether the table exists (a worker makes it)."""
     counts = ledger.counts(job)
     loaded = table_exists(ledger.conn, cfg.table)
     if counts["failed"]:
@@ -179,15 +180,15 @@ def finalize(ledger: Ledger, job: str, cfg: JobConfig) -> dict:
         if loaded:
             finish_table(ledger.conn, cfg.table, index=False)
         ledger.set_job_state(job, "failed", f"{len(failed)} chunks failed: {msg}")
-        return counts
+        return counts, loaded
     if counts["pending"] or counts["running"]:
         errors = ledger.worker_errors(job)
         if errors:  # every worker stopped on an error it cannot get past (a model or device it cannot use)
             ledger.set_job_state(job, "failed", "; ".join(f"{w}: {e}" for w, e in errors[:3]))
-        return counts  # otherwise stopped early (interrupted): a rerun resumes
+        return counts, loaded  # otherwise stopped early (interrupted): a rerun resumes
     if loaded:
         index = finish_table(ledger.conn, cfg.table, index=not cfg.no_index)
         if index:
             log.info("table %s is searchable (HNSW index %s)", cfg.table, index)
     ledger.set_job_state(job, "done")
-    return counts
+    return counts, loaded
