@@ -9,7 +9,7 @@
 set -o pipefail
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
 M=$PWD/.models/all-MiniLM-L6-v2-fp16
-export PYTHONPATH=/tmp/site:$PWD/src PYTHONUNBUFFERED=1 PYTHONPYCACHEPREFIX=/tmp/pycache EMBEDFLEET_HOME=/tmp/efhome \
+export PYTHONPATH=/tmp/site:$PWD/src PYTHONUNBUFFERED=1 EMBEDFLEET_HOME=/tmp/efhome \
   EMBEDFLEET_GPU_MINILM=$M EMBEDFLEET_MODEL=$M
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 nvidia-smi -L; nproc

@@ -9,10 +9,7 @@ set -o pipefail
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl-ingest/*.whl || exit 1
 export PYTHONPATH=/tmp/site:$PWD/src PYTHONUNBUFFERED=1 EMBEDFLEET_GPU_MINILM=$PWD/.models/all-MiniLM-L6-v2-fp16 \
   EMBEDFLEET_MODEL=$PWD/.models/all-MiniLM-L6-v2-fp16
-# The image's torch comes without bytecode: a cold Encoder() spent 7.3 s compiling torch's Python
-# sources (bench/NOTES.md run 49). An installed torch has its bytecode; a writable cache lets processes
-# after the first start that way (run 50: torch import 5.4 -> 3.7 s, Encoder() 10.8 -> 9.2 s).
-export PYTHONPYCACHEPREFIX=/tmp/pycache
+# No PYTHONPYCACHEPREFIX here: embedfleet keeps the bytecode itself where the image has none (embedfleet.bytecode).
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 N_MINILM=${1:-1000000}
 N_QWEN=${2:-400000}

@@ -13,7 +13,7 @@
 set -o pipefail
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
 M=$PWD/.models/all-MiniLM-L6-v2-fp16
-export PYTHONPATH=/tmp/site:$PWD/src PYTHONUNBUFFERED=1 PYTHONPYCACHEPREFIX=/tmp/pycache EMBEDFLEET_HOME=/tmp/efhome \
+export PYTHONPATH=/tmp/site:$PWD/src PYTHONUNBUFFERED=1 EMBEDFLEET_HOME=/tmp/efhome \
   EMBEDFLEET_GPU_MINILM=$M EMBEDFLEET_MODEL=$M
 # NVLink multicast stays off (the machine's own setting; kept for processes started with their own environment).
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1

@@ -323,16 +323,19 @@ def run_once(data: list[Path], gpus: int, model: str | None, env: dict, preset: 
 
 def _timeline(conn, job: str, t0: float, wall: float, workers: list[dict]) -> dict:
     """Where the command's wall time went (issue 17's wall rate): seconds from its start to the job's row,
-    to the job running (planned), to the first worker's loop (a worker's start-up), the loops' span, from
-    the last loop's end to the job marked done (the table's statistics, its index), and to the exit."""
+    to the job running (planned), to the first worker's loop (a worker's start-up), the loops' span, to
+    the workers' last word (their summaries), to the job marked done (the workers' exits, the table's
+    statistics, its index), and to the exit."""
     created, started, finished = conn.execute(
         "SELECT extract(epoch FROM created), extract(epoch FROM started), extract(epoch FROM finished) "
         "FROM embedfleet.jobs WHERE job = %s", [job]).fetchone()
+    ended = conn.execute("SELECT extract(epoch FROM max(heartbeat)) FROM embedfleet.workers WHERE job = %s "
+                         "AND state = 'finished'", [job]).fetchone()[0]  # a worker's last word sets its heartbeat
     first = min(w["started_at"] for w in workers)
     last = max(w["started_at"] + w["wall_s"] for w in workers)
     marks = [("to_job_created", float(created)), ("to_job_running", float(started or created)),
-             ("to_first_loop", first), ("loops", last), ("to_job_done", float(finished or last)),
-             ("to_exit", t0 + wall)]
+             ("to_first_loop", first), ("loops", last), ("to_workers_ended", float(ended or last)),
+             ("to_job_done", float(finished or last)), ("to_exit", t0 + wall)]
     out, prev = {}, t0
     for name, t in marks:
         out[name] = round(t - prev, 2)

@@ -1,10 +1,11 @@
-"""What embedfleet keeps on disk to start faster: torch.compile's graphs and Triton's kernels.
+"""What embedfleet keeps on disk to start faster: torch.compile's graphs, Triton's kernels, bytecode.
 
 It lives in `$EMBEDFLEET_HOME/cache` (default `~/.embedfleet/cache`):
 
     inductor/        TORCHINDUCTOR_CACHE_DIR: Inductor's FX graph, AOTAutograd and autotuning caches
     triton/          TRITON_CACHE_DIR: compiled Triton kernels (ours and Inductor's)
     compiled.json    which model shapes this machine has compiled, and how long it took
+    pycache/         PYTHONPYCACHEPREFIX where the environment keeps no bytecode (embedfleet.bytecode)
 
 so the second process on a machine loads compiled graphs instead of compiling them. Either variable
 set by the user wins (and `embedfleet cache clear` leaves that directory alone). Everything here can

@@ -11,7 +11,7 @@
     export   a table's ids, columns and vectors to Parquet, .npy or JSON lines (store/export.py)
     map      a 2-D UMAP of a table's vectors, as one self-contained HTML page or a PNG (viz/map.py)
     db       the embedded PostgreSQL
-    cache    compiled graphs and kernels kept between processes
+    cache    compiled graphs, kernels and bytecode kept between processes
     bench    this encoder vs sentence-transformers, first call and steady state, fresh processes
 
 With --json, stdout carries exactly one JSON document; logs and progress go to stderr.
@@ -28,13 +28,14 @@ from typing import List, Optional
 import orjson
 import typer
 
+from embedfleet.bytecode import keep_bytecode
 from embedfleet.errors import EmbedfleetError
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   help="Embed large text corpora on every GPU you can reach, into PostgreSQL/pgvector, exactly once.")
 db_app = typer.Typer(no_args_is_help=True, help="The embedded PostgreSQL server (used when no --db is given).")
 app.add_typer(db_app, name="db")
-cache_app = typer.Typer(no_args_is_help=True, help="Compiled graphs and kernels kept under $EMBEDFLEET_HOME/cache.")
+cache_app = typer.Typer(no_args_is_help=True, help="Compiled graphs, kernels and bytecode kept under $EMBEDFLEET_HOME/cache.")
 app.add_typer(cache_app, name="cache")
 
 _state = {"debug": False}
@@ -48,6 +49,7 @@ def _emit(doc) -> None:
 @app.callback()
 def _root(debug: bool = typer.Option(False, "--debug", help="Show tracebacks.")) -> None:
     _state["debug"] = debug
+    keep_bytecode()  # before torch & co. are imported, here and in every process this one starts
     logging.basicConfig(level=logging.DEBUG if debug else logging.INFO, stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(message)s", datefmt="%H:%M:%S")
     logging.getLogger("pgserver").setLevel(logging.DEBUG if debug else logging.WARNING)
@@ -426,7 +428,7 @@ def cache_path() -> None:
 
 @cache_app.command("clear")
 def cache_clear(json_out: bool = typer.Option(False, "--json")) -> None:
-    """Remove the cache of compiled graphs and kernels (the next big encode compiles again)."""
+    """Remove the cache of compiled graphs, kernels and bytecode (the next big encode compiles again)."""
     from embedfleet.cache import clear
 
     removed = clear()

@@ -10,11 +10,11 @@ join a job planned elsewhere.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import subprocess
 import sys
-import time
 from dataclasses import dataclass, replace
 
 import orjson
@@ -111,8 +111,9 @@ class LocalLauncher:
                 mon.update(ledger.progress(job))  # where this run starts from
                 for s in slots:
                     s.proc = _spawn(s, job, dsn, settings, threads)
-                while any(s.proc is not None for s in slots):
-                    time.sleep(0.5)
+                while live := [s.proc for s in slots if s.proc is not None]:
+                    with contextlib.suppress(subprocess.TimeoutExpired):
+                        live[0].wait(0.5)  # at once when it exits: the job's end waits for this
                     for s in slots:
                         self._reap(s, ledger, job, dsn, settings, threads)
                     mon.update(ledger.progress(job))

@@ -33,6 +33,7 @@ from typing import Callable, Iterator
 
 import orjson
 
+from embedfleet.bytecode import keep_bytecode
 from embedfleet.config import JobConfig, Settings, default_chunk_bytes, use_settings
 from embedfleet.encode.tokenize import tokenizer_spec
 from embedfleet.errors import EmbedfleetError, JobError
@@ -450,6 +451,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--device", default="auto")
     p.add_argument("--settings", help="the launcher's Settings as JSON (default: this process's environment)")
     a = p.parse_args(argv)
+    keep_bytecode()  # started by Ray or by hand rather than by the CLI: torch's imports still cached
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     try:
         settings = Settings.from_json(orjson.loads(a.settings)) if a.settings else Settings.from_env()
@@ -473,5 +475,17 @@ def _record_failure(dsn: str, job: str, worker: str, error: str) -> None:
         pass  # the database itself is what failed: the launcher reports the exit code
 
 
+def leave(code: int) -> None:
+    """Exit, skipping the interpreter's teardown (torch's CUDA context, Inductor's compile workers)
+    that the job's end would wait for, once no thread of ours has work left (a compile still being
+    written to the cache has: then as usual)."""
+    if any(t.is_alive() and not t.daemon for t in threading.enumerate() if t is not threading.main_thread()):
+        sys.exit(code)
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    leave(main())
