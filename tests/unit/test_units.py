@@ -343,3 +343,27 @@ def test_a_prepared_unit_goes_to_a_hungry_gpu_loop_before_the_window_fills(tmp_p
     rows = [[bytes(u.rows.blob)] for u in units]
     assert rows == [[bytes(u.rows.blob)] for u in full_units] and sum(u.rows.n for u in units) == 200
     assert len(started) == 1 and [u.last for u in units] == [False] * (len(units) - 1) + [True]
+
+
+def test_a_preparer_builds_its_word_path_at_start_not_in_the_first_unit(tmp_path):
+    """A helper's first unit is one the GPU waits for: the word path (trie and tables, the costly part
+    of that unit) is built when the helper starts; the unit then uses it and gives the library's ids."""
+    from embedfleet.encode.tokenize import tokenizer_spec
+    from embedfleet.records import to_records
+    from embedfleet.runtime import units
+    from embedfleet.sources import read_chunk
+    from embedfleet.sources.presets import get_preset
+    from embedfleet.synth import write_amazon_reviews
+
+    spec = tokenizer_spec(None)
+    prepare = units.Preparer(units.UnitContext("amazon-reviews", None, None, None, spec))
+    local = prepare.tokenizer._local
+    assert local.words is not None and local._word_args is None  # built in the constructor
+    src = write_amazon_reviews(tmp_path / "r.jsonl", 40)
+    out = prepare(units.Task(ChunkSpec(str(src), "jsonl", 0, src.stat().st_size, 1), 0, None))
+    assert prepare.tokenizer._local.words is local.words  # the same table, not rebuilt
+    assert out.rows.n == 40 and len(out.tok) == 40
+    texts = [r.content for r in to_records(list(read_chunk(ChunkSpec(str(src), "jsonl", 0, src.stat().st_size, 1))),
+                                           get_preset("amazon-reviews"))[0]]
+    library = spec.build(shortcuts=False).tokenize(texts)  # the tokenizers library's own path
+    assert np.array_equal(out.tok.ids, library.ids) and np.array_equal(out.tok.order, library.order)

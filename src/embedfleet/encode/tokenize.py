@@ -310,6 +310,11 @@ class TextTokenizer:
         parts = helpers.map(_worker_encode, [texts[i : i + step] for i in range(0, len(texts), step)])
         return np.concatenate([p[0] for p in parts]), np.concatenate([p[1] for p in parts])
 
+    def build_word_path(self) -> None:
+        """Build the word path now rather than at the first big call: a helper's every call is big,
+        and its first unit is one the GPU waits for."""
+        self._local._words_for(WORD_PATH_MIN_TEXTS)
+
     def word_tokens_many(self, texts: list[str]) -> list[tuple[np.ndarray, np.ndarray, np.ndarray] | None]:
         """(starts, ends, pieces) of each text's words by this tokenizer's word path (BERT-style
         tokenizers on clean ASCII text), or None where it does not apply: the passage splitter's cuts.

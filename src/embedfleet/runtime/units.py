@@ -130,6 +130,7 @@ class Preparer:
         self.ctx = ctx
         self.preset = get_preset(ctx.preset)
         self.tokenizer = ctx.tokenizer.build()
+        self.tokenizer.build_word_path()  # in the helper's start-up, not in the job's first unit
         columns = table_columns(ctx.preset, ctx.passages is not None)
         self.encoder = RowEncoder(["text", "text"] + [COPY_TYPES[c.pgtype] for c in columns])
         self._column_names = tuple(c.name for c in columns)  # each row's values, in column order
