@@ -139,12 +139,14 @@ class Encoder:
         runs in the background (eager meanwhile); `wait` waits for it. `compile=False` (little work
         ahead) leaves the compile to the usual rule: once enough tokens have been seen."""
         self._tok.start()
-        if self._dev.type == "cuda":
+        if self._dev.type != "cuda":
+            return
+        if self._compile is not None and compile:
+            self._compile.start()  # its example batches make cuBLAS's and the attention's first calls too
+            if wait:
+                self._compile.wait()
+        else:
             self.encode(["warm up"] * 8 + ["warm up " * 200] * 2)  # cuBLAS, FlashAttention: their first calls
-            if self._compile is not None and compile:
-                self._compile.start()
-                if wait:
-                    self._compile.wait()
 
     def compile_report(self) -> dict | None:
         """The background compile's state, seconds and cache hits (None where nothing compiles)."""

@@ -257,15 +257,25 @@ class Worker:
                               row["meta_id"] if cfg.meta else None, s.db_patience_seconds, parse_passages(cfg.passages))
             pool = self._make_helpers(ctx, s.helpers)
             helpers_ready = pool.start_in_background()
+            encoder = None
             try:
                 t0 = time.perf_counter()
                 encoder = self._make_encoder(cfg, self.device, s)
                 model_s = time.perf_counter() - t0
+                # The compile (from the cache after a machine's first run) starts now, beside the table's
+                # set-up and the helpers' start, and the loop waits for it: a loop started eager ran
+                # slower than the compile it saved (bench/NOTES.md, the 2026-11-26 GPU runs) — unless
+                # the job is too small to pay for it.
+                compile_first = compile_pays(ledger.pending_bytes(self.job))
+                t_warm = time.perf_counter()
+                encoder.warmup(wait=False, compile=compile_first)
                 vtype = vector_type(ledger.conn, cfg.dtype)
                 ensure_table(ledger.conn, cfg.table, table_columns(cfg.preset, bool(cfg.passages)), encoder.dim, vtype)
                 ledger.set_model(self.job, encoder.name, encoder.dim)
             except BaseException:
                 pool.close()
+                if encoder is not None:
+                    encoder.close()
                 raise
             try:
                 startup = {"imports_s": epoch_begin - (process_started(os.getpid()) or epoch_begin),
@@ -274,12 +284,9 @@ class Worker:
                 startup["helpers_s"] = helpers_ready.result()  # started with the model load; usually ready by now
                 startup["helpers_wait_s"] = time.perf_counter() - t0
                 t0 = time.perf_counter()
-                # The compile (from the cache after a machine's first run) before the loop: a loop started
-                # eager ran slower than the compile it saved (bench/NOTES.md, the 2026-11-26 GPU runs) —
-                # unless the job is too small to pay for it.
-                compile_first = compile_pays(ledger.pending_bytes(self.job))
-                encoder.warmup(compile=compile_first)
-                startup["warmup_s"] = time.perf_counter() - t0
+                encoder.wait_compiled()
+                startup["warmup_s"] = time.perf_counter() - t_warm  # from its start, beside the steps above
+                startup["warmup_wait_s"] = time.perf_counter() - t0
                 settle_gc()  # a full collection over torch's objects would stall the GPU loop (it holds the GIL)
                 startup["compile_first"] = compile_first
                 startup["compile"] = encoder.compile_report()  # with compile_first: whether the cache served it
