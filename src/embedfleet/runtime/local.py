@@ -77,6 +77,7 @@ class Slot:
     device: str
     proc: subprocess.Popen | None = None
     restarts: int = 0
+    finished: bool = False  # its last word is in the ledger: its process's exit is not waited for
 
 
 class LocalLauncher:
@@ -111,18 +112,25 @@ class LocalLauncher:
                 mon.update(ledger.progress(job))  # where this run starts from
                 for s in slots:
                     s.proc = _spawn(s, job, dsn, settings, threads)
-                while live := [s.proc for s in slots if s.proc is not None]:
+                # Until each worker has exited or said its last word: a process's exit after that (a GPU
+                # worker's driver freeing its memory) need not hold up the job's end.
+                while live := [s.proc for s in slots if s.proc is not None and not s.finished]:
                     with contextlib.suppress(subprocess.TimeoutExpired):
-                        live[0].wait(0.5)  # at once when it exits: the job's end waits for this
+                        live[0].wait(0.25)  # at once when it exits
                     for s in slots:
                         self._reap(s, ledger, job, dsn, settings, threads)
-                    mon.update(ledger.progress(job))
+                    progress = ledger.progress(job)
+                    said = {w["worker"] for w in progress["workers"] if w["state"] == "finished"}
+                    for s in slots:
+                        s.finished = s.worker in said
+                    mon.update(progress)
                 mon.update(ledger.progress(job), force=True)
         finally:
-            for s in slots:  # Ctrl-C: stop the workers; their chunks are re-queued on the next run
-                if s.proc is not None and s.proc.poll() is None:
+            waited = [s for s in slots if s.proc is not None and not s.finished]
+            for s in waited:  # Ctrl-C: stop the workers; their chunks are re-queued on the next run
+                if s.proc.poll() is None:
                     s.proc.terminate()
-            for s in slots:
+            for s in waited:
                 if s.proc is not None:
                     try:
                         s.proc.wait(10)
@@ -131,7 +139,7 @@ class LocalLauncher:
 
     def _reap(self, s: Slot, ledger: Ledger, job: str, dsn: str, settings: Settings, threads: int) -> None:
         """A worker that ended: fine, or dead (its chunks re-queued; restarted while work remains)."""
-        if s.proc is None or (code := s.proc.poll()) is None:
+        if s.finished or s.proc is None or (code := s.proc.poll()) is None:
             return
         pid, s.proc = s.proc.pid, None
         if code == 0:
