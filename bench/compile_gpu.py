@@ -1,12 +1,14 @@
 """Where a worker's compile goes on a GPU host (issue 17): one from the cache took 10.7 s on an H100
 host (bench/NOTES.md, run 79) while dynamo's timed phases summed to 1.6 s.
 
-    EMBEDFLEET_HOME=/tmp/efhome python bench/compile_gpu.py MODEL [--profile 30] [--threads N]
+    EMBEDFLEET_HOME=/tmp/efhome python bench/compile_gpu.py MODEL [--profile 30] [--threads N] [--preimport]
 
 Loads an Encoder on CUDA as a worker does, then runs its BackgroundCompile's work on this thread,
 optionally under cProfile (`--profile K`: the K functions with the most cumulative time). `--threads`
 sets Inductor's compile threads (its worker processes) before torch is imported. Run it once cold,
-then again: the second run is what a machine's second ingest meets.
+then again: the second run is what a machine's second ingest meets. `--preimport` imports what the
+compile needs (torch._dynamo, Inductor) on a thread of its own from `import torch` on, beside the
+model's load, and reports how long the compile then took.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ def main() -> None:
     ap.add_argument("model")
     ap.add_argument("--profile", type=int, default=0)
     ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--preimport", action="store_true")
     a = ap.parse_args()
     if a.threads is not None:
         os.environ["TORCHINDUCTOR_COMPILE_THREADS"] = str(a.threads)
@@ -32,6 +35,16 @@ def main() -> None:
     import torch
 
     steps["import_torch_s"] = time.perf_counter() - t
+    pre = None
+    if a.preimport:
+        import threading
+
+        def imports():
+            import torch._dynamo  # noqa: F401
+            import torch._inductor.compile_fx  # noqa: F401
+
+        pre = threading.Thread(target=imports)
+        pre.start()
     from embedfleet.encode.encoder import Encoder
 
     t = time.perf_counter()
@@ -40,6 +53,10 @@ def main() -> None:
     torch.cuda.synchronize()
     steps["encoder_s"] = time.perf_counter() - t
     job = enc._compile
+    if pre is not None:
+        t = time.perf_counter()
+        pre.join()
+        steps["preimport_wait_s"] = time.perf_counter() - t
     t = time.perf_counter()
     if a.profile:
         import cProfile

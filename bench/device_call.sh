@@ -2,7 +2,7 @@
 # One device call of several one-GPU parts, in order, each under its own timeout, results in $OUT:
 #   bash bench/device_call.sh startup passages startup gputrain take loader first
 # startup: bench/encoder_startup.py --first 20000 (run it twice: the machine's first and second run);
-# passages: bench/passages.py --skip-whole (issue 20); gputrain: the trainer's GPU tests; take: bench/take_pcie.py;
+# passages: bench/passages.py --skip-whole (issue 20; SKIP_WHOLE= also embeds the whole documents); gputrain: the trainer's GPU tests; take: bench/take_pcie.py;
 # loader: bench/train_loader.py on 10M rows (issue 16); first: `embedfleet bench` (issue 17's first call);
 # ingest500k: bench/ingest.py --n 500000 --gpus 1, twice (issue 17's wall rate; the second run's compile from the cache).
 # Prelude and carry as bench/device_multi.sh's.
@@ -19,7 +19,7 @@ for part in "$@"; do
   case "$part" in
   startup) timeout 120 python3 bench/encoder_startup.py "$M" --first 20000 >"$OUT/startup$k.txt" 2>&1; head -40 "$OUT/startup$k.txt" ;;
   passages) EMBEDFLEET_PREP_WORKERS=${PREP:-14} timeout 150 python3 bench/passages.py --n "${PASSAGE_N:-40000}" \
-      --passages 254:32 --model "$M" --devices cuda --work /tmp/efp --skip-whole >"$OUT/passages.json" 2>"$OUT/passages.err"
+      --passages 254:32 --model "$M" --devices cuda --work /tmp/efp ${SKIP_WHOLE---skip-whole} >"$OUT/passages.json" 2>"$OUT/passages.err"
     tail -n 6 "$OUT/passages.err"; cat "$OUT/passages.json" ;;
   gputrain) timeout 150 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_train_gpu.py \
       -k "${TRAIN_TESTS:-order or take or ram_tier or graphs}" 2>&1 | tail -n 8 ;;
