@@ -178,3 +178,33 @@ def test_metrics_show_the_jobs_progress_and_every_worker(cli, dsn, conn, tmp_pat
         assert f'worker="{w}"' in text
     rows = [float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith("embedfleet_worker_rows_total{")]
     assert sum(rows) == 120
+
+
+@pytest.mark.parametrize("wait", [True, False])
+def test_a_workers_loop_waits_for_its_compile_unless_told_not_to(dsn, conn, tmp_path, wait):
+    """Settings.compile_wait: the loop starts once the compile is done (the default), or at once, eager."""
+    from embedfleet.config import Settings
+    from embedfleet.encode.fake import HashEncoder
+    from embedfleet.runtime.worker import Worker
+
+    class Recording(HashEncoder):
+        waited = 0
+        warmups: list = []
+
+        def warmup(self, wait=True, compile=True):
+            self.warmups.append((wait, compile))
+
+        def wait_compiled(self, timeout=None):
+            self.waited += 1
+            return True
+
+    job = f"cwait_{int(wait)}"
+    src = write_amazon_reviews(tmp_path / f"{job}.jsonl", 50, seed=3)
+    _plan(dsn, src, job)
+    encoder = Recording()
+    summary = Worker(job, dsn, "w0", "cpu", Settings.from_env({}, helpers=0, compile_wait=wait),
+                     encoder=lambda cfg, device, settings: encoder).run()
+    assert summary["rows"] == 50
+    assert encoder.warmups == [(False, False)]  # started at once, beside the set-up; a small job: no compile
+    assert encoder.waited == (1 if wait else 0)
+    assert summary["startup"]["compile_wait"] is wait

@@ -263,9 +263,9 @@ class Worker:
                 encoder = self._make_encoder(cfg, self.device, s)
                 model_s = time.perf_counter() - t0
                 # The compile (from the cache after a machine's first run) starts now, beside the table's
-                # set-up and the helpers' start, and the loop waits for it: a loop started eager ran
-                # slower than the compile it saved (bench/NOTES.md, the 2026-11-26 GPU runs) — unless
-                # the job is too small to pay for it.
+                # set-up and the helpers' start, unless the job is too small to pay for it; the loop waits
+                # for it (Settings.compile_wait: a loop started eager ran slower than the compile it
+                # saved, bench/NOTES.md, the 2026-11-26 GPU runs).
                 compile_first = compile_pays(ledger.pending_bytes(self.job))
                 t_warm = time.perf_counter()
                 encoder.warmup(wait=False, compile=compile_first)
@@ -284,11 +284,12 @@ class Worker:
                 startup["helpers_s"] = helpers_ready.result()  # started with the model load; usually ready by now
                 startup["helpers_wait_s"] = time.perf_counter() - t0
                 t0 = time.perf_counter()
-                encoder.wait_compiled()
+                if s.compile_wait:
+                    encoder.wait_compiled()
                 startup["warmup_s"] = time.perf_counter() - t_warm  # from its start, beside the steps above
                 startup["warmup_wait_s"] = time.perf_counter() - t0
                 settle_gc()  # a full collection over torch's objects would stall the GPU loop (it holds the GIL)
-                startup["compile_first"] = compile_first
+                startup["compile_first"], startup["compile_wait"] = compile_first, s.compile_wait
                 startup["compile"] = encoder.compile_report()  # with compile_first: whether the cache served it
                 return self._embed(ledger, cfg, pool, encoder, vtype, startup)
             finally:
@@ -351,6 +352,8 @@ class Worker:
             "started_at": round(epoch_start, 3),  # wall-clock start: to line several workers up
             "startup": {k: round(v, 3) if isinstance(v, float) else v for k, v in startup.items()},
         }
+        if not s.compile_wait:  # the compile went on beside the loop: how it ended
+            summary["startup"]["compile"] = encoder.compile_report()
         stats.state = "finished"
         heartbeat.stop(summary)  # in the ledger (`ingest --json` shows it), not on the user's terminal
         log.debug("worker summary: %s", orjson.dumps(summary).decode())
