@@ -192,8 +192,8 @@ class Settings:
     # ~30 MB of arrays when full; past this, more misses are cheaper than more memory (bench/NOTES.md run 39).
     word_cache: int = _knob(1 << 18, "EMBEDFLEET_WORD_CACHE", "distinct words each tokenizer remembers")
     compile: bool = _knob(True, "EMBEDFLEET_COMPILE", "torch.compile the forward pass on CUDA (0: eager)")
-    compile_wait: bool = _knob(True, "EMBEDFLEET_COMPILE_WAIT",
-                               "an ingest worker's loop waits for its compile (0: starts eager, switches when ready)")
+    compile_wait: bool = _knob(False, "EMBEDFLEET_COMPILE_WAIT",
+                               "an ingest worker's loop waits for its compile (default 0: starts eager, switches when ready)")
     compile_tokens: int | None = _knob(None, "EMBEDFLEET_COMPILE_TOKENS",
                                        "tokens of work before compiling starts (default 2^23, 2^18 once cached)")
     triton: bool = _knob(True, "EMBEDFLEET_TRITON",

@@ -181,30 +181,35 @@ def test_metrics_show_the_jobs_progress_and_every_worker(cli, dsn, conn, tmp_pat
 
 
 @pytest.mark.parametrize("wait", [True, False])
-def test_a_workers_loop_waits_for_its_compile_unless_told_not_to(dsn, conn, tmp_path, wait):
-    """Settings.compile_wait: the loop starts once the compile is done (the default), or at once, eager."""
+def test_a_workers_loop_starts_eager_beside_its_compile_unless_told_to_wait(dsn, conn, tmp_path, monkeypatch, wait):
+    """Settings.compile_wait: by default the loop starts at once, eager, while the compile runs; with it,
+    the loop starts once the compile is done. Either way the worker says it is finished only once its
+    compile has ended (nothing of the job's outlives the command)."""
     from embedfleet.config import Settings
     from embedfleet.encode.fake import HashEncoder
-    from embedfleet.runtime.worker import Worker
+    from embedfleet.runtime import worker as worker_mod
+
+    monkeypatch.setattr(worker_mod, "COMPILE_MIN_BYTES", 0)  # this small job counts as one that pays for it
 
     class Recording(HashEncoder):
-        waited = 0
-        warmups: list = []
+        def __init__(self):
+            super().__init__()
+            self.warmups, self.texts_at_wait = [], []
 
         def warmup(self, wait=True, compile=True):
             self.warmups.append((wait, compile))
 
         def wait_compiled(self, timeout=None):
-            self.waited += 1
+            self.texts_at_wait.append(self.texts)  # how far the loop had got when it was asked to wait
             return True
 
     job = f"cwait_{int(wait)}"
     src = write_amazon_reviews(tmp_path / f"{job}.jsonl", 50, seed=3)
     _plan(dsn, src, job)
     encoder = Recording()
-    summary = Worker(job, dsn, "w0", "cpu", Settings.from_env({}, helpers=0, compile_wait=wait),
-                     encoder=lambda cfg, device, settings: encoder).run()
+    settings = Settings.from_env({}, helpers=0) if not wait else Settings.from_env({}, helpers=0, compile_wait=True)
+    summary = worker_mod.Worker(job, dsn, "w0", "cpu", settings, encoder=lambda cfg, device, s: encoder).run()
     assert summary["rows"] == 50
-    assert encoder.warmups == [(False, False)]  # started at once, beside the set-up; a small job: no compile
-    assert encoder.waited == (1 if wait else 0)
+    assert encoder.warmups == [(False, True)]  # the compile started, not waited for, at the model's load
+    assert encoder.texts_at_wait == ([0, 50] if wait else [50])  # before the loop (with the knob), and at the end
     assert summary["startup"]["compile_wait"] is wait

@@ -96,3 +96,15 @@ def test_the_cli_keeps_bytecode_for_its_process_and_children(tmp_path):
                        capture_output=True, text=True, timeout=60)
     assert p.returncode == 0, p.stderr
     assert not Path(cache).exists()
+
+
+def test_mode_1_keeps_it_even_where_the_library_has_bytecode_and_a_bad_value_is_one_line(tmp_path):
+    pkg = _probe(tmp_path)
+    assert compileall.compile_dir(str(pkg), quiet=1)
+    kept, here, _child = _run(tmp_path, _KEEP, PYTHONDONTWRITEBYTECODE="1", EMBEDFLEET_PYCACHE="1")
+    assert kept == str(tmp_path / "home" / "cache" / "pycache") and here == [kept, False]
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTHONDONTWRITE", "PYTHONPYCACHE"))}
+    env.update(EMBEDFLEET_HOME=str(tmp_path / "home"), EMBEDFLEET_PYCACHE="yes")
+    p = subprocess.run([sys.executable, "-m", "embedfleet.cli", "cache", "path"], env=env, capture_output=True,
+                       text=True, timeout=60)
+    assert p.returncode != 0 and p.stderr.strip() == "error: EMBEDFLEET_PYCACHE='yes': use auto, 1 or 0"

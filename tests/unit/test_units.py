@@ -359,10 +359,13 @@ def test_a_preparer_builds_its_word_path_at_start_not_in_the_first_unit(tmp_path
     prepare = units.Preparer(units.UnitContext("amazon-reviews", None, None, None, spec))
     local = prepare.tokenizer._local
     assert local.words is not None and local._word_args is None  # built in the constructor
-    src = write_amazon_reviews(tmp_path / "r.jsonl", 40)
+    words, calls = local.words, []
+    encode = words.encode
+    words.encode = lambda *a, **k: calls.append(1) or encode(*a, **k)  # instance attribute: counts its uses
+    src = write_amazon_reviews(tmp_path / "r.jsonl", 100)  # a unit big enough for the word path
     out = prepare(units.Task(ChunkSpec(str(src), "jsonl", 0, src.stat().st_size, 1), 0, None))
-    assert prepare.tokenizer._local.words is local.words  # the same table, not rebuilt
-    assert out.rows.n == 40 and len(out.tok) == 40
+    assert prepare.tokenizer._local.words is words and calls  # the table built at start, used, not rebuilt
+    assert out.rows.n == 100 and len(out.tok) == 100
     texts = [r.content for r in to_records(list(read_chunk(ChunkSpec(str(src), "jsonl", 0, src.stat().st_size, 1))),
                                            get_preset("amazon-reviews"))[0]]
     library = spec.build(shortcuts=False).tokenize(texts)  # the tokenizers library's own path

@@ -142,7 +142,7 @@ class Encoder:
         if self._dev.type != "cuda":
             return
         if self._compile is not None and compile:
-            self._compile.start()  # its example batches make cuBLAS's and the attention's first calls too
+            self._compile.start()  # no warm-up encode: its example batches (or the first real ones) make those calls
             if wait:
                 self._compile.wait()
         else:

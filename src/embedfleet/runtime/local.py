@@ -116,7 +116,7 @@ class LocalLauncher:
                 # worker's driver freeing its memory) need not hold up the job's end.
                 while live := [s.proc for s in slots if s.proc is not None and not s.finished]:
                     with contextlib.suppress(subprocess.TimeoutExpired):
-                        live[0].wait(0.25)  # at once when it exits
+                        live[0].wait(0.25)  # this one seen at once when it exits, the others within 0.25 s
                     for s in slots:
                         self._reap(s, ledger, job, dsn, settings, threads)
                     progress = ledger.progress(job)

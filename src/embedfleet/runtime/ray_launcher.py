@@ -46,6 +46,9 @@ class WorkerActor:
         self.settings = replace(Settings.from_json(settings), host_id=socket.gethostname())
 
     def run(self) -> dict:
+        from embedfleet.bytecode import keep_bytecode
+
+        keep_bytecode()  # before torch's imports in this actor's process
         from embedfleet.runtime.worker import Worker, _record_failure
 
         device = self.device

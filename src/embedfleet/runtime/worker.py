@@ -259,19 +259,19 @@ class Worker:
             helpers_ready = pool.start_in_background()
             encoder = None
             try:
-                t0 = time.perf_counter()
+                t_model = time.perf_counter()
                 encoder = self._make_encoder(cfg, self.device, s)
-                model_s = time.perf_counter() - t0
-                # The compile (from the cache after a machine's first run) starts now, beside the table's
-                # set-up and the helpers' start, unless the job is too small to pay for it; the loop waits
-                # for it (Settings.compile_wait: a loop started eager ran slower than the compile it
-                # saved, bench/NOTES.md, the 2026-11-26 GPU runs).
-                compile_first = compile_pays(ledger.pending_bytes(self.job))
-                t_warm = time.perf_counter()
-                encoder.warmup(wait=False, compile=compile_first)
+                model_s = time.perf_counter() - t_model
                 vtype = vector_type(ledger.conn, cfg.dtype)
                 ensure_table(ledger.conn, cfg.table, table_columns(cfg.preset, bool(cfg.passages)), encoder.dim, vtype)
                 ledger.set_model(self.job, encoder.name, encoder.dim)
+                # The compile (from the cache after a machine's first run) starts now, beside the helpers'
+                # start, unless the job is too small to pay for it; the loop starts eager beside it and
+                # switches when it is ready (Settings.compile_wait: or waits for it).
+                compile_first = compile_pays(ledger.pending_bytes(self.job))
+                t0 = time.perf_counter()
+                encoder.warmup(wait=False, compile=compile_first)
+                warmup_s = time.perf_counter() - t0
             except BaseException:
                 pool.close()
                 if encoder is not None:
@@ -279,15 +279,14 @@ class Worker:
                 raise
             try:
                 startup = {"imports_s": epoch_begin - (process_started(os.getpid()) or epoch_begin),
-                           "model_s": model_s, "before_model_s": t0 - t_begin}
+                           "model_s": model_s, "before_model_s": t_model - t_begin, "warmup_s": warmup_s}
                 t0 = time.perf_counter()
                 startup["helpers_s"] = helpers_ready.result()  # started with the model load; usually ready by now
                 startup["helpers_wait_s"] = time.perf_counter() - t0
                 t0 = time.perf_counter()
                 if s.compile_wait:
                     encoder.wait_compiled()
-                startup["warmup_s"] = time.perf_counter() - t_warm  # from its start, beside the steps above
-                startup["warmup_wait_s"] = time.perf_counter() - t0
+                startup["compile_wait_s"] = time.perf_counter() - t0  # what the loop waited for it
                 settle_gc()  # a full collection over torch's objects would stall the GPU loop (it holds the GIL)
                 startup["compile_first"], startup["compile_wait"] = compile_first, s.compile_wait
                 startup["compile"] = encoder.compile_report()  # with compile_first: whether the cache served it
@@ -352,8 +351,12 @@ class Worker:
             "started_at": round(epoch_start, 3),  # wall-clock start: to line several workers up
             "startup": {k: round(v, 3) if isinstance(v, float) else v for k, v in startup.items()},
         }
-        if not s.compile_wait:  # the compile went on beside the loop: how it ended
-            summary["startup"]["compile"] = encoder.compile_report()
+        # A compile still going (a machine's first, longer than this job) ends before this worker says it
+        # is finished: no GPU work of the job's outlives the command, and its graphs reach the cache.
+        t0 = time.perf_counter()
+        encoder.wait_compiled()
+        summary["end_compile_wait_s"] = round(time.perf_counter() - t0, 3)
+        summary["startup"]["compile"] = encoder.compile_report()  # how it ended
         stats.state = "finished"
         heartbeat.stop(summary)  # in the ledger (`ingest --json` shows it), not on the user's terminal
         log.debug("worker summary: %s", orjson.dumps(summary).decode())
@@ -461,9 +464,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--device", default="auto")
     p.add_argument("--settings", help="the launcher's Settings as JSON (default: this process's environment)")
     a = p.parse_args(argv)
-    keep_bytecode()  # started by Ray or by hand rather than by the CLI: torch's imports still cached
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     try:
+        keep_bytecode()  # started by hand rather than by the CLI: torch's imports (below) still cached
         settings = Settings.from_json(orjson.loads(a.settings)) if a.settings else Settings.from_env()
         Worker(a.job, a.db, a.worker_id, a.device, settings).run()
     except EmbedfleetError as e:
