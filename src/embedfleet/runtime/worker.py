@@ -37,6 +37,7 @@ from embedfleet.bytecode import keep_bytecode
 from embedfleet.config import JobConfig, Settings, default_chunk_bytes, use_settings
 from embedfleet.encode.tokenize import tokenizer_spec
 from embedfleet.errors import EmbedfleetError, JobError
+from embedfleet.process import exit_now
 from embedfleet.runtime.flow import Prefetch, Throttle, timed, wait_profile
 from embedfleet.runtime.gpu import gpu_reader
 from embedfleet.runtime.units import FIRST_TASK_BYTES, Task, UnitContext, UnitPool, settle_gc, stream_tasks, task_sizes
@@ -289,7 +290,6 @@ class Worker:
                 startup["compile_wait_s"] = time.perf_counter() - t0  # what the loop waited for it
                 settle_gc()  # a full collection over torch's objects would stall the GPU loop (it holds the GIL)
                 startup["compile_first"], startup["compile_wait"] = compile_first, s.compile_wait
-                startup["compile"] = encoder.compile_report()  # with compile_first: whether the cache served it
                 return self._embed(ledger, cfg, pool, encoder, vtype, startup)
             finally:
                 pool.close()
@@ -356,7 +356,7 @@ class Worker:
         t0 = time.perf_counter()
         encoder.wait_compiled()
         summary["end_compile_wait_s"] = round(time.perf_counter() - t0, 3)
-        summary["startup"]["compile"] = encoder.compile_report()  # how it ended
+        summary["startup"]["compile"] = encoder.compile_report()  # how it ended: whether the cache served it
         stats.state = "finished"
         heartbeat.stop(summary)  # in the ledger (`ingest --json` shows it), not on the user's terminal
         log.debug("worker summary: %s", orjson.dumps(summary).decode())
@@ -494,10 +494,7 @@ def leave(code: int) -> None:
     written to the cache has: then as usual)."""
     if any(t.is_alive() and not t.daemon for t in threading.enumerate() if t is not threading.main_thread()):
         sys.exit(code)
-    logging.shutdown()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
+    exit_now(code)
 
 
 if __name__ == "__main__":

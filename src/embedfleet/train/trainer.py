@@ -31,6 +31,7 @@ from datetime import datetime
 from pathlib import Path
 
 from embedfleet.errors import EmbedfleetError, InputError
+from embedfleet.process import exit_now
 
 __all__ = ["TrainSettings", "train", "run_rank", "lr_factor", "default_out", "table_model"]
 
@@ -405,11 +406,7 @@ def main(argv: list[str] | None = None) -> None:
             raise
         sys.stderr.write(f"error (rank {rank}): {type(e).__name__}: {e}\n")
         sys.exit(1)
-    # Its work written, the rank skips C++'s exit-time destructors: one once aborted a finished gloo rank.
-    logging.shutdown()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    exit_now(0)  # its work written: C++'s exit-time destructors once aborted a finished gloo rank
 
 
 if __name__ == "__main__":
