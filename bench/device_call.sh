@@ -5,6 +5,8 @@
 # passages: bench/passages.py --skip-whole (issue 20; SKIP_WHOLE= also embeds the whole documents); gputrain: the trainer's GPU tests; take: bench/take_pcie.py;
 # loader: bench/train_loader.py on 10M rows (issue 16); first: `embedfleet bench` (issue 17's first call);
 # ingest500k: bench/ingest.py --n 500000 --gpus 1, twice (issue 17's wall rate; the second run's compile from the cache).
+# ingestmodes: the same once per word of INGEST_MODES, each word an environment (`-` none, `A=1,B=2` several),
+#   e.g. INGEST_MODES="- EMBEDFLEET_COMPILE=0 EMBEDFLEET_COMPILE_WAIT=1 -"; INGEST_N, INGEST_SHAPE (e.g. qwen3-0.6b).
 # Prelude and carry as bench/device_multi.sh's.
 set -o pipefail
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
@@ -35,6 +37,14 @@ for part in "$@"; do
         --work /tmp/efbench --out "$OUT/ingest500k_$r.json" 2>"$OUT/ingest500k_$r.err" >/dev/null
       python3 -c "import json,sys; r=json.load(open(sys.argv[1]))['results'][0]; w=r['workers'][0]; \
 print(r['rows_per_s_steady'], r['rows_per_s_wall'], r['wall_s'], r['timeline_s'], w['first_wait_s'], w['startup'])" "$OUT/ingest500k_$r.json"
+    done ;;
+  ingestmodes) r=0; for mode in ${INGEST_MODES:--}; do r=$((r + 1))
+      env $( [ "$mode" = - ] || echo "${mode//,/ }" ) timeout "${INGEST_TIMEOUT:-150}" python3 bench/ingest.py \
+        --n "${INGEST_N:-500000}" --shards 8 --gpus 1 ${INGEST_SHAPE:+--shape "$INGEST_SHAPE"} --model "$M" --no-index \
+        --work /tmp/efbench --out "$OUT/ingest_$r.json" 2>"$OUT/ingest_$r.err" >/dev/null
+      python3 -c "import json,sys; r=json.load(open(sys.argv[1]))['results'][0]; w=r['workers'][0]; c=w['startup'].get('compile') or {}; \
+print(sys.argv[2], r['rows_per_s_steady'], r['rows_per_s_wall'], r['wall_s'], r['timeline_s'], 'tenths', w.get('rows_by_tenth'), \
+'loop', w['wall_s'], 'compile', c.get('seconds'), c.get('state'))" "$OUT/ingest_$r.json" "$mode" || tail -n 5 "$OUT/ingest_$r.err"
     done ;;
   first) timeout "${FIRST_TIMEOUT:-300}" python3 -m embedfleet.cli bench --model "$M" --texts "${TEXTS:-reviews}" --n 20000 --json \
       >"$OUT/bench_first.json" 2>"$OUT/bench_first.err"; tail -n 20 "$OUT/bench_first.err" ;;

@@ -124,6 +124,7 @@ def test_a_job_of_one_chunk_starts_one_worker_whatever_the_devices(cli, dsn, tmp
     doc = orjson.loads(p.stdout)
     assert doc["chunks_total"] == 1 and len(doc["workers"]) == 1 and doc["rows_written"] == 30
     assert doc["workers"][0]["startup"]["compile_first"] is False  # 30 reviews: too little to pay for a compile
+    assert sum(doc["workers"][0]["rows_by_tenth"]) == 30  # the loop's rows over time: each counted once
 
 
 def test_kill9_mid_run_with_two_workers_then_rerun_gives_every_row_once(cli, dsn, conn, tmp_path):

@@ -269,13 +269,13 @@ def test_a_compressed_streams_first_blocks_start_small_also_on_resume(tmp_path):
         assert sizes[0] < 500 and 700 <= sizes[1] < 900 and 1500 <= sizes[2] < 1700, (after, sizes[:4])
 
 
-def test_wait_profile_says_where_in_the_loop_the_waits_were():
-    from embedfleet.runtime.flow import wait_profile
+def test_by_tenth_says_where_in_the_loop_the_waits_were():
+    from embedfleet.runtime.flow import by_tenth
 
     waits = [(0.0, 0.5), (0.05, 0.1), (4.99, 0.2), (9.5, 0.3), (10.0, 0.05)]  # the last: at the very end
-    assert wait_profile(waits, 10.0) == [0.6, 0.0, 0.0, 0.0, 0.2, 0.0, 0.0, 0.0, 0.0, 0.35]
-    assert wait_profile(waits, 10.0, parts=2) == [0.8, 0.35]
-    assert wait_profile([], 0.0) == [0.0] * 10 and wait_profile([(0.0, 0.2)], 0.0) == [0.2] + [0.0] * 9
+    assert by_tenth(waits, 10.0) == [0.6, 0.0, 0.0, 0.0, 0.2, 0.0, 0.0, 0.0, 0.0, 0.35]
+    assert by_tenth(waits, 10.0, parts=2) == [0.8, 0.35]
+    assert by_tenth([], 0.0) == [0.0] * 10 and by_tenth([(0.0, 0.2)], 0.0) == [0.2] + [0.0] * 9
 
 
 def test_task_sizes_grow_gently_from_a_small_first_task_to_a_full_unit():

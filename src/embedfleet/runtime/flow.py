@@ -9,7 +9,7 @@ import threading
 import time
 from typing import Iterator
 
-__all__ = ["Prefetch", "Throttle", "timed", "wait_profile"]
+__all__ = ["Prefetch", "Throttle", "timed", "by_tenth"]
 
 
 class Throttle:
@@ -74,13 +74,13 @@ class Throttle:
         return self._sum / self._n if self._n else float(self.limit)
 
 
-def wait_profile(waits: list[tuple[float, float]], span: float, parts: int = 10) -> list[float]:
-    """Seconds waited in each of `parts` equal stretches of `span` seconds, from (start, seconds) pairs
-    (a wait across a boundary counts where it started): whether a loop waits at its start, its end or
-    throughout."""
+def by_tenth(events: list[tuple[float, float]], span: float, parts: int = 10) -> list[float]:
+    """The sum of the values in each of `parts` equal stretches of `span` seconds, from (start, value)
+    pairs (an event across a boundary counts where it started): whether a loop waits at its start, its
+    end or throughout; how its rate ramps."""
     out = [0.0] * parts
-    for start, seconds in waits:
-        out[min(parts - 1, max(0, int(start / span * parts))) if span > 0 else 0] += seconds
+    for start, value in events:
+        out[min(parts - 1, max(0, int(start / span * parts))) if span > 0 else 0] += value
     return [round(v, 3) for v in out]
 
 

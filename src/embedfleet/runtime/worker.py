@@ -38,7 +38,7 @@ from embedfleet.config import JobConfig, Settings, default_chunk_bytes, use_sett
 from embedfleet.encode.tokenize import tokenizer_spec
 from embedfleet.errors import EmbedfleetError, JobError
 from embedfleet.process import exit_now
-from embedfleet.runtime.flow import Prefetch, Throttle, timed, wait_profile
+from embedfleet.runtime.flow import Prefetch, Throttle, timed, by_tenth
 from embedfleet.runtime.gpu import gpu_reader
 from embedfleet.runtime.units import FIRST_TASK_BYTES, Task, UnitContext, UnitPool, settle_gc, stream_tasks, task_sizes
 from embedfleet.sources.plan import ChunkSpec
@@ -68,6 +68,8 @@ class Stats:
     embed_seconds: float = 0.0  # time the main thread spent queuing forward passes and reading results
     wait_seconds: float = 0.0  # time the main thread waited for the prefetch thread
     waits: list = field(default_factory=list)  # (seconds into the loop, seconds): the first wait, then those >= 1 ms
+    done: list = field(default_factory=list)  # (seconds into the loop, rows): each unit's result read
+    loop_start: float = 0.0  # perf_counter at the loop's start
     loop_seconds: float = 0.0
     sink_wait_seconds: float = 0.0  # time the main thread waited for the writer (back-pressure)
     read_seconds: float = 0.0  # records thread: waiting for claims (and streams read with them), for prepared units
@@ -338,7 +340,8 @@ class Worker:
             "wall_s": round(wall, 3), "rows_per_s": round(stats.rows / wall, 1) if wall else 0.0,
             "embed_s": round(stats.embed_seconds, 3), "input_wait_s": round(stats.wait_seconds, 3),
             "first_wait_s": round(stats.waits[0][1] if stats.waits else 0.0, 3),
-            "input_wait_by_tenth_s": wait_profile(stats.waits, stats.loop_seconds),
+            "input_wait_by_tenth_s": by_tenth(stats.waits, stats.loop_seconds),
+            "rows_by_tenth": [int(v) for v in by_tenth(stats.done, stats.loop_seconds)],
             "db_s": round(writer.db_seconds, 3), "sink_wait_s": round(stats.sink_wait_seconds, 3),
             "read_s": round(stats.read_seconds, 3), "claim_s": round(stats.claim_seconds, 3),
             "collect_s": round(stats.collect_seconds, 3), "records_blocked_s": round(ahead.blocked_s, 3),
@@ -383,7 +386,7 @@ class Worker:
         stats = self.stats
         units = iter(ahead)
         pending = None  # (unit, handle) queued on the device whose result is not read yet
-        t_cycle = t_loop = time.perf_counter()
+        t_cycle = t_loop = stats.loop_start = time.perf_counter()
         embedded = False  # whether the last cycle embedded a unit (the throttle's measure of the GPU's time)
         while True:
             if pending is not None and not ahead.ready():
@@ -436,6 +439,7 @@ class Worker:
             return
         finally:
             self.stats.embed_seconds += time.perf_counter() - t0
+        self.stats.done.append((time.perf_counter() - self.stats.loop_start, unit.rows.n))
         unit.tok = None  # free the token arrays before the unit waits in the writer queue
         t0 = time.perf_counter()
         writer.submit(unit)
