@@ -280,7 +280,7 @@ def run_once(data: list[Path], gpus: int, model: str | None, env: dict, preset: 
     # without the seconds where one worker starts up or finishes its last chunk alone.
     together = (max(w["started_at"] for w in workers), min(w["started_at"] + w["wall_s"] for w in workers))
     rows_together = _rows_finished(conn, table, *together)
-    timeline = _timeline(conn, table, t0_wall, wall, workers)
+    timeline = _timeline(conn, table, t0_wall, wall, workers, summary.get("finalize"))
     index_s = None
     if index:
         from embedfleet.store.schema import finish_table
@@ -321,11 +321,11 @@ def run_once(data: list[Path], gpus: int, model: str | None, env: dict, preset: 
     }
 
 
-def _timeline(conn, job: str, t0: float, wall: float, workers: list[dict]) -> dict:
+def _timeline(conn, job: str, t0: float, wall: float, workers: list[dict], finalize: dict | None = None) -> dict:
     """Where the command's wall time went (issue 17's wall rate): seconds from its start to the job's row,
     to the job running (planned), to the first worker's loop (a worker's start-up), the loops' span, to
-    the workers' last word (their summaries), to the job marked done (the workers' exits, the table's
-    statistics, its index), and to the exit."""
+    the workers' last word (their summaries), to the launcher's end (seeing them end), to the job marked
+    done (the table's statistics, its index), and to the exit."""
     created, started, finished = conn.execute(
         "SELECT extract(epoch FROM created), extract(epoch FROM started), extract(epoch FROM finished) "
         "FROM embedfleet.jobs WHERE job = %s", [job]).fetchone()
@@ -335,6 +335,7 @@ def _timeline(conn, job: str, t0: float, wall: float, workers: list[dict]) -> di
     last = max(w["started_at"] + w["wall_s"] for w in workers)
     marks = [("to_job_created", float(created)), ("to_job_running", float(started or created)),
              ("to_first_loop", first), ("loops", last), ("to_workers_ended", float(ended or last)),
+             ("to_launcher_done", float(finalize["started_at"]) if finalize else float(ended or last)),
              ("to_job_done", float(finished or last)), ("to_exit", t0 + wall)]
     out, prev = {}, t0
     for name, t in marks:

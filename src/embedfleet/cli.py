@@ -110,7 +110,8 @@ def ingest(
         progress = run_job(cfg, settings, launcher)
     summary = {"job": cfg.job, "table": cfg.table, "chunks_total": progress["chunks_total"],
                "chunks_done": progress["chunks_done"], "rows_written": progress["rows_written"],
-               "rejected": progress["rejected"], "workers": progress["summaries"]}
+               "rejected": progress["rejected"], "workers": progress["summaries"],
+               "finalize": progress["finalize"]}  # the table's statistics and index, after the workers
     if json_out:
         _emit(summary)
     elif not progress["table_exists"]:  # a worker creates the table with the model's dimension: none started

@@ -195,6 +195,7 @@ def test_a_workers_loop_starts_eager_beside_its_compile_unless_told_to_wait(dsn,
         def __init__(self):
             super().__init__()
             self.warmups, self.texts_at_wait = [], []
+            self.small = False  # stands for a big model, whose compile pays from COMPILE_MIN_BYTES
 
         def warmup(self, wait=True, compile=True):
             self.warmups.append((wait, compile))

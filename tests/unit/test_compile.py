@@ -18,6 +18,7 @@ def test_compiles_in_the_background_once_work_is_big_then_switches(tmp_path, mon
     monkeypatch.setenv("EMBEDFLEET_HOME", str(tmp_path / "home"))
     enc = Encoder(str(build_random_model("minilm-l6", tmp_path / "m", tiny=True)), device="cpu")
     assert enc.describe()["compile"] == "off"  # on the CPU nothing is compiled
+    assert enc.small and enc.model.hidden <= 512  # a MiniLM-sized width: a worker compiles it only for long jobs
     texts = review_texts(200, seed=1)
     ref = enc.encode(texts)
 

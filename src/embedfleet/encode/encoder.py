@@ -24,7 +24,8 @@ import torch
 from embedfleet.cache import use_compile_cache
 from embedfleet.encode import packed
 from embedfleet.encode.batching import cumulative
-from embedfleet.encode.budget import TokenBudget, activation_bytes_per_token, probe_batch_tokens, run_with_backoff
+from embedfleet.encode.budget import (SMALL_MODEL_HIDDEN, TokenBudget, activation_bytes_per_token, probe_batch_tokens,
+                                      run_with_backoff)
 from embedfleet.encode.compile import LONG_CALL_TEXTS, BackgroundCompile, Fused, shape_key
 from embedfleet.encode.models import model_name, read_spec, resolve_model
 from embedfleet.encode.packed.attention import Packing, token_layout
@@ -109,6 +110,12 @@ class Encoder:
     @property
     def device(self) -> str:
         return str(self._dev)
+
+    @property
+    def small(self) -> bool:
+        """A model whose forward pass is cheap next to the host's work around it (budget.SMALL_MODEL_HIDDEN):
+        its batches are bigger, and a worker compiles it only for long jobs."""
+        return self.model.hidden <= SMALL_MODEL_HIDDEN
 
     def describe(self) -> dict:
         return {"model": str(self.spec.path), "name": self.name, "architecture": self.spec.architecture,

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import time
 from contextlib import nullcontext
 from pathlib import Path
 from typing import Protocol
@@ -56,8 +57,11 @@ def run_job(cfg: JobConfig, settings: Settings, launcher: Launcher) -> dict:
             ledger.set_job_state(job, "running")
             with _metrics(settings.metrics_port, dsn, job):
                 launcher.run(ledger, job, dsn, cfg.quiet)
+        t0, started_at = time.perf_counter(), time.time()
         counts, loaded = finalize(ledger, job, cfg)
+        finalize_s = time.perf_counter() - t0
         progress = ledger.progress(job)
+        progress["finalize"] = {"started_at": round(started_at, 3), "seconds": round(finalize_s, 3)}
         progress["summaries"] = ledger.summaries(job)
         progress["table_exists"] = loaded  # none when no worker had a record
         errors = ledger.worker_errors(job)

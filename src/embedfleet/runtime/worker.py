@@ -207,12 +207,19 @@ class Heartbeat(threading.Thread):
 
 # Below this much input left, the compile costs more than eager steps lose (bench/NOTES.md, run 63).
 COMPILE_MIN_BYTES = 32 << 20
+# A small model's loop is bound by its host (helpers, writers), not by the glue the compile fuses:
+# MiniLM's compiled loop was 8% faster, and compiling beside the loop cost it ~1.8 s (run 89), so the
+# compile pays only past ~2.3M reviews (~1.3 GB of JSONL).
+SMALL_COMPILE_MIN_BYTES = 1 << 30
 
 
-def compile_pays(pending_bytes: int | None) -> bool:
+def compile_pays(pending_bytes: int | None, small: bool = False) -> bool:
     """Whether a worker should compile before its loop, given the job's input bytes left (None: not
-    known, e.g. Parquet: compile)."""
-    return pending_bytes is None or pending_bytes >= COMPILE_MIN_BYTES
+    known, e.g. Parquet) and whether its model is small (`Encoder.small`): with an unknown size, a
+    big model compiles and a small one does not."""
+    if pending_bytes is None:
+        return not small
+    return pending_bytes >= (SMALL_COMPILE_MIN_BYTES if small else COMPILE_MIN_BYTES)
 
 
 def load_encoder(cfg: JobConfig, device: str, settings: Settings):
@@ -271,7 +278,7 @@ class Worker:
                 # The compile (from the cache after a machine's first run) starts now, beside the helpers'
                 # start, unless the job is too small to pay for it; the loop starts eager beside it and
                 # switches when it is ready (Settings.compile_wait: or waits for it).
-                compile_first = compile_pays(ledger.pending_bytes(self.job))
+                compile_first = compile_pays(ledger.pending_bytes(self.job), encoder.small)
                 t0 = time.perf_counter()
                 encoder.warmup(wait=False, compile=compile_first)
                 warmup_s = time.perf_counter() - t0
