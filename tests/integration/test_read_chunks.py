@@ -78,3 +78,44 @@ def test_a_chunk_spans_about_the_same_bytes_whatever_the_rows_a_page():
     assert chunk_pages(inline, 5.0) == chunk_pages(inline, None)
     wide = Source(table="t", column="e", vtype="vector", dim=1024, id_column="id")
     assert chunk_pages(wide, 150.0) == 1  # vectors out of line: many rows a page
+
+
+def test_a_whole_tables_counts_may_use_the_servers_parallel_workers_and_agree(dsn, conn, monkeypatch):
+    """The plan's counts do not depend on order, so the server may share their scan among its
+    parallel workers; the read itself never does (its order is the dataset's)."""
+    import time
+
+    from psycopg.conninfo import make_conninfo
+
+    _table(conn, "par")
+    conn.execute("UPDATE par SET genre = NULL WHERE length(id) % 4 = 0")
+    source = describe(conn, "par", "genre", None, "classify")
+    # a table this small would not be worth parallel workers to the planner: make them free
+    cheap = make_conninfo(dsn, options="-c parallel_setup_cost=0 -c parallel_tuple_cost=0 "
+                                       "-c min_parallel_table_scan_size=0")
+
+    def launched() -> int:
+        conn.execute("SELECT pg_stat_clear_snapshot()")
+        return conn.execute("SELECT parallel_workers_launched FROM pg_stat_database "
+                            "WHERE datname = current_database()").fetchone()[0]
+
+    plans, used, rows = {}, {}, {}
+    for workers in (0, 4):
+        monkeypatch.setattr(readmod, "PRECOUNT_WORKERS", workers)
+        before = launched()
+        with TableRead(cheap, source) as r:
+            plans[workers] = plan = r.plan()
+            r.conns[0].execute("SELECT pg_stat_force_next_flush()")  # the leader's counts, at its next idle
+            got = np.zeros((plan.n, DIM), np.float32)
+            rows[workers] = (r.read(plan, lambda o, v, got=got: got.__setitem__(slice(o, o + len(v)), v)), got)
+        deadline = time.monotonic() + 5
+        while workers and launched() == before and time.monotonic() < deadline:
+            time.sleep(0.05)  # a closed backend's statistics reach the view moments later
+        used[workers] = launched() - before
+    serial, parallel = plans[0], plans[4]
+    assert (parallel.counts, parallel.classes, parallel.skipped_null_label) == \
+           (serial.counts, serial.classes, serial.skipped_null_label)
+    assert serial.skipped_null_label > 500 and serial.classes == ["a", "b", "c"]
+    assert used[0] == 0 and used[4] > 0  # the count went parallel when allowed
+    (cols0, x0), (cols4, x4) = rows[0], rows[4]
+    assert list(cols0.ids) == list(cols4.ids) and np.array_equal(x0, x4)  # the read itself: the same order

@@ -44,6 +44,7 @@ BLOCK_ROWS = 16_384  # rows parsed per np.frombuffer: ~25 MB of 384-dim float32 
 # Bytes a COPY message carries (a chunk of heap pages, see chunk_pages): one message a row left the
 # client a libpq call and slices of Python a row, its bound (bench/NOTES.md, runs 62, 67, 68).
 CHUNK_BYTES = 1 << 19
+PRECOUNT_WORKERS = 4  # the server's parallel workers a plan's counts may use, over all its connections
 _LAST_PAGE = 4_294_967_294  # the highest heap page number a tid can name
 _KEY = "('x' || left(md5({id}), 8))::bit(32)"  # a stable 32-bit hash of the row id (md5, not hashtext)
 
@@ -487,11 +488,18 @@ class TableRead:
         s = self.source
         ranges = self._ranges(parts or len(self.conns))
 
+        # Counts do not depend on the scan's order (the read's do): here the server may share a scan
+        # among its parallel workers (a whole table's; PostgreSQL 18 has no parallel TID range scan).
+        helpers = PRECOUNT_WORKERS // len(self.conns)
+
         def count(conn, rng):
             try:
-                return conn.execute(self._precount_sql(rng)).fetchall()
+                conn.execute(f"SET LOCAL max_parallel_workers_per_gather = {helpers}")
+                rows = conn.execute(self._precount_sql(rng)).fetchall()
             except psycopg.Error as e:
                 raise _user_error(e.sqlstate, _first_line(e), s.where) from None
+            conn.execute("SET LOCAL max_parallel_workers_per_gather = 0")
+            return rows
 
         per_range = self._parallel(count, ranges)
         groups = [row for res in per_range for row in res]
