@@ -3,7 +3,7 @@
 #   bash bench/device_call.sh startup passages startup gputrain take loader first
 # startup: bench/encoder_startup.py --first 20000 (run it twice: the machine's first and second run);
 # passages: bench/passages.py --skip-whole (issue 20; SKIP_WHOLE= also embeds the whole documents); gputrain: the trainer's GPU tests; take: bench/take_pcie.py;
-# loader: bench/train_loader.py on 10M rows (issue 16); first: `embedfleet bench` (issue 17's first call);
+# loader: bench/train_loader.py on 10M rows (issue 16; LOADER_SKIP, default sql,stream,file,eager); first: `embedfleet bench` (issue 17's first call);
 # ingest500k: bench/ingest.py --n 500000 --gpus 1, twice (issue 17's wall rate; the second run's compile from the cache).
 # ingestmodes: the same once per word of INGEST_MODES, each word an environment (`-` none, `A=1,B=2` several),
 #   e.g. INGEST_MODES="- EMBEDFLEET_COMPILE=0 EMBEDFLEET_COMPILE_WAIT=1 -"; INGEST_N, INGEST_SHAPE (e.g. qwen3-0.6b).
@@ -28,7 +28,7 @@ for part in "$@"; do
   take) timeout 150 python3 bench/take_pcie.py --out "$OUT/take_pcie.json" 2>"$OUT/take_pcie.err" \
       | python3 -c "import json,sys; d=json.load(sys.stdin); print(d['copy_engine_gb_s'], d['compute_us']); [print(r) for r in d['results']]" ;;
   loader) timeout "${LOADER_TIMEOUT:-280}" python3 bench/train_loader.py --rows "${TRAIN_ROWS:-10000000}" \
-      --skip sql,stream,file,eager --readers "${READERS:-1,8}" --epochs 3 ${TAKE_SHAPES:+--take-shapes "$TAKE_SHAPES"} \
+      --skip "${LOADER_SKIP-sql,stream,file,eager}" --readers "${READERS:-1,8}" --epochs 3 ${TAKE_SHAPES:+--take-shapes "$TAKE_SHAPES"} \
       ${LOADER_ARGS:-} \
       --out "$OUT/train_loader.json" \
       2>"$OUT/train_loader.err" >/dev/null; grep -v "^ *$" "$OUT/train_loader.err" | tail -n 14 ;;
