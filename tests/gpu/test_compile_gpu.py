@@ -55,6 +55,26 @@ def test_small_work_stays_eager_and_big_work_switches_to_the_compiled_graph(tmp_
 
 
 @pytest.mark.skipif(not MINILM.is_dir(), reason="fp16 MiniLM not prepared (.models/)")
+def test_warmup_without_compile_never_compiles_however_much_work_comes(tmp_path, monkeypatch):
+    """What a worker asks for a small model's short job: eager to the end (the compile would not pay)."""
+    monkeypatch.setenv("EMBEDFLEET_HOME", str(tmp_path / "home"))
+    from embedfleet import config
+
+    monkeypatch.setattr(config, "_ACTIVE", config.Settings.from_env(compile_tokens=1))  # otherwise due at once
+    from torch._dynamo.utils import counters
+
+    from embedfleet.encode.encoder import Encoder
+
+    enc = Encoder(str(MINILM))
+    graphs0 = counters["stats"]["unique_graphs"]
+    enc.warmup(wait=False, compile=False)
+    for _ in range(3):
+        enc.encode(_texts())
+    assert enc.describe()["compile"] == "off" and enc.compile_report() is None and enc.wait_compiled()
+    assert counters["stats"]["unique_graphs"] == graphs0
+
+
+@pytest.mark.skipif(not MINILM.is_dir(), reason="fp16 MiniLM not prepared (.models/)")
 def test_a_second_process_loads_the_compiled_graphs_from_the_cache(tmp_path):
     code = textwrap.dedent(f"""
         import json, time

@@ -133,12 +133,14 @@ def test_writer_connections_fit_what_the_server_has_free():
 def test_a_worker_compiles_first_only_for_work_that_pays_for_it():
     from embedfleet.runtime.worker import COMPILE_MIN_BYTES, SMALL_COMPILE_MIN_BYTES, compile_pays
 
-    assert not compile_pays(0) and not compile_pays(4000) and not compile_pays(COMPILE_MIN_BYTES - 1)
-    assert compile_pays(COMPILE_MIN_BYTES) and compile_pays(10 ** 10)
-    assert compile_pays(None)  # Parquet, compressed or CSV input: its size in text is not known
-    # a small model (MiniLM): its loop is host-bound, so only a long job pays for the compile
-    assert not compile_pays(COMPILE_MIN_BYTES, small=True) and not compile_pays(SMALL_COMPILE_MIN_BYTES - 1, small=True)
-    assert compile_pays(SMALL_COMPILE_MIN_BYTES, small=True) and not compile_pays(None, small=True)
+    # a big model: a short job leaves it to the encoder's rule (None), a long one compiles at once
+    assert compile_pays(0) is None and compile_pays(4000) is None and compile_pays(COMPILE_MIN_BYTES - 1) is None
+    assert compile_pays(COMPILE_MIN_BYTES) is True and compile_pays(10 ** 10) is True
+    assert compile_pays(None) is True  # Parquet, compressed or CSV input: its size in text is not known
+    # a small model (MiniLM): its loop is host-bound, so only a long job pays for the compile; others never
+    assert compile_pays(COMPILE_MIN_BYTES, small=True) is False
+    assert compile_pays(SMALL_COMPILE_MIN_BYTES - 1, small=True) is False and compile_pays(None, small=True) is False
+    assert compile_pays(SMALL_COMPILE_MIN_BYTES, small=True) is True
 
 
 def test_no_more_workers_than_chunks_left_to_claim():

@@ -140,12 +140,15 @@ class Encoder:
         if self._compile is not None:
             self._compile.start_if_due()
 
-    def warmup(self, wait: bool = True, compile: bool = True) -> None:
+    def warmup(self, wait: bool = True, compile: bool | None = True) -> None:
         """Pay start-up costs now rather than in the first real batches: the tokenizer's helper
         processes, and on CUDA the libraries' first use and the forward pass's compilation, which
-        runs in the background (eager meanwhile); `wait` waits for it. `compile=False` (little work
-        ahead) leaves the compile to the usual rule: once enough tokens have been seen."""
+        runs in the background (eager meanwhile); `wait` waits for it. `compile=None` (little work
+        ahead) leaves the compile to the usual rule, once enough tokens have been seen; `False`
+        never compiles (the work ahead would not pay for it)."""
         self._tok.start()
+        if compile is False:
+            self._compile = None
         if self._dev.type != "cuda":
             return
         if self._compile is not None and compile:

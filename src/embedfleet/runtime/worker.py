@@ -213,13 +213,16 @@ COMPILE_MIN_BYTES = 32 << 20
 SMALL_COMPILE_MIN_BYTES = 1 << 30
 
 
-def compile_pays(pending_bytes: int | None, small: bool = False) -> bool:
-    """Whether a worker should compile before its loop, given the job's input bytes left (None: not
-    known, e.g. Parquet) and whether its model is small (`Encoder.small`): with an unknown size, a
-    big model compiles and a small one does not."""
+def compile_pays(pending_bytes: int | None, small: bool = False) -> bool | None:
+    """Whether a worker compiles (`Encoder.warmup`'s `compile`), given the job's input bytes left (None:
+    not known, e.g. Parquet) and whether its model is small (`Encoder.small`): True, at once; for a
+    big model's short job None, the encoder's own rule (once it has seen enough work); for a small
+    model's, False: never. With an unknown size a big model compiles and a small one does not."""
     if pending_bytes is None:
         return not small
-    return pending_bytes >= (SMALL_COMPILE_MIN_BYTES if small else COMPILE_MIN_BYTES)
+    if pending_bytes >= (SMALL_COMPILE_MIN_BYTES if small else COMPILE_MIN_BYTES):
+        return True
+    return False if small else None
 
 
 def load_encoder(cfg: JobConfig, device: str, settings: Settings):
