@@ -315,7 +315,7 @@ def run_once(data: list[Path], gpus: int, model: str | None, env: dict, preset: 
         "wal": wal,  # over the whole command: WAL volume, WAL buffers found full, checkpoints, disk writes
         "records_thread_s": {k: round(max(w.get(k, 0) for w in workers), 3)
                              for k in ("read_s", "claim_s", "collect_s", "records_blocked_s")},
-        "timeline_s": timeline,
+        "timeline_s": timeline, "finalize": summary.get("finalize"),
         "hnsw_index_s": index_s, "workers_per_gpu": 1 if cpu else per_gpu,
         "gil": gil_sampler.result if gil_sampler else None, "workers": workers,
     }

@@ -57,11 +57,11 @@ def run_job(cfg: JobConfig, settings: Settings, launcher: Launcher) -> dict:
             ledger.set_job_state(job, "running")
             with _metrics(settings.metrics_port, dsn, job):
                 launcher.run(ledger, job, dsn, cfg.quiet)
-        t0, started_at = time.perf_counter(), time.time()
-        counts, loaded = finalize(ledger, job, cfg)
+        t0, started_at, steps = time.perf_counter(), time.time(), {}
+        counts, loaded = finalize(ledger, job, cfg, steps)
         finalize_s = time.perf_counter() - t0
         progress = ledger.progress(job)
-        progress["finalize"] = {"started_at": round(started_at, 3), "seconds": round(finalize_s, 3)}
+        progress["finalize"] = {"started_at": round(started_at, 3), "seconds": round(finalize_s, 3), **steps}
         progress["summaries"] = ledger.summaries(job)
         progress["table_exists"] = loaded  # none when no worker had a record
         errors = ledger.worker_errors(job)
@@ -172,10 +172,10 @@ def prepare(cfg: JobConfig, ledger: Ledger, device: str) -> str:
     return cfg.job
 
 
-def finalize(ledger: Ledger, job: str, cfg: JobConfig) -> tuple[dict, bool]:
+def finalize(ledger: Ledger, job: str, cfg: JobConfig, timings: dict | None = None) -> tuple[dict, bool]:
     """Mark the job done or failed; once everything landed, make the table searchable (statistics,
     autovacuum back, the HNSW index) — safe when two runs of the job finish together. Returns the
-    chunks' counts and whether the table exists (a worker makes it)."""
+    chunks' counts and whether the table exists (a worker makes it); `timings` gets the table's steps."""
     counts = ledger.counts(job)
     loaded = table_exists(ledger.conn, cfg.table)
     if counts["failed"]:
@@ -191,7 +191,7 @@ def finalize(ledger: Ledger, job: str, cfg: JobConfig) -> tuple[dict, bool]:
             ledger.set_job_state(job, "failed", "; ".join(f"{w}: {e}" for w, e in errors[:3]))
         return counts, loaded  # otherwise stopped early (interrupted): a rerun resumes
     if loaded:
-        index = finish_table(ledger.conn, cfg.table, index=not cfg.no_index)
+        index = finish_table(ledger.conn, cfg.table, index=not cfg.no_index, timings=timings)
         if index:
             log.info("table %s is searchable (HNSW index %s)", cfg.table, index)
     ledger.set_job_state(job, "done")

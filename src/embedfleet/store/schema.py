@@ -4,6 +4,7 @@ psycopg's `sql.Identifier`; names we cannot use are refused with a clear message
 from __future__ import annotations
 
 import os
+import time
 from typing import Sequence
 
 import psycopg
@@ -384,20 +385,27 @@ def vector_index(conn: psycopg.Connection, table: str) -> str | None:
     return row[0] if row else None
 
 
-def finish_table(conn: psycopg.Connection, table: str, index: bool) -> str | None:
+def finish_table(conn: psycopg.Connection, table: str, index: bool, timings: dict | None = None) -> str | None:
     """Once a job has loaded `table`: autovacuum back to the server's setting, statistics for the planner
     (ANALYZE reads a fixed-size sample), and an HNSW (cosine) index on the embedding unless it has one.
     Under a lock per table, so two runs finishing together do this one after the other: the second finds
-    the index built. Returns the index's name (None without `index`)."""
+    the index built. Returns the index's name (None without `index`); `timings` gets each step's seconds."""
     ident = table_sql(conn, table)
     lock = [f"embedfleet.finish.{ident.as_string(conn)}"]
+    timings = {} if timings is None else timings
     with conn.transaction():
+        t0 = time.perf_counter()
         conn.execute("SELECT pg_advisory_xact_lock(hashtext(%s))", lock)
         options = conn.execute("SELECT reloptions FROM pg_class WHERE oid = %s::regclass",
                                [ident.as_string(conn)]).fetchone()[0] or []
         if "autovacuum_enabled=off" in options:  # set by ensure_table: a table someone else made is left alone
             conn.execute(sql.SQL("ALTER TABLE {} RESET (autovacuum_enabled)").format(ident))
+        timings["lock_alter_s"] = round(time.perf_counter() - t0, 3)
+        t0 = time.perf_counter()
         conn.execute(sql.SQL("ANALYZE {}").format(ident))
+        timings["analyze_s"] = round(time.perf_counter() - t0, 3)
+        t0 = time.perf_counter()
+    timings["commit_s"] = round(time.perf_counter() - t0, 3)
     if not index:
         return None
     vtype = embedding_info(conn, table)[0]
