@@ -38,13 +38,15 @@ for part in "$@"; do
       python3 -c "import json,sys; r=json.load(open(sys.argv[1]))['results'][0]; w=r['workers'][0]; \
 print(r['rows_per_s_steady'], r['rows_per_s_wall'], r['wall_s'], r['timeline_s'], w['first_wait_s'], w['startup'])" "$OUT/ingest500k_$r.json"
     done ;;
-  ingestmodes) r=0; for mode in ${INGEST_MODES:--}; do r=$((r + 1))
+  ingestmodes) r=0; D=${INGEST_KEEP:+$OUT}; D=${D:-/tmp/efmodes$k}; mkdir -p "$D"  # INGEST_KEEP=1: the JSON in $OUT
+    for mode in ${INGEST_MODES:--}; do r=$((r + 1))
       env $( [ "$mode" = - ] || echo "${mode//,/ }" ) timeout "${INGEST_TIMEOUT:-150}" python3 bench/ingest.py \
         --n "${INGEST_N:-500000}" --shards 8 --gpus 1 ${INGEST_SHAPE:+--shape "$INGEST_SHAPE"} --model "$M" --no-index \
-        --work /tmp/efbench --out "$OUT/ingest_$r.json" 2>"$OUT/ingest_$r.err" >/dev/null
+        --work /tmp/efbench --out "$D/ingest_$r.json" 2>"$D/ingest_$r.err" >/dev/null
       python3 -c "import json,sys; r=json.load(open(sys.argv[1]))['results'][0]; w=r['workers'][0]; c=w['startup'].get('compile') or {}; \
 print(sys.argv[2], r['rows_per_s_steady'], r['rows_per_s_wall'], r['wall_s'], r['timeline_s'], 'tenths', w.get('rows_by_tenth'), \
-'loop', w['wall_s'], 'compile', c.get('seconds'), c.get('state'), 'finalize', r.get('finalize'))" "$OUT/ingest_$r.json" "$mode" || tail -n 5 "$OUT/ingest_$r.err"
+'loop', w['wall_s'], 'compile', c.get('seconds'), c.get('state'), 'finalize', r.get('finalize'), 'startup', w['startup'])" \
+        "$D/ingest_$r.json" "$mode" || tail -n 5 "$D/ingest_$r.err"
     done ;;
   first) timeout "${FIRST_TIMEOUT:-300}" python3 -m embedfleet.cli bench --model "$M" --texts "${TEXTS:-reviews}" --n 20000 --json \
       >"$OUT/bench_first.json" 2>"$OUT/bench_first.err"; tail -n 20 "$OUT/bench_first.err" ;;
