@@ -45,7 +45,7 @@ print(r['rows_per_s_steady'], r['rows_per_s_wall'], r['wall_s'], r['timeline_s']
         --work /tmp/efbench --out "$D/ingest_$r.json" 2>"$D/ingest_$r.err" >/dev/null
       python3 -c "import json,sys; r=json.load(open(sys.argv[1]))['results'][0]; w=r['workers'][0]; c=w['startup'].get('compile') or {}; \
 print(sys.argv[2], r['rows_per_s_steady'], r['rows_per_s_wall'], r['wall_s'], r['timeline_s'], 'tenths', w.get('rows_by_tenth'), \
-'loop', w['wall_s'], 'compile', c.get('seconds'), c.get('state'), 'finalize', r.get('finalize'), 'startup', w['startup'])" \
+'loop', w['wall_s'], 'compile', c.get('seconds'), c.get('state'), 'finalize', r.get('finalize'), 'again', r.get('analyze_again_s'), 'startup', w['startup'])" \
         "$D/ingest_$r.json" "$mode" || tail -n 5 "$D/ingest_$r.err"
     done ;;
   first) timeout "${FIRST_TIMEOUT:-300}" python3 -m embedfleet.cli bench --model "$M" --texts "${TEXTS:-reviews}" --n 20000 --json \

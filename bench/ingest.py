@@ -281,6 +281,9 @@ def run_once(data: list[Path], gpus: int, model: str | None, env: dict, preset: 
     together = (max(w["started_at"] for w in workers), min(w["started_at"] + w["wall_s"] for w in workers))
     rows_together = _rows_finished(conn, table, *together)
     timeline = _timeline(conn, table, t0_wall, wall, workers, summary.get("finalize"))
+    t0 = time.perf_counter()  # the job's ANALYZE again: what a table's statistics cost once its pages are warm
+    conn.execute(sql.SQL("ANALYZE {}").format(sql.Identifier(table)))
+    analyze_again_s = round(time.perf_counter() - t0, 3)
     index_s = None
     if index:
         from embedfleet.store.schema import finish_table
@@ -315,7 +318,7 @@ def run_once(data: list[Path], gpus: int, model: str | None, env: dict, preset: 
         "wal": wal,  # over the whole command: WAL volume, WAL buffers found full, checkpoints, disk writes
         "records_thread_s": {k: round(max(w.get(k, 0) for w in workers), 3)
                              for k in ("read_s", "claim_s", "collect_s", "records_blocked_s")},
-        "timeline_s": timeline, "finalize": summary.get("finalize"),
+        "timeline_s": timeline, "finalize": summary.get("finalize"), "analyze_again_s": analyze_again_s,
         "hnsw_index_s": index_s, "workers_per_gpu": 1 if cpu else per_gpu,
         "gil": gil_sampler.result if gil_sampler else None, "workers": workers,
     }
