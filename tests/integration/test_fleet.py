@@ -214,3 +214,79 @@ def test_a_workers_loop_starts_eager_beside_its_compile_unless_told_to_wait(dsn,
     assert encoder.warmups == [(False, True)]  # the compile started, not waited for, at the model's load
     assert encoder.texts_at_wait == ([0, 50] if wait else [50])  # before the loop (with the knob), and at the end
     assert summary["startup"]["compile_wait"] is wait
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(")")[-1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def _workers_of(job: str) -> list[int]:
+    """Pids of worker processes started for `job` (from their command lines)."""
+    out = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                argv = open(f"/proc/{entry}/cmdline", "rb").read().split(b"\0")
+            except OSError:
+                continue
+            if b"embedfleet.runtime.worker" in argv and job.encode() in argv and _alive(int(entry)):
+                out.append(int(entry))
+    return out
+
+
+def test_a_worker_started_before_its_job_starts_torch_then_waits_to_be_registered(dsn, conn, tmp_path):
+    """The local launcher starts workers while the job is planned: one imports torch meanwhile, touches
+    nothing of the job until registered, and then runs it."""
+    src = write_amazon_reviews(tmp_path / "early.jsonl", 40, seed=4)
+    cmd = [sys.executable, "-m", "embedfleet.runtime.worker", "--job", "early", "--db", dsn, "--worker-id", "e-w0",
+           "--device", "cpu", "--wait-registered", "120"]
+    proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True)
+    try:
+        def torch_loaded() -> bool:  # from what the process did: torch's library is mapped
+            return any("libtorch" in line for line in open(f"/proc/{proc.pid}/maps"))
+
+        deadline = time.monotonic() + 90
+        while not torch_loaded() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert torch_loaded() and proc.poll() is None  # torch up, still waiting: not registered
+        _plan(dsn, src, "early")
+        time.sleep(0.5)
+        assert proc.poll() is None and conn.execute(
+            "SELECT count(*) FROM embedfleet.chunks WHERE job = 'early' AND state <> 'pending'").fetchone()[0] == 0
+        from embedfleet.store.ledger import Ledger
+
+        ledger = Ledger.connect(dsn)
+        ledger.register_workers("early", [("e-w0", "cpu")])  # the launcher's go
+        ledger.close()
+        assert proc.wait(240) == 0, proc.stderr.read()[-2000:]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert conn.execute("SELECT count(*) FROM early").fetchone()[0] == 40
+    assert conn.execute("SELECT state FROM embedfleet.workers WHERE worker = 'e-w0'").fetchone()[0] == "finished"
+
+
+def test_an_early_worker_never_registered_exits_and_leaves_nothing(dsn, conn, tmp_path):
+    cmd = [sys.executable, "-m", "embedfleet.runtime.worker", "--job", "never", "--db", dsn, "--worker-id", "n-w0",
+           "--device", "cpu", "--wait-registered", "1"]
+    assert subprocess.run(cmd, timeout=120).returncode == 0
+    assert conn.execute("SELECT count(*) FROM embedfleet.workers WHERE worker = 'n-w0'").fetchone()[0] == 0
+
+
+def test_ingest_stops_the_early_workers_its_job_does_not_need(cli, dsn, conn, tmp_path):
+    """Three workers start before the job is planned; the job has one chunk, so two are stopped unregistered,
+    and none is left running after the command."""
+    src = write_amazon_reviews(tmp_path / "onechunk.jsonl", 30, seed=8)
+    doc = orjson.loads(cli("ingest", src, "--preset", "amazon-reviews", "--db", dsn, "--devices", "cpu", "--workers",
+                           "3", "--table", "onechunk", "--no-index", "--json", check=True).stdout)
+    assert len(doc["workers"]) == 1 and doc["rows_written"] == 30
+    assert conn.execute("SELECT count(*) FROM embedfleet.workers WHERE job = 'onechunk'").fetchone()[0] == 1
+    assert not _workers_of("onechunk")
+    # a rerun of the finished job: nothing to do, and every early worker stopped
+    cli("ingest", src, "--preset", "amazon-reviews", "--db", dsn, "--devices", "cpu", "--workers", "2",
+        "--table", "onechunk", "--no-index", "--quiet", check=True)
+    assert not _workers_of("onechunk")

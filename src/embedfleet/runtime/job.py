@@ -37,6 +37,9 @@ class Launcher(Protocol):
     def run(self, ledger: Ledger, job: str, dsn: str, quiet: bool) -> None:
         """Run workers until no chunk of `job` is left (or none can run), showing progress."""
 
+    # Optional (the local launcher has them): `prestart(job, dsn, conn, uses_meta)` starts workers before
+    # the job is planned, `run` registers those it needs, and `discard()` stops the rest.
+
 
 def run_job(cfg: JobConfig, settings: Settings, launcher: Launcher) -> dict:
     """Run one ingest job to its end. Returns the job's final progress (each worker's summary under
@@ -50,7 +53,10 @@ def run_job(cfg: JobConfig, settings: Settings, launcher: Launcher) -> dict:
         conn.close()
         raise
     ledger = Ledger(conn, reconnect, settings.host_id)
+    prestart = getattr(launcher, "prestart", None)
     try:
+        if prestart is not None:  # the workers start their devices while the job is planned
+            prestart(cfg.job, dsn, conn, bool(cfg.meta))
         job = prepare(cfg, ledger, launcher.device_kind)
         counts = ledger.counts(job)
         if counts["pending"] or counts["running"]:
@@ -66,6 +72,8 @@ def run_job(cfg: JobConfig, settings: Settings, launcher: Launcher) -> dict:
         progress["table_exists"] = loaded  # none when no worker had a record
         errors = ledger.worker_errors(job)
     finally:
+        if prestart is not None:
+            launcher.discard()  # early workers the job did not need (nothing left, or an error planning it)
         ledger.close()
     if counts["failed"]:
         raise JobError(f"job {job!r} finished with {counts['failed']} failed chunks; "

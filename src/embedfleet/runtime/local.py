@@ -32,6 +32,8 @@ __all__ = ["LocalLauncher", "parse_devices", "worker_count", "writers_each"]
 log = logging.getLogger("embedfleet")
 
 MAX_RESTARTS = 3  # per worker slot
+# A worker started before its job is planned waits this long to be registered, then exits unneeded.
+PRESTART_WAIT_S = 600.0
 
 
 def parse_devices(devices: str, workers: int | None) -> list[str]:
@@ -88,6 +90,32 @@ class LocalLauncher:
         # Unique across launchers and hosts: two runs of one job at once must not share a worker's row.
         self.prefix = prefix or f"{settings.host_id}-{os.getpid()}"
         self.device_kind = "cpu" if devices[0] == "cpu" else "cuda"
+        self._early: list[Slot] = []  # workers started before the job was planned (prestart)
+        self._early_settings: tuple[Settings, int] | None = None
+
+    def _slots(self, count: int) -> list[Slot]:
+        return [Slot(f"{self.prefix}-w{i}", d) for i, d in enumerate(self.devices[:count])]
+
+    def prestart(self, job: str, dsn: str, conn, uses_meta: bool) -> None:
+        """Start a worker for every device now, while the job is planned (reading a large input's lines
+        takes seconds): each imports torch and starts its device meanwhile, and waits until `run`
+        registers it; those `run` does not need exit. `discard` stops any still waiting."""
+        slots = self._slots(len(self.devices))
+        settings, threads = self._early_settings = self._worker_settings(conn, uses_meta, len(slots))
+        for s in slots:
+            s.proc = _spawn(s, job, dsn, settings, threads, wait=PRESTART_WAIT_S)
+        self._early = slots
+
+    def discard(self) -> None:
+        """Stop the early workers that were never registered (run did not need them, or never ran)."""
+        early, self._early = self._early, []
+        for s in early:
+            if s.proc is not None and s.proc.poll() is None:
+                s.proc.terminate()
+        for s in early:
+            if s.proc is not None:
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    s.proc.wait(10)
 
     def _worker_settings(self, conn, uses_meta: bool, workers: int) -> tuple[Settings, int]:
         """Each of `workers` workers' Settings: its share of the cores for helpers, and writers that fit
@@ -102,16 +130,25 @@ class LocalLauncher:
         return replace(self.settings, helpers=helpers, writers=writers), threads
 
     def run(self, ledger: Ledger, job: str, dsn: str, quiet: bool) -> None:
-        uses_meta = bool((ledger.job(job) or {}).get("meta_id"))
-        left = ledger.counts(job)
-        slots = [Slot(f"{self.prefix}-w{i}", d) for i, d in enumerate(self.devices[:worker_count(len(self.devices), left)])]
-        settings, threads = self._worker_settings(ledger.conn, uses_meta, len(slots))
-        ledger.register_workers(job, [(s.worker, s.device) for s in slots])
+        count = worker_count(len(self.devices), ledger.counts(job))
+        if self._early:  # started early (with a full fleet's settings): keep what the job needs
+            slots, self._early = self._early[:count], self._early[count:]
+            settings, threads = self._early_settings
+            self.discard()
+            for s in slots:
+                if s.proc.poll() is not None:  # gave up waiting (or failed to start): started afresh below
+                    s.proc = None
+        else:
+            slots = self._slots(count)
+            settings, threads = self._worker_settings(ledger.conn, bool((ledger.job(job) or {}).get("meta_id")),
+                                                      len(slots))
+        ledger.register_workers(job, [(s.worker, s.device) for s in slots])  # an early worker's go
         try:
             with Monitor(job, quiet=quiet) as mon:
                 mon.update(ledger.progress(job))  # where this run starts from
                 for s in slots:
-                    s.proc = _spawn(s, job, dsn, settings, threads)
+                    if s.proc is None:
+                        s.proc = _spawn(s, job, dsn, settings, threads)
                 # Until each worker has exited or said its last word: a process's exit after that (a GPU
                 # worker's driver freeing its memory) need not hold up the job's end.
                 while live := [s.proc for s in slots if s.proc is not None and not s.finished]:
@@ -161,7 +198,7 @@ class LocalLauncher:
             s.proc = _spawn(s, job, dsn, settings, threads)
 
 
-def _spawn(slot: Slot, job: str, dsn: str, settings: Settings, threads: int) -> subprocess.Popen:
+def _spawn(slot: Slot, job: str, dsn: str, settings: Settings, threads: int, wait: float = 0.0) -> subprocess.Popen:
     env = dict(os.environ)
     device = slot.device
     if device.startswith("cuda:"):
@@ -173,4 +210,6 @@ def _spawn(slot: Slot, job: str, dsn: str, settings: Settings, threads: int) -> 
     env.setdefault("TOKENIZERS_PARALLELISM", "false")
     cmd = [sys.executable, "-m", "embedfleet.runtime.worker", "--job", job, "--db", dsn,
            "--worker-id", slot.worker, "--device", device, "--settings", orjson.dumps(settings.to_json()).decode()]
+    if wait:
+        cmd += ["--wait-registered", str(wait)]
     return subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL)

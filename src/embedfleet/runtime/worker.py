@@ -477,17 +477,49 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--worker-id", required=True)
     p.add_argument("--device", default="auto")
     p.add_argument("--settings", help="the launcher's Settings as JSON (default: this process's environment)")
+    p.add_argument("--wait-registered", type=float, default=0.0, metavar="SECONDS",
+                   help="started before the job is planned: wait this long for the launcher to register this "
+                        "worker (importing torch and starting the device meanwhile); unregistered, exit")
     a = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     try:
         keep_bytecode()  # started by hand rather than by the CLI: torch's imports (below) still cached
         settings = Settings.from_json(orjson.loads(a.settings)) if a.settings else Settings.from_env()
+        if a.wait_registered > 0:
+            threading.Thread(target=start_device, args=(a.device,), name="embedfleet-preload", daemon=True).start()
+            if not wait_registered(a.db, a.job, a.worker_id, a.wait_registered, settings.host_id):
+                return 0  # not needed (fewer chunks than devices, nothing left, the launcher gone)
         Worker(a.job, a.db, a.worker_id, a.device, settings).run()
     except EmbedfleetError as e:
         print(f"error: {e}", file=sys.stderr)
         _record_failure(a.db, a.job, a.worker_id, str(e))
         return e.exit_code
     return 0
+
+
+def start_device(device: str) -> None:
+    """Import torch and start the device (seconds on a GPU host), for a worker that waits to be registered."""
+    try:
+        import torch
+
+        if device.startswith("cuda") and torch.cuda.is_available():
+            torch.empty(1, device=device)
+    except Exception as e:  # noqa: BLE001 - the worker's own model load will meet it and say so
+        log.debug("preloading the device failed: %s", e)
+
+
+def wait_registered(dsn: str, job: str, worker: str, seconds: float, host: str | None = None) -> bool:
+    """Wait until the launcher registers `worker` for `job` (True), or it is gone or `seconds` pass (False)."""
+    parent, deadline = os.getppid(), time.monotonic() + seconds
+    ledger = Ledger.connect(dsn, host=host)
+    try:
+        while not ledger.registered(job, worker):
+            if os.getppid() != parent or time.monotonic() > deadline:
+                return False
+            time.sleep(0.02)
+        return True
+    finally:
+        ledger.close()
 
 
 def _record_failure(dsn: str, job: str, worker: str, error: str) -> None:

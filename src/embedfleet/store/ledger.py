@@ -444,6 +444,11 @@ class Ledger:
                 "summary = NULL, host = EXCLUDED.host, device = EXCLUDED.device",
                 [(job, worker, self.host, device) for worker, device in workers])
 
+    def registered(self, job: str, worker: str) -> bool:
+        """Whether a launcher has registered `worker` for `job` (a worker started early waits for it)."""
+        return self.conn.execute("SELECT 1 FROM embedfleet.workers WHERE job = %s AND worker = %s",
+                                 [job, worker]).fetchone() is not None
+
     def worker_ended(self, job: str, worker: str, state: str, error: str | None = None,
                      summary: dict | None = None) -> None:
         """A worker's last word: finished (with its summary), failed (with its error) or exited (seen dead)."""
