@@ -7,7 +7,10 @@ import os
 import sys
 from typing import NoReturn
 
-__all__ = ["exit_now"]
+__all__ = ["NOT_REGISTERED", "exit_now"]
+
+# A worker started early that gave up waiting to be registered (its launcher gone, or it never came).
+NOT_REGISTERED = 3
 
 
 def exit_now(code: int) -> NoReturn:

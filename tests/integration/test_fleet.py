@@ -273,20 +273,63 @@ def test_a_worker_started_before_its_job_starts_torch_then_waits_to_be_registere
 def test_an_early_worker_never_registered_exits_and_leaves_nothing(dsn, conn, tmp_path):
     cmd = [sys.executable, "-m", "embedfleet.runtime.worker", "--job", "never", "--db", dsn, "--worker-id", "n-w0",
            "--device", "cpu", "--wait-registered", "1"]
-    assert subprocess.run(cmd, timeout=120).returncode == 0
+    from embedfleet.process import NOT_REGISTERED
+
+    assert subprocess.run(cmd, timeout=120).returncode == NOT_REGISTERED  # the launcher's cue: not a finish
     assert conn.execute("SELECT count(*) FROM embedfleet.workers WHERE worker = 'n-w0'").fetchone()[0] == 0
 
 
-def test_ingest_stops_the_early_workers_its_job_does_not_need(cli, dsn, conn, tmp_path):
-    """Three workers start before the job is planned; the job has one chunk, so two are stopped unregistered,
-    and none is left running after the command."""
-    src = write_amazon_reviews(tmp_path / "onechunk.jsonl", 30, seed=8)
-    doc = orjson.loads(cli("ingest", src, "--preset", "amazon-reviews", "--db", dsn, "--devices", "cpu", "--workers",
-                           "3", "--table", "onechunk", "--no-index", "--json", check=True).stdout)
-    assert len(doc["workers"]) == 1 and doc["rows_written"] == 30
-    assert conn.execute("SELECT count(*) FROM embedfleet.workers WHERE job = 'onechunk'").fetchone()[0] == 1
-    assert not _workers_of("onechunk")
-    # a rerun of the finished job: nothing to do, and every early worker stopped
-    cli("ingest", src, "--preset", "amazon-reviews", "--db", dsn, "--devices", "cpu", "--workers", "2",
-        "--table", "onechunk", "--no-index", "--quiet", check=True)
-    assert not _workers_of("onechunk")
+def test_a_launcher_keeps_its_early_workers_when_the_job_needs_them_all_and_stops_them_otherwise(dsn, conn, tmp_path):
+    """prestart starts one worker a device before the job is planned. A job with a chunk for each runs on
+    those very processes; a job with fewer chunks gets workers started afresh for it (their settings are
+    for fewer workers), and the early ones are stopped unregistered. None is left running."""
+    from embedfleet.config import Settings
+    from embedfleet.runtime.local import LocalLauncher
+    from embedfleet.store.ledger import Ledger
+
+    ledger = Ledger.connect(dsn)
+    try:
+        for job, devices, chunk_bytes in (("keep", ["cpu"], 4000), ("fewer", ["cpu"] * 3, None)):
+            src = write_amazon_reviews(tmp_path / f"{job}.jsonl", 30, seed=9)
+            launcher = LocalLauncher(devices, Settings.from_env({}, helpers=0), prefix=f"{job}-l")
+            launcher.prestart(job, dsn, ledger.conn, False)
+            early = {s.proc.pid for s in launcher._early}
+            deadline = time.monotonic() + 30
+            while not set(_workers_of(job)) >= early and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert len(early) == len(devices) and set(_workers_of(job)) >= early  # waiting, not yet registered
+            assert conn.execute("SELECT count(*) FROM embedfleet.workers WHERE job = %s", [job]).fetchone()[0] == 0
+            _plan(dsn, src, job, **({"chunk_bytes": chunk_bytes} if chunk_bytes else {}))
+            launcher.run(ledger, job, dsn, quiet=True)
+            launcher.discard()
+            assert conn.execute(f"SELECT count(*) FROM {job}").fetchone()[0] == 30
+            claimed_by = {r[0] for r in conn.execute("SELECT DISTINCT pid FROM embedfleet.chunks WHERE job = %s",
+                                                     [job]).fetchall()}
+            if job == "keep":
+                assert claimed_by <= early  # the early process itself ran the job
+            else:
+                assert not claimed_by & early  # one started afresh; the three early ones never touched it
+                assert conn.execute("SELECT count(*) FROM embedfleet.workers WHERE job = 'fewer'").fetchone()[0] == 1
+            assert not _workers_of(job)
+    finally:
+        ledger.close()
+
+
+def test_a_registration_counts_only_when_fresh(dsn, conn, tmp_path):
+    """A row an earlier run left under the same worker id (same host name, same launcher pid) is no go."""
+    from embedfleet.store.ledger import Ledger
+
+    _plan(dsn, write_amazon_reviews(tmp_path / "fresh.jsonl", 5, seed=2), "fresh")
+    ledger = Ledger.connect(dsn)
+    try:
+        before = float(conn.execute("SELECT extract(epoch FROM now())").fetchone()[0])
+        ledger.register_workers("fresh", [("f-w0", "cpu")])
+        assert ledger.registered("fresh", "f-w0", before)
+        ledger.worker_ended("fresh", "f-w0", "finished", summary={"rows": 1})
+        assert not ledger.registered("fresh", "f-w0", 0.0)  # finished: a run's leftover
+        later = float(conn.execute("SELECT extract(epoch FROM clock_timestamp())").fetchone()[0])
+        ledger.register_workers("fresh", [("f-w0", "cpu")])
+        assert ledger.registered("fresh", "f-w0", later)
+        assert not ledger.registered("fresh", "f-w0", later + 60)  # older than the worker's start
+    finally:
+        ledger.close()

@@ -105,6 +105,8 @@ def test_a_whole_tables_counts_may_use_the_servers_parallel_workers_and_agree(ds
         before = launched()
         with TableRead(cheap, source) as r:
             plans[workers] = plan = r.plan()
+            for c in r.conns:  # the read that follows stays serial: its order is the dataset's
+                assert c.execute("SHOW max_parallel_workers_per_gather").fetchone()[0] == "0"
             r.conns[0].execute("SELECT pg_stat_force_next_flush()")  # the leader's counts, at its next idle
             got = np.zeros((plan.n, DIM), np.float32)
             rows[workers] = (r.read(plan, lambda o, v, got=got: got.__setitem__(slice(o, o + len(v)), v)), got)

@@ -147,8 +147,8 @@ class Encoder:
         ahead) leaves the compile to the usual rule, once enough tokens have been seen; `False`
         never compiles (the work ahead would not pay for it)."""
         self._tok.start()
-        if compile is False:
-            self._compile = None
+        if compile is False and self._compile is not None and self._compile.state == "waiting":
+            self._compile = None  # (one already started, by a long call, is left to finish)
         if self._dev.type != "cuda":
             return
         if self._compile is not None and compile:

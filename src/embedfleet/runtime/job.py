@@ -53,9 +53,10 @@ def run_job(cfg: JobConfig, settings: Settings, launcher: Launcher) -> dict:
         conn.close()
         raise
     ledger = Ledger(conn, reconnect, settings.host_id)
-    prestart = getattr(launcher, "prestart", None)
+    # GPU workers import torch and start their devices (seconds) while the job is planned
+    prestart = getattr(launcher, "prestart", None) if launcher.device_kind == "cuda" else None
     try:
-        if prestart is not None:  # the workers start their devices while the job is planned
+        if prestart is not None:
             prestart(cfg.job, dsn, conn, bool(cfg.meta))
         job = prepare(cfg, ledger, launcher.device_kind)
         counts = ledger.counts(job)
@@ -63,6 +64,8 @@ def run_job(cfg: JobConfig, settings: Settings, launcher: Launcher) -> dict:
             ledger.set_job_state(job, "running")
             with _metrics(settings.metrics_port, dsn, job):
                 launcher.run(ledger, job, dsn, cfg.quiet)
+        if prestart is not None:
+            launcher.discard()  # those the job did not need (nothing left, or fewer chunks than devices)
         t0, started_at, steps = time.perf_counter(), time.time(), {}
         counts, loaded = finalize(ledger, job, cfg, steps)
         finalize_s = time.perf_counter() - t0
@@ -73,7 +76,7 @@ def run_job(cfg: JobConfig, settings: Settings, launcher: Launcher) -> dict:
         errors = ledger.worker_errors(job)
     finally:
         if prestart is not None:
-            launcher.discard()  # early workers the job did not need (nothing left, or an error planning it)
+            launcher.discard()  # also after an error planning the job, or Ctrl-C
         ledger.close()
     if counts["failed"]:
         raise JobError(f"job {job!r} finished with {counts['failed']} failed chunks; "

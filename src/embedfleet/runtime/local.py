@@ -21,6 +21,7 @@ import orjson
 
 from embedfleet.config import Settings
 from embedfleet.errors import EmbedfleetError, InputError
+from embedfleet.process import NOT_REGISTERED
 from embedfleet.runtime.monitor import Monitor
 from embedfleet.runtime.units import helper_count
 from embedfleet.store.ledger import Ledger
@@ -61,9 +62,9 @@ def _cuda_count() -> int:
 
 
 def worker_count(available: int, chunks: dict[str, int]) -> int:
-    """Workers to start: one a device, but no more than the chunks left to claim (`chunks`: the ledger's
-    counts) — an extra one would load the model and warm up for nothing; at least one, which reports a
-    job with nothing left."""
+    """Workers to keep: one a device, but no more than the chunks left to claim (`chunks`: the ledger's
+    counts) — an extra one would load the model and warm up for nothing (one started early is stopped
+    once it has only imported torch); at least one, which reports a job with nothing left."""
     return max(1, min(available, chunks.get("pending", 0) + chunks.get("running", 0)))
 
 
@@ -99,23 +100,30 @@ class LocalLauncher:
     def prestart(self, job: str, dsn: str, conn, uses_meta: bool) -> None:
         """Start a worker for every device now, while the job is planned (reading a large input's lines
         takes seconds): each imports torch and starts its device meanwhile, and waits until `run`
-        registers it; those `run` does not need exit. `discard` stops any still waiting."""
-        slots = self._slots(len(self.devices))
-        settings, threads = self._early_settings = self._worker_settings(conn, uses_meta, len(slots))
-        for s in slots:
-            s.proc = _spawn(s, job, dsn, settings, threads, wait=PRESTART_WAIT_S)
-        self._early = slots
+        registers it (a registration newer than now: a row left by an earlier run does not count).
+        `run` keeps them when the job needs them all, else starts afresh those it needs with their own
+        settings; `discard` stops the rest."""
+        since = float(conn.execute("SELECT extract(epoch FROM now())").fetchone()[0])
+        self._early_settings = self._worker_settings(conn, uses_meta, len(self.devices))
+        settings, threads = self._early_settings
+        for s in self._slots(len(self.devices)):
+            self._early.append(s)  # before it starts: whatever happens next, discard finds it
+            s.proc = _spawn(s, job, dsn, settings, threads, wait=(PRESTART_WAIT_S, since))
 
-    def discard(self) -> None:
-        """Stop the early workers that were never registered (run did not need them, or never ran)."""
-        early, self._early = self._early, []
-        for s in early:
+    def discard(self, wait: bool = True) -> None:
+        """Stop the early workers not taken by `run` (unneeded, or the job never ran); `wait` for them."""
+        for s in self._early:
             if s.proc is not None and s.proc.poll() is None:
                 s.proc.terminate()
+        if not wait:
+            return
+        early, self._early = self._early, []
         for s in early:
             if s.proc is not None:
-                with contextlib.suppress(subprocess.TimeoutExpired):
+                try:
                     s.proc.wait(10)
+                except subprocess.TimeoutExpired:
+                    s.proc.kill()
 
     def _worker_settings(self, conn, uses_meta: bool, workers: int) -> tuple[Settings, int]:
         """Each of `workers` workers' Settings: its share of the cores for helpers, and writers that fit
@@ -131,19 +139,17 @@ class LocalLauncher:
 
     def run(self, ledger: Ledger, job: str, dsn: str, quiet: bool) -> None:
         count = worker_count(len(self.devices), ledger.counts(job))
-        if self._early:  # started early (with a full fleet's settings): keep what the job needs
-            slots, self._early = self._early[:count], self._early[count:]
+        if len(self._early) == count and all(s.proc.poll() is None for s in self._early):
+            # started early, for this many workers: their go is the registration below
+            slots, self._early = self._early, []
             settings, threads = self._early_settings
-            self.discard()
-            for s in slots:
-                if s.proc.poll() is not None:  # gave up waiting (or failed to start): started afresh below
-                    s.proc = None
-        else:
+        else:  # none started early, or a job that needs fewer (their settings are for a fuller fleet)
+            self.discard(wait=False)  # waited for at the end (run_job's discard): a GPU's teardown is slow
             slots = self._slots(count)
             settings, threads = self._worker_settings(ledger.conn, bool((ledger.job(job) or {}).get("meta_id")),
                                                       len(slots))
-        ledger.register_workers(job, [(s.worker, s.device) for s in slots])  # an early worker's go
         try:
+            ledger.register_workers(job, [(s.worker, s.device) for s in slots])
             with Monitor(job, quiet=quiet) as mon:
                 mon.update(ledger.progress(job))  # where this run starts from
                 for s in slots:
@@ -181,6 +187,9 @@ class LocalLauncher:
         pid, s.proc = s.proc.pid, None
         if code == 0:
             return
+        if code == NOT_REGISTERED:  # missed its registration by a hair (it came as it gave up): again, uncounted
+            s.proc = _spawn(s, job, dsn, settings, threads)
+            return
         # Exit code 2 is a worker's one-line EmbedfleetError (model or device it cannot use), which it
         # recorded itself: restarting cannot help. A crash is restarted.
         error = f"worker {s.worker} exited with code {code}"
@@ -198,7 +207,9 @@ class LocalLauncher:
             s.proc = _spawn(s, job, dsn, settings, threads)
 
 
-def _spawn(slot: Slot, job: str, dsn: str, settings: Settings, threads: int, wait: float = 0.0) -> subprocess.Popen:
+def _spawn(slot: Slot, job: str, dsn: str, settings: Settings, threads: int,
+           wait: tuple[float, float] | None = None) -> subprocess.Popen:
+    """The worker's process; `wait` (seconds, since): started early, it waits to be registered after `since`."""
     env = dict(os.environ)
     device = slot.device
     if device.startswith("cuda:"):
@@ -211,5 +222,5 @@ def _spawn(slot: Slot, job: str, dsn: str, settings: Settings, threads: int, wai
     cmd = [sys.executable, "-m", "embedfleet.runtime.worker", "--job", job, "--db", dsn,
            "--worker-id", slot.worker, "--device", device, "--settings", orjson.dumps(settings.to_json()).decode()]
     if wait:
-        cmd += ["--wait-registered", str(wait)]
+        cmd += ["--wait-registered", str(wait[0]), "--registered-since", repr(wait[1])]
     return subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL)

@@ -37,7 +37,7 @@ from embedfleet.bytecode import keep_bytecode
 from embedfleet.config import JobConfig, Settings, default_chunk_bytes, use_settings
 from embedfleet.encode.tokenize import tokenizer_spec
 from embedfleet.errors import EmbedfleetError, JobError
-from embedfleet.process import exit_now
+from embedfleet.process import NOT_REGISTERED, exit_now
 from embedfleet.runtime.flow import Prefetch, Throttle, timed, by_tenth
 from embedfleet.runtime.gpu import gpu_reader
 from embedfleet.runtime.units import FIRST_TASK_BYTES, Task, UnitContext, UnitPool, settle_gc, stream_tasks, task_sizes
@@ -238,8 +238,9 @@ class Worker:
 
     def __init__(self, job: str, dsn: str, worker_id: str, device: str = "auto", settings: Settings | None = None, *,
                  encoder: Callable[[JobConfig, str, Settings], object] | None = None,
-                 helpers: Callable[[UnitContext, int | None], UnitPool] | None = None):
+                 helpers: Callable[[UnitContext, int | None], UnitPool] | None = None, registered_after: float = 0.0):
         self.job, self.dsn, self.id, self.device = job, dsn, worker_id, device
+        self.registered_after = registered_after  # started early: seconds it waited for its registration
         self.settings = settings or Settings.from_env()
         self._make_encoder = encoder or load_encoder
         self._make_helpers = helpers or UnitPool
@@ -291,7 +292,8 @@ class Worker:
                     encoder.close()
                 raise
             try:
-                startup = {"imports_s": epoch_begin - (process_started(os.getpid()) or epoch_begin),
+                startup = {"imports_s": epoch_begin - (process_started(os.getpid()) or epoch_begin) - self.registered_after,
+                           "registered_after_s": self.registered_after,
                            "model_s": model_s, "before_model_s": t_model - t_begin, "warmup_s": warmup_s}
                 t0 = time.perf_counter()
                 startup["helpers_s"] = helpers_ready.result()  # started with the model load; usually ready by now
@@ -480,16 +482,21 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--wait-registered", type=float, default=0.0, metavar="SECONDS",
                    help="started before the job is planned: wait this long for the launcher to register this "
                         "worker (importing torch and starting the device meanwhile); unregistered, exit")
+    p.add_argument("--registered-since", type=float, default=0.0, metavar="EPOCH",
+                   help="with --wait-registered: only a registration at or after this time counts")
     a = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     try:
         keep_bytecode()  # started by hand rather than by the CLI: torch's imports (below) still cached
         settings = Settings.from_json(orjson.loads(a.settings)) if a.settings else Settings.from_env()
+        waited = 0.0
         if a.wait_registered > 0:
             threading.Thread(target=start_device, args=(a.device,), name="embedfleet-preload", daemon=True).start()
-            if not wait_registered(a.db, a.job, a.worker_id, a.wait_registered, settings.host_id):
-                return 0  # not needed (fewer chunks than devices, nothing left, the launcher gone)
-        Worker(a.job, a.db, a.worker_id, a.device, settings).run()
+            t0 = time.perf_counter()
+            if not wait_registered(a.db, a.job, a.worker_id, a.wait_registered, a.registered_since, settings):
+                return NOT_REGISTERED  # not needed (fewer chunks than devices, nothing left), the launcher gone
+            waited = time.perf_counter() - t0
+        Worker(a.job, a.db, a.worker_id, a.device, settings, registered_after=waited).run()
     except EmbedfleetError as e:
         print(f"error: {e}", file=sys.stderr)
         _record_failure(a.db, a.job, a.worker_id, str(e))
@@ -508,18 +515,22 @@ def start_device(device: str) -> None:
         log.debug("preloading the device failed: %s", e)
 
 
-def wait_registered(dsn: str, job: str, worker: str, seconds: float, host: str | None = None) -> bool:
-    """Wait until the launcher registers `worker` for `job` (True), or it is gone or `seconds` pass (False)."""
+def wait_registered(dsn: str, job: str, worker: str, seconds: float, since: float, settings: Settings) -> bool:
+    """Wait until the launcher registers `worker` for `job` at or after `since` (True), or it is gone,
+    `seconds` pass or the user interrupts (False)."""
     parent, deadline = os.getppid(), time.monotonic() + seconds
-    ledger = Ledger.connect(dsn, host=host)
     try:
-        while not ledger.registered(job, worker):
-            if os.getppid() != parent or time.monotonic() > deadline:
-                return False
-            time.sleep(0.02)
-        return True
-    finally:
-        ledger.close()
+        ledger = Ledger.connect(dsn, settings.db_patience_seconds, host=settings.host_id)
+        try:
+            while not ledger.registered(job, worker, since):
+                if os.getppid() != parent or time.monotonic() > deadline:
+                    return False
+                time.sleep(0.02)
+            return True
+        finally:
+            ledger.close()
+    except KeyboardInterrupt:  # Ctrl-C reaches the whole process group: the CLI says it once
+        return False
 
 
 def _record_failure(dsn: str, job: str, worker: str, error: str) -> None:

@@ -444,10 +444,12 @@ class Ledger:
                 "summary = NULL, host = EXCLUDED.host, device = EXCLUDED.device",
                 [(job, worker, self.host, device) for worker, device in workers])
 
-    def registered(self, job: str, worker: str) -> bool:
-        """Whether a launcher has registered `worker` for `job` (a worker started early waits for it)."""
-        return self.conn.execute("SELECT 1 FROM embedfleet.workers WHERE job = %s AND worker = %s",
-                                 [job, worker]).fetchone() is not None
+    def registered(self, job: str, worker: str, since: float = 0.0) -> bool:
+        """Whether a launcher has registered `worker` for `job` at or after `since` (epoch seconds, the
+        server's clock): what a worker started early waits for."""
+        return self.conn.execute(
+            "SELECT 1 FROM embedfleet.workers WHERE job = %s AND worker = %s AND state = 'starting' "
+            "AND heartbeat >= to_timestamp(%s)", [job, worker, since]).fetchone() is not None
 
     def worker_ended(self, job: str, worker: str, state: str, error: str | None = None,
                      summary: dict | None = None) -> None:

@@ -44,7 +44,7 @@ BLOCK_ROWS = 16_384  # rows parsed per np.frombuffer: ~25 MB of 384-dim float32 
 # Bytes a COPY message carries (a chunk of heap pages, see chunk_pages): one message a row left the
 # client a libpq call and slices of Python a row, its bound (bench/NOTES.md, runs 62, 67, 68).
 CHUNK_BYTES = 1 << 19
-PRECOUNT_WORKERS = 4  # the server's parallel workers a plan's counts may use, over all its connections
+PRECOUNT_WORKERS = 4  # the server's parallel workers a one-range plan's counts may use
 _LAST_PAGE = 4_294_967_294  # the highest heap page number a tid can name
 _KEY = "('x' || left(md5({id}), 8))::bit(32)"  # a stable 32-bit hash of the row id (md5, not hashtext)
 
@@ -488,9 +488,10 @@ class TableRead:
         s = self.source
         ranges = self._ranges(parts or len(self.conns))
 
-        # Counts do not depend on the scan's order (the read's do): here the server may share a scan
-        # among its parallel workers (a whole table's; PostgreSQL 18 has no parallel TID range scan).
-        helpers = PRECOUNT_WORKERS // len(self.conns)
+        # Counts do not depend on the scan's order (the read's do): the server may share a whole table's
+        # scan among its parallel workers. Not a range's: PostgreSQL 18 has no parallel TID range scan,
+        # and a parallel plan would scan the whole table for each range.
+        helpers = PRECOUNT_WORKERS if len(ranges) == 1 else 0
 
         def count(conn, rng):
             try:
