@@ -94,8 +94,8 @@ class LocalLauncher:
         self._early: list[Slot] = []  # workers started before the job was planned (prestart)
         self._early_settings: tuple[Settings, int] | None = None
 
-    def _slots(self, count: int) -> list[Slot]:
-        return [Slot(f"{self.prefix}-w{i}", d) for i, d in enumerate(self.devices[:count])]
+    def _slots(self, count: int, suffix: str = "") -> list[Slot]:
+        return [Slot(f"{self.prefix}-w{i}{suffix}", d) for i, d in enumerate(self.devices[:count])]
 
     def prestart(self, job: str, dsn: str, conn, uses_meta: bool) -> None:
         """Start a worker for every device now, while the job is planned (reading a large input's lines
@@ -144,8 +144,10 @@ class LocalLauncher:
             slots, self._early = self._early, []
             settings, threads = self._early_settings
         else:  # none started early, or a job that needs fewer (their settings are for a fuller fleet)
+            # names of their own: an early worker being stopped must not take their registration for its go
+            suffix = "b" if self._early else ""
             self.discard(wait=False)  # waited for at the end (run_job's discard): a GPU's teardown is slow
-            slots = self._slots(count)
+            slots = self._slots(count, suffix)
             settings, threads = self._worker_settings(ledger.conn, bool((ledger.job(job) or {}).get("meta_id")),
                                                       len(slots))
         try:
