@@ -310,6 +310,9 @@ def test_a_launcher_keeps_its_early_workers_when_the_job_needs_them_all_and_stop
             else:
                 assert not claimed_by & early  # one started afresh; the three early ones never touched it
                 assert conn.execute("SELECT count(*) FROM embedfleet.workers WHERE job = 'fewer'").fetchone()[0] == 1
+            deadline = time.monotonic() + 30  # a worker that said its last word exits on its own, unwaited for
+            while _workers_of(job) and time.monotonic() < deadline:
+                time.sleep(0.1)
             assert not _workers_of(job)
     finally:
         ledger.close()
@@ -333,3 +336,33 @@ def test_a_registration_counts_only_when_fresh(dsn, conn, tmp_path):
         assert not ledger.registered("fresh", "f-w0", later + 60)  # older than the worker's start
     finally:
         ledger.close()
+
+
+def test_ctrl_c_stops_a_worker_quietly_and_a_rerun_finishes_the_job(dsn, conn, tmp_path):
+    """Ctrl-C reaches every process of the launcher's group: a worker stops with 130 and no traceback
+    (the CLI says it once); its chunks are re-queued, and a rerun lands every row once."""
+    src = write_amazon_reviews(tmp_path / "intr.jsonl", 1500, seed=5)
+    _plan(dsn, src, "intr", chunk_bytes=10000)
+    def worker(name: str) -> list[str]:
+        return [sys.executable, "-m", "embedfleet.runtime.worker", "--job", "intr", "--db", dsn, "--worker-id", name,
+                "--device", "cpu", "--settings", orjson.dumps({"helpers": 0}).decode()]
+
+    proc = subprocess.Popen(worker("i-w0"), stderr=subprocess.PIPE, text=True)
+    try:
+        wait_for(conn, "SELECT 1 FROM embedfleet.chunks WHERE job = 'intr' AND state = 'done' LIMIT 1", timeout=120)
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(60) == 130
+        err = proc.stderr.read()
+        assert "Traceback" not in err, err[-2000:]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    left = conn.execute("SELECT count(*) FROM embedfleet.chunks WHERE job = 'intr' AND state <> 'done'").fetchone()[0]
+    assert left > 0  # stopped part way
+    from embedfleet.store.ledger import Ledger
+
+    ledger = Ledger.connect(dsn)
+    ledger.release_workers("intr", ["i-w0"])  # what the launcher does for the workers it stopped
+    ledger.close()
+    subprocess.run(worker("i-w1"), check=True, timeout=600, capture_output=True)
+    assert conn.execute("SELECT count(*), count(DISTINCT id) FROM intr").fetchone() == (1500, 1500)

@@ -112,18 +112,9 @@ class LocalLauncher:
 
     def discard(self, wait: bool = True) -> None:
         """Stop the early workers not taken by `run` (unneeded, or the job never ran); `wait` for them."""
-        for s in self._early:
-            if s.proc is not None and s.proc.poll() is None:
-                s.proc.terminate()
-        if not wait:
-            return
-        early, self._early = self._early, []
-        for s in early:
-            if s.proc is not None:
-                try:
-                    s.proc.wait(10)
-                except subprocess.TimeoutExpired:
-                    s.proc.kill()
+        _stop(self._early, wait)
+        if wait:
+            self._early = []
 
     def _worker_settings(self, conn, uses_meta: bool, workers: int) -> tuple[Settings, int]:
         """Each of `workers` workers' Settings: its share of the cores for helpers, and writers that fit
@@ -171,16 +162,7 @@ class LocalLauncher:
                     mon.update(progress)
                 mon.update(ledger.progress(job), force=True)
         finally:
-            waited = [s for s in slots if s.proc is not None and not s.finished]
-            for s in waited:  # Ctrl-C: stop the workers; their chunks are re-queued on the next run
-                if s.proc.poll() is None:
-                    s.proc.terminate()
-            for s in waited:
-                if s.proc is not None:
-                    try:
-                        s.proc.wait(10)
-                    except subprocess.TimeoutExpired:
-                        s.proc.kill()
+            _stop([s for s in slots if not s.finished])  # Ctrl-C: their chunks are re-queued on the next run
 
     def _reap(self, s: Slot, ledger: Ledger, job: str, dsn: str, settings: Settings, threads: int) -> None:
         """A worker that ended: fine, or dead (its chunks re-queued; restarted while work remains)."""
@@ -207,6 +189,19 @@ class LocalLauncher:
             s.restarts += 1
             ledger.register_workers(job, [(s.worker, s.device)])
             s.proc = _spawn(s, job, dsn, settings, threads)
+
+
+def _stop(slots: list[Slot], wait: bool = True) -> None:
+    """Terminate the slots' running processes; with `wait`, wait for each (killed after 10 s)."""
+    for s in slots:
+        if s.proc is not None and s.proc.poll() is None:
+            s.proc.terminate()
+    for s in slots if wait else []:
+        if s.proc is not None:
+            try:
+                s.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                s.proc.kill()
 
 
 def _spawn(slot: Slot, job: str, dsn: str, settings: Settings, threads: int,

@@ -501,6 +501,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         _record_failure(a.db, a.job, a.worker_id, str(e))
         return e.exit_code
+    except KeyboardInterrupt:  # Ctrl-C reaches the launcher's whole process group: the CLI says it once
+        return 130
     return 0
 
 
