@@ -38,7 +38,7 @@ from embedfleet.config import JobConfig, Settings, default_chunk_bytes, use_sett
 from embedfleet.encode.tokenize import tokenizer_spec
 from embedfleet.errors import EmbedfleetError, JobError
 from embedfleet.process import NOT_REGISTERED, exit_now
-from embedfleet.runtime.flow import Prefetch, Throttle, timed, by_tenth
+from embedfleet.runtime.flow import Prefetch, Throttle, by_tenth, timed
 from embedfleet.runtime.gpu import gpu_reader
 from embedfleet.runtime.units import FIRST_TASK_BYTES, Task, UnitContext, UnitPool, settle_gc, stream_tasks, task_sizes
 from embedfleet.sources.plan import ChunkSpec
