@@ -56,7 +56,8 @@ def main() -> None:
         runs.append({"gpus": count, "texts": len(out), "seconds": round(seconds, 2), "texts_per_s": round(a.n / seconds, 1),
                      "pool_start_and_warmup_s": round(t0 - t_pool, 2)})
         print(f"[st_pool] {runs[-1]}", file=sys.stderr, flush=True)  # each count as measured: a run cut short keeps it
-    base = runs[0]["texts_per_s"] / runs[0]["gpus"]
+    one = min(runs, key=lambda r: r["gpus"])  # counts may come in any order (the largest first, under a timeout)
+    base = one["texts_per_s"] / one["gpus"]
     for r in runs:
         r["scaling"] = round(r["texts_per_s"] / (base * r["gpus"]), 3)
     print(orjson.dumps({"model": a.model, "n": a.n, "batch": a.batch, "runs": runs}, option=orjson.OPT_INDENT_2).decode())

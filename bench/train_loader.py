@@ -3,7 +3,7 @@ EmbeddingDataset's tiers, against the training step alone.
 
     python bench/train_loader.py [--rows 200000] [--dim 384] [--table NAME] [--device auto]
         [--batch-size 4096] [--epochs 2] [--slow-batches 60] [--workers 4] [--readers 1,4]
-        [--file-rows 1000000] [--skip sql,file,stream,read,eager] [--ram-variants switch200us,…]
+        [--read-prefault] [--read-only] [--file-rows 1000000] [--skip sql,file,stream,read,eager] [--ram-variants switch200us,…]
         [--gpu-inline] [--take-shapes 8192x4x32,…] [--ddp-devices cuda:0,1] [--db DSN] [--out FILE]
 
 The table (`bench_train_<rows>_<dim>`, reused when it exists with that many rows) is written by
@@ -144,7 +144,7 @@ def write_table(dsn: str, table: str, rows: int, dim: int, writers: int) -> dict
 
 # ---- bulk read ------------------------------------------------------------------------------------
 
-def read_rate(dsn: str, table: str, connections: int, rows: int | None) -> dict:
+def read_rate(dsn: str, table: str, connections: int, rows: int | None, prefault: bool = False) -> dict:
     """The read alone into host memory: rows/s with `connections` (the first `rows` rows by TID range)."""
     with connect(dsn) as conn:
         where = None
@@ -156,18 +156,60 @@ def read_rate(dsn: str, table: str, connections: int, rows: int | None) -> dict:
             if total and rows < total:
                 where = f"ctid < '({max(1, int(pages * rows / total))},0)'::tid"
         source = describe(conn, table, "rating", where, "classify")
+    io0 = _relation_io(dsn)
     t0 = time.perf_counter()
     with TableRead(dsn, source, connections=connections) as r:
         plan = r.plan()
         x = np.empty((plan.n, source.dim), np.float32)
+        fill_s = time.perf_counter()
+        if prefault:  # the destination's pages touched first (not timed): the read without its page faults
+            x.fill(0)
+        fill_s = time.perf_counter() - fill_s
 
         def put(o, v):
             np.copyto(x[o:o + len(v)], v)
 
+        pids = [c.info.backend_pid for c in r.conns]
+        t1, client0, server0 = time.perf_counter(), time.process_time(), [_cpu_s(p) for p in pids]
         r.read(plan, put)
-    dt = time.perf_counter() - t0
+        copy_s = time.perf_counter() - t1
+        client_s, server_s = time.process_time() - client0, [_cpu_s(p) - s for p, s in zip(pids, server0)]
+    dt = time.perf_counter() - t0 - fill_s
+    # who holds a one-connection read: the server's backend or this process, busy for how much of the COPY
+    busy = {"copy_s": round(copy_s, 3), "client_cpu_s": round(client_s, 2),
+            "server_cpu_s": [round(s, 2) for s in server_s if s is not None],
+            "server_busy": [round(s / copy_s, 3) for s in server_s if s is not None],
+            "client_busy": round(client_s / copy_s, 3)}
+    io1 = _relation_io(dsn)  # the readers' backends have exited, so their counts are in
+    pages = {k: io1[k] - io0[k] for k in io0} if io0 and io1 else None
     return {"connections": connections, "rows": plan.n, "seconds": round(dt, 3), "rows_per_s": round(plan.n / dt),
-            "plan_s": round(plan.seconds, 3)}
+            "copy_rows_per_s": round(plan.n / copy_s), "plan_s": round(plan.seconds, 3), "prefault": prefault, **busy,
+            "server_io": pages}
+
+
+def _relation_io(dsn: str) -> dict | None:
+    """The server's relation pages so far: found in shared buffers (hits) or read in (PostgreSQL 16+'s pg_stat_io)."""
+    with connect(dsn) as conn:
+        for read_bytes in ("read_bytes", "reads * op_bytes"):  # PostgreSQL 18, 16–17
+            try:
+                hits, read_mb, read_ms = conn.execute(
+                    f"SELECT sum(hits), sum({read_bytes}) / 1e6, sum(read_time) FROM pg_stat_io "
+                    "WHERE object = 'relation'").fetchone()
+                break
+            except psycopg.Error:
+                conn.rollback()
+        else:
+            return None
+    return {"hits": int(hits or 0), "read_mb": round(float(read_mb or 0), 1), "read_ms": round(float(read_ms or 0), 1)}
+
+
+def _cpu_s(pid: int) -> float | None:
+    """CPU seconds (user + system) of a local process, from /proc (None for a server on another host)."""
+    try:
+        fields = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 # ---- loaders --------------------------------------------------------------------------------------
@@ -426,6 +468,10 @@ def main() -> None:
     ap.add_argument("--workers", type=int, default=min(8, os.cpu_count() or 2), help="DataLoader workers")
     ap.add_argument("--readers", default=None, help="connection counts for the bulk read (default 1 and the default)")
     ap.add_argument("--read-rows", type=int, default=2_000_000, help="rows of the one-connection read")
+    ap.add_argument("--read-prefault", action="store_true", help="each bulk read again into a destination "
+                    "whose pages were touched first (page faults out of the figure)")
+    ap.add_argument("--read-only", action="store_true", help="only the reads: the bulk reads, then "
+                    "EmbeddingDataset.from_table on each --readers count")
     ap.add_argument("--file-rows", type=int, default=1_000_000, help="rows in the DataLoader's file cache")
     ap.add_argument("--skip", default="", help="comma list of: sql, file, stream, read, eager")
     ap.add_argument("--ram-variants", default="", help="comma list of: switch200us, one_thread, torch_gather "
@@ -460,6 +506,21 @@ def main() -> None:
             rows = a.read_rows if k == 1 else None
             say(f"bulk read, {k} connection(s){'' if rows is None else f', first ~{rows:,} rows'}")
             doc["read"].append(read_rate(dsn, table, k, rows))
+            if a.read_prefault:
+                say(f"bulk read again, {k} connection(s), the destination's pages touched first")
+                doc["read"].append(read_rate(dsn, table, k, rows, prefault=True))
+
+    if a.read_only:  # the user's read as well: EmbeddingDataset into its tier, on each connection count
+        doc["dataset_reads"] = []
+        for k in readers:
+            say(f"EmbeddingDataset.from_table (cache auto), {k} connection(s)")
+            d = EmbeddingDataset.from_table(table, label="rating", db=dsn, device=dev, cache="auto", connections=k,
+                                            dtype=storage_dtype(dev))
+            doc["dataset_reads"].append({"cache": d.cache, **d.stats})
+            d.close()
+        doc["total_s"] = round(time.perf_counter() - t_start, 1)
+        _write(doc, a.out)
+        return
 
     # EmbeddingDataset: read once into the fastest tier, the ram tier copied from it
     say("EmbeddingDataset.from_table (cache auto)")
@@ -580,14 +641,18 @@ def main() -> None:
     if a.ddp_devices:
         doc["ddp"] = ddp_epochs(dsn, table, a.ddp_devices, a.batch_size, a.epochs)
     doc["total_s"] = round(time.perf_counter() - t_start, 1)
-    text = json.dumps(doc, indent=2)
-    if a.out:
-        with open(a.out, "w") as f:
-            f.write(text + "\n")
-    print(text)
+    _write(doc, a.out)
     for d in tiers.values():
         d.close()
     ds.close()
+
+
+def _write(doc: dict, out: str | None) -> None:
+    text = json.dumps(doc, indent=2)
+    if out:
+        with open(out, "w") as f:
+            f.write(text + "\n")
+    print(text)
 
 
 if __name__ == "__main__":
