@@ -8,11 +8,13 @@ NULL) and that many bytes — and a trailer int16 -1. Everything is big-endian. 
 A row here is `fields` (fixed-width, all non-NULL) followed by at most one variable-width text field
 (the row id): its int32 length is part of the fixed prefix, its bytes are the rest of the row.
 
-A chunk (`chunk_rows`) is one COPY tuple holding many rows: the row count, then one array per field
-(PostgreSQL's binary array: int32 ndim, int32 flags, uint32 element type, per dimension int32 size
-and int32 lower bound, then per element an int32 length and its bytes — the same length-then-value
-pairs a row has, a field's values contiguous), then the ids' byte lengths (int4[]) and the ids
-concatenated (text). Reading a table a few hundred rows a message leaves no per-row work to Python.
+A chunk (`chunk_rows`) is one COPY tuple holding many rows: the row count, then one field per field
+of the rows, then the ids' byte lengths (int4[]) and the ids concatenated (text). A scalar field is
+an array (PostgreSQL's binary array: int32 ndim, int32 flags, uint32 element type, per dimension
+int32 size and int32 lower bound, then per element an int32 length and its bytes — the same
+length-then-value pairs a row has). A vector field is a bytea: the vectors' binary values end to end
+(string_agg of vector_send), which spares the server an array of them to build and send. Reading a
+table a few hundred rows a message leaves no per-row work to Python.
 """
 
 from __future__ import annotations
@@ -113,6 +115,19 @@ def _array(data: memoryview, name: str, dt: np.dtype, size: int, k: int) -> np.n
     raise ValueError(f"{name}: an array of {len(data)} bytes for {k} values of {size} bytes")
 
 
+def _packed(data: memoryview, name: str, dt: np.dtype, size: int, k: int) -> np.ndarray:
+    """The k vectors of a bytea holding their binary values end to end."""
+    if len(data) == k * size:
+        return np.frombuffer(data, dt, count=k)
+    pos = 0  # not k values of `size` bytes: say which one is not
+    while pos + 4 <= len(data):
+        n = 4 + int.from_bytes(data[pos:pos + 2], "big", signed=True) * (size - 4) // dt["values"].shape[0]
+        if n != size:
+            raise ValueError(f"{name}: a value of {n} bytes where {size} were expected (a vector of another dimension?)")
+        pos += n
+    raise ValueError(f"{name}: {len(data)} bytes for {k} values of {size} bytes")
+
+
 def chunk_count(msg: bytes | memoryview) -> int:
     """Rows in a chunk (its first field)."""
     return int.from_bytes(_field(memoryview(msg), 2)[0], "big", signed=True)
@@ -134,9 +149,13 @@ def chunk_rows(msg: bytes | memoryview, fields: list[Field], dtype: np.dtype,
     rows["nfields"] = len(fields) + 1
     for name, dt, size in fields:
         data, pos = _field(buf, pos)
-        pairs = _array(data, name, dt, size, k)
-        rows[f"{name}_len"] = pairs["len"]
-        rows[name] = pairs["v"]
+        if dt.names and "dim" in dt.names:
+            rows[f"{name}_len"] = size
+            rows[name] = _packed(data, name, dt, size, k)
+        else:
+            pairs = _array(data, name, dt, size, k)
+            rows[f"{name}_len"] = pairs["len"]
+            rows[name] = pairs["v"]
     data, pos = _field(buf, pos)
     lengths = _array(data, "id", np.dtype(">i4"), 4, k)["v"].astype(np.int64)
     ids, pos = _field(buf, pos)

@@ -442,11 +442,15 @@ class TableRead:
 
     def _chunks_sql(self, rng, classes: list | None, with_vectors: bool) -> sql.Composable:
         """The COPY of range `rng` in chunks of `chunk_pages` heap pages, one tuple each (copybin's
-        `chunk_rows`): the row count, an array per field of `fields()`, the ids' lengths and the ids.
+        `chunk_rows`): the row count, a field per field of `fields()`, the ids' lengths and the ids.
         Each chunk is a TID range scan (PostgreSQL 14+); its arrays keep the scan's (ctid) order, and the
         chunks come in page order."""
         s = self.source
-        aggs = [sql.SQL("array_agg({})").format(c) for c in self._columns_sql(classes, with_vectors)]
+        aggs = [sql.SQL("array_agg({})").format(c) for c in self._columns_sql(classes, False)]
+        if with_vectors:  # the vectors' binary values end to end: ~10% of the server's time a row less than an
+            # array of them (bench/NOTES.md, run 98)
+            aggs.append(sql.SQL("string_agg({}({}), ''::bytea)").format(sql.Identifier(f"{s.vtype}_send"),
+                                                                       sql.Identifier(s.column)))
         aggs += [sql.SQL("array_agg(octet_length({}))::int4[]").format(s.id_sql()),
                  sql.SQL("coalesce(string_agg({}, ''), '')").format(s.id_sql())]
         start, end = rng
