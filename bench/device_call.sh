@@ -5,6 +5,7 @@
 # passages: bench/passages.py --skip-whole (issue 20; SKIP_WHOLE= also embeds the whole documents); gputrain: the trainer's GPU tests; take: bench/take_pcie.py;
 # loader: bench/train_loader.py on 10M rows (issue 16; LOADER_SKIP, default sql,stream,file,eager); first: `embedfleet bench` (issue 17's first call);
 # ingest500k: bench/ingest.py --n 500000 --gpus 1, twice (issue 17's wall rate; the second run's compile from the cache).
+# readcold: bench/read_cold.py (issue 16: the one-connection read, the server's buffers empty, per io_method).
 # ingestmodes: the same once per word of INGEST_MODES, each word an environment (`-` none, `A=1,B=2` several),
 #   e.g. INGEST_MODES="- EMBEDFLEET_COMPILE=0 EMBEDFLEET_COMPILE_WAIT=1 -"; INGEST_N, INGEST_SHAPE (e.g. qwen3-0.6b).
 # Prelude and carry as bench/device_multi.sh's.
@@ -48,6 +49,8 @@ print(sys.argv[2], r['rows_per_s_steady'], r['rows_per_s_wall'], r['wall_s'], r[
 'loop', w['wall_s'], 'compile', c.get('seconds'), c.get('state'), 'finalize', r.get('finalize'), 'again', r.get('analyze_again_s'), 'startup', w['startup'])" \
         "$D/ingest_$r.json" "$mode" || tail -n 5 "$D/ingest_$r.err"
     done ;;
+  readcold) timeout "${READCOLD_TIMEOUT:-400}" python3 bench/read_cold.py --rows "${TRAIN_ROWS:-10000000}" \
+      --out "$OUT/read_cold.json" 2>"$OUT/read_cold.err" >/dev/null; grep -E '^\[read_cold\]|Error' "$OUT/read_cold.err" ;;
   first) timeout "${FIRST_TIMEOUT:-300}" python3 -m embedfleet.cli bench --model "$M" --texts "${TEXTS:-reviews}" --n 20000 --json \
       >"$OUT/bench_first.json" 2>"$OUT/bench_first.err"; tail -n 20 "$OUT/bench_first.err" ;;
   *) echo "unknown part $part"; exit 2 ;;
