@@ -49,7 +49,7 @@ print(sys.argv[2], r['rows_per_s_steady'], r['rows_per_s_wall'], r['wall_s'], r[
 'loop', w['wall_s'], 'compile', c.get('seconds'), c.get('state'), 'finalize', r.get('finalize'), 'again', r.get('analyze_again_s'), 'startup', w['startup'])" \
         "$D/ingest_$r.json" "$mode" || tail -n 5 "$D/ingest_$r.err"
     done ;;
-  readcold) timeout "${READCOLD_TIMEOUT:-400}" python3 bench/read_cold.py --rows "${TRAIN_ROWS:-10000000}" \
+  readcold) timeout "${READCOLD_TIMEOUT:-400}" python3 bench/read_cold.py --rows "${TRAIN_ROWS:-10000000}" ${READCOLD_ARGS:-} \
       --out "$OUT/read_cold.json" 2>"$OUT/read_cold.err" >/dev/null; grep -E '^\[read_cold\]|Error' "$OUT/read_cold.err" ;;
   first) timeout "${FIRST_TIMEOUT:-300}" python3 -m embedfleet.cli bench --model "$M" --texts "${TEXTS:-reviews}" --n 20000 --json \
       >"$OUT/bench_first.json" 2>"$OUT/bench_first.err"; tail -n 20 "$OUT/bench_first.err" ;;

@@ -2,7 +2,8 @@
 io_method settings (issue 16): the embedded server is restarted (its shared buffers empty, the OS's
 page cache kept), then the table is read once, then again.
 
-    python bench/read_cold.py [--rows 10000000] [--dim 384] [--io-methods worker,sync] [--again sync] [--out FILE]
+    python bench/read_cold.py [--rows 10000000] [--dim 384] [--io-methods worker,sync] [--again sync] [--paths chunks,rows]
+        [--out FILE]
 
 The table is bench/train_loader.py's (`bench_train_<rows>_<dim>`, written if missing). Each read is
 train_loader's read_rate into a destination whose pages were touched first: rows/s, the client's and
@@ -13,7 +14,7 @@ settings. One JSON document on stdout; progress on stderr.
 from __future__ import annotations
 
 import argparse
-import json
+import itertools
 import os
 import sys
 import time
@@ -38,6 +39,8 @@ def main() -> None:
     ap.add_argument("--dim", type=int, default=384)
     ap.add_argument("--io-methods", default="worker,sync")
     ap.add_argument("--again", default="sync", help="io methods whose cold read is followed by a warm one")
+    ap.add_argument("--paths", default="chunks", help="comma list of: chunks (many rows a message, the default "
+                    "on PostgreSQL 14+), rows (a message a row)")
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
     dsn = embedded.resolve_dsn(None)
@@ -45,15 +48,15 @@ def main() -> None:
     doc = {"machine": train_loader._machine(), "table": train_loader.write_table(
         dsn, table, a.rows, a.dim, writers=max(1, min(8, (os.cpu_count() or 2) // 2))), "reads": []}
     try:
-        for method in a.io_methods.split(","):
+        for method, path in itertools.product(a.io_methods.split(","), a.paths.split(",")):
             restart_with(dsn, method)
             for state in ("cold", "warm") if method in a.again.split(",") else ("cold",):
                 t0 = time.perf_counter()
-                r = train_loader.read_rate(dsn, table, 1, None, prefault=True)
-                doc["reads"].append({"io_method": method, "shared_buffers": state, **r})
-                print(f"[read_cold] {method} {state}: {r['rows_per_s']:,} rows/s ({time.perf_counter() - t0:.1f} s), "
-                      f"server busy {r['server_busy']}, client busy {r['client_busy']}, {r['server_io']}",
-                      file=sys.stderr, flush=True)
+                r = train_loader.read_rate(dsn, table, 1, None, prefault=True, chunked=path == "chunks")
+                doc["reads"].append({"io_method": method, "path": path, "shared_buffers": state, **r})
+                print(f"[read_cold] {method} {path} {state}: {r['rows_per_s']:,} rows/s "
+                      f"({time.perf_counter() - t0:.1f} s), server busy {r['server_busy']}, "
+                      f"client busy {r['client_busy']}, {r['server_io']}", file=sys.stderr, flush=True)
     finally:
         restart_with(dsn, embedded.bulk_settings()["io_method"])
     train_loader._write(doc, a.out)

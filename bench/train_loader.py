@@ -144,7 +144,8 @@ def write_table(dsn: str, table: str, rows: int, dim: int, writers: int) -> dict
 
 # ---- bulk read ------------------------------------------------------------------------------------
 
-def read_rate(dsn: str, table: str, connections: int, rows: int | None, prefault: bool = False) -> dict:
+def read_rate(dsn: str, table: str, connections: int, rows: int | None, prefault: bool = False,
+              chunked: bool | None = None) -> dict:
     """The read alone into host memory: rows/s with `connections` (the first `rows` rows by TID range)."""
     with connect(dsn) as conn:
         where = None
@@ -159,6 +160,8 @@ def read_rate(dsn: str, table: str, connections: int, rows: int | None, prefault
     io0 = _relation_io(dsn)
     t0 = time.perf_counter()
     with TableRead(dsn, source, connections=connections) as r:
+        if chunked is not None:  # False: a message a row, the path PostgreSQL 13 takes (bench/read_cold.py)
+            r.chunked = chunked
         plan = r.plan()
         x = np.empty((plan.n, source.dim), np.float32)
         fill_s = time.perf_counter()
@@ -183,7 +186,7 @@ def read_rate(dsn: str, table: str, connections: int, rows: int | None, prefault
     io1 = _relation_io(dsn)  # the readers' backends have exited, so their counts are in
     pages = {k: io1[k] - io0[k] for k in io0} if io0 and io1 else None
     return {"connections": connections, "rows": plan.n, "seconds": round(dt, 3), "rows_per_s": round(plan.n / dt),
-            "copy_rows_per_s": round(plan.n / copy_s), "plan_s": round(plan.seconds, 3), "prefault": prefault, **busy,
+            "copy_rows_per_s": round(plan.n / copy_s), "plan_s": round(plan.seconds, 3), "prefault": prefault, "chunked": r.chunked, **busy,
             "server_io": pages}
 
 
