@@ -121,3 +121,21 @@ def test_a_whole_tables_counts_may_use_the_servers_parallel_workers_and_agree(ds
     assert used[0] == 0 and used[4] > 0  # the count went parallel when allowed
     (cols0, x0), (cols4, x4) = rows[0], rows[4]
     assert list(cols0.ids) == list(cols4.ids) and np.array_equal(x0, x4)  # the read itself: the same order
+
+
+def test_pgvector_installed_outside_the_search_path_reads(dsn, conn):
+    """Supabase and others install extensions in a schema of their own: the read names the vector's send
+    function by the schema the catalog gives, not by the search path."""
+    conn.execute("CREATE SCHEMA extensions")
+    conn.execute("CREATE EXTENSION vector SCHEMA extensions")
+    conn.execute("CREATE TABLE elsewhere (id text, embedding extensions.vector(3), rating real)")
+    conn.execute("INSERT INTO elsewhere SELECT 'r' || i, ('[' || i || ',2,3]')::extensions.vector, i % 2 "
+                 "FROM generate_series(1, 40) i")
+    assert conn.execute("SELECT to_regproc('vector_send')").fetchone()[0] is None  # not on the search path
+    source = describe(conn, "elsewhere", "rating", None, "classify")
+    assert source.send == ("extensions", "vector_send")
+    got = []
+    with TableRead(dsn, source) as r:
+        plan = r.plan()
+        r.read(plan, lambda o, v: got.append(v.astype(np.float32)))
+    assert np.concatenate(got)[:, 0].tolist() == list(range(1, 41))

@@ -40,7 +40,7 @@ def _pgserver():
 # each of its helpers one more: 8 GPUs want ~140, past the stock 100. (On a server with fewer, the
 # launcher gives each worker fewer writers.)
 # io_method: PostgreSQL 18 hands each read to an I/O worker process by default; a training read of
-# pages the OS has cached ran ~10% faster doing its own reads (bench/NOTES.md, run 98).
+# pages the OS has cached ran 13% faster doing its own reads (bench/NOTES.md, run 99).
 BULK_SETTINGS = {"wal_buffers": "64MB", "max_wal_size": "8GB", "checkpoint_timeout": "30min", "max_connections": "300",
                  "io_method": "sync"}
 

@@ -93,6 +93,7 @@ class Source:
     task: str | None = None  # "classify" | "regress"
     where: str | None = None
     ident: tuple[str, ...] = ()  # the table's identifier parts (schema, name), resolved once
+    send: tuple[str, ...] = ()  # the vector type's binary send function (schema, name), from the catalog
 
     def table_sql(self) -> sql.Identifier:
         return sql.Identifier(*(self.ident or (self.table,)))
@@ -109,15 +110,22 @@ class Source:
     def key_sql(self) -> sql.Composable:
         return sql.SQL(_KEY).format(id=self.id_sql())
 
+    def send_sql(self) -> sql.Composable:
+        """The vector's binary value as bytea: its type's send function, wherever pgvector is installed."""
+        return sql.SQL("{}({})").format(sql.Identifier(*(self.send or (f"{self.vtype}_send",))),
+                                        sql.Identifier(self.column))
 
-def _columns(conn: psycopg.Connection, table: str) -> dict[str, tuple[str, str, int]]:
+
+def _columns(conn: psycopg.Connection, table: str) -> dict[str, tuple[str, str, int, tuple[str, str]]]:
+    """name → (type, type category, typmod, the type's send function as (schema, name), or Nones)."""
     rows = conn.execute(
-        "SELECT a.attname, t.typname, t.typcategory, a.atttypmod FROM pg_attribute a "
-        "JOIN pg_type t ON t.oid = a.atttypid "
+        "SELECT a.attname, t.typname, t.typcategory, a.atttypmod, n.nspname, p.proname FROM pg_attribute a "
+        "JOIN pg_type t ON t.oid = a.atttypid LEFT JOIN pg_proc p ON p.oid = t.typsend "
+        "LEFT JOIN pg_namespace n ON n.oid = p.pronamespace "
         "WHERE a.attrelid = %s::regclass AND a.attnum > 0 AND NOT a.attisdropped ORDER BY a.attnum",
         [table_sql(conn, table).as_string(conn)],
     ).fetchall()
-    return {name: (typ, cat, mod) for name, typ, cat, mod in rows}
+    return {name: (typ, cat, mod, (schema, send)) for name, typ, cat, mod, schema, send in rows}
 
 
 def describe(conn: psycopg.Connection, table: str, label: str | None = None, where: str | None = None,
@@ -126,14 +134,14 @@ def describe(conn: psycopg.Connection, table: str, label: str | None = None, whe
     if not table_exists(conn, table):
         raise DatabaseError(f"table {table!r} does not exist; `embedfleet status` lists the jobs and their tables")
     cols = _columns(conn, table)
-    vectors = [c for c, (typ, _, _) in cols.items() if typ in ("vector", "halfvec")]
+    vectors = [c for c, (typ, *_) in cols.items() if typ in ("vector", "halfvec")]
     if not vectors:
         raise DatabaseError(f"table {table!r} has no vector or halfvec column to train on")
     column = "embedding" if "embedding" in vectors else vectors[0]
     if len(vectors) > 1 and column != "embedding":
         raise DatabaseError(f"table {table!r} has several vector columns ({', '.join(vectors)}) and none is "
                             "named embedding")
-    vtype, _, dim = cols[column]
+    vtype, _, dim, send = cols[column]
     if dim <= 0:  # a column declared without a dimension: take the first row's
         row = conn.execute(sql.SQL("SELECT vector_dims({c}) FROM {t} WHERE {c} IS NOT NULL LIMIT 1").format(
             c=sql.Identifier(column), t=table_sql(conn, table))).fetchone()
@@ -146,7 +154,7 @@ def describe(conn: psycopg.Connection, table: str, label: str | None = None, whe
         if label not in cols:
             raise InputError(f"--label {label!r}: table {table!r} has no such column "
                              f"(it has {', '.join(c for c in cols if c != column)})")
-        typ, cat, _ = cols[label]
+        typ, cat, *_ = cols[label]
         if label == column:
             raise InputError(f"--label {label!r} is the vector column itself")
         kind = {"N": "numeric", "S": "text", "B": "text"}.get(cat)
@@ -158,7 +166,7 @@ def describe(conn: psycopg.Connection, table: str, label: str | None = None, whe
     elif task is not None:
         raise InputError(f"--task {task} needs a --label column")
     return Source(table, column, vtype, dim, id_column, label, kind, task if label else None, where or None,
-                  tuple(p for p in split_table(conn, table) if p is not None))
+                  tuple(p for p in split_table(conn, table) if p is not None), send)
 
 
 def _primary_key(conn: psycopg.Connection, table: str) -> str | None:
@@ -448,9 +456,8 @@ class TableRead:
         s = self.source
         aggs = [sql.SQL("array_agg({})").format(c) for c in self._columns_sql(classes, False)]
         if with_vectors:  # the vectors' binary values end to end: ~10% of the server's time a row less than an
-            # array of them (bench/NOTES.md, run 98)
-            aggs.append(sql.SQL("string_agg({}({}), ''::bytea)").format(sql.Identifier(f"{s.vtype}_send"),
-                                                                       sql.Identifier(s.column)))
+            # array of them (bench/NOTES.md, runs 97–99)
+            aggs.append(sql.SQL("string_agg({}, ''::bytea)").format(s.send_sql()))
         aggs += [sql.SQL("array_agg(octet_length({}))::int4[]").format(s.id_sql()),
                  sql.SQL("coalesce(string_agg({}, ''), '')").format(s.id_sql())]
         start, end = rng
