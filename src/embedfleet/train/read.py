@@ -143,8 +143,9 @@ def describe(conn: psycopg.Connection, table: str, label: str | None = None, whe
                             "named embedding")
     vtype, _, dim, send = cols[column]
     if dim <= 0:  # a column declared without a dimension: take the first row's
-        row = conn.execute(sql.SQL("SELECT vector_dims({c}) FROM {t} WHERE {c} IS NOT NULL LIMIT 1").format(
-            c=sql.Identifier(column), t=table_sql(conn, table))).fetchone()
+        dims = sql.Identifier(*((send[0], "vector_dims") if send[0] else ("vector_dims",)))  # pgvector's schema
+        row = conn.execute(sql.SQL("SELECT {d}({c}) FROM {t} WHERE {c} IS NOT NULL LIMIT 1").format(
+            d=dims, c=sql.Identifier(column), t=table_sql(conn, table))).fetchone()
         dim = row[0] if row else 0
     id_column = "id" if "id" in cols else _primary_key(conn, table)
     kind = None
