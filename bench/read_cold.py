@@ -9,6 +9,9 @@ The table is bench/train_loader.py's (`bench_train_<rows>_<dim>`, written if mis
 train_loader's read_rate into a destination whose pages were touched first: rows/s, the client's and
 the server's CPU busy, the server's pages (pg_stat_io). The server is left with embedfleet's own
 settings. One JSON document on stdout; progress on stderr.
+
+A read's plan scans the table first; for a table smaller than a quarter of the shared buffers that scan
+keeps its pages there, so a "cold" read is cold only for tables larger than that (the 10M-row one: 16 GB).
 """
 
 from __future__ import annotations
@@ -43,7 +46,9 @@ def main() -> None:
                     "on PostgreSQL 14+), rows (a message a row)")
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
-    dsn = embedded.resolve_dsn(None)
+    if os.environ.get("EMBEDFLEET_DB"):  # it restarts the embedded server: the one it reads must be that one
+        sys.exit("read_cold.py measures the embedded server; unset EMBEDFLEET_DB")
+    dsn = embedded.start()
     table = f"bench_train_{a.rows}_{a.dim}"
     doc = {"machine": train_loader._machine(), "table": train_loader.write_table(
         dsn, table, a.rows, a.dim, writers=max(1, min(8, (os.cpu_count() or 2) // 2))), "reads": []}

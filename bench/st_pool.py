@@ -4,7 +4,7 @@
 
 For each GPU count: a pool of one process per GPU (`start_multi_process_pool`), bf16 on CUDA, the same
 review texts `bench/ingest.py` embeds (`synth.long_tail_texts`), timed over the whole encode after a
-warm-up call; texts/s and the scaling against the first count. One JSON document on stdout.
+warm-up call; texts/s and the scaling against the smallest count. One JSON document on stdout.
 """
 
 from __future__ import annotations

@@ -176,22 +176,38 @@ def read_rate(dsn: str, table: str, connections: int, rows: int | None, prefault
         t1, client0, server0 = time.perf_counter(), time.process_time(), [_cpu_s(p) for p in pids]
         r.read(plan, put)
         copy_s = time.perf_counter() - t1
-        client_s, server_s = time.process_time() - client0, [_cpu_s(p) - s for p, s in zip(pids, server0)]
+        client_s = time.process_time() - client0
+        server_s = [None if s is None or e is None else e - s for s, e in zip(server0, map(_cpu_s, pids))]
     dt = time.perf_counter() - t0 - fill_s
     # who holds a one-connection read: the server's backend or this process, busy for how much of the COPY
     busy = {"copy_s": round(copy_s, 3), "client_cpu_s": round(client_s, 2),
             "server_cpu_s": [round(s, 2) for s in server_s if s is not None],
             "server_busy": [round(s / copy_s, 3) for s in server_s if s is not None],
             "client_busy": round(client_s / copy_s, 3)}
-    io1 = _relation_io(dsn)  # the readers' backends have exited, so their counts are in
-    pages = {k: io1[k] - io0[k] for k in io0} if io0 and io1 else None
+    io1 = _relation_io(dsn, after=io0)
+    # the plan's scan and the COPY's: pages found in shared buffers, and MB read in
+    pages = {k: round(io1[k] - io0[k], 1) for k in io0} if io0 and io1 else None
     return {"connections": connections, "rows": plan.n, "seconds": round(dt, 3), "rows_per_s": round(plan.n / dt),
-            "copy_rows_per_s": round(plan.n / copy_s), "plan_s": round(plan.seconds, 3), "prefault": prefault, "chunked": r.chunked, **busy,
-            "server_io": pages}
+            "copy_rows_per_s": round(plan.n / copy_s), "plan_s": round(plan.seconds, 3), "prefault": prefault,
+            "chunked": r.chunked, **busy, "server_io": pages}
 
 
-def _relation_io(dsn: str) -> dict | None:
-    """The server's relation pages so far: found in shared buffers (hits) or read in (PostgreSQL 16+'s pg_stat_io)."""
+def _relation_io(dsn: str, after: dict | None = None) -> dict | None:
+    """The server's relation pages so far: found in shared buffers (hits) or read in (PostgreSQL 16+'s
+    pg_stat_io). With `after`: polled until the figures settle (up to 2 s), since a backend's counts
+    arrive when it exits, after its client has closed the connection (each poll's own catalog lookups
+    add a few hundred hits)."""
+    last = None
+    for _ in range(20 if after else 1):
+        now = _relation_io_once(dsn)
+        if now is None or (last and now["read_mb"] == last["read_mb"] and now["hits"] - last["hits"] < 1000):
+            return now
+        last = now
+        time.sleep(0.1)
+    return last
+
+
+def _relation_io_once(dsn: str) -> dict | None:
     with connect(dsn) as conn:
         for read_bytes in ("read_bytes", "reads * op_bytes"):  # PostgreSQL 18, 16–17
             try:
@@ -203,12 +219,15 @@ def _relation_io(dsn: str) -> dict | None:
                 conn.rollback()
         else:
             return None
-    return {"hits": int(hits or 0), "read_mb": round(float(read_mb or 0), 1), "read_ms": round(float(read_ms or 0), 1)}
+    return {"hits": int(hits or 0), "read_mb": float(read_mb or 0), "read_ms": float(read_ms or 0)}
 
 
 def _cpu_s(pid: int) -> float | None:
-    """CPU seconds (user + system) of a local process, from /proc (None for a server on another host)."""
+    """CPU seconds (user + system) of a local server process, from /proc (None for a server on another host,
+    or in another pid namespace, where that pid is someone else's)."""
     try:
+        if not open(f"/proc/{pid}/comm").read().startswith("postgres"):
+            return None
         fields = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
     except OSError:
         return None

@@ -436,6 +436,28 @@ def test_embedded_server_is_not_restarted_under_a_connected_client(cli):
         cli("db", "stop")
 
 
+def test_a_setting_the_server_does_not_have_is_left_out_and_restarts_nothing(tmp_path, monkeypatch):
+    """io_method exists from PostgreSQL 18 on: a server without one of the settings still starts, tuned in
+    the rest, and is not restarted again at every start for the one it cannot take."""
+    import psycopg
+
+    from embedfleet.store import embedded
+
+    monkeypatch.setenv("EMBEDFLEET_HOME", str(tmp_path / "home"))
+    monkeypatch.delenv("EMBEDFLEET_PG_TUNE", raising=False)
+    monkeypatch.setattr(embedded, "BULK_SETTINGS", {**embedded.BULK_SETTINGS, "embedfleet_no_such_setting": "1"})
+    try:
+        dsn = embedded.start()
+        with psycopg.connect(dsn) as c:
+            assert c.execute("SHOW wal_buffers").fetchone()[0] == "64MB"
+            started = c.execute("SELECT pg_postmaster_start_time()").fetchone()[0]
+        assert embedded.start() == dsn
+        with psycopg.connect(dsn) as c:
+            assert c.execute("SELECT pg_postmaster_start_time()").fetchone()[0] == started  # not restarted
+    finally:
+        embedded.stop()
+
+
 def test_helper_processes_prepare_exactly_what_the_inline_path_does(cli, dsn, conn, tmp_path):
     """Units prepared in helper processes (the GPU hosts' path: each helper reads its byte range,
     joins meta over its own connection, tokenizes and encodes COPY rows; a .gz stream is read by the

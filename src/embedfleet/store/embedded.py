@@ -104,9 +104,12 @@ def _tune(pgserver, data: Path, uri: str) -> None:
     with psycopg.connect(uri, autocommit=True) as conn:
         others = conn.execute("SELECT count(*) FROM pg_stat_activity WHERE backend_type = 'client backend' "
                               "AND pid <> pg_backend_pid()").fetchone()[0]
-        if others:
+        # a setting this server's version does not have (io_method before PostgreSQL 18) is left out
+        known = {r[0] for r in conn.execute("SELECT name FROM pg_settings WHERE name = ANY(%s)", [list(wanted)])}
+        todo = {name: value for name, value in wanted.items() if name in known and have.get(name) != value}
+        if others or not todo:
             return
-        for name, value in wanted.items():
+        for name, value in todo.items():
             conn.execute(sql.SQL("ALTER SYSTEM SET {} = {}").format(sql.Identifier(name), sql.Literal(value)))
     pgserver.pg_ctl(["-w", "restart"], pgdata=data, user=_user())
 

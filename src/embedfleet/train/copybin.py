@@ -94,7 +94,7 @@ def _field(buf: memoryview, pos: int) -> tuple[memoryview, int]:
     """A tuple's field at `pos`: (its bytes, the position after it). A NULL is a ValueError."""
     size = int.from_bytes(buf[pos:pos + 4], "big", signed=True)
     if size < 0:
-        raise ValueError("a NULL where a chunk has an array")
+        raise ValueError("a NULL where a chunk has a field's values")
     return buf[pos + 4:pos + 4 + size], pos + 4 + size
 
 
