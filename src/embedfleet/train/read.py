@@ -507,11 +507,13 @@ class TableRead:
 
         def count(conn, rng):
             try:
-                conn.execute(f"SET LOCAL max_parallel_workers_per_gather = {helpers}")
+                if helpers:
+                    conn.execute(f"SET LOCAL max_parallel_workers_per_gather = {helpers}")
                 rows = conn.execute(self._precount_sql(rng)).fetchall()
             except psycopg.Error as e:
                 raise _user_error(e.sqlstate, _first_line(e), s.where) from None
-            conn.execute("SET LOCAL max_parallel_workers_per_gather = 0")
+            if helpers:  # the read's own scans stay serial, in page order
+                conn.execute("SET LOCAL max_parallel_workers_per_gather = 0")
             return rows
 
         per_range = self._parallel(count, ranges)
