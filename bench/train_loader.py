@@ -144,8 +144,7 @@ def write_table(dsn: str, table: str, rows: int, dim: int, writers: int) -> dict
 
 # ---- bulk read ------------------------------------------------------------------------------------
 
-def read_rate(dsn: str, table: str, connections: int, rows: int | None, prefault: bool = False,
-              chunked: bool | None = None) -> dict:
+def read_rate(dsn: str, table: str, connections: int, rows: int | None, prefault: bool = False) -> dict:
     """The read alone into host memory: rows/s with `connections` (the first `rows` rows by TID range)."""
     with connect(dsn) as conn:
         where = None
@@ -160,8 +159,6 @@ def read_rate(dsn: str, table: str, connections: int, rows: int | None, prefault
     io0 = _relation_io(dsn)
     t0 = time.perf_counter()
     with TableRead(dsn, source, connections=connections) as r:
-        if chunked is not None:  # False: a message a row, the path PostgreSQL 13 takes (bench/read_cold.py)
-            r.chunked = chunked
         plan = r.plan()
         x = np.empty((plan.n, source.dim), np.float32)
         fill_s = time.perf_counter()
@@ -189,7 +186,7 @@ def read_rate(dsn: str, table: str, connections: int, rows: int | None, prefault
     pages = {k: round(io1[k] - io0[k], 1) for k in io0} if io0 and io1 else None
     return {"connections": connections, "rows": plan.n, "seconds": round(dt, 3), "rows_per_s": round(plan.n / dt),
             "copy_rows_per_s": round(plan.n / copy_s), "plan_s": round(plan.seconds, 3), "prefault": prefault,
-            "chunked": r.chunked, **busy, "server_io": pages}
+            "chunked": r.chunked, "ahead": r.ahead, **busy, "server_io": pages}
 
 
 def _relation_io(dsn: str, after: dict | None = None) -> dict | None:

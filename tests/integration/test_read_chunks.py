@@ -1,8 +1,11 @@
 """The bulk read's chunked COPY (many rows a message) against a real PostgreSQL: the same rows, in the
 same order, as a plain SELECT by ctid — across ranges, with pages left empty by deletes, a --where,
-text labels and halfvec — and a one-line error for a vector of another dimension."""
+text labels and halfvec, blocks put in place inline or on a thread of their own — and a one-line error
+for a vector of another dimension or from the put."""
 
 from __future__ import annotations
+
+import time
 
 import numpy as np
 import pytest
@@ -33,18 +36,23 @@ def _plain(conn, name: str, where: str = "true") -> list[tuple]:
 @pytest.mark.parametrize("vtype", ["vector", "halfvec"])
 def test_chunks_give_the_rows_of_a_plain_select_in_order(dsn, conn, monkeypatch, vtype):
     monkeypatch.setattr(readmod, "CHUNK_BYTES", 20_000)  # chunks of a few pages: many, some of them empty
+    monkeypatch.setattr(readmod, "BLOCK_ROWS", 97)  # many blocks a range: the put's buffers taken in turn
     _table(conn, "c", vtype)
     # columns named p and n, and a --where on them: nothing in the chunk's query may take their place
-    for where, connections, chunked in ((None, 1, True), (None, 3, True), ("genre <> 'b' AND p = 0 AND n = 0", 2, True),
-                                        ("genre <> 'b'", 2, False)):  # False: PostgreSQL 13's row-a-message COPY
+    for where, connections, chunked, ahead in (
+            (None, 1, True, True), (None, 1, True, False), (None, 3, True, True),
+            ("genre <> 'b' AND p = 0 AND n = 0", 2, True, True),
+            ("genre <> 'b'", 2, False, True), (None, 1, False, False)):  # False: a message a row
         source = describe(conn, "c", "genre", where, "classify")
         with TableRead(dsn, source, connections=connections) as r:
-            assert 1 < r.chunk_pages < 10 and r.chunked
-            r.chunked = chunked
+            assert 1 < r.chunk_pages < 10 and r.ahead == (connections == 1)
+            r.chunked, r.ahead = chunked, ahead
             plan = r.plan(parts=connections)
             got = np.zeros((plan.n, DIM), np.float32)
 
             def put(o, v, got=got):
+                if o % 5 == 0:
+                    time.sleep(0.002)  # a slow put: a buffer the read reused too early would show
                 got[o:o + len(v)] = v
 
             cols = r.read(plan, put)
@@ -54,6 +62,37 @@ def test_chunks_give_the_rows_of_a_plain_select_in_order(dsn, conn, monkeypatch,
         assert np.array_equal(got, np.array([w[1] for w in want], np.float32))
         assert [plan.classes[i] for i in cols.labels.tolist()] == [w[2] for w in want]
         assert np.all(np.diff(cols.tids.astype(np.int64)) > 0)  # ctid order across the ranges
+
+
+@pytest.mark.parametrize("chunked", [True, False])
+def test_an_error_of_the_put_on_its_thread_is_the_reads_error(dsn, conn, monkeypatch, chunked):
+    monkeypatch.setattr(readmod, "BLOCK_ROWS", 50)
+    monkeypatch.setattr(readmod, "CHUNK_BYTES", 20_000)
+    _table(conn, "e", rows=800)
+    source = describe(conn, "e", "genre", None, "classify")
+    seen = []
+
+    def put(o, v):
+        seen.append(o)
+        if len(seen) == 3:
+            raise DatabaseError("the destination is full")
+
+    with TableRead(dsn, source) as r:
+        r.chunked = chunked
+        plan = r.plan()
+        with pytest.raises(DatabaseError, match="^the destination is full$"):
+            r.read(plan, put)
+    assert len(seen) == 3  # no block put after the failed one
+    assert conn.execute("SELECT count(*) FROM e").fetchone()[0] > 0  # the server is fine
+
+
+def test_one_connection_takes_a_message_a_row_where_the_client_has_cores_to_spare():
+    from embedfleet.train.read import use_chunks
+
+    assert not use_chunks(180000, 1, cores=16) and not use_chunks(140000, 1, cores=4)
+    assert use_chunks(180000, 1, cores=2)  # client and server share two cores: chunks cost the client less
+    assert use_chunks(180000, 4, cores=64)  # several connections' clients share one GIL
+    assert not use_chunks(130000, 4, cores=2)  # PostgreSQL 13 has no TID range scan
 
 
 def test_a_vector_of_another_dimension_is_a_one_line_error(dsn, conn):

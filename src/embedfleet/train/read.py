@@ -21,7 +21,9 @@ from __future__ import annotations
 
 import hashlib
 import os
+import queue
 import select
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -44,6 +46,7 @@ BLOCK_ROWS = 16_384  # rows parsed per np.frombuffer: ~25 MB of 384-dim float32 
 # Bytes a COPY message carries (a chunk of heap pages, see chunk_pages): one message a row left the
 # client a libpq call and slices of Python a row, its bound (bench/NOTES.md, runs 62, 67, 68).
 CHUNK_BYTES = 1 << 19
+ROW_MESSAGE_CORES = 4  # from this many cores a one-connection read takes a message a row (use_chunks)
 PRECOUNT_WORKERS = 4  # the server's parallel workers a one-range plan's counts may use
 _LAST_PAGE = 4_294_967_294  # the highest heap page number a tid can name
 _KEY = "('x' || left(md5({id}), 8))::bit(32)"  # a stable 32-bit hash of the row id (md5, not hashtext)
@@ -176,6 +179,17 @@ def _primary_key(conn: psycopg.Connection, table: str) -> str | None:
         "AND a.attnum = ANY(i.indkey) WHERE i.indrelid = %s::regclass AND i.indisprimary",
         [table_sql(conn, table).as_string(conn)]).fetchall()
     return rows[0][0] if len(rows) == 1 else None
+
+
+def use_chunks(server_version: int, connections: int, cores: int | None = None) -> bool:
+    """Whether a read takes chunks of rows a message (TID range scans: PostgreSQL 14+) or a message a row.
+    One connection on a host with cores to spare takes a message a row: one sequential scan costs its
+    server less, most of all on a table it has not cached, whose pages chunks place in shared buffers
+    one by one (EmbeddingDataset into an H100 right after a restart: 196.5k against 173.9k rows/s,
+    bench/NOTES.md run 102). Its client works over twice as hard, the bound on two cores or where several
+    connections' clients share one GIL."""
+    cores = cores or os.cpu_count() or 1
+    return server_version >= 140000 and (connections > 1 or cores < ROW_MESSAGE_CORES)
 
 
 def default_connections() -> int:
@@ -328,7 +342,10 @@ class TableRead:
                 "CASE WHEN c.relpages > 0 AND c.reltuples > 0 THEN c.reltuples / c.relpages END "
                 "FROM pg_class c WHERE c.oid = %s::regclass", [t]).fetchone()
             self.chunk_pages = chunk_pages(source, per_page)
-            self.chunked = lead.info.server_version >= 140000  # TID range scans
+            self.chunked = use_chunks(lead.info.server_version, len(self.conns))
+            # one connection: blocks put in place on a thread of their own while the server, the bound,
+            # keeps sending (Handoff); several are their clients' bound, to which a thread more adds nothing
+            self.ahead = len(self.conns) == 1
         except psycopg.Error as e:
             self.close()
             raise DatabaseError(f"cannot open a read of {source.table!r}: {_first_line(e)}") from None
@@ -607,9 +624,9 @@ class TableRead:
 
             try:
                 if self.chunked:
-                    copy_chunks(conn, query, fields, dtype, on_block, s.table)
+                    copy_chunks(conn, query, fields, dtype, on_block, s.table, BLOCK_ROWS, self.ahead)
                 else:
-                    copy_rows(conn, query, dtype.itemsize, on_block)
+                    copy_rows(conn, query, dtype.itemsize, on_block, BLOCK_ROWS, ahead=self.ahead)
             except _CopyFailed as e:
                 raise _user_error(e.sqlstate, e.message, s.where) from None
             except psycopg.Error as e:
@@ -711,35 +728,95 @@ def _messages(conn: psycopg.Connection, query: sql.Composable) -> Iterator[memor
 
 def copy_rows(conn: psycopg.Connection, query: sql.Composable, fixed: int,
               on_block: Callable[[np.ndarray, bytearray, list], None], block_rows: int = BLOCK_ROWS,
-              with_text: bool = True) -> int:
+              with_text: bool = True, ahead: bool = False) -> int:
     """Run a binary `COPY ... TO STDOUT` of one row a tuple and hand its rows on in blocks:
     on_block(raw (k, fixed) uint8 — the fixed-width prefix of each row, contiguous for np.frombuffer —,
     the bytes after the prefix of every row, concatenated, and their lengths). This loop only copies
     each row into a reused buffer (the per-row work psycopg's Copy.read adds is most of a read's client
-    time). Returns the rows."""
-    buf = np.empty(block_rows * fixed, np.uint8)
-    view = memoryview(buf)
+    time). `ahead`: on_block runs on a thread of its own (Handoff). Returns the rows."""
     total = k = 0
     tail = bytearray()
     lens: list[int] = []
-    for d in _messages(conn, query):
-        nb = len(d)
-        if nb < fixed:
-            raise DatabaseError(f"a row of {nb} bytes where at least {fixed} were expected (NULL or "
-                                "a vector of another dimension?)")
-        view[k * fixed:(k + 1) * fixed] = d[:fixed]
-        if with_text:
-            tail += d[fixed:]
-            lens.append(nb - fixed)
-        k += 1
-        if k == block_rows:
-            on_block(buf.reshape(block_rows, fixed), tail, lens)
+    with Handoff(on_block, ahead) as hand:
+        bufs = [np.empty(block_rows * fixed, np.uint8) for _ in range(hand.slots)]
+        slot = hand.slot()
+        view = memoryview(bufs[slot])
+        for d in _messages(conn, query):
+            nb = len(d)
+            if nb < fixed:
+                raise DatabaseError(f"a row of {nb} bytes where at least {fixed} were expected (NULL or "
+                                    "a vector of another dimension?)")
+            view[k * fixed:(k + 1) * fixed] = d[:fixed]
+            if with_text:
+                tail += d[fixed:]
+                lens.append(nb - fixed)
+            k += 1
+            if k == block_rows:
+                hand.give(slot, bufs[slot].reshape(block_rows, fixed), tail, lens)
+                total += k
+                k, tail, lens = 0, bytearray(), []
+                slot = hand.slot()
+                view = memoryview(bufs[slot])
+        if k:
+            hand.give(slot, bufs[slot][:k * fixed].reshape(k, fixed), tail, lens if with_text else [0] * k)
             total += k
-            k, tail, lens = 0, bytearray(), []
-    if k:
-        on_block(buf[:k * fixed].reshape(k, fixed), tail, lens if with_text else [0] * k)
-        total += k
     return total
+
+
+class Handoff:
+    """Calls on_block(*block) for each block a COPY loop gives, in order: with `ahead`, on a thread of its
+    own while the loop fills the next of two buffers, so the socket keeps being drained (a server whose
+    socket is full stops producing: putting a block in place stalled a one-connection read ~12%,
+    bench/NOTES.md runs 99 and 102); else inline in one buffer. A context manager: on leaving, the
+    blocks given are done; an error of on_block is raised in the loop (at its next slot) or on leaving."""
+
+    def __init__(self, on_block: Callable, ahead: bool):
+        self._on_block = on_block
+        self.slots = 2 if ahead else 1
+        self._error: BaseException | None = None
+        self._thread = None
+        if ahead:
+            self._free: queue.SimpleQueue = queue.SimpleQueue()
+            self._todo: queue.SimpleQueue = queue.SimpleQueue()
+            for i in range(self.slots):
+                self._free.put(i)
+            self._thread = threading.Thread(target=self._run, name="embedfleet-read-put", daemon=True)
+            self._thread.start()
+
+    def _run(self) -> None:
+        while (item := self._todo.get()) is not None:
+            slot, block = item
+            if self._error is None:  # after an error, blocks are only handed back
+                try:
+                    self._on_block(*block)
+                except BaseException as e:  # noqa: BLE001 - raised in the loop's thread
+                    self._error = e
+            self._free.put(slot)
+
+    def slot(self) -> int:
+        """A buffer the loop may fill (waits for the one the thread is done with)."""
+        if self._thread is None:
+            return 0
+        slot = self._free.get()
+        if self._error is not None:
+            raise self._error
+        return slot
+
+    def give(self, slot: int, *block) -> None:
+        if self._thread is None:
+            self._on_block(*block)
+        else:
+            self._todo.put((slot, block))
+
+    def __enter__(self) -> Handoff:
+        return self
+
+    def __exit__(self, kind, *_) -> None:
+        if self._thread is not None:
+            self._todo.put(None)
+            self._thread.join()
+            if self._error is not None and kind is None:
+                raise self._error
 
 
 def chunk_pages(source: Source, rows_per_page: float | None) -> int:
@@ -753,36 +830,35 @@ def chunk_pages(source: Source, rows_per_page: float | None) -> int:
 
 def copy_chunks(conn: psycopg.Connection, query: sql.Composable, fields: list, dtype: np.dtype,
                 on_block: Callable[[np.ndarray, bytes, np.ndarray], None], table: str,
-                block_rows: int = BLOCK_ROWS) -> int:
+                block_rows: int = BLOCK_ROWS, ahead: bool = False) -> int:
     """Run a chunked binary COPY of `table` (TableRead._chunks_sql: many rows a tuple) and hand its rows
     on as copy_rows does, in blocks of whole chunks, at most `block_rows` rows unless one chunk has
     more. Each chunk is parsed straight into the block's buffer. Returns the rows."""
-    rows = np.empty(block_rows, dtype)
     total = k = 0
     ids: list[bytes] = []
     lengths: list[np.ndarray] = []
-
-    def flush() -> None:
-        on_block(rows[:k].view(np.uint8).reshape(k, dtype.itemsize), b"".join(ids), np.concatenate(lengths))
-        ids.clear()
-        lengths.clear()
-
-    for d in _messages(conn, query):
-        try:
-            n = chunk_count(d)
-            if k + n > len(rows):
-                if k:
-                    flush()
-                    total, k = total + k, 0
-                if n > len(rows):
-                    rows = np.empty(n, dtype)
-            _, id_bytes, id_lengths = chunk_rows(d, fields, dtype, out=rows[k:k + n])
-        except ValueError as e:
-            raise DatabaseError(f"table {table!r}: {e}") from None
-        ids.append(id_bytes)
-        lengths.append(id_lengths)
-        k += n
-    if k:
-        flush()
-        total += k
+    with Handoff(on_block, ahead) as hand:
+        bufs = [np.empty(block_rows, dtype) for _ in range(hand.slots)]
+        slot = hand.slot()
+        for d in _messages(conn, query):
+            try:
+                n = chunk_count(d)
+                if k + n > len(bufs[slot]):
+                    if k:
+                        hand.give(slot, bufs[slot][:k].view(np.uint8).reshape(k, dtype.itemsize),
+                                  b"".join(ids), np.concatenate(lengths))
+                        total, k, ids, lengths = total + k, 0, [], []
+                        slot = hand.slot()
+                    if n > len(bufs[slot]):
+                        bufs[slot] = np.empty(n, dtype)
+                _, id_bytes, id_lengths = chunk_rows(d, fields, dtype, out=bufs[slot][k:k + n])
+            except ValueError as e:
+                raise DatabaseError(f"table {table!r}: {e}") from None
+            ids.append(id_bytes)
+            lengths.append(id_lengths)
+            k += n
+        if k:
+            hand.give(slot, bufs[slot][:k].view(np.uint8).reshape(k, dtype.itemsize), b"".join(ids),
+                      np.concatenate(lengths))
+            total += k
     return total
