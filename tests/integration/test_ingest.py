@@ -364,7 +364,7 @@ def _shared_buffers_mb(conn) -> int:
 
 
 def test_embedded_server_uri_start_stop(cli):
-    from embedfleet.store.embedded import memory_bytes, shared_buffers_mb
+    from embedfleet.store.embedded import bulk_settings, memory_bytes, shared_buffers_mb
 
     p = cli("db", "uri", check=True)
     dsn = p.stdout.strip()
@@ -375,7 +375,9 @@ def test_embedded_server_uri_start_stop(cli):
         assert c.execute("SELECT 1").fetchone() == (1,)
         # tuned for bulk loads at its first start (one restart), and the DSN still reaches it
         assert [c.execute(f"SHOW {k}").fetchone()[0] for k in ("wal_buffers", "max_wal_size", "max_connections",
-                                                               "io_method")] == ["64MB", "8GB", "300", "sync"]
+                                                               "io_method")] == [
+            "256MB", bulk_settings()["max_wal_size"], "300", "sync"]
+        assert 8 <= int(bulk_settings()["max_wal_size"].removesuffix("GB")) <= 32
         assert _shared_buffers_mb(c) == shared_buffers_mb(memory_bytes())
         # A data directory tuned by an earlier version (other values) is tuned again at the next start.
         c.execute("ALTER SYSTEM SET shared_buffers = '128MB'")
@@ -426,12 +428,12 @@ def test_embedded_server_is_not_restarted_under_a_connected_client(cli):
     dsn = cli("db", "uri", check=True, extra_env={"EMBEDFLEET_PG_TUNE": "0"}).stdout.strip()  # stock settings
     try:
         with psycopg.connect(dsn, autocommit=True) as c:
-            assert c.execute("SHOW wal_buffers").fetchone()[0] != "64MB"
+            assert c.execute("SHOW wal_buffers").fetchone()[0] != "256MB"
             cli("db", "uri", check=True)  # would tune and restart, but someone is connected
-            assert c.execute("SHOW wal_buffers").fetchone()[0] != "64MB"  # same session: not cut off
+            assert c.execute("SHOW wal_buffers").fetchone()[0] != "256MB"  # same session: not cut off
         cli("db", "uri", check=True)  # alone now: tuned
         with psycopg.connect(dsn) as c:
-            assert c.execute("SHOW wal_buffers").fetchone()[0] == "64MB"
+            assert c.execute("SHOW wal_buffers").fetchone()[0] == "256MB"
     finally:
         cli("db", "stop")
 
@@ -449,7 +451,7 @@ def test_a_setting_the_server_does_not_have_is_left_out_and_restarts_nothing(tmp
     try:
         dsn = embedded.start()
         with psycopg.connect(dsn) as c:
-            assert c.execute("SHOW wal_buffers").fetchone()[0] == "64MB"
+            assert c.execute("SHOW wal_buffers").fetchone()[0] == "256MB"
             started = c.execute("SELECT pg_postmaster_start_time()").fetchone()[0]
         assert embedded.start() == dsn
         with psycopg.connect(dsn) as c:

@@ -12,7 +12,7 @@ from embedfleet.runtime.job import apply_limit
 from embedfleet.runtime.local import parse_devices, worker_count, writers_each
 from embedfleet.runtime.monitor import rate_and_eta
 from embedfleet.sources.plan import ChunkSpec
-from embedfleet.store.embedded import _settings_in, shared_buffers_mb
+from embedfleet.store.embedded import _settings_in, max_wal_size_gb, shared_buffers_mb
 from embedfleet.store.schema import check_identifier
 
 
@@ -154,6 +154,11 @@ def test_the_embedded_server_buffers_a_quarter_of_memory_between_1_and_16_gb():
     gib = 1 << 30
     assert [shared_buffers_mb(m * gib) for m in (2, 8, 24, 64, 256)] == [1024, 2048, 6144, 16384, 16384]
     assert shared_buffers_mb(int(10.5 * gib)) == 2688
+
+
+def test_the_embedded_server_keeps_an_eighth_of_its_disk_of_wal_between_8_and_32_gb():
+    gib = 1 << 30
+    assert [max_wal_size_gb(d * gib) for d in (20, 64, 100, 235, 252, 2000)] == [8, 8, 12, 29, 31, 32]
 
 
 def test_settings_written_by_alter_system_are_read_back():

@@ -8,6 +8,7 @@ next command (or a worker process) connects in milliseconds; `embedfleet db stop
 from __future__ import annotations
 
 import os
+import shutil
 import warnings
 from pathlib import Path
 
@@ -41,8 +42,17 @@ def _pgserver():
 # launcher gives each worker fewer writers.)
 # io_method: PostgreSQL 18 hands each read to an I/O worker process by default; a training read of
 # pages the OS has cached ran 13% faster doing its own reads (bench/NOTES.md, run 99).
-BULK_SETTINGS = {"wal_buffers": "64MB", "max_wal_size": "8GB", "checkpoint_timeout": "30min", "max_connections": "300",
+# wal_buffers: at 4 GPUs the 64 MB were found full ~7,600 times in a 4M-row load (run 107).
+BULK_SETTINGS = {"wal_buffers": "256MB", "checkpoint_timeout": "30min", "max_connections": "300",
                  "io_method": "sync"}
+
+
+def max_wal_size_gb(disk_bytes: int) -> int:
+    """WAL between checkpoints: an eighth of the data directory's disk, from 8 to 32 GB. A checkpoint in
+    the middle of a load writes the shared buffers out beside the WAL: at 4 GPUs the GPUs waited on the
+    database 3.5 s of a 15.8 s loop with two (8 GB), 1.2 s with none (40 GB; bench/NOTES.md, run 107).
+    Bounded by the disk: the WAL kept between checkpoints, and a crash's replay, grow with it."""
+    return max(8, min(32, disk_bytes // 8 >> 30))
 
 
 def shared_buffers_mb(memory: int) -> int:
@@ -68,7 +78,9 @@ def memory_bytes() -> int:
 
 
 def bulk_settings() -> dict[str, str]:
-    return {**BULK_SETTINGS, "shared_buffers": f"{shared_buffers_mb(memory_bytes())}MB"}
+    disk = shutil.disk_usage(home() if home().exists() else Path.home()).total
+    return {**BULK_SETTINGS, "shared_buffers": f"{shared_buffers_mb(memory_bytes())}MB",
+            "max_wal_size": f"{max_wal_size_gb(disk)}GB"}
 
 
 def _settings_in(auto_conf: str) -> dict[str, str]:
