@@ -363,8 +363,10 @@ def _shared_buffers_mb(conn) -> int:
     return conn.execute("SELECT setting::bigint * 8192 >> 20 FROM pg_settings WHERE name = 'shared_buffers'").fetchone()[0]
 
 
-def test_embedded_server_uri_start_stop(cli):
-    from embedfleet.store.embedded import bulk_settings, memory_bytes, shared_buffers_mb
+def test_embedded_server_uri_start_stop(cli, tmp_path):
+    import shutil
+
+    from embedfleet.store.embedded import max_wal_size_gb, memory_bytes, shared_buffers_mb
 
     p = cli("db", "uri", check=True)
     dsn = p.stdout.strip()
@@ -376,8 +378,7 @@ def test_embedded_server_uri_start_stop(cli):
         # tuned for bulk loads at its first start (one restart), and the DSN still reaches it
         assert [c.execute(f"SHOW {k}").fetchone()[0] for k in ("wal_buffers", "max_wal_size", "max_connections",
                                                                "io_method")] == [
-            "256MB", bulk_settings()["max_wal_size"], "300", "sync"]
-        assert 8 <= int(bulk_settings()["max_wal_size"].removesuffix("GB")) <= 32
+            "256MB", f"{max_wal_size_gb(shutil.disk_usage(tmp_path).total)}GB", "300", "sync"]
         assert _shared_buffers_mb(c) == shared_buffers_mb(memory_bytes())
         # A data directory tuned by an earlier version (other values) is tuned again at the next start.
         c.execute("ALTER SYSTEM SET shared_buffers = '128MB'")

@@ -12,7 +12,8 @@ from embedfleet.runtime.job import apply_limit
 from embedfleet.runtime.local import parse_devices, worker_count, writers_each
 from embedfleet.runtime.monitor import rate_and_eta
 from embedfleet.sources.plan import ChunkSpec
-from embedfleet.store.embedded import _settings_in, max_wal_size_gb, shared_buffers_mb
+from embedfleet.store.embedded import _settings_in, changed, max_wal_size_gb, shared_buffers_mb
+from embedfleet.train.read import use_chunks
 from embedfleet.store.schema import check_identifier
 
 
@@ -159,6 +160,19 @@ def test_the_embedded_server_buffers_a_quarter_of_memory_between_1_and_16_gb():
 def test_the_embedded_server_keeps_an_eighth_of_its_disk_of_wal_between_8_and_32_gb():
     gib = 1 << 30
     assert [max_wal_size_gb(d * gib) for d in (20, 64, 100, 235, 252, 2000)] == [8, 8, 12, 29, 31, 32]
+    # a disk whose size moves a little (ZFS, btrfs) restarts nothing; other values are set again
+    wanted = {"max_wal_size": "29GB", "wal_buffers": "256MB"}
+    assert changed({"max_wal_size": "31GB", "wal_buffers": "256MB"}, wanted) == {}
+    assert changed({"max_wal_size": "8GB", "wal_buffers": "256MB"}, wanted) == {"max_wal_size": "29GB"}
+    assert changed({"max_wal_size": "1024MB", "wal_buffers": "64MB"}, wanted) == wanted
+    assert changed({}, wanted) == wanted
+
+
+def test_one_connection_takes_a_message_a_row_where_the_client_has_cores_to_spare():
+    assert not use_chunks(180000, 1, cores=16) and not use_chunks(140000, 1, cores=4)
+    assert use_chunks(180000, 1, cores=2)  # client and server share two cores: chunks cost the client less
+    assert use_chunks(180000, 4, cores=64)  # several connections' clients share one GIL
+    assert not use_chunks(130000, 4, cores=2)  # PostgreSQL 13 has no TID range scan
 
 
 def test_settings_written_by_alter_system_are_read_back():

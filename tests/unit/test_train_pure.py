@@ -186,3 +186,28 @@ def test_host_take_matches_indexing_for_every_dtype():
     idx = np.array([9, 0, 3, 3])
     for dt in (torch.float32, torch.float16, torch.bfloat16):
         assert torch.equal(host_take(x.to(dt), idx), x.to(dt)[torch.from_numpy(idx)])
+
+
+def test_a_read_that_fails_puts_no_block_after_and_keeps_the_puts_error_beside_its_own():
+    import threading
+
+    from embedfleet.train.read import Handoff
+
+    put, started, gate = [], threading.Event(), threading.Event()
+
+    def on_block(i):
+        started.set()
+        gate.wait(5)  # the loop gives two blocks and fails while the first is being put
+        put.append(i)
+        raise ValueError("the put failed")
+
+    with pytest.raises(KeyError) as e:
+        with Handoff(on_block, ahead=True) as hand:
+            hand.give(hand.slot(), 0)
+            hand.give(hand.slot(), 1)
+            assert started.wait(5)
+            gate.set()
+            raise KeyError("the loop failed")
+    assert put == [0]  # block 1 was only handed back
+    assert isinstance(e.value.__context__, ValueError)
+

@@ -77,10 +77,26 @@ def memory_bytes() -> int:
     return total
 
 
-def bulk_settings() -> dict[str, str]:
-    disk = shutil.disk_usage(home() if home().exists() else Path.home()).total
+def bulk_settings(data: Path | None = None) -> dict[str, str]:
+    """The settings for a server whose data directory is `data` (default: the embedded one's)."""
+    where = data or home() / "pgdata"
+    while not where.exists():  # before the first start: the disk it will be on
+        where = where.parent
     return {**BULK_SETTINGS, "shared_buffers": f"{shared_buffers_mb(memory_bytes())}MB",
-            "max_wal_size": f"{max_wal_size_gb(disk)}GB"}
+            "max_wal_size": f"{max_wal_size_gb(shutil.disk_usage(where).total)}GB"}
+
+
+def changed(have: dict[str, str], wanted: dict[str, str]) -> dict[str, str]:
+    """The wanted settings `have` lacks. A max_wal_size within a quarter of the wanted one counts as set: it
+    follows the disk's size, which on ZFS or btrfs moves as other datasets fill (a restart for that would
+    empty the shared buffers)."""
+    def same(name: str, value: str) -> bool:
+        old = have.get(name)
+        if name == "max_wal_size" and old and old.endswith("GB") and old[:-2].isdigit():
+            return abs(int(old[:-2]) - int(value[:-2])) <= int(value[:-2]) / 4
+        return old == value
+
+    return {name: value for name, value in wanted.items() if not same(name, value)}
 
 
 def _settings_in(auto_conf: str) -> dict[str, str]:
@@ -103,12 +119,11 @@ def _tune(pgserver, data: Path, uri: str) -> None:
     restart would cut them off: try again next time). EMBEDFLEET_PG_TUNE=0 leaves the server as it is."""
     if os.environ.get("EMBEDFLEET_PG_TUNE") == "0":
         return
-    wanted = bulk_settings()
     try:
-        have = _settings_in((data / "postgresql.auto.conf").read_text())
+        wanted = changed(_settings_in((data / "postgresql.auto.conf").read_text()), bulk_settings(data))
     except OSError:
         return
-    if all(have.get(name) == value for name, value in wanted.items()):
+    if not wanted:
         return
     import psycopg
     from psycopg import sql
@@ -118,7 +133,7 @@ def _tune(pgserver, data: Path, uri: str) -> None:
                               "AND pid <> pg_backend_pid()").fetchone()[0]
         # a setting this server's version does not have (io_method before PostgreSQL 18) is left out
         known = {r[0] for r in conn.execute("SELECT name FROM pg_settings WHERE name = ANY(%s)", [list(wanted)])}
-        todo = {name: value for name, value in wanted.items() if name in known and have.get(name) != value}
+        todo = {name: value for name, value in wanted.items() if name in known}
         if others or not todo:
             return
         for name, value in todo.items():

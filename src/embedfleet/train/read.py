@@ -188,7 +188,8 @@ def use_chunks(server_version: int, connections: int, cores: int | None = None) 
     one by one (EmbeddingDataset into an H100 right after a restart: 196.5k against 173.9k rows/s,
     bench/NOTES.md run 102). Its client works over twice as hard, the bound on two cores or where several
     connections' clients share one GIL."""
-    cores = cores or os.cpu_count() or 1
+    if cores is None:  # the cores this process may run on, not the host's
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     return server_version >= 140000 and (connections > 1 or cores < ROW_MESSAGE_CORES)
 
 
@@ -459,8 +460,8 @@ class TableRead:
         return cols
 
     def _rows_sql(self, rng, classes: list | None, with_vectors: bool) -> sql.Composable:
-        """The COPY of range `rng`, a tuple a row (copy_rows): PostgreSQL 13, which has no TID range
-        scan for the chunks to use."""
+        """The COPY of range `rng`, a tuple a row (copy_rows): a one-connection read on a host with
+        cores to spare, and PostgreSQL 13, which has no TID range scan for the chunks (use_chunks)."""
         s = self.source
         cols = self._columns_sql(classes, with_vectors) + [s.id_sql()]
         return sql.SQL("COPY (SELECT {cols} FROM {t} WHERE {w}) TO STDOUT (FORMAT BINARY)").format(
@@ -774,6 +775,7 @@ class Handoff:
         self._on_block = on_block
         self.slots = 2 if ahead else 1
         self._error: BaseException | None = None
+        self._stop = False  # the loop failed: blocks still queued are only handed back
         self._thread = None
         if ahead:
             self._free: queue.SimpleQueue = queue.SimpleQueue()
@@ -786,7 +788,7 @@ class Handoff:
     def _run(self) -> None:
         while (item := self._todo.get()) is not None:
             slot, block = item
-            if self._error is None:  # after an error, blocks are only handed back
+            if self._error is None and not self._stop:  # after an error, blocks are only handed back
                 try:
                     self._on_block(*block)
                 except BaseException as e:  # noqa: BLE001 - raised in the loop's thread
@@ -811,12 +813,15 @@ class Handoff:
     def __enter__(self) -> Handoff:
         return self
 
-    def __exit__(self, kind, *_) -> None:
+    def __exit__(self, kind, exc, _tb) -> None:
         if self._thread is not None:
+            self._stop = kind is not None
             self._todo.put(None)
             self._thread.join()
-            if self._error is not None and kind is None:
-                raise self._error
+            if self._error is not None and exc is not self._error:
+                if kind is None:
+                    raise self._error
+                exc.__context__ = self._error  # the loop's own error first, the put's beside it
 
 
 def chunk_pages(source: Source, rows_per_page: float | None) -> int:
@@ -833,7 +838,7 @@ def copy_chunks(conn: psycopg.Connection, query: sql.Composable, fields: list, d
                 block_rows: int = BLOCK_ROWS, ahead: bool = False) -> int:
     """Run a chunked binary COPY of `table` (TableRead._chunks_sql: many rows a tuple) and hand its rows
     on as copy_rows does, in blocks of whole chunks, at most `block_rows` rows unless one chunk has
-    more. Each chunk is parsed straight into the block's buffer. Returns the rows."""
+    more. Each chunk is parsed straight into the block's buffer. `ahead` as copy_rows's. Returns the rows."""
     total = k = 0
     ids: list[bytes] = []
     lengths: list[np.ndarray] = []
