@@ -85,3 +85,90 @@ def test_an_error_of_the_put_on_its_thread_is_the_reads_error(dsn, conn, monkeyp
             r.read(plan, put)
     assert len(seen) == 3  # no block put after the failed one
     assert conn.execute("SELECT count(*) FROM e").fetchone()[0] > 0  # the server is fine
+
+
+@pytest.mark.parametrize("chunked", [True, False])
+def test_a_vector_of_another_dimension_is_a_one_line_error(dsn, conn, chunked):
+    conn.execute("CREATE EXTENSION IF NOT EXISTS vector")
+    conn.execute("CREATE TABLE mixed (id text, embedding vector, rating real)")
+    conn.execute("INSERT INTO mixed SELECT 'r' || i, '[1,2,3]', 1 FROM generate_series(1, 50) i")
+    conn.execute("INSERT INTO mixed VALUES ('odd', '[1,2,3,4]', 1)")
+    source = describe(conn, "mixed", "rating", None, "regress")
+    with TableRead(dsn, source) as r:
+        r.chunked = chunked  # both paths say the same, whichever this host's cores choose
+        plan = r.plan()
+        with pytest.raises(DatabaseError, match=r"table 'mixed': vec: a value of 20 bytes where 16 were expected "
+                                                r"\(a vector of another dimension\?\)") as e:
+            r.read(plan, lambda o, v: None)
+    assert "\n" not in str(e.value)
+
+
+def test_a_chunk_spans_about_the_same_bytes_whatever_the_rows_a_page():
+    from embedfleet.train.read import Source, chunk_pages
+
+    inline = Source(table="t", column="embedding", vtype="vector", dim=384, id_column="id")
+    assert 50 <= chunk_pages(inline, None) <= 80  # ~5 rows of 1.6 kB a page: ~64 pages
+    assert chunk_pages(inline, 5.0) == chunk_pages(inline, None)
+    wide = Source(table="t", column="e", vtype="vector", dim=1024, id_column="id")
+    assert chunk_pages(wide, 150.0) == 1  # vectors out of line: many rows a page
+
+
+def test_a_whole_tables_counts_may_use_the_servers_parallel_workers_and_agree(dsn, conn, monkeypatch):
+    """The plan's counts do not depend on order, so the server may share their scan among its
+    parallel workers; the read itself never does (its order is the dataset's)."""
+    import time
+
+    from psycopg.conninfo import make_conninfo
+
+    _table(conn, "par")
+    conn.execute("UPDATE par SET genre = NULL WHERE length(id) % 4 = 0")
+    source = describe(conn, "par", "genre", None, "classify")
+    # a table this small would not be worth parallel workers to the planner: make them free
+    cheap = make_conninfo(dsn, options="-c parallel_setup_cost=0 -c parallel_tuple_cost=0 "
+                                       "-c min_parallel_table_scan_size=0")
+
+    def launched() -> int:
+        conn.execute("SELECT pg_stat_clear_snapshot()")
+        return conn.execute("SELECT parallel_workers_launched FROM pg_stat_database "
+                            "WHERE datname = current_database()").fetchone()[0]
+
+    plans, used, rows = {}, {}, {}
+    for workers in (0, 4):
+        monkeypatch.setattr(readmod, "PRECOUNT_WORKERS", workers)
+        before = launched()
+        with TableRead(cheap, source) as r:
+            plans[workers] = plan = r.plan()
+            for c in r.conns:  # the read that follows stays serial: its order is the dataset's
+                assert c.execute("SHOW max_parallel_workers_per_gather").fetchone()[0] == "0"
+            r.conns[0].execute("SELECT pg_stat_force_next_flush()")  # the leader's counts, at its next idle
+            got = np.zeros((plan.n, DIM), np.float32)
+            rows[workers] = (r.read(plan, lambda o, v, got=got: got.__setitem__(slice(o, o + len(v)), v)), got)
+        deadline = time.monotonic() + 5
+        while workers and launched() == before and time.monotonic() < deadline:
+            time.sleep(0.05)  # a closed backend's statistics reach the view moments later
+        used[workers] = launched() - before
+    serial, parallel = plans[0], plans[4]
+    assert (parallel.counts, parallel.classes, parallel.skipped_null_label) == \
+           (serial.counts, serial.classes, serial.skipped_null_label)
+    assert serial.skipped_null_label > 500 and serial.classes == ["a", "b", "c"]
+    assert used[0] == 0 and used[4] > 0  # the count went parallel when allowed
+    (cols0, x0), (cols4, x4) = rows[0], rows[4]
+    assert list(cols0.ids) == list(cols4.ids) and np.array_equal(x0, x4)  # the read itself: the same order
+
+
+def test_pgvector_installed_outside_the_search_path_reads(dsn, conn):
+    """Supabase and others install extensions in a schema of their own: the read names the vector's send
+    function by the schema the catalog gives, not by the search path."""
+    conn.execute("CREATE SCHEMA extensions")
+    conn.execute("CREATE EXTENSION vector SCHEMA extensions")
+    conn.execute("CREATE TABLE elsewhere (id text, embedding extensions.vector, rating real)")  # no dimension
+    conn.execute("INSERT INTO elsewhere SELECT 'r' || i, ('[' || i || ',2,3]')::extensions.vector, i % 2 "
+                 "FROM generate_series(1, 40) i")
+    assert conn.execute("SELECT to_regproc('vector_send')").fetchone()[0] is None  # not on the search path
+    source = describe(conn, "elsewhere", "rating", None, "classify")
+    assert source.send == ("extensions", "vector_send") and source.dim == 3
+    got = []
+    with TableRead(dsn, source) as r:
+        plan = r.plan()
+        r.read(plan, lambda o, v: got.append(v.astype(np.float32)))
+    assert np.concatenate(got)[:, 0].tolist() == list(range(1, 41))

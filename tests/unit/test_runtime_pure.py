@@ -13,8 +13,8 @@ from embedfleet.runtime.local import parse_devices, worker_count, writers_each
 from embedfleet.runtime.monitor import rate_and_eta
 from embedfleet.sources.plan import ChunkSpec
 from embedfleet.store.embedded import _settings_in, changed, max_wal_size_gb, shared_buffers_mb
-from embedfleet.train.read import use_chunks
 from embedfleet.store.schema import check_identifier
+from embedfleet.train.read import use_chunks
 
 
 def _c(src, first, kind="jsonl"):

@@ -65,6 +65,12 @@ def row_dtype(fields: list[Field], trailing_text: bool) -> np.dtype:
     return np.dtype(parts)
 
 
+def _wrong_size(name: str, got: int, size: int, vector: bool) -> str:
+    """The one-line error for a field's value of `got` bytes (-1: NULL) where `size` were expected."""
+    why = " (NULL)" if got == -1 else " (a vector of another dimension?)" if vector else ""
+    return f"{name}: a value of {got} bytes where {size} were expected{why}"
+
+
 def check_rows(rows: np.ndarray, fields: list[Field], trailing_text: bool,
                text_lengths: np.ndarray | None = None) -> str | None:
     """None when every row has the expected field count and field lengths; else what is wrong
@@ -78,8 +84,7 @@ def check_rows(rows: np.ndarray, fields: list[Field], trailing_text: bool,
         lengths = rows[f"{name}_len"]
         if not np.all(lengths == size):
             bad = lengths[lengths != size][0]
-            return f"{name}: a value of {bad} bytes where {size} were expected" + (
-                " (NULL)" if bad == -1 else "")
+            return _wrong_size(name, int(bad), size, bool(dt.names and "dim" in dt.names))
         if dt.names and "dim" in dt.names:
             want = dt["values"].shape[0]
             dims = rows[name]["dim"]
@@ -109,8 +114,7 @@ def _array(data: memoryview, name: str, dt: np.dtype, size: int, k: int) -> np.n
     for _ in range(k if ndim else 0):
         n = int.from_bytes(data[pos:pos + 4], "big", signed=True)
         if n != size:
-            raise ValueError(f"{name}: a value of {n} bytes where {size} were expected" + (" (NULL)" if n == -1 else
-                             " (a vector of another dimension?)"))
+            raise ValueError(_wrong_size(name, n, size, False))
         pos += 4 + n
     raise ValueError(f"{name}: an array of {len(data)} bytes for {k} values of {size} bytes")
 
@@ -123,7 +127,7 @@ def _packed(data: memoryview, name: str, dt: np.dtype, size: int, k: int) -> np.
     while pos + 4 <= len(data):
         n = 4 + int.from_bytes(data[pos:pos + 2], "big", signed=True) * (size - 4) // dt["values"].shape[0]
         if n != size:
-            raise ValueError(f"{name}: a value of {n} bytes where {size} were expected (a vector of another dimension?)")
+            raise ValueError(_wrong_size(name, n, size, True))
         pos += n
     raise ValueError(f"{name}: {len(data)} bytes for {k} values of {size} bytes")
 
