@@ -156,10 +156,10 @@ def _gil_shares(lines: list[str], possible: int) -> dict:
             "top_leaves": {k: round(v / possible, 4) for k, v in top}}
 
 
-def _jiffies() -> tuple[int, int]:
-    """(busy, total) CPU ticks of the whole host since boot."""
+def _jiffies() -> tuple[int, int, int]:
+    """(busy, total, stolen) CPU ticks of the whole host since boot (stolen: a VM's CPUs taken by its host)."""
     v = [int(x) for x in open("/proc/stat").readline().split()[1:]]
-    return sum(v) - v[3] - v[4], sum(v)  # idle and iowait are not busy
+    return sum(v) - v[3] - v[4], sum(v), v[7]  # idle and iowait are not busy
 
 
 def _postgres_cpu_s() -> dict[int, float]:
@@ -311,6 +311,7 @@ def run_once(data: list[Path], gpus: int, model: str | None, env: dict, preset: 
         # Where the host's CPU went over the whole command (start-up included): all cores' busy
         # share, and CPU µs per row in the workers' processes, their helpers and PostgreSQL.
         "host_cpu_busy": round((host1[0] - host0[0]) / max(1, host1[1] - host0[1]), 3),
+        "host_cpu_stolen": round((host1[2] - host0[2]) / max(1, host1[1] - host0[1]), 3),
         "cpu_us_per_row": {"workers": round(sum(w["cpu_s"] for w in workers) / rows * 1e6, 1),
                            "helpers": round(sum(w["helper_cpu_s"] for w in workers) / rows * 1e6, 1),
                            "postgres": round(_cpu_used(pg0, pg1) / rows * 1e6, 1)} if rows else None,
@@ -471,7 +472,7 @@ def main() -> None:
               f"rows/s over {r['all_running_s']} s, scaling {r['scaling_vs_linear_all_running']} "
               f"(pair by pair {r.get('scaling_vs_previous_all_running', '-')}) "
               f"(sum of workers' rates {r['scaling_vs_linear_workers_sum']}, start stagger {r['start_stagger_s']} s), "
-              f"helpers busy {r['helpers_busy']}, host CPU busy {r['host_cpu_busy']}, CPU µs/row {r['cpu_us_per_row']}, "
+              f"helpers busy {r['helpers_busy']}, host CPU busy {r['host_cpu_busy']} (stolen {r['host_cpu_stolen']}), CPU µs/row {r['cpu_us_per_row']}, "
               f"records thread (max of workers) {r['records_thread_s']}, GIL {gil}, pg waits {r['pg_waits']}, "
               f"wal {r['wal']}"
               + (f", vs encoder alone {r['vs_encoder_alone_texts']} (texts) {r['vs_encoder_alone_tokens']} (tokens)"
