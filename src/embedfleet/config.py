@@ -186,7 +186,7 @@ class Settings:
                                     "most units in preparation at once (default: 2 × helpers + 2)")
     writers: int | None = _knob(None, "EMBEDFLEET_WRITERS",
                                 "writer connections per worker (default: 6 on a GPU, 3 on a CPU, fewer on a full server)")
-    writer_depth: int | None = _knob(None, "EMBEDFLEET_WRITER_DEPTH", "units queued per writer connection (default 2)")
+    writer_depth: int | None = _knob(None, "EMBEDFLEET_WRITER_DEPTH", "units queued per writer connection (default 8 on a GPU, 2 on a CPU)")
     switch_interval: float = _knob(0.0005, "EMBEDFLEET_SWITCH_INTERVAL",
                                    "seconds a worker thread may hold the GIL before handing it over")
     # ~30 MB of arrays when full; past this, more misses are cheaper than more memory (bench/NOTES.md run 39).

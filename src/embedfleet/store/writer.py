@@ -29,14 +29,15 @@ log = logging.getLogger("embedfleet.writer")
 
 # Connections writing ($EMBEDFLEET_WRITERS) and units queued for each ($EMBEDFLEET_WRITER_DEPTH). A
 # GPU worker on a small model fills ~100k rows/s: three connections were 85% busy with PostgreSQL's
-# CPU and WAL work a row (two GPUs 0.54x the one-GPU rate; six: 0.82x, bench/NOTES.md runs 39-40).
-# More slack (12 x 4, 6 x 8) kept the GPU loops from waiting on the server (<= 0.015 s a run, against
-# 0.01-1.6 s), yet two GPUs gave 0.74-0.89x the one-GPU rate against 0.80-0.93x with 6 x 2: the loops
-# waited longer for input instead, and twelve connections contended for PostgreSQL's WAL insertion
-# locks (bench/NOTES.md runs 50-52). So 6 x 2 stays.
+# CPU and WAL work a row (two GPUs 0.54x the one-GPU rate; six: 0.82x, bench/NOTES.md runs 39-40);
+# twelve contended for PostgreSQL's eight WAL insertion locks (runs 50-52). Eight units queued for each
+# (~50 units, ~5 s of a GPU's MiniLM rows, ~15 MB a unit) ride out a slow flush: at four GPUs the
+# loops waited on the database 0.01-0.3 s of 17 s with 8 (1.8-3.3 s of 20 in a load that met a
+# checkpoint), 1.9-5.0 s with 2; at one and two GPUs 0.02-0.1 s (bench/NOTES.md runs 112-115). A server
+# slower than the GPUs over a whole load still makes them wait; the backlog is written at the job's end.
 def default_writers(device: str) -> tuple[int, int]:
     """(connections, units queued for each) for a worker embedding on `device`."""
-    return (6, 2) if device.startswith("cuda") else (3, 2)
+    return (6, 8) if device.startswith("cuda") else (3, 2)
 
 
 class LeaseLost(Exception):
