@@ -1,6 +1,6 @@
 """PostgreSQL's own ingest ceiling: the rows/s a server commits from P GPU workers' writers, with no model.
 
-    python bench/sink.py [--n 1000000] [--procs 1,2,4] [--threads 6] [--dim 384] [--vtype vector]
+    python bench/sink.py [--n 1000000] [--procs 1,2,4] [--threads 6] [--dim 384] [--vtype vector,halfvec]
                          [--shards 32] [--work DIR] [--db DSN] [--pg-set NAME=VALUE,…] [--out FILE]
 
 For each P, P processes write one fresh table as P GPU workers do: each has a `Writer` of `--threads`
@@ -116,7 +116,7 @@ def main() -> None:
     ap.add_argument("--procs", default="1,2", help="writer processes (GPU workers) per load")
     ap.add_argument("--threads", type=int, default=6, help="writer connections per process (a GPU worker's)")
     ap.add_argument("--dim", type=int, default=384)
-    ap.add_argument("--vtype", default="vector", help="vector, or halfvec (--dtype half)")
+    ap.add_argument("--vtype", default="vector", help="column types to compare: vector, halfvec (--dtype half)")
     ap.add_argument("--shards", type=int, default=8)
     ap.add_argument("--model", default=None, help="tokenizer's model directory (default: the bundled MiniLM)")
     ap.add_argument("--work", default="/tmp/efbench")
@@ -133,15 +133,14 @@ def main() -> None:
             conn.execute("SELECT pg_reload_conf()")
     paths = cached_review_shards(Path(a.work), a.n, a.shards)
     results = []
-    for procs in map(int, a.procs.split(",")):
-        r = run(dsn, paths, procs, a.threads, a.dim, a.vtype, a.model)
+    for vtype, procs in ((v, int(p)) for v in a.vtype.split(",") for p in a.procs.split(",")):
+        r = {"vtype": vtype, **run(dsn, paths, procs, a.threads, a.dim, vtype, a.model)}
         results.append(r)
-        print(f"{procs} process(es) x {a.threads} connections: {r['rows_per_s']:,.0f} rows/s "
+        print(f"{vtype}, {procs} process(es) x {a.threads} connections: {r['rows_per_s']:,.0f} rows/s "
               f"({r['rows']:,} rows in {r['seconds']} s), {r['wal_bytes_per_row']:,.0f} WAL bytes a row, "
               f"{r['wal_mb_per_s']} MB/s of WAL, {r['checkpoints']} checkpoint(s)", flush=True)
     if a.out:
-        Path(a.out).write_text(json.dumps({"n": a.n, "dim": a.dim, "vtype": a.vtype, "pg_set": a.pg_set,
-                                           "results": results}, indent=2))
+        Path(a.out).write_text(json.dumps({"n": a.n, "dim": a.dim, "pg_set": a.pg_set, "results": results}, indent=2))
 
 
 if __name__ == "__main__":
