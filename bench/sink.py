@@ -8,7 +8,7 @@ connections committing one transaction per unit (binary COPY, the chunk's progre
 Their units — synthetic Amazon reviews (the amazon-reviews preset, 2 MB chunks) prepared by helper
 processes, with random unit vectors — are all prepared before a barrier, so only the database is
 timed. If P GPUs embed faster than the rate printed for P, PostgreSQL sets the ceiling there.
-Prints rows/s, WAL bytes a row and checkpoints per P (the embedded server unless --db). `--pg-set`:
+Prints rows/s, WAL and table bytes a row and checkpoints per P (the embedded server unless --db). `--pg-set`:
 ALTER SYSTEM these settings and reload (those a reload applies: checkpoint, WAL writer, flush settings).
 """
 
@@ -105,6 +105,7 @@ def run(dsn: str, paths: list[Path], procs: int, threads: int, dim: int, vtype: 
            "wal_mb_per_s": round(wal / span / 1e6, 1), "checkpoints": _checkpoints(conn) - ckpt0,
            "per_process_rows_per_s": [round(d["rows"] / (d["end"] - d["start"]), 1) for d in done],
            "failures": [f for d in done for f in d["failures"]][:3]}
+    out["table_bytes_per_row"] = round(conn.execute("SELECT pg_total_relation_size(%s::regclass)", [job]).fetchone()[0] / rows, 1)
     conn.execute(sql.SQL("DROP TABLE {}").format(sql.Identifier(job)))  # the next load starts from an empty table, as a job does
     conn.close()
     return out
@@ -138,7 +139,8 @@ def main() -> None:
         results.append(r)
         print(f"{vtype}, {procs} process(es) x {a.threads} connections: {r['rows_per_s']:,.0f} rows/s "
               f"({r['rows']:,} rows in {r['seconds']} s), {r['wal_bytes_per_row']:,.0f} WAL bytes a row, "
-              f"{r['wal_mb_per_s']} MB/s of WAL, {r['checkpoints']} checkpoint(s)", flush=True)
+              f"{r['table_bytes_per_row']:,.0f} table bytes a row, {r['wal_mb_per_s']} MB/s of WAL, "
+              f"{r['checkpoints']} checkpoint(s)", flush=True)
     if a.out:
         Path(a.out).write_text(json.dumps({"n": a.n, "dim": a.dim, "pg_set": a.pg_set, "results": results}, indent=2))
 
