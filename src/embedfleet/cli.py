@@ -87,6 +87,7 @@ def ingest(
 ) -> None:
     """Embed INPUT files into a pgvector table. Re-running the same command resumes."""
     from embedfleet.config import Settings, build_config
+    from embedfleet.runtime.bound import bound_line, time_shares
     from embedfleet.runtime.job import run_job
     from embedfleet.sources.plan import expand_inputs
 
@@ -111,7 +112,8 @@ def ingest(
     summary = {"job": cfg.job, "table": cfg.table, "chunks_total": progress["chunks_total"],
                "chunks_done": progress["chunks_done"], "rows_written": progress["rows_written"],
                "rejected": progress["rejected"], "workers": progress["summaries"],
-               "finalize": progress["finalize"]}  # the table's statistics and index, after the workers
+               "finalize": progress["finalize"],  # the table's statistics and index, after the workers
+               "time_shares": time_shares(progress["summaries"])}  # what held the devices (None: too short to say)
     if json_out:
         _emit(summary)
     elif not progress["table_exists"]:  # a worker creates the table with the model's dimension: none started
@@ -122,6 +124,8 @@ def ingest(
         typer.echo(f"{cfg.job}: {summary['rows_written']:,} rows in table {cfg.table!r} "
                    f"({summary['rejected']} rejected) — try: embedfleet search \"…\" --table {shlex.quote(cfg.table)}",
                    err=True)
+        if summary["time_shares"]:
+            typer.echo(bound_line(summary["time_shares"]), err=True)
 
 
 @app.command()

@@ -125,6 +125,9 @@ def test_a_job_of_one_chunk_starts_one_worker_whatever_the_devices(cli, dsn, tmp
     assert doc["chunks_total"] == 1 and len(doc["workers"]) == 1 and doc["rows_written"] == 30
     assert doc["workers"][0]["startup"]["compile_first"] is False  # 30 reviews: too little to pay for a compile
     assert sum(doc["workers"][0]["rows_by_tenth"]) == 30  # the loop's rows over time: each counted once
+    w = doc["workers"][0]
+    assert 0 <= w["end_wait_s"] <= w["input_wait_s"]  # the loop's last wait is one of its waits for input
+    assert doc["time_shares"] is None  # 30 reviews: a loop too short to say what held it
 
 
 def test_kill9_mid_run_with_two_workers_then_rerun_gives_every_row_once(cli, dsn, conn, tmp_path):

@@ -270,3 +270,26 @@ def test_counting_gpus_where_nvml_cannot_answer_falls_back_to_torch():
     if torch.cuda.is_available():
         pytest.skip("a GPU machine: NVML answers (tests/gpu checks that count)")
     assert visible_gpu_count() == torch.cuda.device_count() == 0
+
+
+def test_time_shares_count_the_loops_last_wait_as_the_databases():
+    from embedfleet.runtime.bound import time_shares
+
+    # Two workers' loops: the last wait of each (the job's last commits) moves from input to the database.
+    a = {"wall_s": 10.0, "embed_s": 6.0, "input_wait_s": 3.0, "end_wait_s": 2.0, "sink_wait_s": 0.5}
+    b = {"wall_s": 10.0, "embed_s": 7.0, "input_wait_s": 1.0, "end_wait_s": 0.0, "sink_wait_s": 1.5}
+    assert time_shares([a, b]) == {"embedding": 0.65, "input": 0.1, "database": 0.2}
+    assert time_shares([{**a, "wall_s": 4.0}]) is None  # mostly start-up: nothing to say
+    assert time_shares([]) is None
+
+
+def test_the_bound_line_names_the_database_or_the_input_only_when_it_stands_out():
+    from embedfleet.runtime.bound import bound_line
+
+    db = bound_line({"embedding": 0.7, "input": 0.05, "database": 0.2})
+    assert db.startswith("devices' time: 70% embedding, 5% waiting for input, 20% waiting for the database")
+    assert "the database is this job's bound" in db and "--dtype half" in db
+    fed = bound_line({"embedding": 0.6, "input": 0.3, "database": 0.02})
+    assert "input is this job's bound" in fed and "database is" not in fed
+    busy = bound_line({"embedding": 0.95, "input": 0.02, "database": 0.01})
+    assert "bound" not in busy

@@ -67,6 +67,7 @@ class Stats:
     tokens: int = 0
     embed_seconds: float = 0.0  # time the main thread spent queuing forward passes and reading results
     wait_seconds: float = 0.0  # time the main thread waited for the prefetch thread
+    end_wait_seconds: float = 0.0  # the last of those waits: for the job's last commits (the writers' backlog)
     waits: list = field(default_factory=list)  # (seconds into the loop, seconds): the first wait, then those >= 1 ms
     done: list = field(default_factory=list)  # (seconds into the loop, rows): each unit's result read
     loop_start: float = 0.0  # perf_counter at the loop's start
@@ -351,6 +352,7 @@ class Worker:
             "worker": self.id, "device": encoder.device, "rows": stats.rows, "tokens": stats.tokens,
             "wall_s": round(wall, 3), "rows_per_s": round(stats.rows / wall, 1) if wall else 0.0,
             "embed_s": round(stats.embed_seconds, 3), "input_wait_s": round(stats.wait_seconds, 3),
+            "end_wait_s": round(stats.end_wait_seconds, 3),
             "first_wait_s": round(stats.waits[0][1] if stats.waits else 0.0, 3),
             "input_wait_by_tenth_s": by_tenth(stats.waits, stats.loop_seconds),
             "rows_by_tenth": [int(v) for v in by_tenth(stats.done, stats.loop_seconds)],
@@ -419,6 +421,7 @@ class Worker:
             t_cycle, embedded = time.perf_counter(), False
             if item is None:
                 stats.loop_seconds = t_cycle - t_loop
+                stats.end_wait_seconds = waited
                 break
             if isinstance(item, Failure):
                 self._fail(ledger, item)
