@@ -126,7 +126,8 @@ def test_a_job_of_one_chunk_starts_one_worker_whatever_the_devices(cli, dsn, tmp
     assert doc["workers"][0]["startup"]["compile_first"] is False  # 30 reviews: too little to pay for a compile
     assert sum(doc["workers"][0]["rows_by_tenth"]) == 30  # the loop's rows over time: each counted once
     w = doc["workers"][0]
-    assert 0 <= w["end_wait_s"] <= w["input_wait_s"]  # the loop's last wait is one of its waits for input
+    assert 0 <= w["end_wait_s"] + w["tail_wait_s"] <= w["input_wait_s"]  # the loop's last wait, one of its waits
+    assert w["tail_wait_s"] == 0  # a lone worker's last wait is all for its own commits
     assert doc["time_shares"] is None  # 30 reviews: a loop too short to say what held it
 
 
@@ -411,7 +412,10 @@ def test_workers_write_on_fewer_connections_when_the_server_has_few(cli, tmp_pat
             assert c.execute("SHOW max_connections").fetchone()[0] == "12"
         p = cli("ingest", REVIEWS, "--db", dsn, "--devices", "cpu", "--workers", "2", "--chunk-bytes", "20000",
                 "--no-index", "--json", check=True, extra_env=env)
-        assert [s["writers"] for s in orjson.loads(p.stdout)["workers"]] == [1, 1]
+        workers = orjson.loads(p.stdout)["workers"]
+        assert [s["writers"] for s in workers] == [1, 1]
+        # each loop's last wait, split into its own last commits and the job's tail, is one of its waits
+        assert all(0 <= s["end_wait_s"] + s["tail_wait_s"] <= s["input_wait_s"] + 0.002 for s in workers)
         # Asked for more writers than the server has (by hand, as for `embedfleet worker` on another
         # host): the worker writes on the connections it gets instead of dying.
         p = cli("ingest", REVIEWS, "--db", dsn, "--devices", "cpu", "--table", "by_hand", "--no-index", "--json",

@@ -272,12 +272,13 @@ def test_counting_gpus_where_nvml_cannot_answer_falls_back_to_torch():
     assert visible_gpu_count() == torch.cuda.device_count() == 0
 
 
-def test_time_shares_count_the_loops_last_wait_as_the_databases():
+def test_time_shares_count_a_loops_last_wait_as_the_databases_only_for_its_own_commits():
     from embedfleet.runtime.bound import time_shares
 
-    # Two workers' loops: the last wait of each (the job's last commits) moves from input to the database.
-    a = {"wall_s": 10.0, "embed_s": 6.0, "input_wait_s": 3.0, "end_wait_s": 2.0, "sink_wait_s": 0.5}
-    b = {"wall_s": 10.0, "embed_s": 7.0, "input_wait_s": 1.0, "end_wait_s": 0.0, "sink_wait_s": 1.5}
+    # Two workers' loops: the last wait of each moves out of input — its own last commits to the database,
+    # the rest (another worker's last chunk) to neither.
+    a = {"wall_s": 10.0, "embed_s": 6.0, "input_wait_s": 3.0, "end_wait_s": 2.0, "tail_wait_s": 0.0, "sink_wait_s": 0.5}
+    b = {"wall_s": 10.0, "embed_s": 7.0, "input_wait_s": 2.0, "end_wait_s": 0.0, "tail_wait_s": 1.0, "sink_wait_s": 1.5}
     assert time_shares([a, b]) == {"embedding": 0.65, "input": 0.1, "database": 0.2}
     assert time_shares([{**a, "wall_s": 4.0}]) is None  # mostly start-up: nothing to say
     assert time_shares([]) is None

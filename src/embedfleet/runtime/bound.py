@@ -1,7 +1,7 @@
 """What bound a job: where its workers' loops spent their time, from their summaries, and one line for the user.
 
 A device's loop either embeds, waits for input (its helpers reading, templating and tokenizing units),
-or waits for the database (its writers' queues full, and at the end the job's last commits). A user
+or waits for the database (its writers' queues full, and at the end its own last commits). A user
 wondering whether more GPUs would help is told which of these held them: with four H100s on MiniLM
 it is PostgreSQL (bench/NOTES.md, runs 112-116), with a large model the GPUs themselves.
 """
@@ -15,15 +15,17 @@ INPUT_BOUND = 0.25
 
 def time_shares(summaries: list[dict]) -> dict | None:
     """{"embedding", "input", "database"}: shares of the workers' loop time (summed over workers), or
-    None when they ran too briefly to say. The loop's last wait, for the job's last commits, counts as
-    the database's: a worker's input ends only once its chunks are committed."""
+    None when they ran too briefly to say. A loop's last wait is not input: a worker's input ends only
+    once its own chunks are committed (that part is the database's) and no other worker's chunk could
+    still come back (that part, the job's tail, is neither)."""
     wall = sum(s.get("wall_s", 0.0) for s in summaries)
     if wall < SHOWN_AFTER_S:
         return None
     end = sum(s.get("end_wait_s", 0.0) for s in summaries)
+    tail = sum(s.get("tail_wait_s", 0.0) for s in summaries)
     embedding = sum(s.get("embed_s", 0.0) for s in summaries)
     database = sum(s.get("sink_wait_s", 0.0) for s in summaries) + end
-    waited = max(0.0, sum(s.get("input_wait_s", 0.0) for s in summaries) - end)
+    waited = max(0.0, sum(s.get("input_wait_s", 0.0) for s in summaries) - end - tail)
     return {"embedding": round(embedding / wall, 3), "input": round(waited / wall, 3),
             "database": round(database / wall, 3)}
 

@@ -67,7 +67,9 @@ class Stats:
     tokens: int = 0
     embed_seconds: float = 0.0  # time the main thread spent queuing forward passes and reading results
     wait_seconds: float = 0.0  # time the main thread waited for the prefetch thread
-    end_wait_seconds: float = 0.0  # the last of those waits: for the job's last commits (the writers' backlog)
+    end_wait_seconds: float = 0.0  # of the last of those waits, the part spent on this worker's last commits
+    tail_wait_seconds: float = 0.0  # and the rest: other workers' last chunks (one may fail and come back)
+    tail_started: float = 0.0  # perf_counter when nothing was left to claim and only others' chunks were running
     waits: list = field(default_factory=list)  # (seconds into the loop, seconds): the first wait, then those >= 1 ms
     done: list = field(default_factory=list)  # (seconds into the loop, rows): each unit's result read
     loop_start: float = 0.0  # perf_counter at the loop's start
@@ -98,12 +100,15 @@ def claimed_tasks(ledger: Ledger, job: str, worker: str, lease: float, unit_byte
         stats.claim_seconds += time.perf_counter() - t0
         if claim is None:
             mine, others = ledger.running_split(job, worker)
+            if mine == 0 and others and not stats.tail_started:
+                stats.tail_started = time.perf_counter()  # ours all committed: the job's tail, others' last chunks
             if mine + others == 0:
                 return
             yield None
             # Ours are only waiting for our writer, and this wait is the job's tail: look again soon.
             time.sleep(0.02 if others == 0 else min(0.25, lease / 4))
             continue
+        stats.tail_started = 0.0  # a chunk came back and is ours now: not the tail after all
         spec = ChunkSpec(claim.source, claim.kind, claim.start, claim.end, claim.first_line)
         if claim.kind == "jsonl":  # a byte range of about chunk_bytes: one unit, read by the helper
             sizes = itertools.repeat(unit_bytes)  # full units have gone out: no ramp after them
@@ -352,7 +357,7 @@ class Worker:
             "worker": self.id, "device": encoder.device, "rows": stats.rows, "tokens": stats.tokens,
             "wall_s": round(wall, 3), "rows_per_s": round(stats.rows / wall, 1) if wall else 0.0,
             "embed_s": round(stats.embed_seconds, 3), "input_wait_s": round(stats.wait_seconds, 3),
-            "end_wait_s": round(stats.end_wait_seconds, 3),
+            "end_wait_s": round(stats.end_wait_seconds, 3), "tail_wait_s": round(stats.tail_wait_seconds, 3),
             "first_wait_s": round(stats.waits[0][1] if stats.waits else 0.0, 3),
             "input_wait_by_tenth_s": by_tenth(stats.waits, stats.loop_seconds),
             "rows_by_tenth": [int(v) for v in by_tenth(stats.done, stats.loop_seconds)],
@@ -421,7 +426,9 @@ class Worker:
             t_cycle, embedded = time.perf_counter(), False
             if item is None:
                 stats.loop_seconds = t_cycle - t_loop
-                stats.end_wait_seconds = waited
+                # The loop's last wait: for its writers' backlog, then for other workers' last chunks.
+                tail = min(waited, t_cycle - stats.tail_started) if stats.tail_started else 0.0
+                stats.end_wait_seconds, stats.tail_wait_seconds = waited - tail, tail
                 break
             if isinstance(item, Failure):
                 self._fail(ledger, item)
