@@ -23,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import sys
+import time
 from typing import List, Optional
 
 import orjson
@@ -99,6 +100,7 @@ def ingest(
     ), config)
     settings = Settings.from_env(metrics_port=metrics_port)
     cfg.inputs = expand_inputs(cfg.inputs)  # a missing file or GPU fails before any server starts
+    begun = time.time()  # this run's workers start after it: the summaries of an earlier run's are not its
     with contextlib.redirect_stdout(sys.stderr):  # stdout carries our one JSON document, whatever a library prints
         if ray:
             from embedfleet.runtime.ray_launcher import RayLauncher
@@ -113,7 +115,7 @@ def ingest(
                "chunks_done": progress["chunks_done"], "rows_written": progress["rows_written"],
                "rejected": progress["rejected"], "workers": progress["summaries"],
                "finalize": progress["finalize"],  # the table's statistics and index, after the workers
-               "time_shares": time_shares(progress["summaries"])}  # what held the devices (None: too short to say)
+               "time_shares": time_shares(progress["summaries"], begun)}  # what held the devices (None: too short to say)
     if json_out:
         _emit(summary)
     elif not progress["table_exists"]:  # a worker creates the table with the model's dimension: none started

@@ -281,6 +281,10 @@ def test_time_shares_count_a_loops_last_wait_as_the_databases_only_for_its_own_c
     b = {"wall_s": 10.0, "embed_s": 7.0, "input_wait_s": 2.0, "end_wait_s": 0.0, "tail_wait_s": 1.0, "sink_wait_s": 1.5}
     assert time_shares([a, b]) == {"embedding": 0.65, "input": 0.1, "database": 0.2}
     assert time_shares([{**a, "wall_s": 4.0}]) is None  # mostly start-up: nothing to say
+    # only this run's workers: an earlier run's summaries (same job) are left out
+    assert time_shares([{**a, "started_at": 100.0}, {**b, "started_at": 50.0}], since=90.0) == {
+        "embedding": 0.6, "input": 0.1, "database": 0.25}
+    assert time_shares([{**a, "started_at": 50.0}], since=90.0) is None
     assert time_shares([]) is None
 
 

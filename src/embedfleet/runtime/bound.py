@@ -13,11 +13,13 @@ DATABASE_BOUND = 0.10  # shares of the loops past which that wait is named the j
 INPUT_BOUND = 0.25
 
 
-def time_shares(summaries: list[dict]) -> dict | None:
-    """{"embedding", "input", "database"}: shares of the workers' loop time (summed over workers), or
+def time_shares(summaries: list[dict], since: float = 0.0) -> dict | None:
+    """{"embedding", "input", "database"}: shares of the loop time of the workers whose loops started at
+    or after `since` (epoch seconds: this run's, not an earlier run's of the same job), summed over them;
     None when they ran too briefly to say. A loop's last wait is not input: a worker's input ends only
     once its own chunks are committed (that part is the database's) and no other worker's chunk could
     still come back (that part, the job's tail, is neither)."""
+    summaries = [s for s in summaries if s.get("started_at", 0.0) >= since]
     wall = sum(s.get("wall_s", 0.0) for s in summaries)
     if wall < SHOWN_AFTER_S:
         return None

@@ -27,14 +27,10 @@ from embedfleet.store.schema import table_sql
 log = logging.getLogger("embedfleet.writer")
 
 
-# Connections writing ($EMBEDFLEET_WRITERS) and units queued for each ($EMBEDFLEET_WRITER_DEPTH). A
-# GPU worker on a small model fills ~100k rows/s: three connections were 85% busy with PostgreSQL's
-# CPU and WAL work a row (two GPUs 0.54x the one-GPU rate; six: 0.82x, bench/NOTES.md runs 39-40);
-# twelve contended for PostgreSQL's eight WAL insertion locks (runs 50-52). Eight units queued for each
-# (~50 units, ~5 s of a GPU's MiniLM rows, ~15 MB a unit) ride out a slow flush: at four GPUs the
-# loops waited on the database 0.01-0.3 s of 17 s with 8 (1.8-3.3 s of 20 in a load that met a
-# checkpoint), 1.9-5.0 s with 2; at one and two GPUs 0.02-0.1 s (bench/NOTES.md runs 112-115). A server
-# slower than the GPUs over a whole load still makes them wait; the backlog is written at the job's end.
+# Connections writing ($EMBEDFLEET_WRITERS) and units queued for each ($EMBEDFLEET_WRITER_DEPTH). Six keep up
+# with a GPU on a small model (three were 85% busy, twelve contend for the WAL's eight insertion locks); eight
+# units each (~5 s of a GPU's MiniLM rows) ride out a slow flush instead of stalling the GPU; a server slower
+# than the GPUs over a whole load still holds them (bench/NOTES.md runs 39-40, 50-52, 112-115).
 def default_writers(device: str) -> tuple[int, int]:
     """(connections, units queued for each) for a worker embedding on `device`."""
     return (6, 8) if device.startswith("cuda") else (3, 2)
