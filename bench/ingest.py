@@ -1,7 +1,7 @@
 """Ingest throughput on 1..N GPUs: synthetic Amazon reviews → `embedfleet ingest` → embedded PostgreSQL.
 
     python bench/ingest.py --n 200000 --gpus 1,2 [--model DIR | --shape qwen3-0.6b] [--shards K] [--out results.json]
-        [--workers-per-gpu 1,1,2,2] [--gil START:SECONDS:PY_SPY] [--pg-set NAME=VALUE,…] [--warmup N]
+        [--workers-per-gpu 1,1,2,2] [--dtype float,half] [--gil START:SECONDS:PY_SPY] [--pg-set NAME=VALUE,…] [--warmup N]
 
 For each GPU count it runs the real CLI once (fresh table, --no-index so the rate is the pipeline's,
 then times ANALYZE and the HNSW build separately), samples every GPU's utilisation with NVML, and reads each
@@ -322,6 +322,7 @@ def run_once(data: list[Path], gpus: int, model: str | None, env: dict, preset: 
         "timeline_s": timeline, "finalize": summary.get("finalize"), "analyze_again_s": analyze_again_s,
         "hnsw_index_s": index_s, "workers_per_gpu": 1 if cpu else per_gpu,
         "gil": gil_sampler.result if gil_sampler else None, "workers": workers,
+        "time_shares": summary.get("time_shares"),  # what ingest itself says held the devices
     }
 
 
@@ -394,6 +395,8 @@ def main() -> None:
                     help="the N reviews as K files written in parallel (other texts than one file's): for long runs")
     ap.add_argument("--workers-per-gpu", default="1", metavar="K[,K…]",
                     help="worker processes on each GPU, per run in --gpus order (cycled): e.g. 1,1,2,2")
+    ap.add_argument("--dtype", default="float", metavar="D[,D…]",
+                    help="ingest's --dtype per run in --gpus order (cycled): e.g. float,half with --gpus 4,4")
     ap.add_argument("--gil", default=None, metavar="START:SECONDS:PY_SPY",
                     help="sample which worker threads hold the GIL (py-spy at this path), START s into each run")
     ap.add_argument("--pg-set", default=None, metavar="NAME=VALUE,…",
@@ -417,18 +420,21 @@ def main() -> None:
     if args.warmup:
         run_once(data, max(counts), model, env, "amazon-reviews", extra + ["--limit", str(args.warmup)], args.cpu, False)
     per = [int(k) for k in args.workers_per_gpu.split(",")]
+    dtypes = args.dtype.split(",")
     gil = None
     if args.gil:
         start, seconds, py_spy = args.gil.split(":", 2)
         gil = (float(start), float(seconds), py_spy)
     results = []
     for i, g in enumerate(counts):
-        results.append(run_once(data, g, model, env, "amazon-reviews", extra, args.cpu, not args.no_index,
-                                per[i % len(per)], gil))
+        dtype = dtypes[i % len(dtypes)]
+        results.append(run_once(data, g, model, env, "amazon-reviews", extra + ["--dtype", dtype], args.cpu,
+                                not args.no_index, per[i % len(per)], gil))
+        results[-1]["dtype"] = dtype
         if args.out:  # each run as it ends: a command cut short by its timeout keeps the runs before
             Path(args.out).write_text(json.dumps({"partial": True, "results": results}, indent=2))
         r = results[-1]
-        print(f"[ingest] {g} GPU: {r['rows_per_s_steady']:,.0f} rows/s steady, {r['rows_per_s_all_running']} while all "
+        print(f"[ingest] {g} GPU, {dtype}: {r['rows_per_s_steady']:,.0f} rows/s steady, {r['rows_per_s_all_running']} while all "
               f"ran, {r['rows_per_s_workers_sum']:,.0f} workers' sum, wall {r['wall_s']} s {r['timeline_s']}",
               file=sys.stderr, flush=True)
     # Against the first GPU count's rate per GPU, averaged over its runs (--gpus 1,2,1,2 repeats them).
@@ -464,7 +470,7 @@ def main() -> None:
     print(text)
     for r in results:
         gil = {pid: (g.get("gil_busy"), g.get("threads")) for pid, g in (r["gil"] or {}).items()}
-        print(f"{r['gpus']} GPU ({r['workers_per_gpu']} worker(s) each): {r['rows_per_s_steady']:,.0f} rows/s steady, "
+        print(f"{r['gpus']} GPU ({r['workers_per_gpu']} worker(s) each, {r['dtype']}): {r['rows_per_s_steady']:,.0f} rows/s steady, "
               f"{r['rows_per_s_wall']:,.0f} wall, "
               f"util {r['gpu_util_pct']}, db share {r['db_share_of_loop']}, "
               f"GPU waited on DB {r['gpu_waited_on_db_s']}s, scaling {r['scaling_vs_linear_steady']} "
@@ -474,7 +480,7 @@ def main() -> None:
               f"(sum of workers' rates {r['scaling_vs_linear_workers_sum']}, start stagger {r['start_stagger_s']} s), "
               f"helpers busy {r['helpers_busy']}, host CPU busy {r['host_cpu_busy']} (stolen {r['host_cpu_stolen']}), CPU µs/row {r['cpu_us_per_row']}, "
               f"records thread (max of workers) {r['records_thread_s']}, GIL {gil}, pg waits {r['pg_waits']}, "
-              f"wal {r['wal']}"
+              f"wal {r['wal']}, time shares {r['time_shares']}"
               + (f", vs encoder alone {r['vs_encoder_alone_texts']} (texts) {r['vs_encoder_alone_tokens']} (tokens)"
                  if "vs_encoder_alone_texts" in r else ""))
 
