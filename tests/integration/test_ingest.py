@@ -128,6 +128,7 @@ def test_a_job_of_one_chunk_starts_one_worker_whatever_the_devices(cli, dsn, tmp
     w = doc["workers"][0]
     assert 0 <= w["end_wait_s"] + w["tail_wait_s"] <= w["input_wait_s"]  # the loop's last wait, one of its waits
     assert w["tail_wait_s"] == 0  # a lone worker's last wait is all for its own commits
+    assert len(w["sink_wait_by_tenth_s"]) == 10 and sum(w["sink_wait_by_tenth_s"]) <= w["sink_wait_s"] + 0.01
     assert doc["time_shares"] is None  # 30 reviews: a loop too short to say what held it
 
 

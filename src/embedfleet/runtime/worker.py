@@ -75,6 +75,7 @@ class Stats:
     loop_start: float = 0.0  # perf_counter at the loop's start
     loop_seconds: float = 0.0
     sink_wait_seconds: float = 0.0  # time the main thread waited for the writer (back-pressure)
+    sink_waits: list = field(default_factory=list)  # (seconds into the loop, seconds): those >= 1 ms
     read_seconds: float = 0.0  # records thread: waiting for claims (and streams read with them), for prepared units
     claim_seconds: float = 0.0  # claims thread: claiming chunks from the ledger (a query each)
     collect_seconds: float = 0.0  # records thread: waiting for the oldest unit in preparation, reading it
@@ -360,6 +361,7 @@ class Worker:
             "end_wait_s": round(stats.end_wait_seconds, 3), "tail_wait_s": round(stats.tail_wait_seconds, 3),
             "first_wait_s": round(stats.waits[0][1] if stats.waits else 0.0, 3),
             "input_wait_by_tenth_s": by_tenth(stats.waits, stats.loop_seconds),
+            "sink_wait_by_tenth_s": by_tenth(stats.sink_waits, stats.loop_seconds),
             "rows_by_tenth": [int(v) for v in by_tenth(stats.done, stats.loop_seconds)],
             "db_s": round(writer.db_seconds, 3), "sink_wait_s": round(stats.sink_wait_seconds, 3),
             "read_s": round(stats.read_seconds, 3), "claim_s": round(stats.claim_seconds, 3),
@@ -465,7 +467,10 @@ class Worker:
         unit.tok = None  # free the token arrays before the unit waits in the writer queue
         t0 = time.perf_counter()
         writer.submit(unit)
-        self.stats.sink_wait_seconds += time.perf_counter() - t0
+        waited = time.perf_counter() - t0
+        self.stats.sink_wait_seconds += waited
+        if waited >= 1e-3:
+            self.stats.sink_waits.append((t0 - self.stats.loop_start, waited))
 
     def _record_failures(self, writer: Writer, ledger: Ledger) -> None:
         while not writer.failures.empty():
