@@ -13,7 +13,7 @@ import time
 import orjson
 import pytest
 
-from conftest import EXAMPLES
+from conftest import EXAMPLES, wait_for
 from embedfleet.synth import write_amazon_reviews
 
 REVIEWS = EXAMPLES / "Cell_Phones_and_Accessories.jsonl"
@@ -130,6 +130,41 @@ def test_a_job_of_one_chunk_starts_one_worker_whatever_the_devices(cli, dsn, tmp
     assert w["tail_wait_s"] == 0  # a lone worker's last wait is all for its own commits
     assert len(w["sink_wait_by_tenth_s"]) == 10 and sum(w["sink_wait_by_tenth_s"]) <= w["sink_wait_s"] + 0.01
     assert doc["time_shares"] is None  # 30 reviews: a loop too short to say what held it
+
+
+def test_a_table_held_by_another_session_shows_as_the_loops_waits_on_the_database(cli, dsn, conn, tmp_path):
+    import threading
+
+    import psycopg
+
+    few = write_amazon_reviews(tmp_path / "few.jsonl", 5, seed=4)
+    cli("ingest", few, "--preset", "amazon-reviews", "--db", dsn, "--table", "held", "--devices", "cpu",
+        "--no-index", "--quiet", check=True)  # the table, with the model's dimension
+    src = write_amazon_reviews(tmp_path / "many.jsonl", 300, seed=5)
+    holder = psycopg.connect(dsn)
+    holder.execute("LOCK TABLE held IN SHARE MODE")  # COPY waits for it; the worker's catalog reads do not
+
+    def release():  # a few seconds after the job's first claim: its one writer and one queued unit are stuck
+        try:
+            wait_for(conn, "SELECT 1 FROM embedfleet.chunks WHERE job = 'held_b' AND state <> 'pending'", timeout=120)
+            time.sleep(5)
+        finally:
+            holder.commit()
+
+    t = threading.Thread(target=release)
+    t.start()
+    try:
+        p = cli("ingest", src, "--preset", "amazon-reviews", "--db", dsn, "--table", "held", "--job", "held_b",
+                "--devices", "cpu", "--chunk-bytes", "5000", "--no-index", "--json", check=True,
+                extra_env={"EMBEDFLEET_WRITERS": "1", "EMBEDFLEET_WRITER_DEPTH": "1"})
+    finally:
+        t.join()
+        holder.close()
+    (w,) = orjson.loads(p.stdout)["workers"]
+    assert w["sink_wait_s"] >= 0.5  # the loop stopped for its writer, held by the lock
+    # where in the loop: every wait of 1 ms or more is in a tenth (those under 1 ms are left out)
+    assert w["sink_wait_s"] - 0.05 <= sum(w["sink_wait_by_tenth_s"]) <= w["sink_wait_s"] + 0.01
+    assert conn.execute("SELECT count(*) FROM held").fetchone()[0] == 305
 
 
 def test_kill9_mid_run_with_two_workers_then_rerun_gives_every_row_once(cli, dsn, conn, tmp_path):
