@@ -72,7 +72,7 @@ def ingest(
     workers: Optional[int] = typer.Option(None, "--workers", help="worker processes (default: one per device)"),
     batch_tokens: Optional[str] = typer.Option(None, "--batch-tokens", help="auto | tokens per forward pass"),
     chunk_bytes: Optional[int] = typer.Option(None, "--chunk-bytes", help="bytes of input per claimed chunk"),
-    limit: Optional[int] = typer.Option(None, "--limit", help="only the first N lines"),
+    limit: Optional[int] = typer.Option(None, "--limit", help="only the first N lines, counted over the inputs in order"),
     no_index: bool = typer.Option(False, "--no-index", help="skip the HNSW index build"),
     dtype: Optional[str] = typer.Option(None, "--dtype", help="float (vector) | half (halfvec, pgvector ≥ 0.7)"),
     dim: Optional[int] = typer.Option(None, "--dim", help="Matryoshka: keep the first N dimensions"),

@@ -206,6 +206,16 @@ def test_kill9_mid_run_with_two_workers_then_rerun_gives_every_row_once(cli, dsn
     assert options == ["toast_tuple_target=8160"] and tuples == n  # autovacuum back on, and ANALYZEd
 
 
+def test_limit_takes_the_first_lines_across_several_inputs(cli, dsn, conn, tmp_path):
+    first = write_amazon_reviews(tmp_path / "part-1.jsonl", 30, seed=1)
+    second = write_amazon_reviews(tmp_path / "part-2.jsonl", 30, seed=2)
+    cli("ingest", tmp_path / "part-*.jsonl", "--preset", "amazon-reviews", "--db", dsn, "--quiet", "--table", "lim",
+        "--limit", "45", "--no-index", check=True)
+    got = {r[0] for r in conn.execute("SELECT id FROM lim")}
+    head = [json.loads(line) for line in second.read_text().splitlines()[:15]]
+    assert got == _ids(first) | {f"{r['user_id']}|{r['asin']}|{r['timestamp']}" for r in head}
+
+
 def test_verify_catches_a_corrupted_vector(cli, dsn, conn):
     cli("ingest", REVIEWS, "--preset", "amazon-reviews", "--db", dsn, "--quiet", "--table", "v", "--limit", "40",
         "--no-index", check=True)

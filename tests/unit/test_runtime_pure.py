@@ -2,8 +2,13 @@
 
 from __future__ import annotations
 
+import gzip
+import json
 from collections import deque
+from pathlib import Path
 
+import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 
 from embedfleet.config import JobConfig, build_config
@@ -11,7 +16,8 @@ from embedfleet.errors import InputError
 from embedfleet.runtime.job import apply_limit
 from embedfleet.runtime.local import parse_devices, worker_count, writers_each
 from embedfleet.runtime.monitor import rate_and_eta
-from embedfleet.sources.plan import ChunkSpec
+from embedfleet.sources import read_chunk
+from embedfleet.sources.plan import ChunkSpec, plan_chunks
 from embedfleet.store.embedded import _settings_in, changed, max_wal_size_gb, shared_buffers_mb
 from embedfleet.store.schema import check_identifier
 from embedfleet.train.read import use_chunks
@@ -23,14 +29,45 @@ def _c(src, first, kind="jsonl"):
 
 def test_limit_caps_the_chunk_holding_the_nth_line():
     chunks = [_c("a", 1), _c("a", 101), _c("a", 201), _c("b", 1)]
+    lines = {("a", 201): 50, ("b", 1): 1000}  # a file's last chunk is counted (here: known sizes)
+    count = lambda c, most: lines[c.source, c.first_line] if lines[c.source, c.first_line] <= most else None  # noqa: E731
     assert apply_limit(chunks, None) == [(c, None) for c in chunks]
-    assert apply_limit(chunks, 150) == [(chunks[0], 150), (chunks[1], 150)]
-    assert apply_limit(chunks, 100) == [(chunks[0], 100)]
-    assert apply_limit(chunks, 0) == []
-    # the last chunk of a file has no known size: the cap falls inside it and planning stops
-    assert apply_limit(chunks, 500) == [(chunks[0], 500), (chunks[1], 500), (chunks[2], 500)]
-    streams = [_c("x.gz", 1, "stream"), _c("y.gz", 1, "stream")]
-    assert apply_limit(streams, 10) == [(streams[0], 10)]
+    assert apply_limit(chunks, 150, count) == [(chunks[0], 150), (chunks[1], 150)]
+    assert apply_limit(chunks, 100, count) == [(chunks[0], 100)]
+    assert apply_limit(chunks, 0, count) == []
+    # past file a's 250 lines: into b, capped at its 250th line
+    assert apply_limit(chunks, 500, count) == [(chunks[0], 500), (chunks[1], 500), (chunks[2], 500), (chunks[3], 250)]
+    assert apply_limit(chunks, 250, count) == [(chunks[0], 250), (chunks[1], 250), (chunks[2], 250)]
+    # a file whose lines could not be counted (a damaged stream): the cap falls inside it
+    assert apply_limit(chunks, 500, lambda c, most: None) == [(chunks[0], 500), (chunks[1], 500), (chunks[2], 500)]
+
+
+def _lines_of(path: Path, n: int, start: int) -> list[str]:
+    return [json.dumps({"id": f"{path.name}-{i}", "text": f"line {i}"}) for i in range(start, start + n)]
+
+
+def test_limit_counts_lines_across_inputs_of_every_kind(tmp_path):
+    """--limit N keeps the first N lines over all the inputs in order, whatever each file's kind."""
+    plain = tmp_path / "a.jsonl"
+    plain.write_text("\n".join(_lines_of(plain, 30, 0)) + "\n\n")  # a blank line counts as a line
+    packed = tmp_path / "b.jsonl.gz"
+    packed.write_bytes(gzip.compress("\n".join(_lines_of(packed, 20, 0)).encode()))  # no final newline
+    table = tmp_path / "c.csv"
+    table.write_text("id,text\n" + "".join(f'c-{i},"row\n{i}"\n' for i in range(25)))  # quoted newlines
+    columns = tmp_path / "d.parquet"
+    pq.write_table(pa.table({"id": [f"d-{i}" for i in range(40)], "text": ["x"] * 40}), columns, row_group_size=8)
+    chunks = plan_chunks([str(p) for p in (plain, packed, table, columns)], chunk_bytes=200)
+    assert len({c.source for c in chunks}) == 4 and len(chunks) > 6
+
+    def kept(limit):
+        return [(Path(r.source).suffix, r.line) for c, last in apply_limit(chunks, limit)
+                for r in read_chunk(c) if r.line <= last]
+
+    got = kept(31 + 20 + 25 + 17)  # past the first three files, into the Parquet file's third row group
+    assert len(got) == 30 + 20 + 25 + 17  # a.jsonl's blank 31st line holds no record
+    assert [line for ext, line in got if ext == ".parquet"] == list(range(1, 18))
+    assert kept(40) == [(".jsonl", i) for i in range(1, 31)] + [(".gz", i) for i in range(1, 10)]
+    assert len(kept(10_000)) == 30 + 20 + 25 + 40
 
 
 def test_devices_spread_workers_round_robin(monkeypatch):

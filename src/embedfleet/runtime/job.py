@@ -13,13 +13,13 @@ import logging
 import time
 from contextlib import nullcontext
 from pathlib import Path
-from typing import Protocol
+from typing import Callable, Protocol
 
 from embedfleet.config import JobConfig, Settings, default_chunk_bytes
 from embedfleet.errors import InputError, JobError
 from embedfleet.records import validate_template
 from embedfleet.runtime.preflight import check_inputs_have_text
-from embedfleet.sources.plan import ChunkSpec, expand_inputs, plan_chunks, table_name_for
+from embedfleet.sources.plan import ChunkSpec, chunk_lines, expand_inputs, plan_chunks, table_name_for
 from embedfleet.store.embedded import resolve_dsn
 from embedfleet.store.ledger import Ledger, Reconnect
 from embedfleet.store.schema import check_identifier, check_server, check_write_privileges, ensure_vector, finish_table, table_exists
@@ -97,22 +97,26 @@ def _metrics(port: int | None, dsn: str, job: str):
     return serve_metrics(port, dsn, job)
 
 
-def apply_limit(chunks: list[ChunkSpec], limit: int | None) -> list[tuple[ChunkSpec, int | None]]:
-    """Keep the chunks holding the first `limit` lines, the last one capped (`last_line`).
-    A chunk's line count is known when the next chunk continues the same file; otherwise the cap
-    falls inside it and planning stops there."""
+def apply_limit(chunks: list[ChunkSpec], limit: int | None,
+                count: Callable[[ChunkSpec, int], int | None] = chunk_lines) -> list[tuple[ChunkSpec, int | None]]:
+    """Keep the chunks holding the first `limit` lines over all inputs in order, each capped (`last_line`).
+    A chunk's lines are known when the next chunk continues its file; a file's last chunk is counted
+    (`count`: its lines, or None when more than are left, so the cap falls inside it and planning stops)."""
     if limit is None:
         return [(c, None) for c in chunks]
     out, remaining = [], limit
     for i, c in enumerate(chunks):
         if remaining <= 0:
             break
-        nxt = chunks[i + 1] if i + 1 < len(chunks) else None
-        known = nxt is not None and nxt.source == c.source and c.kind == "jsonl"
         out.append((c, c.first_line + remaining - 1))
-        if not known:
-            break
-        remaining -= nxt.first_line - c.first_line
+        nxt = chunks[i + 1] if i + 1 < len(chunks) else None
+        if nxt is not None and nxt.source == c.source:
+            lines = nxt.first_line - c.first_line
+        else:
+            lines = count(c, remaining) if nxt is not None else None
+            if lines is None:
+                break
+        remaining -= lines
     return out
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import csv
 import io
 from collections.abc import Iterator
+from typing import IO
 
 import orjson
 
@@ -36,6 +37,18 @@ def read_csv(spec: ChunkSpec, after_line: int = 0) -> Iterator[RawRecord]:
                 yield _record(spec.source, number, header, row)
     except (csv.Error, *STREAM_ERRORS) as e:
         raise stream_error(spec.source, number, e) from e
+
+
+def data_rows(stream: IO[bytes], most: int) -> int:
+    """The data rows of a CSV stream, blank ones included (counted like blank JSONL lines), read no
+    further than the first past `most`."""
+    rows = csv.reader(io.TextIOWrapper(stream, encoding="utf-8-sig", errors="replace", newline=""))
+    number = 0
+    if next(rows, None) is not None:
+        for number, _ in enumerate(rows, 1):
+            if number > most:
+                break
+    return number
 
 
 def _record(source: str, number: int, header: list[str], row: list[str]) -> RawRecord:

@@ -94,6 +94,39 @@ def plan_chunks(paths: list[str], chunk_bytes: int = 8 << 20) -> list[ChunkSpec]
     return chunks
 
 
+def chunk_lines(spec: ChunkSpec, most: int) -> int | None:
+    """The lines `spec` holds (data rows for Parquet and CSV), or None if more than `most`. Reads only
+    as far as `most` needs: --limit's count across inputs whose lengths the plan does not know."""
+    if spec.kind == "parquet":
+        meta = _parquet_metadata(spec.source)
+        n = sum(meta.row_group(g).num_rows for g in range(spec.start, spec.end))
+    elif spec.kind == "jsonl":
+        n = _lines(files.read_range(spec.source, spec.start, spec.end, _BLOCK), most)
+    else:
+        import csv
+
+        from embedfleet.sources.base import STREAM_ERRORS, open_binary
+        from embedfleet.sources.csv import data_rows
+
+        try:
+            with open_binary(spec.source) as stream:
+                n = data_rows(stream, most) if spec.kind == "csv" else _lines(iter(lambda: stream.read(_BLOCK), b""), most)
+        except (csv.Error, *STREAM_ERRORS):  # damaged: its worker reports it, after the good lines before it
+            return None
+    return n if n <= most else None
+
+
+def _lines(blocks, most: int) -> int:
+    """Lines in `blocks` (a last one without a newline counts), or more than `most` once past it."""
+    n, last = 0, b"\n"
+    for block in blocks:
+        n += block.count(b"\n")
+        last = block[-1:] or last
+        if n > most:
+            return n
+    return n + (last != b"\n")
+
+
 def _jsonl_chunks(path: str, chunk_bytes: int) -> list[ChunkSpec]:
     """Cut after the first newline at or past each `chunk_bytes` mark, counting lines on the way.
 
@@ -123,16 +156,7 @@ def _jsonl_chunks(path: str, chunk_bytes: int) -> list[ChunkSpec]:
 
 def _parquet_chunks(path: str, chunk_bytes: int) -> list[ChunkSpec]:
     """Consecutive row groups whose uncompressed size adds up to about `chunk_bytes`."""
-    try:
-        if files.is_url(path):
-            with files.open_random(path) as f:
-                meta = pq.ParquetFile(f).metadata
-        else:
-            meta = pq.ParquetFile(path).metadata
-    except FileNotFoundError:
-        raise
-    except Exception as e:  # pyarrow raises ArrowInvalid/OSError variants for non-parquet bytes
-        raise InputError(f"cannot read Parquet file {path}: {e}") from e
+    meta = _parquet_metadata(path)
     out: list[ChunkSpec] = []
     group_start, size, row, first_row = 0, 0, 1, 1
     for g in range(meta.num_row_groups):
@@ -144,3 +168,15 @@ def _parquet_chunks(path: str, chunk_bytes: int) -> list[ChunkSpec]:
                 out.append(ChunkSpec(path, "parquet", group_start, g + 1, first_row))
             group_start, size, first_row = g + 1, 0, row
     return out
+
+
+def _parquet_metadata(path: str) -> pq.FileMetaData:
+    try:
+        if files.is_url(path):
+            with files.open_random(path) as f:
+                return pq.ParquetFile(f).metadata
+        return pq.ParquetFile(path).metadata
+    except FileNotFoundError:
+        raise
+    except Exception as e:  # pyarrow raises ArrowInvalid/OSError variants for non-parquet bytes
+        raise InputError(f"cannot read Parquet file {path}: {e}") from e
