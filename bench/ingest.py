@@ -12,7 +12,8 @@ own loop, summed; all running = rows of the chunks that committed while every wo
 (later start to earlier end, from the ledger's commit times) over that time — the steady state of a
 long job, without one worker's start-up or last chunk alone; wall rate = rows / the whole command's wall time. `--gpus 1,2,1,2` repeats counts:
 scaling is against the first count's mean rate, and pair by pair against the run just before;
-`--warmup N` first runs an untimed N-row ingest, so a fresh machine's cold caches count in no result.
+`--warmup N` first runs an untimed N-row ingest, so a fresh machine's cold caches count in no result (MiniLM
+compiles only in a job past 1 GiB: N ≥ ~1.9M reviews, or the first timed run compiles cold).
 Each run's table is dropped once measured, so no run pays for vacuuming an earlier one's.
 """
 
@@ -424,6 +425,10 @@ def main() -> None:
         warmup = {"rows_per_s_steady": w["rows_per_s_steady"],
                   "compile": [x["startup"].get("compile") for x in w["workers"]],
                   "compile_first": w["workers"][0]["startup"].get("compile_first")}
+        if not any(c and c.get("state") == "compiled" for c in warmup["compile"]):
+            # a small model compiles only for jobs past 1 GiB (runtime.worker.compile_pays): ~1.8M reviews
+            print("[ingest] the warm-up did not compile (too small to pay for it): the first timed run compiles cold",
+                  file=sys.stderr, flush=True)
     per = [int(k) for k in args.workers_per_gpu.split(",")]
     dtypes = args.dtype.split(",")
     gil = None
