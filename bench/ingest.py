@@ -1,7 +1,7 @@
 """Ingest throughput on 1..N GPUs: synthetic Amazon reviews → `embedfleet ingest` → embedded PostgreSQL.
 
     python bench/ingest.py --n 200000 --gpus 1,2 [--model DIR | --shape qwen3-0.6b] [--shards K] [--out results.json]
-        [--workers-per-gpu 1,1,2,2] [--dtype float,half] [--compile on,off] [--gil START:SECONDS:PY_SPY] [--pg-set NAME=VALUE,…] [--warmup N]
+        [--workers-per-gpu 1,1,2,2] [--dtype float,half] [--compile on,off] [--helpers 8,16] [--gil START:SECONDS:PY_SPY] [--pg-set NAME=VALUE,…] [--warmup N]
 
 For each GPU count it runs the real CLI once (fresh table, --no-index so the rate is the pipeline's,
 then times ANALYZE and the HNSW build separately), samples every GPU's utilisation with NVML, and reads each
@@ -398,6 +398,8 @@ def main() -> None:
                     help="worker processes on each GPU, per run in --gpus order (cycled): e.g. 1,1,2,2")
     ap.add_argument("--dtype", default="float", metavar="D[,D…]",
                     help="ingest's --dtype per run in --gpus order (cycled): e.g. float,half with --gpus 4,4")
+    ap.add_argument("--helpers", default=None, metavar="K[,K…]",
+                    help="helper processes a worker per run in --gpus order (cycled; EMBEDFLEET_PREP_WORKERS): default, ingest's own")
     ap.add_argument("--compile", default="on", metavar="on|off[,…]",
                     help="per run in --gpus order (cycled): off runs it with EMBEDFLEET_COMPILE=0 (the loop eager throughout)")
     ap.add_argument("--gil", default=None, metavar="START:SECONDS:PY_SPY",
@@ -434,6 +436,7 @@ def main() -> None:
     per = [int(k) for k in args.workers_per_gpu.split(",")]
     dtypes = args.dtype.split(",")
     compiles = args.compile.split(",")
+    helpers = args.helpers.split(",") if args.helpers else [None]
     gil = None
     if args.gil:
         start, seconds, py_spy = args.gil.split(":", 2)
@@ -442,13 +445,16 @@ def main() -> None:
     for i, g in enumerate(counts):
         dtype, compiled = dtypes[i % len(dtypes)], compiles[i % len(compiles)]
         run_env = env if compiled == "on" else dict(env, EMBEDFLEET_COMPILE="0")
+        if helpers[i % len(helpers)]:
+            run_env = dict(run_env, EMBEDFLEET_PREP_WORKERS=helpers[i % len(helpers)])
         results.append(run_once(data, g, model, run_env, "amazon-reviews", extra + ["--dtype", dtype], args.cpu,
                                 not args.no_index, per[i % len(per)], gil))
         results[-1]["dtype"], results[-1]["compile"] = dtype, compiled
+        results[-1]["helpers"] = results[-1]["workers"][0]["helpers"]
         if args.out:  # each run as it ends: a command cut short by its timeout keeps the runs before
             Path(args.out).write_text(json.dumps({"partial": True, "results": results}, indent=2))
         r = results[-1]
-        print(f"[ingest] {g} GPU, {dtype}, compile {compiled}: {r['rows_per_s_steady']:,.0f} rows/s steady, {r['rows_per_s_all_running']} while all "
+        print(f"[ingest] {g} GPU, {dtype}, compile {compiled}, {r['helpers']} helpers: {r['rows_per_s_steady']:,.0f} rows/s steady, {r['rows_per_s_all_running']} while all "
               f"ran, {r['rows_per_s_workers_sum']:,.0f} workers' sum, wall {r['wall_s']} s {r['timeline_s']}",
               file=sys.stderr, flush=True)
     # Against the first GPU count's rate per GPU, averaged over its runs (--gpus 1,2,1,2 repeats them).
