@@ -1,7 +1,7 @@
 """Ingest throughput on 1..N GPUs: synthetic Amazon reviews → `embedfleet ingest` → embedded PostgreSQL.
 
     python bench/ingest.py --n 200000 --gpus 1,2 [--model DIR | --shape qwen3-0.6b] [--shards K] [--out results.json]
-        [--workers-per-gpu 1,1,2,2] [--dtype float,half] [--compile on,off] [--helpers 8,16] [--gil START:SECONDS:PY_SPY] [--pg-set NAME=VALUE,…] [--warmup N]
+        [--workers-per-gpu 1,1,2,2] [--dtype float,half] [--compile on,off,wait] [--helpers 8,16] [--gil START:SECONDS:PY_SPY] [--pg-set NAME=VALUE,…] [--warmup N]
 
 For each GPU count it runs the real CLI once (fresh table, --no-index so the rate is the pipeline's,
 then times ANALYZE and the HNSW build separately), samples every GPU's utilisation with NVML, and reads each
@@ -400,8 +400,9 @@ def main() -> None:
                     help="ingest's --dtype per run in --gpus order (cycled): e.g. float,half with --gpus 4,4")
     ap.add_argument("--helpers", default=None, metavar="K[,K…]",
                     help="helper processes a worker per run in --gpus order (cycled; EMBEDFLEET_PREP_WORKERS): default, ingest's own")
-    ap.add_argument("--compile", default="on", metavar="on|off[,…]",
-                    help="per run in --gpus order (cycled): off runs it with EMBEDFLEET_COMPILE=0 (the loop eager throughout)")
+    ap.add_argument("--compile", default="on", metavar="on|off|wait[,…]",
+                    help="per run in --gpus order (cycled): off runs it with EMBEDFLEET_COMPILE=0 (the loop eager throughout), "
+                         "wait with EMBEDFLEET_COMPILE_WAIT=1 (the loop starts once compiled)")
     ap.add_argument("--gil", default=None, metavar="START:SECONDS:PY_SPY",
                     help="sample which worker threads hold the GIL (py-spy at this path), START s into each run")
     ap.add_argument("--pg-set", default=None, metavar="NAME=VALUE,…",
@@ -444,7 +445,7 @@ def main() -> None:
     results = []
     for i, g in enumerate(counts):
         dtype, compiled = dtypes[i % len(dtypes)], compiles[i % len(compiles)]
-        run_env = env if compiled == "on" else dict(env, EMBEDFLEET_COMPILE="0")
+        run_env = {"on": env, "off": dict(env, EMBEDFLEET_COMPILE="0"), "wait": dict(env, EMBEDFLEET_COMPILE_WAIT="1")}[compiled]
         if helpers[i % len(helpers)]:
             run_env = dict(run_env, EMBEDFLEET_PREP_WORKERS=helpers[i % len(helpers)])
         results.append(run_once(data, g, model, run_env, "amazon-reviews", extra + ["--dtype", dtype], args.cpu,
