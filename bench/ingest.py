@@ -8,7 +8,7 @@ then times ANALYZE and the HNSW build separately), samples every GPU's utilisati
 worker's summary from `ingest --json` (rows, forward-pass seconds, DB seconds, seconds the GPU loop waited on the
 sink or on input). Steady-state rate = rows / the span of the workers' loops, first start to last
 end (model load excluded, a worker that starts late counts); workers' sum = each worker's rows / its
-own loop, summed; all running = rows of the chunks that committed while every worker's loop ran
+own loop, summed; middle = each worker's tenths 4-9 of its loop, summed (no start, no end); all running = rows of the chunks that committed while every worker's loop ran
 (later start to earlier end, from the ledger's commit times) over that time — the steady state of a
 long job, without one worker's start-up or last chunk alone; wall rate = rows / the whole command's wall time. `--gpus 1,2,1,2` repeats counts:
 scaling is against the first count's mean rate, and pair by pair against the run just before;
@@ -233,6 +233,14 @@ def set_server(env: dict, settings: list[str]) -> None:
     _db(env, "start")
 
 
+def middle_rate(workers: list[dict]) -> float | None:
+    """Rows a second over each worker's tenths 4-9 (`rows_by_tenth`), summed over the workers. Rows count when
+    their unit commits: only a loop of many units a tenth gives a steady figure."""
+    if any(len(w.get("rows_by_tenth") or []) != 10 or not w["wall_s"] for w in workers):
+        return None
+    return round(sum(sum(w["rows_by_tenth"][3:9]) / (0.6 * w["wall_s"]) for w in workers), 1)
+
+
 def run_once(data: list[Path], gpus: int, model: str | None, env: dict, preset: str, extra: list[str],
              cpu: bool = False, index: bool = True, per_gpu: int = 1, gil: tuple | None = None) -> dict:
     table = f"bench_{gpus}gpu_{int(time.time())}"
@@ -303,6 +311,9 @@ def run_once(data: list[Path], gpus: int, model: str | None, env: dict, preset: 
         "rows_per_s_all_running": round(rows_together / (together[1] - together[0]), 1) if together[1] > together[0] else None,
         # each worker's own rows / its own loop, summed
         "rows_per_s_workers_sum": round(sum(w["rows"] / w["wall_s"] for w in workers), 1),
+        # each worker's tenths 4-9 of its loop, summed: without the start (the compile loading beside the
+        # loop) and the end (the last units): where runs 122-123 found several GPUs' shortfall
+        "rows_per_s_middle": middle_rate(workers),
         "start_stagger_s": round(max(w["started_at"] for w in workers) - min(w["started_at"] for w in workers), 3),
         "helpers_busy": [round(w["helper_busy_s"] / (w["helpers"] * w["wall_s"]), 3) for w in workers if w["helpers"]],
         "db_share_of_loop": round(max(w["db_s"] / w["wall_s"] for w in workers), 3),
@@ -456,7 +467,7 @@ def main() -> None:
             Path(args.out).write_text(json.dumps({"partial": True, "results": results}, indent=2))
         r = results[-1]
         print(f"[ingest] {g} GPU, {dtype}, compile {compiled}, {r['helpers']} helpers: {r['rows_per_s_steady']:,.0f} rows/s steady, {r['rows_per_s_all_running']} while all "
-              f"ran, {r['rows_per_s_workers_sum']:,.0f} workers' sum, wall {r['wall_s']} s {r['timeline_s']}",
+              f"ran, {r['rows_per_s_workers_sum']:,.0f} workers' sum, {r['rows_per_s_middle'] or 0:,.0f} middle tenths, wall {r['wall_s']} s {r['timeline_s']}",
               file=sys.stderr, flush=True)
     # Against the first GPU count's rate per GPU, averaged over its runs (--gpus 1,2,1,2 repeats them).
     first = [r for r in results if r["gpus"] == results[0]["gpus"]]
@@ -469,7 +480,7 @@ def main() -> None:
 
     for r in results:
         for key, name in (("rows_per_s_steady", "steady"), ("rows_per_s_all_running", "all_running"),
-                          ("rows_per_s_workers_sum", "workers_sum"),
+                          ("rows_per_s_workers_sum", "workers_sum"), ("rows_per_s_middle", "middle"),
                           ("rows_per_s_wall", "wall")):
             r[f"scaling_vs_linear_{name}"] = ratio(r[key], per_gpu(key), r["gpus"])
     for i, r in enumerate(results):  # pair by pair: against the latest run of the first GPU count before it
