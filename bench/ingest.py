@@ -13,7 +13,7 @@ own loop, summed; middle = each worker's tenths 4-9 of its loop, summed (no star
 long job, without one worker's start-up or last chunk alone; wall rate = rows / the whole command's wall time. `--gpus 1,2,1,2` repeats counts:
 scaling is against the first count's mean rate, and pair by pair against the run just before;
 `--warmup N` first runs an untimed N-row ingest, so a fresh machine's cold caches count in no result (MiniLM
-compiles only in a job past 1 GiB: N ≥ ~1.9M reviews, or the first timed run compiles cold).
+compiles only in a job past 1 GiB: N ≥ ~1.8M reviews, or the first timed run compiles cold).
 Each run's table is dropped once measured, so no run pays for vacuuming an earlier one's.
 """
 
@@ -311,8 +311,8 @@ def run_once(data: list[Path], gpus: int, model: str | None, env: dict, preset: 
         "rows_per_s_all_running": round(rows_together / (together[1] - together[0]), 1) if together[1] > together[0] else None,
         # each worker's own rows / its own loop, summed
         "rows_per_s_workers_sum": round(sum(w["rows"] / w["wall_s"] for w in workers), 1),
-        # each worker's tenths 4-9 of its loop, summed: without the start (the compile loading beside the
-        # loop) and the end (the last units): where runs 122-123 found several GPUs' shortfall
+        # each worker's tenths 4-9 of its loop, summed: the steady state without the start (the compile
+        # loading beside the loop) and the end (the last units)
         "rows_per_s_middle": middle_rate(workers),
         "start_stagger_s": round(max(w["started_at"] for w in workers) - min(w["started_at"] for w in workers), 3),
         "helpers_busy": [round(w["helper_busy_s"] / (w["helpers"] * w["wall_s"]), 3) for w in workers if w["helpers"]],

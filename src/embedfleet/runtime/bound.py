@@ -3,7 +3,8 @@
 A device's loop either embeds, waits for input (its helpers reading, templating and tokenizing units),
 or waits for the database (its writers' queues full, and at the end its own last commits). A user
 wondering whether more GPUs would help is told which of these held them: with four H100s on MiniLM
-it is the disk under PostgreSQL (bench/NOTES.md, runs 112-120), with a large model the GPUs themselves.
+it is PostgreSQL, its disk or in memory its write path (bench/NOTES.md, runs 112-121), with a large model the
+GPUs themselves.
 """
 
 from __future__ import annotations

@@ -109,13 +109,12 @@ def apply_limit(chunks: list[ChunkSpec], limit: int | None,
         if remaining <= 0:
             break
         out.append((c, c.first_line + remaining - 1))
-        nxt = chunks[i + 1] if i + 1 < len(chunks) else None
-        if nxt is not None and nxt.source == c.source:
-            lines = nxt.first_line - c.first_line
-        else:
-            lines = count(c, remaining) if nxt is not None else None
-            if lines is None:
-                break
+        if i + 1 == len(chunks):
+            break
+        nxt = chunks[i + 1]
+        lines = nxt.first_line - c.first_line if nxt.source == c.source else count(c, remaining)
+        if lines is None:
+            break
         remaining -= lines
     return out
 

@@ -26,8 +26,7 @@ def read_csv(spec: ChunkSpec, after_line: int = 0) -> Iterator[RawRecord]:
     f = open_binary(spec.source)  # outside the try: a missing file is not a corrupt one
     try:
         with f:
-            text = io.TextIOWrapper(f, encoding="utf-8-sig", errors="replace", newline="")
-            rows = csv.reader(text)
+            rows = _rows(f)
             header = next(rows, None)
             if header is None:
                 return
@@ -42,13 +41,18 @@ def read_csv(spec: ChunkSpec, after_line: int = 0) -> Iterator[RawRecord]:
 def data_rows(stream: IO[bytes], most: int) -> int:
     """The data rows of a CSV stream, blank ones included (counted like blank JSONL lines), read no
     further than the first past `most`."""
-    rows = csv.reader(io.TextIOWrapper(stream, encoding="utf-8-sig", errors="replace", newline=""))
+    rows = _rows(stream)
     number = 0
     if next(rows, None) is not None:
         for number, _ in enumerate(rows, 1):
             if number > most:
                 break
     return number
+
+
+def _rows(stream: IO[bytes]) -> Iterator[list[str]]:
+    """The stream's rows, header first (a BOM dropped, bad UTF-8 replaced, quoted newlines kept in their field)."""
+    return csv.reader(io.TextIOWrapper(stream, encoding="utf-8-sig", errors="replace", newline=""))
 
 
 def _record(source: str, number: int, header: list[str], row: list[str]) -> RawRecord:

@@ -9,6 +9,7 @@ and CSV cannot be entered mid-way and are one chunk each; Parquet is cut at row-
 
 from __future__ import annotations
 
+import csv
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -17,6 +18,7 @@ import pyarrow.parquet as pq
 
 from embedfleet.errors import InputError
 from embedfleet.sources import files
+from embedfleet.sources.base import STREAM_ERRORS, open_binary
 
 _BLOCK = 4 << 20  # read size while counting lines: big blocks keep bytes.count in C
 _JSONL = (".jsonl", ".ndjson", ".jsonlines", ".json")
@@ -103,10 +105,7 @@ def chunk_lines(spec: ChunkSpec, most: int) -> int | None:
     elif spec.kind == "jsonl":
         n = _lines(files.read_range(spec.source, spec.start, spec.end, _BLOCK), most)
     else:
-        import csv
-
-        from embedfleet.sources.base import STREAM_ERRORS, open_binary
-        from embedfleet.sources.csv import data_rows
+        from embedfleet.sources.csv import data_rows  # here: that module reads ChunkSpec from this one
 
         try:
             with open_binary(spec.source) as stream:
