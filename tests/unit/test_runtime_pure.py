@@ -38,7 +38,7 @@ def test_limit_caps_the_chunk_holding_the_nth_line():
     # past file a's 250 lines: into b, capped at its 250th line
     assert apply_limit(chunks, 500, count) == [(chunks[0], 500), (chunks[1], 500), (chunks[2], 500), (chunks[3], 250)]
     assert apply_limit(chunks, 250, count) == [(chunks[0], 250), (chunks[1], 250), (chunks[2], 250)]
-    # a file whose lines could not be counted (a damaged stream): the cap falls inside it
+    # a file with more lines than are left: the cap falls inside it and planning stops
     assert apply_limit(chunks, 500, lambda c, most: None) == [(chunks[0], 500), (chunks[1], 500), (chunks[2], 500)]
 
 
@@ -68,6 +68,18 @@ def test_limit_counts_lines_across_inputs_of_every_kind(tmp_path):
     assert [line for ext, line in got if ext == ".parquet"] == list(range(1, 18))
     assert kept(40) == [(".jsonl", i) for i in range(1, 31)] + [(".gz", i) for i in range(1, 10)]
     assert len(kept(10_000)) == 30 + 20 + 25 + 40
+
+
+def test_limit_goes_on_past_a_damaged_stream(tmp_path):
+    """A truncated .gz counts no lines (its chunk fails as a whole, saying why): the inputs after it are planned."""
+    before, after = tmp_path / "a.jsonl", tmp_path / "c.jsonl"
+    for path in (before, after):
+        path.write_text("\n".join(_lines_of(path, 10, 0)) + "\n")
+    whole = gzip.compress("\n".join(_lines_of(before, 50, 0)).encode())
+    (tmp_path / "b.jsonl.gz").write_bytes(whole[: len(whole) // 2])
+    chunks = plan_chunks([str(tmp_path / n) for n in ("a.jsonl", "b.jsonl.gz", "c.jsonl")])
+    assert [(Path(c.source).name, last) for c, last in apply_limit(chunks, 15)] == [
+        ("a.jsonl", 15), ("b.jsonl.gz", 5), ("c.jsonl", 5)]
 
 
 def test_devices_spread_workers_round_robin(monkeypatch):

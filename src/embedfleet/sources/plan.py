@@ -97,8 +97,9 @@ def plan_chunks(paths: list[str], chunk_bytes: int = 8 << 20) -> list[ChunkSpec]
 
 
 def chunk_lines(spec: ChunkSpec, most: int) -> int | None:
-    """The lines `spec` holds (data rows for Parquet and CSV), or None if more than `most`. Reads only
-    as far as `most` needs: --limit's count across inputs whose lengths the plan does not know."""
+    """The lines `spec` holds (data rows for Parquet and CSV; none for a damaged stream), or None if more
+    than `most`. Reads only as far as `most` needs: --limit's count across inputs whose lengths the plan
+    does not know."""
     if spec.kind == "parquet":
         meta = _parquet_metadata(spec.source)
         n = sum(meta.row_group(g).num_rows for g in range(spec.start, spec.end))
@@ -110,8 +111,8 @@ def chunk_lines(spec: ChunkSpec, most: int) -> int | None:
         try:
             with open_binary(spec.source) as stream:
                 n = data_rows(stream, most) if spec.kind == "csv" else _lines(iter(lambda: stream.read(_BLOCK), b""), most)
-        except (csv.Error, *STREAM_ERRORS):  # damaged: its worker reports it, after the good lines before it
-            return None
+        except (csv.Error, *STREAM_ERRORS):  # damaged: it fails whole, saying why; the next input counts instead
+            n = 0
     return n if n <= most else None
 
 
