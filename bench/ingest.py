@@ -1,7 +1,8 @@
 """Ingest throughput on 1..N GPUs: synthetic Amazon reviews → `embedfleet ingest` → embedded PostgreSQL.
 
     python bench/ingest.py --n 200000 --gpus 1,2 [--model DIR | --shape qwen3-0.6b] [--shards K] [--out results.json]
-        [--workers-per-gpu 1,1,2,2] [--dtype float,half] [--compile on,off,wait] [--helpers 8,16] [--gil START:SECONDS:PY_SPY] [--pg-set NAME=VALUE,…] [--warmup N]
+        [--workers-per-gpu 1,1,2,2] [--dtype float,half] [--compile on,off,wait] [--helpers 8,16] [--gil START:SECONDS:PY_SPY] [--pg-set NAME=VALUE,…]
+        [--pg-reload "default;NAME=VALUE,…"] [--warmup N]
 
 For each GPU count it runs the real CLI once (fresh table, --no-index so the rate is the pipeline's,
 then times ANALYZE and the HNSW build separately), samples every GPU's utilisation with NVML, and reads each
@@ -204,6 +205,14 @@ def _wal_counters(conn) -> dict:
     return {"lsn": lsn, "fpi": int(wal[0]), "buffers_full": int(wal[1]), "checkpoints": int(ckpt[0])}
 
 
+def _buffer_writes(conn) -> dict:
+    """Table and index pages written out of shared buffers so far, by who wrote them (pg_stat_io): a client
+    backend writing a dirty page before it can reuse the buffer is time a COPY waits; the background writer
+    and the checkpointer write off every COPY's path."""
+    return {who: int(n) for who, n in conn.execute(
+        "SELECT backend_type, sum(writes) FROM pg_stat_io WHERE object = 'relation' GROUP BY 1 HAVING sum(writes) > 0")}
+
+
 def _wal_used(conn, before: dict, rows: int, wall: float, disk0: int | None, data_dir: str) -> dict:
     """WAL bytes per row, WAL buffers found full, checkpoints and the disk's write rate over a run."""
     after = _wal_counters(conn)
@@ -233,6 +242,23 @@ def set_server(env: dict, settings: list[str]) -> None:
     _db(env, "start")
 
 
+def reload_server(env: dict, settings: list[str], names: set[str]) -> None:
+    """Per run: RESET every setting in `names`, ALTER SYSTEM SET this run's NAME=VALUEs, and reload (no
+    restart, so only settings a reload applies: e.g. the background writer's)."""
+    with psycopg.connect(_db(env, "uri"), autocommit=True) as conn:
+        for name in sorted(names):
+            conn.execute(sql.SQL("ALTER SYSTEM RESET {}").format(sql.Identifier(name)))
+        for item in settings:
+            name, value = item.split("=", 1)
+            conn.execute(sql.SQL("ALTER SYSTEM SET {} = {}").format(sql.Identifier(name), sql.Literal(value)))
+        conn.execute("SELECT pg_reload_conf()")
+        time.sleep(0.5)  # the postmaster signals its children; they read the file at their next loop
+        stuck = conn.execute("SELECT name FROM pg_settings WHERE name = ANY(%s) AND pending_restart",
+                             [sorted(names)]).fetchall()
+        if stuck:
+            raise SystemExit(f"--pg-reload: {', '.join(n for n, in stuck)} need a restart: use --pg-set")
+
+
 def middle_rate(workers: list[dict]) -> float | None:
     """Rows a second over each worker's tenths 4-9 (`rows_by_tenth`), summed over the workers. Rows count when
     their unit commits: only a loop of many units a tenth gives a steady figure."""
@@ -257,7 +283,7 @@ def run_once(data: list[Path], gpus: int, model: str | None, env: dict, preset: 
     pg_waits = PgWaitSampler(dsn)
     pg_waits.start()
     with psycopg.connect(dsn, autocommit=True) as conn:
-        wal0 = _wal_counters(conn)
+        wal0, writes0 = _wal_counters(conn), _buffer_writes(conn)
         data_dir = conn.execute("SHOW data_directory").fetchone()[0]
     disk0 = _disk_written_bytes(data_dir)
     t0, host0, pg0 = time.perf_counter(), _jiffies(), _postgres_cpu_s()
@@ -282,6 +308,8 @@ def run_once(data: list[Path], gpus: int, model: str | None, env: dict, preset: 
     rows = summary["rows_written"]
     conn = psycopg.connect(dsn, autocommit=True)  # for what is read and dropped once the run is over
     wal = _wal_used(conn, wal0, rows, wall, disk0, data_dir)
+    writes1 = _buffer_writes(conn)
+    buffer_writes = {who: n - writes0.get(who, 0) for who, n in writes1.items() if n > writes0.get(who, 0)}
     # The loops' span, from the first worker's start to the last one's end (start-up excluded, but a
     # worker that starts late counts against the rate).
     loop = round(max(w["started_at"] + w["wall_s"] for w in workers) - min(w["started_at"] for w in workers), 3)
@@ -329,6 +357,7 @@ def run_once(data: list[Path], gpus: int, model: str | None, env: dict, preset: 
                            "postgres": round(_cpu_used(pg0, pg1) / rows * 1e6, 1)} if rows else None,
         "pg_waits": waits,  # client connections: share of samples per wait event (CPU: none)
         "wal": wal,  # over the whole command: WAL volume, WAL buffers found full, checkpoints, disk writes
+        "buffer_writes": buffer_writes,  # pages written out of shared buffers over the command, by backend type
         "records_thread_s": {k: round(max(w.get(k, 0) for w in workers), 3)
                              for k in ("read_s", "claim_s", "collect_s", "records_blocked_s")},
         "timeline_s": timeline, "finalize": summary.get("finalize"), "analyze_again_s": analyze_again_s,
@@ -418,6 +447,9 @@ def main() -> None:
                     help="sample which worker threads hold the GIL (py-spy at this path), START s into each run")
     ap.add_argument("--pg-set", default=None, metavar="NAME=VALUE,…",
                     help="ALTER SYSTEM these settings on the embedded server and restart it before the runs")
+    ap.add_argument("--pg-reload", default=None, metavar="SETTINGS[;…]",
+                    help="per run in --gpus order (cycled), settings a reload applies: NAME=VALUE,… or default for the "
+                         "server's own; e.g. 'default;bgwriter_delay=10ms,bgwriter_lru_maxpages=10000'")
     args = ap.parse_args()
     from embedfleet.synth import cached_review_shards, cached_reviews
 
@@ -449,6 +481,8 @@ def main() -> None:
     dtypes = args.dtype.split(",")
     compiles = args.compile.split(",")
     helpers = args.helpers.split(",") if args.helpers else [None]
+    reloads = [[] if v.strip() in ("", "default") else v.split(",") for v in args.pg_reload.split(";")] if args.pg_reload else None
+    reloaded = {item.split("=", 1)[0] for v in reloads or [] for item in v}
     gil = None
     if args.gil:
         start, seconds, py_spy = args.gil.split(":", 2)
@@ -459,14 +493,17 @@ def main() -> None:
         run_env = {"on": env, "off": dict(env, EMBEDFLEET_COMPILE="0"), "wait": dict(env, EMBEDFLEET_COMPILE_WAIT="1")}[compiled]
         if helpers[i % len(helpers)]:
             run_env = dict(run_env, EMBEDFLEET_PREP_WORKERS=helpers[i % len(helpers)])
+        if reloads:
+            reload_server(env, reloads[i % len(reloads)], reloaded)
         results.append(run_once(data, g, model, run_env, "amazon-reviews", extra + ["--dtype", dtype], args.cpu,
                                 not args.no_index, per[i % len(per)], gil))
         results[-1]["dtype"], results[-1]["compile"] = dtype, compiled
         results[-1]["helpers"] = results[-1]["workers"][0]["helpers"]
+        results[-1]["pg_reload"] = (",".join(reloads[i % len(reloads)]) or "default") if reloads else None
         if args.out:  # each run as it ends: a command cut short by its timeout keeps the runs before
             Path(args.out).write_text(json.dumps({"partial": True, "results": results}, indent=2))
         r = results[-1]
-        print(f"[ingest] {g} GPU, {dtype}, compile {compiled}, {r['helpers']} helpers: {r['rows_per_s_steady']:,.0f} rows/s steady, {r['rows_per_s_all_running']} while all "
+        print(f"[ingest] {g} GPU, {dtype}, compile {compiled}, {r['helpers']} helpers, server {r['pg_reload'] or 'as set'}: {r['rows_per_s_steady']:,.0f} rows/s steady, {r['rows_per_s_all_running']} while all "
               f"ran, {r['rows_per_s_workers_sum']:,.0f} workers' sum, {r['rows_per_s_middle'] or 0:,.0f} middle tenths, wall {r['wall_s']} s {r['timeline_s']}",
               file=sys.stderr, flush=True)
     # Against the first GPU count's rate per GPU, averaged over its runs (--gpus 1,2,1,2 repeats them).
@@ -512,7 +549,7 @@ def main() -> None:
               f"(sum of workers' rates {r['scaling_vs_linear_workers_sum']}, start stagger {r['start_stagger_s']} s), "
               f"helpers busy {r['helpers_busy']}, host CPU busy {r['host_cpu_busy']} (stolen {r['host_cpu_stolen']}), CPU µs/row {r['cpu_us_per_row']}, "
               f"records thread (max of workers) {r['records_thread_s']}, GIL {gil}, pg waits {r['pg_waits']}, "
-              f"wal {r['wal']}, time shares {r['time_shares']}"
+              f"wal {r['wal']}, pages written {r['buffer_writes']}, time shares {r['time_shares']}"
               + (f", vs encoder alone {r['vs_encoder_alone_texts']} (texts) {r['vs_encoder_alone_tokens']} (tokens)"
                  if "vs_encoder_alone_texts" in r else ""))
 
