@@ -11,6 +11,7 @@ from embedfleet.encode import encoder as encoder_mod  # noqa: E402
 from embedfleet.encode import tokenize as tokenize_mod  # noqa: E402
 from embedfleet.encode.encoder import Encoder  # noqa: E402
 from embedfleet.encode.models import bundled_model_dir  # noqa: E402
+from embedfleet.encode.packed import OnDevice  # noqa: E402
 from embedfleet.encode.shapes import build_random_model  # noqa: E402
 from embedfleet.errors import ModelError  # noqa: E402
 from embedfleet.synth import review_texts  # noqa: E402
@@ -45,6 +46,16 @@ def test_real_minilm_matches_st_with_truncation():
     enc = Encoder(device="cpu")
     assert enc.describe()["path"] == "packed" and enc.max_seq_length == 256
     _close(enc.encode(TEXTS), _st(bundled_model_dir()))
+
+
+def test_weights_move_to_the_device_as_each_is_read():
+    import torch
+
+    state = {"a": torch.ones(2, 3), "b": torch.zeros(1)}
+    sd = OnDevice(state, torch.device("meta"))  # a device a CPU-only machine has: tensors without storage
+    assert "a" in sd and "c" not in sd and list(sd) == ["a", "b"] and len(sd) == 2
+    assert sd["a"].device.type == "meta" and state["a"].device.type == "cpu"  # the checkpoint's copy stays
+    assert torch.cat([sd["a"], sd["a"]]).device.type == "meta"  # so a model's concatenations run there
 
 
 def test_tiny_bert_cls(tiny):

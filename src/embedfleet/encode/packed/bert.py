@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from embedfleet.encode.compile import fused
-from embedfleet.encode.packed import strip_prefix
+from embedfleet.encode.packed import OnDevice, strip_prefix
 from embedfleet.encode.packed.attention import Packing, attention
 
 _ACT = {
@@ -35,8 +35,8 @@ class PackedBert:
     def create(cls, cfg: dict, state: dict, device, dtype):
         if cfg.get("position_embedding_type", "absolute") != "absolute" or cfg.get("hidden_act", "gelu") not in _ACT:
             return None
-        sd = {k.replace("LayerNorm.gamma", "LayerNorm.weight").replace("LayerNorm.beta", "LayerNorm.bias"): v
-              for k, v in strip_prefix(state, "embeddings.word_embeddings.weight").items()}
+        sd = OnDevice({k.replace("LayerNorm.gamma", "LayerNorm.weight").replace("LayerNorm.beta", "LayerNorm.bias"): v
+                       for k, v in strip_prefix(state, "embeddings.word_embeddings.weight").items()}, device)
 
         def t(x):
             return x.to(device=device, dtype=dtype).contiguous()

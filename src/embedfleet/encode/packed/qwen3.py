@@ -14,7 +14,7 @@ import torch.nn.functional as F
 
 from embedfleet.config import settings
 from embedfleet.encode.compile import fused
-from embedfleet.encode.packed import strip_prefix
+from embedfleet.encode.packed import OnDevice, strip_prefix
 from embedfleet.encode.packed.attention import Packing, attention
 
 log = logging.getLogger(__name__)
@@ -51,7 +51,7 @@ class PackedDecoder:
         theta = _rope_theta(cfg)
         if theta is None or cfg.get("hidden_act", "silu") != "silu" or cfg.get("use_sliding_window"):
             return None
-        sd = strip_prefix(state, "embed_tokens.weight")
+        sd = OnDevice(strip_prefix(state, "embed_tokens.weight"), device)
 
         def t(x):
             return x.to(device=device, dtype=dtype).contiguous()
