@@ -34,6 +34,8 @@ import orjson
 import psycopg
 from psycopg import sql
 
+from embedfleet.runtime.bound import host_shares, host_ticks
+
 
 class GpuSampler(threading.Thread):
     """Mean NVML utilisation per GPU while a run is going, over samples where any GPU was busy."""
@@ -158,12 +160,6 @@ def _gil_shares(lines: list[str], possible: int) -> dict:
             "top_leaves": {k: round(v / possible, 4) for k, v in top}}
 
 
-def _jiffies() -> tuple[int, int, int]:
-    """(busy, total, stolen) CPU ticks of the whole host since boot (stolen: a VM's CPUs taken by its host)."""
-    v = [int(x) for x in open("/proc/stat").readline().split()[1:]]
-    return sum(v) - v[3] - v[4], sum(v), v[7]  # idle and iowait are not busy
-
-
 def _postgres_cpu_s() -> dict[int, float]:
     """CPU seconds used so far by each postgres process on this host (with, for the postmaster, its
     children that have exited)."""
@@ -286,7 +282,7 @@ def run_once(data: list[Path], gpus: int, model: str | None, env: dict, preset: 
         wal0, writes0 = _wal_counters(conn), _buffer_writes(conn)
         data_dir = conn.execute("SHOW data_directory").fetchone()[0]
     disk0 = _disk_written_bytes(data_dir)
-    t0, host0, pg0 = time.perf_counter(), _jiffies(), _postgres_cpu_s()
+    t0, host0, pg0 = time.perf_counter(), host_ticks(), _postgres_cpu_s()
     t0_wall = time.time()
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     gil_sampler = GilSampler(proc.pid, *gil) if gil else None
@@ -297,7 +293,7 @@ def run_once(data: list[Path], gpus: int, model: str | None, env: dict, preset: 
     wall = time.perf_counter() - t0
     if gil_sampler:
         gil_sampler.join()
-    host1, pg1 = _jiffies(), _postgres_cpu_s()
+    host1, pg1 = host_ticks(), _postgres_cpu_s()
     util = sampler.stop()
     waits = pg_waits.stop()
     sys.stderr.write(p.stderr[-4000:])
@@ -350,8 +346,8 @@ def run_once(data: list[Path], gpus: int, model: str | None, env: dict, preset: 
         "tokens_per_s_steady": round(sum(w["tokens"] for w in workers) / loop, 1),
         # Where the host's CPU went over the whole command (start-up included): all cores' busy
         # share, and CPU µs per row in the workers' processes, their helpers and PostgreSQL.
-        "host_cpu_busy": round((host1[0] - host0[0]) / max(1, host1[1] - host0[1]), 3),
-        "host_cpu_stolen": round((host1[2] - host0[2]) / max(1, host1[1] - host0[1]), 3),
+        "host_cpu_busy": host_shares(host0, host1)["busy"],
+        "host_cpu_stolen": host_shares(host0, host1)["stolen"],
         "cpu_us_per_row": {"workers": round(sum(w["cpu_s"] for w in workers) / rows * 1e6, 1),
                            "helpers": round(sum(w["helper_cpu_s"] for w in workers) / rows * 1e6, 1),
                            "postgres": round(_cpu_used(pg0, pg1) / rows * 1e6, 1)} if rows else None,

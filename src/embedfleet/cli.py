@@ -88,7 +88,7 @@ def ingest(
 ) -> None:
     """Embed INPUT files into a pgvector table. Re-running the same command resumes."""
     from embedfleet.config import Settings, build_config
-    from embedfleet.runtime.bound import bound_line, time_shares
+    from embedfleet.runtime.bound import bound_line, host_shares, host_ticks, time_shares
     from embedfleet.runtime.job import run_job
     from embedfleet.sources.plan import expand_inputs
 
@@ -100,7 +100,7 @@ def ingest(
     ), config)
     settings = Settings.from_env(metrics_port=metrics_port)
     cfg.inputs = expand_inputs(cfg.inputs)  # a missing file or GPU fails before any server starts
-    begun = time.time()  # this run's workers start after it: the summaries of an earlier run's are not its
+    begun, ticks = time.time(), host_ticks()  # this run's workers start after it: an earlier run's summaries are not its
     with contextlib.redirect_stdout(sys.stderr):  # stdout carries our one JSON document, whatever a library prints
         if ray:
             from embedfleet.runtime.ray_launcher import RayLauncher
@@ -115,7 +115,8 @@ def ingest(
                "chunks_done": progress["chunks_done"], "rows_written": progress["rows_written"],
                "rejected": progress["rejected"], "workers": progress["summaries"],
                "finalize": progress["finalize"],  # the table's statistics and index, after the workers
-               "time_shares": time_shares(progress["summaries"], begun)}  # what held the devices (None: too short to say)
+               "time_shares": time_shares(progress["summaries"], begun),  # what held the devices (None: too short to say)
+               "host_cpu": host_shares(ticks, host_ticks())}  # this host's CPU: busy, and taken by a hypervisor
     if json_out:
         _emit(summary)
     elif not progress["table_exists"]:  # a worker creates the table with the model's dimension: none started
@@ -127,7 +128,7 @@ def ingest(
                    f"({summary['rejected']} rejected) — try: embedfleet search \"…\" --table {shlex.quote(cfg.table)}",
                    err=True)
         if summary["time_shares"]:
-            typer.echo(bound_line(summary["time_shares"]), err=True)
+            typer.echo(bound_line(summary["time_shares"], summary["host_cpu"]), err=True)
 
 
 @app.command()

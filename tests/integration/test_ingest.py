@@ -131,6 +131,7 @@ def test_a_job_of_one_chunk_starts_one_worker_whatever_the_devices(cli, dsn, tmp
     assert w["tail_wait_s"] == 0  # a lone worker's last wait is all for its own commits
     assert len(w["sink_wait_by_tenth_s"]) == 10 and sum(w["sink_wait_by_tenth_s"]) <= w["sink_wait_s"] + 0.01
     assert doc["time_shares"] is None  # 30 reviews: a loop too short to say what held it
+    assert 0 < doc["host_cpu"]["busy"] <= 1 and 0 <= doc["host_cpu"]["stolen"] <= doc["host_cpu"]["busy"]
 
 
 def test_a_table_held_by_another_session_shows_as_the_loops_waits_on_the_database(cli, dsn, conn, tmp_path):

@@ -347,3 +347,21 @@ def test_the_bound_line_names_the_database_or_the_input_only_when_it_stands_out(
     assert "input is this job's bound" in fed and "database is" not in fed
     busy = bound_line({"embedding": 0.95, "input": 0.02, "database": 0.01})
     assert "bound" not in busy
+
+
+def test_the_bound_line_says_when_the_hypervisor_took_the_hosts_cpu():
+    from embedfleet.runtime.bound import bound_line, host_shares, host_ticks
+
+    # /proc/stat's first line: user nice system idle iowait irq softirq steal guest guest_nice
+    before = host_ticks("cpu  1000 0 500 8000 100 0 0 400 300 0")
+    after = host_ticks("cpu  1600 0 700 8400 100 0 0 600 450 0")  # 1,400 ticks: 400 idle, 200 stolen
+    assert before == (1900, 10000, 400)  # guest time is inside user already: not counted twice
+    host = host_shares(before, after)
+    assert host == {"busy": round(1000 / 1400, 3), "stolen": round(200 / 1400, 3)}
+    db = bound_line({"embedding": 0.7, "input": 0.05, "database": 0.2}, host)
+    assert "the database is this job's bound" in db and "hypervisor took 14% of its CPU" in db
+    calm = bound_line({"embedding": 0.7, "input": 0.05, "database": 0.2}, {"busy": 0.6, "stolen": 0.02})
+    assert "hypervisor" not in calm
+    assert host_shares(None, after) is None and host_shares(after, after) is None
+    live = host_shares(host_ticks(), host_ticks())  # this machine's own, where it has /proc/stat
+    assert live is None or 0 <= live["stolen"] <= live["busy"] <= 1

@@ -3,15 +3,20 @@
 A device's loop either embeds, waits for input (its helpers reading, templating and tokenizing units),
 or waits for the database (its writers' queues full, and at the end its own last commits). A user
 wondering whether more GPUs would help is told which of these held them: with four H100s on MiniLM
-it is PostgreSQL, its disk or in memory its write path (bench/NOTES.md, runs 112-121), with a large model the
-GPUs themselves.
+it is PostgreSQL, its disk, or in memory the CPU it shares with the workers once the machine's hypervisor
+takes 6% or more of it (bench/NOTES.md, runs 112-128); with a large model the GPUs themselves.
 """
 
 from __future__ import annotations
 
+from pathlib import Path
+
 SHOWN_AFTER_S = 5.0  # loops shorter than this (summed over workers) are mostly start-up: nothing said
 DATABASE_BOUND = 0.10  # shares of the loops past which that wait is named the job's bound
 INPUT_BOUND = 0.25
+# the host's CPU taken by its hypervisor past which the line says so: in runs 121-128 (four H100s, PostgreSQL
+# in memory) 5.7% or more held the database behind the GPUs, 3.7% or less did not
+STOLEN_SHOWN = 0.05
 
 
 def time_shares(summaries: list[dict], since: float = 0.0) -> dict | None:
@@ -33,13 +38,38 @@ def time_shares(summaries: list[dict], since: float = 0.0) -> dict | None:
             "database": round(database / wall, 3)}
 
 
-def bound_line(shares: dict) -> str:
-    """One line: the shares, and the bound where one stands out."""
+def host_ticks(stat_line: str | None = None) -> tuple[int, int, int] | None:
+    """(busy, total, stolen) CPU ticks of this host since boot, from /proc/stat's first line (stolen: taken
+    by the hypervisor of a virtual machine); None where there is no /proc/stat."""
+    if stat_line is None:
+        try:
+            stat_line = Path("/proc/stat").read_text().split("\n", 1)[0]
+        except OSError:
+            return None
+    # user nice system idle iowait irq softirq steal; the guest fields after them are counted in user already
+    v = [int(x) for x in stat_line.split()[1:9]]
+    return sum(v) - v[3] - v[4], sum(v), v[7]
+
+
+def host_shares(before: tuple | None, after: tuple | None) -> dict | None:
+    """{"busy", "stolen"}: shares of the host's CPU time between two `host_ticks` readings."""
+    if before is None or after is None or after[1] <= before[1]:
+        return None
+    total = after[1] - before[1]
+    return {"busy": round((after[0] - before[0]) / total, 3), "stolen": round((after[2] - before[2]) / total, 3)}
+
+
+def bound_line(shares: dict, host: dict | None = None) -> str:
+    """One line: the shares, the bound where one stands out, and the hypervisor where it took enough of the
+    host's CPU (`host`, from `host_shares`) to slow what runs there."""
     line = (f"devices' time: {shares['embedding']:.0%} embedding, {shares['input']:.0%} waiting for input, "
             f"{shares['database']:.0%} waiting for the database")
     if shares["database"] >= DATABASE_BOUND and shares["database"] >= shares["input"]:
-        return line + (" — the database is this job's bound: more devices will not help; "
-                       "--dtype half writes 30% less, a faster disk more")
-    if shares["input"] >= INPUT_BOUND:
-        return line + " — input is this job's bound: the host's CPUs read, template and tokenize"
+        line += (" — the database is this job's bound: more devices will not help; "
+                 "--dtype half writes 30% less, a faster disk more")
+    elif shares["input"] >= INPUT_BOUND:
+        line += " — input is this job's bound: the host's CPUs read, template and tokenize"
+    if host and host["stolen"] >= STOLEN_SHOWN:
+        line += (f"; this machine's hypervisor took {host['stolen']:.0%} of its CPU meanwhile, "
+                 "which slows the helpers and a database on it")
     return line
