@@ -47,6 +47,9 @@ def test_chunks_cover_every_line_exactly_once(tmp_path, seed):
     assert all(c.first_line == data[: c.start].count(b"\n") + 1 for c in chunks)
     got = [(r.line, r.raw.encode()) for c in chunks for r in read_chunk(c)]
     assert got == [(n, line) for n, line in expected]
+    # A local file is cut by seeking and counted on threads, a URL in one streaming pass: the same chunks.
+    streamed = plan_chunks([path.as_uri()], chunk_bytes)
+    assert [(c.start, c.end, c.first_line) for c in streamed] == [(c.start, c.end, c.first_line) for c in chunks]
 
 
 def test_chunk_sizes_follow_chunk_bytes(tmp_path):
@@ -60,6 +63,7 @@ def test_chunk_sizes_follow_chunk_bytes(tmp_path):
 
 def test_counting_spans_read_blocks(tmp_path, monkeypatch):
     monkeypatch.setattr(plan_mod, "_BLOCK", 16)
+    monkeypatch.setattr(plan_mod, "_CUT_READ", 8)  # a cut's newline found a few reads past its mark
     path = tmp_path / "f.jsonl"
     path.write_bytes(b"".join(b'{"n": %d}\n' % i for i in range(500)))
     chunks = plan_chunks([str(path)], 100)
