@@ -35,7 +35,7 @@ def test_chunks_cover_every_line_exactly_once(tmp_path, seed):
     rng = random.Random(seed)
     path = tmp_path / "f.jsonl"
     expected = _random_file(rng, path)
-    chunk_bytes = rng.choice([1, 2, 7, 50, 333, 4096, 1 << 20])
+    chunk_bytes = rng.choice([1, 2, 7, 50, 333, 4096, 1 << 20, 1 << 62])  # the last: one chunk, whatever the file
     chunks = plan_chunks([str(path)], chunk_bytes)
     size = path.stat().st_size
     # Contiguous, newline-aligned, covering the file.

@@ -157,6 +157,8 @@ def _local_jsonl_chunks(path: str, chunk_bytes: int, counters: ThreadPoolExecuto
 
 def _line_end(f, mark: int, size: int) -> int:
     """The offset just past the first newline at or after `mark` in open file `f`, or `size` if none."""
+    if mark >= size:  # a chunk as big as the file (the meta loader's asks 2**62 bytes: past any seek)
+        return size
     f.seek(mark)
     pos = mark
     while block := f.read(_CUT_READ):
