@@ -293,7 +293,7 @@ def run_once(data: list[Path], gpus: int, model: str | None, env: dict, preset: 
     wall = time.perf_counter() - t0
     if gil_sampler:
         gil_sampler.join()
-    host1, pg1 = host_ticks(), _postgres_cpu_s()
+    host, pg1 = host_shares(host0, host_ticks()) or {}, _postgres_cpu_s()
     util = sampler.stop()
     waits = pg_waits.stop()
     sys.stderr.write(p.stderr[-4000:])
@@ -346,8 +346,7 @@ def run_once(data: list[Path], gpus: int, model: str | None, env: dict, preset: 
         "tokens_per_s_steady": round(sum(w["tokens"] for w in workers) / loop, 1),
         # Where the host's CPU went over the whole command (start-up included): all cores' busy
         # share, and CPU µs per row in the workers' processes, their helpers and PostgreSQL.
-        "host_cpu_busy": host_shares(host0, host1)["busy"],
-        "host_cpu_stolen": host_shares(host0, host1)["stolen"],
+        "host_cpu_busy": host.get("busy"), "host_cpu_stolen": host.get("stolen"),
         "cpu_us_per_row": {"workers": round(sum(w["cpu_s"] for w in workers) / rows * 1e6, 1),
                            "helpers": round(sum(w["helper_cpu_s"] for w in workers) / rows * 1e6, 1),
                            "postgres": round(_cpu_used(pg0, pg1) / rows * 1e6, 1)} if rows else None,

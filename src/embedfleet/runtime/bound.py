@@ -14,9 +14,7 @@ from pathlib import Path
 SHOWN_AFTER_S = 5.0  # loops shorter than this (summed over workers) are mostly start-up: nothing said
 DATABASE_BOUND = 0.10  # shares of the loops past which that wait is named the job's bound
 INPUT_BOUND = 0.25
-# the host's CPU taken by its hypervisor past which the line says so: in runs 121-128 (four H100s, PostgreSQL
-# in memory) 5.7% or more held the database behind the GPUs, 3.7% or less did not
-STOLEN_SHOWN = 0.05
+STOLEN_SHOWN = 0.05  # the host's CPU taken by its hypervisor that held PostgreSQL behind four GPUs (runs 121-128)
 
 
 def time_shares(summaries: list[dict], since: float = 0.0) -> dict | None:

@@ -23,10 +23,10 @@ from embedfleet.errors import InputError
 from embedfleet.sources import files
 from embedfleet.sources.base import STREAM_ERRORS, open_binary
 
-_BLOCK = 4 << 20  # read size while counting lines: big blocks keep bytes.count in C
+_BLOCK = 4 << 20  # read size while counting lines: big blocks keep the count in C
 _CUT_READ = 64 << 10  # read size while looking for the newline after a cut's mark: a few lines
-# Threads counting a local file's chunks: numpy counts without the GIL. On one thread a 7 GB plan took 8.4 s
-# on a four-H100 host, every GPU waiting for it (bench/NOTES.md runs 125-128).
+# Threads counting a local file's chunks (numpy counts without the GIL): on one thread a big input's plan
+# kept every GPU waiting for seconds (bench/NOTES.md, runs 125-129).
 _COUNTERS = min(8, os.cpu_count() or 1)
 _JSONL = (".jsonl", ".ndjson", ".jsonlines", ".json")
 _COMPRESSED = (".gz", ".zst")
@@ -157,7 +157,7 @@ def _local_jsonl_chunks(path: str, chunk_bytes: int, counters: ThreadPoolExecuto
 
 def _line_end(f, mark: int, size: int) -> int:
     """The offset just past the first newline at or after `mark` in open file `f`, or `size` if none."""
-    if mark >= size:  # a chunk as big as the file (the meta loader's asks 2**62 bytes: past any seek)
+    if mark >= size:  # a chunk as big as the file (the meta loader asks 2**62 bytes: past any seek)
         return size
     f.seek(mark)
     pos = mark
@@ -170,15 +170,9 @@ def _line_end(f, mark: int, size: int) -> int:
 
 
 def _newlines(path: str, start: int, end: int) -> int:
-    """Newlines in bytes [start, end) of a local file."""
-    n = 0
-    with open(path, "rb") as f:
-        f.seek(start)
-        left = end - start
-        while left > 0 and (block := f.read(min(_BLOCK, left))):
-            left -= len(block)
-            n += int(np.count_nonzero(np.frombuffer(block, np.uint8) == 10))  # without the GIL, unlike bytes.count
-    return n
+    """Newlines in bytes [start, end) of a local file, counted without the GIL (unlike bytes.count)."""
+    return sum(int(np.count_nonzero(np.frombuffer(block, np.uint8) == 10))
+               for block in files.read_range(path, start, end, _BLOCK))
 
 
 def _jsonl_chunks(path: str, chunk_bytes: int) -> list[ChunkSpec]:

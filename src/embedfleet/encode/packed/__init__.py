@@ -35,7 +35,7 @@ def load_state(hf_dir: Path) -> dict[str, torch.Tensor] | None:
 class OnDevice(Mapping):
     """A state dict whose tensors move to `device` as each is read, so the model's concatenations and casts
     run there, one tensor at a time (no second copy of the whole model). On the CPU they ran on torch's
-    threads, one per core in every worker: 5 s for the Qwen3 shape with four workers (bench/NOTES.md run 129)."""
+    threads, one per core in every worker, and workers starting together slowed each other (bench/NOTES.md, run 129)."""
 
     def __init__(self, state: Mapping[str, torch.Tensor], device):
         self._state, self._device = state, device
