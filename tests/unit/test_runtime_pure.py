@@ -200,9 +200,9 @@ def test_no_more_workers_than_chunks_left_to_claim():
     assert worker_count(4, {"pending": 0, "running": 0, "done": 9, "failed": 0}) == 1  # one reports it done
 
 
-def test_the_embedded_server_buffers_a_quarter_of_memory_between_1_and_16_gb():
+def test_the_embedded_server_buffers_a_quarter_of_memory_between_1_and_64_gb():
     gib = 1 << 30
-    assert [shared_buffers_mb(m * gib) for m in (2, 8, 24, 64, 256)] == [1024, 2048, 6144, 16384, 16384]
+    assert [shared_buffers_mb(m * gib) for m in (2, 8, 24, 64, 256, 512)] == [1024, 2048, 6144, 16384, 65536, 65536]
     assert shared_buffers_mb(int(10.5 * gib)) == 2688
 
 
