@@ -59,9 +59,9 @@ def shared_buffers_mb(memory: int) -> int:
     """A quarter of the machine's memory (PostgreSQL's own advice), from 1 GB to 64 GB. With 1 GB, the
     writers' backends kept finding only dirty pages to evict, and before writing one out a backend
     must flush the WAL up to it: on 2 H100s the GPU waited 1.6-2.8 s of a 4M-row load on the database;
-    with 16 GB 0.03-0.05 s (bench/NOTES.md, run 54). At four GPUs a 12M-row load (31 GB of table) met the
-    same wall once the 16 GB were full, and where the hypervisor took 6-8% of the host the GPUs waited
-    13-14% of their loops, against 0.1-6% with 64 GB, where no backend wrote a page out (runs 135-136)."""
+    with 16 GB 0.03-0.05 s (bench/NOTES.md, run 54). At four GPUs a 12M-row load (~31 GB of table) met the
+    same wall once 16 GB were full, and where the hypervisor took a few percent of the host's CPU the GPUs
+    then waited on those backends; with 64 GB none wrote a page out and the waits fell 2-7x (runs 135-136)."""
     return max(1024, min(65536, memory // 4 >> 20))
 
 
