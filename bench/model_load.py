@@ -1,6 +1,7 @@
 """Why a worker's model load grows with the workers on the host: N processes at once, one GPU each, time
 each phase of an Encoder's start on its own: CUDA's start, reading the safetensors, building the packed
-model from CPU tensors (the Encoder's path), and the same built from tensors moved to the GPU first.
+model from the CPU state dict (the Encoder's path: since run 129 each tensor moves to the GPU as it is
+read, `packed.OnDevice`), and the same built from tensors all moved to the GPU first.
 
     python bench/model_load.py --model DIR [--counts 1,2,4] [--threads default,16] [--out F]
 """

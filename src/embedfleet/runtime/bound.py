@@ -4,7 +4,7 @@ A device's loop either embeds, waits for input (its helpers reading, templating 
 or waits for the database (its writers' queues full, and at the end its own last commits). A user
 wondering whether more GPUs would help is told which of these held them: with four H100s on MiniLM
 it is PostgreSQL, its disk, or in memory the CPU it shares with the workers once the machine's hypervisor
-takes 6% or more of it (bench/NOTES.md, runs 112-128); with a large model the GPUs themselves.
+takes ~5% or more of it (bench/NOTES.md, runs 112-136); with a large model the GPUs themselves.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from pathlib import Path
 SHOWN_AFTER_S = 5.0  # loops shorter than this (summed over workers) are mostly start-up: nothing said
 DATABASE_BOUND = 0.10  # shares of the loops past which that wait is named the job's bound
 INPUT_BOUND = 0.25
-STOLEN_SHOWN = 0.05  # the host's CPU taken by its hypervisor that held PostgreSQL behind four GPUs (runs 121-128)
+STOLEN_SHOWN = 0.05  # the host's CPU taken by its hypervisor that held PostgreSQL behind four GPUs (runs 121-136)
 
 
 def time_shares(summaries: list[dict], since: float = 0.0) -> dict | None:
