@@ -1,7 +1,7 @@
 """Ingest throughput on 1..N GPUs: synthetic Amazon reviews → `embedfleet ingest` → embedded PostgreSQL.
 
     python bench/ingest.py --n 200000 --gpus 1,2 [--model DIR | --shape qwen3-0.6b] [--shards K] [--out results.json]
-        [--workers-per-gpu 1,1,2,2] [--dtype float,half] [--compile on,off,wait] [--helpers 8,16] [--gil START:SECONDS:PY_SPY] [--pg-set NAME=VALUE,…]
+        [--workers-per-gpu 1,1,2,2] [--dtype float,half] [--compile on,off,wait] [--helpers 8,16] [--helper-nice 0,10] [--gil START:SECONDS:PY_SPY] [--pg-set NAME=VALUE,…]
         [--pg-reload "default;NAME=VALUE,…"] [--warmup N]
 
 For each GPU count it runs the real CLI once (fresh table, --no-index so the rate is the pipeline's,
@@ -435,6 +435,8 @@ def main() -> None:
                     help="ingest's --dtype per run in --gpus order (cycled): e.g. float,half with --gpus 4,4")
     ap.add_argument("--helpers", default=None, metavar="K[,K…]",
                     help="helper processes a worker per run in --gpus order (cycled; EMBEDFLEET_PREP_WORKERS): default, ingest's own")
+    ap.add_argument("--helper-nice", default=None, metavar="K[,K…]",
+                    help="EMBEDFLEET_HELPER_NICE per run, in turn (default: the environment's)")
     ap.add_argument("--compile", default="on", metavar="on|off|wait[,…]",
                     help="per run in --gpus order (cycled): off runs it with EMBEDFLEET_COMPILE=0 (the loop eager throughout), "
                          "wait with EMBEDFLEET_COMPILE_WAIT=1 (the loop starts once compiled)")
@@ -476,6 +478,7 @@ def main() -> None:
     dtypes = args.dtype.split(",")
     compiles = args.compile.split(",")
     helpers = args.helpers.split(",") if args.helpers else [None]
+    nices = args.helper_nice.split(",") if args.helper_nice else [None]
     reloads = [[] if v.strip() in ("", "default") else v.split(",") for v in args.pg_reload.split(";")] if args.pg_reload else None
     reloaded = {item.split("=", 1)[0] for v in reloads or [] for item in v}
     gil = None
@@ -488,17 +491,20 @@ def main() -> None:
         run_env = {"on": env, "off": dict(env, EMBEDFLEET_COMPILE="0"), "wait": dict(env, EMBEDFLEET_COMPILE_WAIT="1")}[compiled]
         if helpers[i % len(helpers)]:
             run_env = dict(run_env, EMBEDFLEET_PREP_WORKERS=helpers[i % len(helpers)])
+        if nices[i % len(nices)]:
+            run_env = dict(run_env, EMBEDFLEET_HELPER_NICE=nices[i % len(nices)])
         if reloads:
             reload_server(env, reloads[i % len(reloads)], reloaded)
         results.append(run_once(data, g, model, run_env, "amazon-reviews", extra + ["--dtype", dtype], args.cpu,
                                 not args.no_index, per[i % len(per)], gil))
         results[-1]["dtype"], results[-1]["compile"] = dtype, compiled
         results[-1]["helpers"] = results[-1]["workers"][0]["helpers"]
+        results[-1]["helper_nice"] = int(run_env.get("EMBEDFLEET_HELPER_NICE") or 0)
         results[-1]["pg_reload"] = (",".join(reloads[i % len(reloads)]) or "default") if reloads else None
         if args.out:  # each run as it ends: a command cut short by its timeout keeps the runs before
             Path(args.out).write_text(json.dumps({"partial": True, "results": results}, indent=2))
         r = results[-1]
-        print(f"[ingest] {g} GPU, {dtype}, compile {compiled}, {r['helpers']} helpers, server {r['pg_reload'] or 'as set'}: {r['rows_per_s_steady']:,.0f} rows/s steady, {r['rows_per_s_all_running']} while all "
+        print(f"[ingest] {g} GPU, {dtype}, compile {compiled}, {r['helpers']} helpers (nice {r['helper_nice']}), server {r['pg_reload'] or 'as set'}: {r['rows_per_s_steady']:,.0f} rows/s steady, {r['rows_per_s_all_running']} while all "
               f"ran, {r['rows_per_s_workers_sum']:,.0f} workers' sum, {r['rows_per_s_middle'] or 0:,.0f} middle tenths, wall {r['wall_s']} s {r['timeline_s']}",
               file=sys.stderr, flush=True)
     # Against the first GPU count's rate per GPU, averaged over its runs (--gpus 1,2,1,2 repeats them).

@@ -182,6 +182,8 @@ class Settings:
                                        "how long a worker keeps reconnecting to a database that went away")
     helpers: int | None = _knob(None, "EMBEDFLEET_PREP_WORKERS",
                                 "helper processes per worker (default: half its cores, at most 8, none under 4; 0: in-process)")
+    helper_nice: int = _knob(0, "EMBEDFLEET_HELPER_NICE",
+                             "how far below its worker a helper runs in the CPU's queue (0-19; 0: level with it)")
     tasks_ahead: int | None = _knob(None, "EMBEDFLEET_TASKS_AHEAD",
                                     "most units in preparation at once (default: 2 × helpers + 2)")
     writers: int | None = _knob(None, "EMBEDFLEET_WRITERS",
@@ -268,6 +270,8 @@ def _checked(s: Settings) -> Settings:
         if value is not None and value < least:
             env = next(f.metadata["env"] for f in dataclasses.fields(s) if f.name == name)
             raise InputError(f"{env}={value}: expected a whole number ≥ {least}")
+    if not 0 <= s.helper_nice <= 19:
+        raise InputError(f"EMBEDFLEET_HELPER_NICE={s.helper_nice}: expected a whole number from 0 to 19")
     for name in ("lease_seconds", "db_patience_seconds", "switch_interval"):
         if not 0 < getattr(s, name) < float("inf"):
             env = next(f.metadata["env"] for f in dataclasses.fields(s) if f.name == name)

@@ -49,11 +49,11 @@ class _RemoteError(Exception):
 class _Helper:
     """One process, its pipes and the parent-side thread that feeds it."""
 
-    def __init__(self, index: int, name: str, init_blob: bytes):
+    def __init__(self, index: int, name: str, init_blob: bytes, nice: int = 0):
         parent_r, child_w = os.pipe()
         child_r, parent_w = os.pipe()
         package_root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-        code = (f"import sys; sys.path.insert(0, {package_root!r}); "
+        code = (f"import os, sys; os.nice({nice}); sys.path.insert(0, {package_root!r}); "
                 f"from embedfleet.helper_pool import _serve; _serve({child_r}, {child_w})")
         try:
             self.proc = subprocess.Popen([sys.executable, "-c", code], pass_fds=(child_r, child_w),
@@ -179,10 +179,12 @@ class HelperPool:
 
     The processes start at once, in the background; `start()` waits until every one has run its
     initializer. `submit(fn, *args)` runs `fn(*args)` in whichever helper is free (fn and args must
-    pickle by reference to an importable module, not to `__main__`).
+    pickle by reference to an importable module, not to `__main__`). `nice` lowers the helpers' CPU
+    priority by that much below the caller's.
     """
 
-    def __init__(self, workers: int, initializer: Callable, initargs: tuple = (), name: str = "embedfleet"):
+    def __init__(self, workers: int, initializer: Callable, initargs: tuple = (), name: str = "embedfleet",
+                 nice: int = 0):
         if workers < 1:
             raise ValueError("a helper pool needs at least one process")
         self.workers = workers
@@ -192,7 +194,7 @@ class HelperPool:
         self._threads: list[threading.Thread] = []
         try:
             for i in range(workers):
-                helper = _Helper(i, name, init_blob)
+                helper = _Helper(i, name, init_blob, nice)
                 self._helpers.append(helper)
                 t = threading.Thread(target=_feed, args=(helper, state), name=f"{name}-helper-{i}", daemon=True)
                 t.start()

@@ -34,6 +34,15 @@ def test_tasks_run_in_the_helpers_and_their_errors_travel():
     assert not any(psutil.pid_exists(p) for p in pool.pids)  # ended and reaped
 
 
+def test_helpers_run_as_far_below_their_parent_as_asked():
+    pool = HelperPool(2, os.getpid, nice=5)
+    try:
+        pool.start(timeout=60)
+        assert pool.map(os.nice, [0, 0]) == [min(19, os.nice(0) + 5)] * 2  # os.nice(0): a process's own
+    finally:
+        pool.close()
+
+
 def test_the_pool_does_not_wait_for_its_helpers_to_read_their_setup(tmp_path, monkeypatch):
     """Issue 17: the constructor only starts the processes; each helper's setup (here 1 MB, more than a
     pipe holds) is sent from its own thread. Sent from the constructor, one helper after another, it

@@ -294,7 +294,8 @@ def test_every_knob_is_read_once_and_listed_in_the_readme():
                           writers=5)
     assert (s.lease_seconds, s.compile, s.writers) == (3.0, False, 5)  # a flag wins over the variable
     assert Settings.from_json(s.to_json()) == s  # what a launcher hands its workers comes back whole
-    for env, bad in (("EMBEDFLEET_WRITERS", "two"), ("EMBEDFLEET_LEASE_SECONDS", "-1"), ("EMBEDFLEET_COMPILE", "maybe")):
+    for env, bad in (("EMBEDFLEET_WRITERS", "two"), ("EMBEDFLEET_LEASE_SECONDS", "-1"), ("EMBEDFLEET_COMPILE", "maybe"),
+                     ("EMBEDFLEET_HELPER_NICE", "20"), ("EMBEDFLEET_HELPER_NICE", "-1")):
         with pytest.raises(InputError, match=env):
             Settings.from_env({env: bad})
 

@@ -4,6 +4,7 @@ and a helper's own step (with the bundled model's tokenizer)."""
 from __future__ import annotations
 
 import gzip
+import os
 import time
 
 import numpy as np
@@ -211,6 +212,30 @@ def test_helpers_start_in_the_background_with_the_encoders_own_tokenizer(tmp_pat
         assert out.rows.n == 30 and len(out.tok) == 30
     finally:
         pool.close()
+
+
+def test_a_workers_helpers_run_at_the_priority_its_settings_give_them():
+    """EMBEDFLEET_HELPER_NICE: a worker's helpers run that much below it in the CPU's queue, so on a
+    short host the database's backends and the GPU's loop are served first; 0 keeps them level."""
+    import psutil
+
+    from embedfleet.config import Settings, settings, use_settings
+    from embedfleet.encode.tokenize import tokenizer_spec
+    from embedfleet.runtime import units
+
+    ours, before = os.nice(0), settings()
+    ctx = units.UnitContext("generic", None, "text", None, tokenizer_spec(None))
+    try:
+        for nice in (7, 0):
+            use_settings(Settings.from_env({}, helper_nice=nice))
+            pool = units.UnitPool(ctx, 2)
+            try:
+                pool.start()
+                assert [psutil.Process(p).nice() for p in pool._pool.pids] == [min(19, ours + nice)] * 2
+            finally:
+                pool.close()
+    finally:
+        use_settings(before)
 
 
 def test_a_tokenizer_spec_needs_no_torch():

@@ -37,6 +37,7 @@ from dataclasses import dataclass
 import numpy as np
 import psutil
 
+from embedfleet.config import settings
 from embedfleet.encode.passages import Splitter, expand
 from embedfleet.encode.tokenize import Tokenized, TokenizerSpec, default_workers
 from embedfleet.helper_pool import HelperPool
@@ -230,7 +231,9 @@ class UnitPool:
         self._pool = self._spool_dir = None
         if self.workers:  # processes of our own: they never import the caller's __main__ (helper_pool.py)
             self._spool_dir = _spool_dir()
-            self._pool = HelperPool(self.workers, _helper_init, (ctx, self._spool_dir), name="units")
+            # Settings.helper_nice: the database's backends and the GPU's loop come first on a short host.
+            self._pool = HelperPool(self.workers, _helper_init, (ctx, self._spool_dir), name="units",
+                                    nice=settings().helper_nice)
 
     def start(self) -> None:
         """Start every helper now (each imports and loads the tokenizer), not on the first units."""
