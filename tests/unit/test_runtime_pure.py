@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gzip
 import json
+import os
 from collections import deque
 from pathlib import Path
 
@@ -366,3 +367,28 @@ def test_the_bound_line_says_when_the_hypervisor_took_the_hosts_cpu():
     assert host_shares(None, after) is None and host_shares(after, after) is None
     live = host_shares(host_ticks(), host_ticks())  # this machine's own, where it has /proc/stat
     assert live is None or 0 <= live["stolen"] <= live["busy"] <= 1
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/schedstat"), reason="needs Linux's schedstats")
+def test_run_queue_seconds_counts_time_ready_without_a_cpu():
+    """This thread spins beside two spinning processes per core: it spends much of that second ready to
+    run while another holds the core, and that shows in its run-queue seconds and its process's."""
+    import subprocess
+    import sys
+    import threading
+    import time
+
+    from embedfleet.runtime.bound import run_queue_seconds
+
+    me = threading.get_native_id()
+    before, mine = run_queue_seconds(), run_queue_seconds(me)
+    spinners = [subprocess.Popen([sys.executable, "-c", "import time\nt = time.time() + 1.5\nwhile time.time() < t: pass"])
+                for _ in range(2 * (os.cpu_count() or 1))]
+    until = time.perf_counter() + 1.5
+    while time.perf_counter() < until:
+        sum(range(1000))
+    for p in spinners:
+        p.wait()
+    assert run_queue_seconds(me) - mine > 0.1
+    assert run_queue_seconds() - before >= run_queue_seconds(me) - mine - 0.01  # the process's has its threads'
+    assert run_queue_seconds(2**31 - 1) is None  # no such thread

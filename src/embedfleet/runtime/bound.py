@@ -49,6 +49,21 @@ def host_ticks(stat_line: str | None = None) -> tuple[int, int, int] | None:
     return sum(v) - v[3] - v[4], sum(v), v[7]
 
 
+def run_queue_seconds(thread: int | None = None) -> float | None:
+    """Seconds this process's threads (or its thread `thread`, a native id) have spent ready to run but
+    waiting for a CPU, from /proc's schedstat (its second field); None without it. A hypervisor's steal
+    is not in it: the guest counts stolen time as running."""
+    tasks = [Path(f"/proc/self/task/{thread}")] if thread is not None else Path("/proc/self/task").glob("*")
+    total, seen = 0, False
+    for task in tasks:
+        try:
+            total += int((task / "schedstat").read_text().split()[1])
+            seen = True
+        except (OSError, IndexError, ValueError):  # a thread that ended meanwhile, or no schedstats
+            continue
+    return total / 1e9 if seen else None
+
+
 def host_shares(before: tuple | None, after: tuple | None) -> dict | None:
     """{"busy", "stolen"}: shares of the host's CPU time between two `host_ticks` readings."""
     if before is None or after is None or after[1] <= before[1]:

@@ -38,6 +38,7 @@ from embedfleet.config import JobConfig, Settings, default_chunk_bytes, use_sett
 from embedfleet.encode.tokenize import tokenizer_spec
 from embedfleet.errors import EmbedfleetError, JobError
 from embedfleet.process import NOT_REGISTERED, exit_now
+from embedfleet.runtime.bound import run_queue_seconds
 from embedfleet.runtime.flow import Prefetch, Throttle, by_tenth, timed
 from embedfleet.runtime.gpu import gpu_reader
 from embedfleet.runtime.units import FIRST_TASK_BYTES, Task, UnitContext, UnitPool, settle_gc, stream_tasks, task_sizes
@@ -330,6 +331,7 @@ class Worker:
             writer = self._writer(cfg, encoder.device, vtype, spare=1 + (pool.workers if cfg.meta else 0))
             t_start, epoch_start = time.perf_counter(), time.time()
             cpu_start, loop_cpu_start = time.process_time(), time.thread_time()
+            queued_start = run_queue_seconds(), run_queue_seconds(threading.get_native_id())
             throttle = Throttle(pool.workers, s.tasks_ahead)
             records = Ledger.connect(self.dsn, s.db_patience_seconds, setup=_no_durable_wait, host=s.host_id)
             try:
@@ -345,6 +347,7 @@ class Worker:
                 ahead = Prefetch(timed(units, stats), depth=1)
                 self._loop(ahead, encoder, writer, ledger, throttle)
                 loop_cpu = time.thread_time() - loop_cpu_start
+                queued = run_queue_seconds(), run_queue_seconds(threading.get_native_id())
                 writer.close()
                 self._record_failures(writer, ledger)
             finally:
@@ -372,6 +375,9 @@ class Worker:
             "cpu_s": round(cpu, 3),  # this process, all its threads (its helpers are in helper_cpu_s)
             "thread_cpu_s": {"loop": round(loop_cpu, 3), "records": round(ahead.cpu_s, 3),
                              "writers": round(writer.cpu_seconds, 3)},
+            # seconds its threads were ready but waited for a CPU over the loop: the host short of CPUs
+            "run_queue_s": {k: round(b - a, 3) for k, a, b in zip(("process", "loop"), queued_start, queued)
+                            if a is not None and b is not None},
             "started_at": round(epoch_start, 3),  # wall-clock start: to line several workers up
             "startup": {k: round(v, 3) if isinstance(v, float) else v for k, v in startup.items()},
         }
