@@ -344,6 +344,11 @@ def run_once(data: list[Path], gpus: int, model: str | None, env: dict, preset: 
         # the helpers' preparing time off the CPU (a run queue, or the hypervisor's steal)
         "loop_run_queue_share": [round(w["run_queue_s"]["loop"] / w["wall_s"], 4) for w in workers
                                  if "loop" in w.get("run_queue_s", {})],
+        # the loops' share queuing work on the device (the rest of embedding waits for it), and per row the
+        # worker processes' page faults and context switches
+        "loop_launch_share": [round(w["launch_s"] / w["wall_s"], 3) for w in workers if "launch_s" in w],
+        "worker_rusage_per_krow": {k: round(sum(w["rusage"][k] for w in workers) / max(1, rows) * 1000, 2)
+                                   for k in ("minflt", "nvcsw", "nivcsw")} if all("rusage" in w for w in workers) else None,
         "helpers_off_cpu": round(1 - sum(w["helper_cpu_s"] for w in workers) / max(1e-9, sum(w["helper_busy_s"] for w in workers)), 3),
         "db_share_of_loop": round(max(w["db_s"] / w["wall_s"] for w in workers), 3),
         "gpu_waited_on_db_s": round(max(w["sink_wait_s"] for w in workers), 3),
@@ -553,7 +558,7 @@ def main() -> None:
               f"rows/s over {r['all_running_s']} s, scaling {r['scaling_vs_linear_all_running']} "
               f"(pair by pair {r.get('scaling_vs_previous_all_running', '-')}) "
               f"(sum of workers' rates {r['scaling_vs_linear_workers_sum']}, start stagger {r['start_stagger_s']} s), "
-              f"helpers busy {r['helpers_busy']} (off CPU {r['helpers_off_cpu']}), loops' run queue {r['loop_run_queue_share']}, host CPU busy {r['host_cpu_busy']} (stolen {r['host_cpu_stolen']}), CPU µs/row {r['cpu_us_per_row']}, "
+              f"helpers busy {r['helpers_busy']} (off CPU {r['helpers_off_cpu']}), loops' run queue {r['loop_run_queue_share']}, launching {r['loop_launch_share']}, per 1k rows {r['worker_rusage_per_krow']}, host CPU busy {r['host_cpu_busy']} (stolen {r['host_cpu_stolen']}), CPU µs/row {r['cpu_us_per_row']}, "
               f"records thread (max of workers) {r['records_thread_s']}, GIL {gil}, pg waits {r['pg_waits']}, "
               f"wal {r['wal']}, pages written {r['buffer_writes']}, time shares {r['time_shares']}"
               + (f", vs encoder alone {r['vs_encoder_alone_texts']} (texts) {r['vs_encoder_alone_tokens']} (tokens)"

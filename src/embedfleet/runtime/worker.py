@@ -23,6 +23,7 @@ import argparse
 import itertools
 import logging
 import os
+import resource
 import sys
 import threading
 import time
@@ -67,6 +68,7 @@ class Stats:
     rows: int = 0
     tokens: int = 0
     embed_seconds: float = 0.0  # time the main thread spent queuing forward passes and reading results
+    launch_seconds: float = 0.0  # the queuing part of it (the rest waits for the device)
     wait_seconds: float = 0.0  # time the main thread waited for the prefetch thread
     end_wait_seconds: float = 0.0  # of the last of those waits, the part spent on this worker's last commits
     tail_wait_seconds: float = 0.0  # and the rest: other workers' last chunks (one may fail and come back)
@@ -332,6 +334,7 @@ class Worker:
             t_start, epoch_start = time.perf_counter(), time.time()
             cpu_start, loop_cpu_start = time.process_time(), time.thread_time()
             queued_start = run_queue_seconds(), run_queue_seconds(threading.get_native_id())
+            usage_start = resource.getrusage(resource.RUSAGE_SELF)
             throttle = Throttle(pool.workers, s.tasks_ahead)
             records = Ledger.connect(self.dsn, s.db_patience_seconds, setup=_no_durable_wait, host=s.host_id)
             try:
@@ -348,6 +351,7 @@ class Worker:
                 self._loop(ahead, encoder, writer, ledger, throttle)
                 loop_cpu = time.thread_time() - loop_cpu_start
                 queued = run_queue_seconds(), run_queue_seconds(threading.get_native_id())
+                usage = resource.getrusage(resource.RUSAGE_SELF)
                 writer.close()
                 self._record_failures(writer, ledger)
             finally:
@@ -360,7 +364,7 @@ class Worker:
         summary = {
             "worker": self.id, "device": encoder.device, "rows": stats.rows, "tokens": stats.tokens,
             "wall_s": round(wall, 3), "rows_per_s": round(stats.rows / wall, 1) if wall else 0.0,
-            "embed_s": round(stats.embed_seconds, 3), "input_wait_s": round(stats.wait_seconds, 3),
+            "embed_s": round(stats.embed_seconds, 3), "launch_s": round(stats.launch_seconds, 3), "input_wait_s": round(stats.wait_seconds, 3),
             "end_wait_s": round(stats.end_wait_seconds, 3), "tail_wait_s": round(stats.tail_wait_seconds, 3),
             "first_wait_s": round(stats.waits[0][1] if stats.waits else 0.0, 3),
             "input_wait_by_tenth_s": by_tenth(stats.waits, stats.loop_seconds),
@@ -378,6 +382,8 @@ class Worker:
             # seconds its threads were ready but waited for a CPU over the loop: the host short of CPUs
             "run_queue_s": {k: round(b - a, 3) for k, a, b in zip(("process", "loop"), queued_start, queued)
                             if a is not None and b is not None},
+            # this process over the loop: page faults, and context switches waiting (voluntary) or preempted
+            "rusage": {k: getattr(usage, f"ru_{k}") - getattr(usage_start, f"ru_{k}") for k in ("minflt", "majflt", "nvcsw", "nivcsw")},
             "started_at": round(epoch_start, 3),  # wall-clock start: to line several workers up
             "startup": {k: round(v, 3) if isinstance(v, float) else v for k, v in startup.items()},
         }
@@ -452,6 +458,7 @@ class Worker:
                 self._fail(ledger, Failure(item.claim, e))
                 continue
             finally:
+                stats.launch_seconds += time.perf_counter() - t0
                 stats.embed_seconds += time.perf_counter() - t0
             if pending is not None:
                 self._finish(*pending, writer, ledger)
