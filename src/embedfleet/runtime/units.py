@@ -42,6 +42,7 @@ from embedfleet.encode.passages import Splitter, expand
 from embedfleet.encode.tokenize import Tokenized, TokenizerSpec, default_workers
 from embedfleet.helper_pool import HelperPool
 from embedfleet.records import Reject, to_records
+from embedfleet.runtime.heap import keep_freed_memory
 from embedfleet.sources import RawRecord, read_chunk
 from embedfleet.sources.jsonl import block_lines, block_records, stream_blocks
 from embedfleet.sources.plan import ChunkSpec
@@ -200,6 +201,7 @@ def settle_gc() -> None:
 def _helper_init(ctx: UnitContext, spool_dir: str) -> None:
     # One helper per core already: tokenizer threads inside each would oversubscribe the CPU.
     os.environ["TOKENIZERS_PARALLELISM"] = "false"
+    keep_freed_memory()  # as its worker: a unit's arrays reuse the last one's pages
     global _HELPER
     _HELPER = (Preparer(ctx), spool_dir)
     settle_gc()

@@ -42,6 +42,7 @@ from embedfleet.process import NOT_REGISTERED, exit_now
 from embedfleet.runtime.bound import run_queue_seconds
 from embedfleet.runtime.flow import Prefetch, Throttle, by_tenth, timed
 from embedfleet.runtime.gpu import gpu_reader
+from embedfleet.runtime.heap import keep_freed_memory
 from embedfleet.runtime.units import FIRST_TASK_BYTES, Task, UnitContext, UnitPool, settle_gc, stream_tasks, task_sizes
 from embedfleet.sources.plan import ChunkSpec
 from embedfleet.encode.passages import parse_passages
@@ -264,6 +265,7 @@ class Worker:
         # back from whichever thread is running Python, which by default may hold it 5 ms. A shorter
         # switch interval keeps those hand-offs (many per unit) from stalling the pipeline.
         sys.setswitchinterval(s.switch_interval)
+        keep_freed_memory()  # each unit's buffers reuse the last one's pages instead of faulting in new ones
         use_settings(s)  # what the encoder reads deep down (compile, Triton, word cache): this worker's knobs
         ledger = Ledger.connect(self.dsn, s.db_patience_seconds, host=s.host_id)
         try:
