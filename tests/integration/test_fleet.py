@@ -46,6 +46,11 @@ def test_the_whole_worker_loop_runs_in_process_with_a_hash_encoder(dsn, conn, tm
     summary = Worker("inproc", dsn, "w0", "cpu", Settings.from_env({}, helpers=0),
                      encoder=lambda cfg, device, settings: encoder).run()
     assert summary["rows"] == 300 == encoder.texts
+    # where the loop's time went: queuing on the device is a part of embedding; the process's own counters
+    assert 0 < summary["launch_s"] <= summary["embed_s"] <= summary["wall_s"]
+    assert set(summary["rusage"]) == {"minflt", "majflt", "nvcsw", "nivcsw"} and summary["rusage"]["nvcsw"] > 0
+    queued = summary["run_queue_s"]
+    assert not queued or 0 <= queued["loop"] <= queued["process"] <= summary["wall_s"] * 64
     assert conn.execute("SELECT count(*), count(DISTINCT id) FROM inproc").fetchone() == (300, 300)
     state, rows = conn.execute("SELECT state, summary->>'rows' FROM embedfleet.workers WHERE worker = 'w0'").fetchone()
     assert (state, rows) == ("finished", "300")

@@ -366,7 +366,8 @@ class Worker:
         summary = {
             "worker": self.id, "device": encoder.device, "rows": stats.rows, "tokens": stats.tokens,
             "wall_s": round(wall, 3), "rows_per_s": round(stats.rows / wall, 1) if wall else 0.0,
-            "embed_s": round(stats.embed_seconds, 3), "launch_s": round(stats.launch_seconds, 3), "input_wait_s": round(stats.wait_seconds, 3),
+            "embed_s": round(stats.embed_seconds, 3), "launch_s": round(stats.launch_seconds, 3),
+            "input_wait_s": round(stats.wait_seconds, 3),
             "end_wait_s": round(stats.end_wait_seconds, 3), "tail_wait_s": round(stats.tail_wait_seconds, 3),
             "first_wait_s": round(stats.waits[0][1] if stats.waits else 0.0, 3),
             "input_wait_by_tenth_s": by_tenth(stats.waits, stats.loop_seconds),
@@ -385,7 +386,8 @@ class Worker:
             "run_queue_s": {k: round(b - a, 3) for k, a, b in zip(("process", "loop"), queued_start, queued)
                             if a is not None and b is not None},
             # this process over the loop: page faults, and context switches waiting (voluntary) or preempted
-            "rusage": {k: getattr(usage, f"ru_{k}") - getattr(usage_start, f"ru_{k}") for k in ("minflt", "majflt", "nvcsw", "nivcsw")},
+            "rusage": {k: getattr(usage, f"ru_{k}") - getattr(usage_start, f"ru_{k}")
+                       for k in ("minflt", "majflt", "nvcsw", "nivcsw")},
             "started_at": round(epoch_start, 3),  # wall-clock start: to line several workers up
             "startup": {k: round(v, 3) if isinstance(v, float) else v for k, v in startup.items()},
         }
@@ -460,8 +462,9 @@ class Worker:
                 self._fail(ledger, Failure(item.claim, e))
                 continue
             finally:
-                stats.launch_seconds += time.perf_counter() - t0
-                stats.embed_seconds += time.perf_counter() - t0
+                launched = time.perf_counter() - t0
+                stats.launch_seconds += launched
+                stats.embed_seconds += launched
             if pending is not None:
                 self._finish(*pending, writer, ledger)
             pending = (item, handle)
