@@ -371,7 +371,7 @@ def test_the_bound_line_says_when_the_hypervisor_took_the_hosts_cpu():
 
 @pytest.mark.skipif(not os.path.exists("/proc/self/schedstat"), reason="needs Linux's schedstats")
 def test_run_queue_seconds_counts_time_ready_without_a_cpu():
-    """This thread spins beside two spinning processes per core: it spends much of that second ready to
+    """This thread spins beside two spinning processes per core: it spends much of those 1.5 s ready to
     run while another holds the core, and that shows in its run-queue seconds and its process's."""
     import subprocess
     import sys
@@ -418,5 +418,5 @@ def test_a_worker_process_reuses_the_pages_it_freed_for_its_next_units_buffers()
            .stdout.split() for mode in ("default", "keep")}
     if out["keep"][0] != "True":
         pytest.skip("not glibc: its allocator is left as it is")
-    # 120 units of ~7 MB (~210k pages): by default many are fresh pages; kept, about each thread's first
-    assert int(out["default"][1]) > 3 * int(out["keep"][1]), out
+    # 120 units of ~7 MB (~210k pages): by default 29-42k faults on the 2-core VM; kept, 6-12k (each thread's first)
+    assert int(out["default"][1]) > 2 * int(out["keep"][1]), out
