@@ -43,10 +43,8 @@ def _pgserver():
 # io_method: PostgreSQL 18 hands each read to an I/O worker process by default; a training read of
 # pages the OS has cached ran 13% faster doing its own reads (bench/NOTES.md, run 99).
 # wal_buffers: at 4 GPUs the 64 MB were found full ~7,600 times in a 4M-row load (run 107).
-# wal_init_zero: until a server's WAL reaches max_wal_size, each new 16 MB segment is written full of
-# zeros first, holding the WAL's write lock; a fresh server's first long load waited on it (runs 144-145).
 BULK_SETTINGS = {"wal_buffers": "256MB", "checkpoint_timeout": "30min", "max_connections": "300",
-                 "io_method": "sync", "wal_init_zero": "off"}
+                 "io_method": "sync"}
 
 
 def max_wal_size_gb(disk_bytes: int) -> int:
