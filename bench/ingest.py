@@ -2,7 +2,7 @@
 
     python bench/ingest.py --n 200000 --gpus 1,2 [--model DIR | --shape qwen3-0.6b] [--shards K] [--out results.json]
         [--workers-per-gpu 1,1,2,2] [--dtype float,half] [--compile on,off,wait] [--helpers 8,16] [--helper-nice 0,10] [--gil START:SECONDS:PY_SPY] [--pg-set NAME=VALUE,…]
-        [--pg-reload "default;NAME=VALUE,…"] [--warmup N]
+        [--pg-reload "default;NAME=VALUE,…"] [--warmup N] [--partitions 0,8]
 
 For each GPU count it runs the real CLI once (fresh table, --no-index so the rate is the pipeline's,
 then times ANALYZE and the HNSW build separately), samples every GPU's utilisation with NVML, and reads each
@@ -15,7 +15,9 @@ long job, without one worker's start-up or last chunk alone; wall rate = rows / 
 scaling is against the first count's mean rate, and pair by pair against the run just before;
 `--warmup N` first runs an untimed N-row ingest, so a fresh machine's cold caches count in no result (MiniLM
 compiles only in a job past 1 GiB: N ≥ ~1.8M reviews, or the first timed run compiles cold).
-Each run's table is dropped once measured, so no run pays for vacuuming an earlier one's.
+Each run's table is dropped once measured, so no run pays for vacuuming an earlier one's. `--partitions P`
+makes a run's table beforehand as P hash partitions of the id (ingest writes into a table that exists): P
+tables that each grow under their own extension lock, against one (runs 146-148: the lock the GPUs waited on).
 """
 
 from __future__ import annotations
@@ -92,7 +94,7 @@ class PgWaitSampler(threading.Thread):
                 # whose extension lock the waiters queue on: the table's heap, its primary key, or TOAST
                 for (rel,) in conn.execute("SELECT relation::regclass::text FROM pg_locks "
                                            "WHERE locktype = 'extend' AND NOT granted"):
-                    key = "extend waiter: " + re.sub(r"bench_\d+gpu_\d+", "T", rel)
+                    key = "extend waiter: " + re.sub(r"bench_\d+gpu_\d+(_p\d+)?", "T", rel)
                     self.extend[key] = self.extend.get(key, 0) + 1
 
     def stop(self) -> dict:
@@ -263,8 +265,29 @@ def middle_rate(workers: list[dict]) -> float | None:
     return round(sum(sum(w["rows_by_tenth"][3:9]) / (0.6 * w["wall_s"]) for w in workers), 1)
 
 
+def partitioned_table(dsn: str, table: str, preset: str, model: str | None, partitions: int) -> None:
+    """`table` as ingest would make it, but as `partitions` hash partitions of the id, each with the
+    storage settings ingest gives its tables."""
+    from embedfleet.encode.models import resolve_model
+    from embedfleet.sources.presets import table_columns
+    from embedfleet.store.schema import ensure_table, vector_type
+
+    dim = json.loads((resolve_model(model) / "config.json").read_text())["hidden_size"]
+    shape = sql.Identifier(f"{table}_shape")
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        ensure_table(conn, f"{table}_shape", table_columns(preset), dim, vector_type(conn, "float"))
+        conn.execute(sql.SQL("CREATE TABLE {} (LIKE {} INCLUDING ALL) PARTITION BY HASH (id)").format(
+            sql.Identifier(table), shape))
+        for i in range(partitions):
+            conn.execute(sql.SQL("CREATE TABLE {} PARTITION OF {} FOR VALUES WITH (MODULUS {}, REMAINDER {}) "
+                                 "WITH (toast_tuple_target = 8160, autovacuum_enabled = off)").format(
+                sql.Identifier(f"{table}_p{i}"), sql.Identifier(table), partitions, i))
+        conn.execute(sql.SQL("DROP TABLE {}").format(shape))
+
+
 def run_once(data: list[Path], gpus: int, model: str | None, env: dict, preset: str, extra: list[str],
-             cpu: bool = False, index: bool = True, per_gpu: int = 1, gil: tuple | None = None) -> dict:
+             cpu: bool = False, index: bool = True, per_gpu: int = 1, gil: tuple | None = None,
+             partitions: int = 0) -> dict:
     table = f"bench_{gpus}gpu_{int(time.time())}"
     devices = f"cpu --workers {gpus}" if cpu else "cuda:" + ",".join(str(i) for i in range(gpus))
     if per_gpu > 1 and not cpu:
@@ -276,6 +299,8 @@ def run_once(data: list[Path], gpus: int, model: str | None, env: dict, preset: 
     sampler = GpuSampler(list(range(gpus)))
     sampler.start()
     dsn = _db(env, "uri")
+    if partitions:
+        partitioned_table(dsn, table, preset, model, partitions)
     pg_waits = PgWaitSampler(dsn)
     pg_waits.start()
     with psycopg.connect(dsn, autocommit=True) as conn:
@@ -452,6 +477,8 @@ def main() -> None:
                          "wait with EMBEDFLEET_COMPILE_WAIT=1 (the loop starts once compiled)")
     ap.add_argument("--gil", default=None, metavar="START:SECONDS:PY_SPY",
                     help="sample which worker threads hold the GIL (py-spy at this path), START s into each run")
+    ap.add_argument("--partitions", default="0", metavar="P[,P…]",
+                    help="per run in --gpus order (cycled): the table made beforehand as P hash partitions of the id (0: ingest makes it)")
     ap.add_argument("--pg-set", default=None, metavar="NAME=VALUE,…",
                     help="ALTER SYSTEM these settings on the embedded server and restart it before the runs")
     ap.add_argument("--pg-reload", default=None, metavar="SETTINGS[;…]",
@@ -489,6 +516,7 @@ def main() -> None:
     compiles = args.compile.split(",")
     helpers = args.helpers.split(",") if args.helpers else [None]
     nices = args.helper_nice.split(",") if args.helper_nice else [None]
+    partitions = [int(k) for k in args.partitions.split(",")]
     reloads = [[] if v.strip() in ("", "default") else v.split(",") for v in args.pg_reload.split(";")] if args.pg_reload else None
     reloaded = {item.split("=", 1)[0] for v in reloads or [] for item in v}
     gil = None
@@ -506,15 +534,16 @@ def main() -> None:
         if reloads:
             reload_server(env, reloads[i % len(reloads)], reloaded)
         results.append(run_once(data, g, model, run_env, "amazon-reviews", extra + ["--dtype", dtype], args.cpu,
-                                not args.no_index, per[i % len(per)], gil))
+                                not args.no_index, per[i % len(per)], gil, partitions[i % len(partitions)]))
         results[-1]["dtype"], results[-1]["compile"] = dtype, compiled
+        results[-1]["partitions"] = partitions[i % len(partitions)]
         results[-1]["helpers"] = results[-1]["workers"][0]["helpers"]
         results[-1]["helper_nice"] = int(run_env.get("EMBEDFLEET_HELPER_NICE") or 0)
         results[-1]["pg_reload"] = (",".join(reloads[i % len(reloads)]) or "default") if reloads else None
         if args.out:  # each run as it ends: a command cut short by its timeout keeps the runs before
             Path(args.out).write_text(json.dumps({"partial": True, "results": results}, indent=2))
         r = results[-1]
-        print(f"[ingest] {g} GPU, {dtype}, compile {compiled}, {r['helpers']} helpers (nice {r['helper_nice']}), server {r['pg_reload'] or 'as set'}: {r['rows_per_s_steady']:,.0f} rows/s steady, {r['rows_per_s_all_running']} while all "
+        print(f"[ingest] {g} GPU, {dtype}, compile {compiled}, {r['helpers']} helpers (nice {r['helper_nice']}), {r['partitions']} partitions, server {r['pg_reload'] or 'as set'}: {r['rows_per_s_steady']:,.0f} rows/s steady, {r['rows_per_s_all_running']} while all "
               f"ran, {r['rows_per_s_workers_sum']:,.0f} workers' sum, {r['rows_per_s_middle'] or 0:,.0f} middle tenths, wall {r['wall_s']} s {r['timeline_s']}",
               file=sys.stderr, flush=True)
     # Against the first GPU count's rate per GPU, averaged over its runs (--gpus 1,2,1,2 repeats them).
