@@ -172,3 +172,25 @@ def test_pgvector_installed_outside_the_search_path_reads(dsn, conn):
         plan = r.plan()
         r.read(plan, lambda o, v: got.append(v.astype(np.float32)))
     assert np.concatenate(got)[:, 0].tolist() == list(range(1, 41))
+
+
+def test_a_partitioned_tables_ranges_split_its_rows_and_give_each_once(dsn, conn, monkeypatch):
+    """Hash partitions share a ctid's page numbers: the ranges split the largest partition's pages (the parent
+    has none), each reading those pages of every partition, in chunks of a few pages, every row once."""
+    monkeypatch.setattr(readmod, "CHUNK_BYTES", 20_000)
+    _table(conn, "flat")
+    conn.execute("CREATE TABLE pc (LIKE flat) PARTITION BY HASH (id)")
+    for i in range(4):
+        conn.execute(f"CREATE TABLE pc_{i} PARTITION OF pc FOR VALUES WITH (MODULUS 4, REMAINDER {i})")
+    conn.execute("INSERT INTO pc SELECT * FROM flat")
+    conn.execute("ANALYZE pc")
+    source = describe(conn, "pc", "genre", None, "classify")
+    with TableRead(dsn, source, connections=3) as r:
+        assert 1 < r.chunk_pages < 10
+        plan = r.plan(parts=3)
+        got = np.zeros((plan.n, DIM), np.float32)
+        cols = r.read(plan, lambda o, v: got.__setitem__(slice(o, o + len(v)), v))
+    want = {w[0]: w for w in _plain(conn, "pc")}
+    assert len(plan.ranges) == 3 and min(plan.counts) > plan.n / 6 and plan.n == len(want) > 1000
+    assert sorted(cols.ids) == sorted(want)
+    assert np.array_equal(got, np.array([want[i][1] for i in cols.ids], np.float32))

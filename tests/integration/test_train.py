@@ -317,6 +317,37 @@ BAD = [
 ]
 
 
+def test_a_partitioned_table_reads_into_memory_and_is_not_streamed(env):
+    """Hash partitions of the reviews: read into memory, the same rows and vectors as the table itself;
+    streamed, a one-line refusal (its partitions share ctids, by which a stream finds its rows)."""
+    import psycopg
+
+    from embedfleet.errors import InputError
+    from embedfleet.train import EmbeddingDataset
+
+    dsn = env["dsn"]
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        conn.execute("CREATE TABLE reviews_parts (LIKE reviews INCLUDING ALL) PARTITION BY HASH (id)")
+        for i in range(3):
+            conn.execute(f"CREATE TABLE reviews_parts_{i} PARTITION OF reviews_parts "
+                         f"FOR VALUES WITH (MODULUS 3, REMAINDER {i})")
+        conn.execute("INSERT INTO reviews_parts SELECT * FROM reviews")
+    try:
+        ref = EmbeddingDataset.from_table("reviews", label="rating", db=dsn, device="cpu", cache="ram")
+        parts = EmbeddingDataset.from_table("reviews_parts", label="rating", db=dsn, device="cpu", cache="ram",
+                                            connections=2)
+        assert sorted(parts.ids) == sorted(ref.ids) and len(parts) == ROWS - NULL_RATINGS
+        at = {i: k for k, i in enumerate(ref.ids)}
+        order = [at[i] for i in parts.ids]
+        assert torch.equal(parts.vectors(), ref.vectors()[order])
+        assert [parts.classes[int(k)] for k in parts.labels] == [ref.classes[int(ref.labels[k])] for k in order]
+        with pytest.raises(InputError, match="partitioned.*not streamed"):
+            EmbeddingDataset.from_table("reviews_parts", label="rating", db=dsn, device="cpu", cache="stream")
+    finally:
+        with psycopg.connect(dsn, autocommit=True) as conn:
+            conn.execute("DROP TABLE reviews_parts")
+
+
 def test_bad_inputs_give_one_line_errors(env):
     procs = []
     for args, _ in BAD:  # in parallel: most of each is starting Python and torch

@@ -39,7 +39,7 @@ import psycopg
 from psycopg import sql
 
 from embedfleet.errors import DatabaseError, InputError
-from embedfleet.store.schema import embedding_info, table_sql
+from embedfleet.store.schema import embedding_info, heap_pages, table_sql
 
 __all__ = ["FORMATS", "Block", "Column", "column_oids", "export", "read_blocks", "read_vectors", "table_columns"]
 
@@ -484,9 +484,9 @@ def _publish(target: _Target) -> None:
 
 
 def _page_ranges(conn: psycopg.Connection, table: str, shards: int) -> list[tuple[int, int | None]]:
-    """`shards` runs of heap pages of about equal size; the last is open-ended."""
-    pages = conn.execute("SELECT pg_relation_size(%s::regclass) / current_setting('block_size')::bigint",
-                         [table_sql(conn, table).as_string(conn)]).fetchone()[0]
+    """`shards` runs of heap pages (`heap_pages`: of each partition, for a partitioned table) of about equal
+    size; the last is open-ended."""
+    pages = heap_pages(conn, table)[0]
     cuts = [pages * i // shards for i in range(shards + 1)]
     return [(cuts[i], cuts[i + 1] if i < shards - 1 else None) for i in range(shards)]
 

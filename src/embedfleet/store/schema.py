@@ -143,6 +143,19 @@ def _regclass(conn: psycopg.Connection, table: str) -> str:
     return table_sql(conn, table).as_string(conn)
 
 
+def heap_pages(conn: psycopg.Connection, table: str) -> tuple[int, float | None]:
+    """(pages, rows a page) of the heap pages a ctid range of `table` can name: its own, or for a partitioned
+    table its largest partition's (a ctid range of the parent reads those pages of every partition); rows a
+    page from the statistics, over those pages (None before the first ANALYZE)."""
+    leaves = ("SELECT oid AS relid FROM pg_class WHERE oid = %(t)s::regclass AND relkind <> 'p' "
+              "UNION ALL SELECT relid FROM pg_partition_tree(%(t)s::regclass) WHERE isleaf")
+    pages, per_page = conn.execute(
+        f"SELECT coalesce(max(pg_relation_size(c.oid)), 0) / current_setting('block_size')::int, "
+        f"sum(c.reltuples) FILTER (WHERE c.reltuples > 0) / nullif(max(c.relpages), 0) "
+        f"FROM ({leaves}) l JOIN pg_class c ON c.oid = l.relid", {"t": _regclass(conn, table)}).fetchone()
+    return pages, per_page
+
+
 def ledger_version(conn: psycopg.Connection) -> int:
     """0: no ledger; 1: a ledger from before versioning; else the version it records."""
     if not conn.execute("SELECT to_regclass('embedfleet.ledger_version') IS NOT NULL").fetchone()[0]:

@@ -34,7 +34,7 @@ import psycopg
 from psycopg import pq, sql
 
 from embedfleet.errors import DatabaseError, InputError
-from embedfleet.store.schema import split_table, table_exists, table_sql
+from embedfleet.store.schema import heap_pages, split_table, table_exists, table_sql
 from embedfleet.train.copybin import (TRAILER, check_rows, chunk_count, chunk_rows, header_length, row_dtype,
                                       scalar_field, vector_field)
 
@@ -97,6 +97,7 @@ class Source:
     where: str | None = None
     ident: tuple[str, ...] = ()  # the table's identifier parts (schema, name), resolved once
     send: tuple[str, ...] = ()  # the vector type's binary send function (schema, name), from the catalog
+    partitioned: bool = False  # its partitions share ctids: a ctid names no one row
 
     def table_sql(self) -> sql.Identifier:
         return sql.Identifier(*(self.ident or (self.table,)))
@@ -169,8 +170,10 @@ def describe(conn: psycopg.Connection, table: str, label: str | None = None, whe
             raise InputError(f"--task regress needs a numeric --label; {label!r} is of type {typ}")
     elif task is not None:
         raise InputError(f"--task {task} needs a --label column")
+    partitioned = conn.execute("SELECT relkind = 'p' FROM pg_class WHERE oid = %s::regclass",
+                               [table_sql(conn, table).as_string(conn)]).fetchone()[0]
     return Source(table, column, vtype, dim, id_column, label, kind, task if label else None, where or None,
-                  tuple(p for p in split_table(conn, table) if p is not None), send)
+                  tuple(p for p in split_table(conn, table) if p is not None), send, partitioned)
 
 
 def _primary_key(conn: psycopg.Connection, table: str) -> str | None:
@@ -337,11 +340,7 @@ class TableRead:
                 self.snapshot = lead.execute("SELECT pg_export_snapshot()").fetchone()[0]
             for c in self.conns[1:]:
                 self._begin(c, self.snapshot)
-            t = source.table_sql().as_string(lead)
-            self.pages, per_page = lead.execute(
-                "SELECT pg_relation_size(c.oid) / current_setting('block_size')::int, "
-                "CASE WHEN c.relpages > 0 AND c.reltuples > 0 THEN c.reltuples / c.relpages END "
-                "FROM pg_class c WHERE c.oid = %s::regclass", [t]).fetchone()
+            self.pages, per_page = heap_pages(lead, source.table)
             self.chunk_pages = chunk_pages(source, per_page)
             self.chunked = use_chunks(lead.info.server_version, len(self.conns))
             # one connection: blocks put in place on a thread of their own while the server, the bound,
