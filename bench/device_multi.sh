@@ -8,8 +8,9 @@
 #   bash bench/device_multi.sh wiki     # the Wikipedia scenario on every GPU (WIKI_PASSAGES=512:32: the passages pass)
 #   bash bench/device_multi.sh stpool   # sentence-transformers' multi-process pool on 1, 2, 4… GPUs, the peer
 #   bash bench/device_multi.sh one      # one GPU: every GPU test, passages (issue 20), 500k-row ingest's wall (issue 17)
+#   bash bench/device_multi.sh parts    # MiniLM, 12M rows on every GPU: the table as one relation against PARTS hash partitions, alternated
 # Sizes through the environment: GPU_COUNTS (1,2,4… up to the machine's), N_QWEN (240000), N_MINILM (4000000; 0: none), TRAIN_ROWS (10000000),
-# WIKI_N (250000), WIKI_PASSAGES (off), ST_N (100000), SWEEP_HEADS (linear,mlp,mlp:4096), SWEEP_BATCHES
+# WIKI_N (250000), WIKI_PASSAGES (off), ST_N (100000), PARTS (8), N_PARTS (12000000), SWEEP_HEADS (linear,mlp,mlp:4096), SWEEP_BATCHES
 # (1024,…,65536), DDP_SKIP (none; e.g. loader), RAM_VARIANTS (none), GPU_TESTS (gputests' list). Results: $OUT/<part>*.json and .err logs.
 set -o pipefail
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
@@ -82,5 +83,13 @@ one)
   timeout 150 python3 bench/ingest.py --n 500000 --shards 8 --gpus 1 --model "$M" --work /tmp/efbench \
     --out "$OUT/ingest_minilm.json" 2>"$OUT/ingest_minilm.err" | tail -n 3
   ;;
-*) echo "usage: bash bench/device_multi.sh gputests|ingest|train|wiki|stpool|one"; exit 2 ;;
+parts)
+  # Does the GPUs' wait on the table's extension lock (runs 146-148) go with the table as several relations?
+  # PostgreSQL's data and the corpus in memory, as runs 141-148; the first run of a fresh server is the warm-up's.
+  export EMBEDFLEET_HOME=/dev/shm/efhome
+  timeout 570 python3 bench/ingest.py --n "${N_PARTS:-12000000}" --shards 32 --model "$M" --no-index --work /dev/shm/efT \
+    --gpus "$GPUS,$GPUS,$GPUS,$GPUS" --partitions "0,${PARTS:-8},0,${PARTS:-8}" --warmup 2500000 \
+    --out "$OUT/ingest_parts.json" 2>"$OUT/ingest_parts.err" >/dev/null; grep '^\[ingest\]' "$OUT/ingest_parts.err" | cut -c1-300
+  ;;
+*) echo "usage: bash bench/device_multi.sh gputests|ingest|train|wiki|stpool|one|parts"; exit 2 ;;
 esac
