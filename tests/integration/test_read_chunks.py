@@ -12,6 +12,7 @@ import pytest
 
 from embedfleet.errors import DatabaseError
 from embedfleet.train import read as readmod
+from embedfleet.store.schema import heap_pages
 from embedfleet.train.read import TableRead, describe
 
 DIM = 8
@@ -194,3 +195,36 @@ def test_a_partitioned_tables_ranges_split_its_rows_and_give_each_once(dsn, conn
     assert len(plan.ranges) == 3 and min(plan.counts) > plan.n / 6 and plan.n == len(want) > 1000
     assert sorted(cols.ids) == sorted(want)
     assert np.array_equal(got, np.array([want[i][1] for i in cols.ids], np.float32))
+    # the page space: the largest partition's pages, all of their rows over them; a partition is one heap
+    sizes = conn.execute("SELECT pg_relation_size(relid) / 8192, reltuples, relpages FROM pg_partition_tree('pc') "
+                         "JOIN pg_class c ON c.oid = relid WHERE isleaf ORDER BY relid::regclass::text").fetchall()
+    pages, per_page = heap_pages(conn, "pc")
+    assert pages == max(p for p, _, _ in sizes) and per_page == pytest.approx(
+        sum(t for _, t, _ in sizes) / max(r for _, _, r in sizes))
+    assert heap_pages(conn, "pc_0") == (sizes[0][0], pytest.approx(sizes[0][1] / sizes[0][2]))
+    # with no id column the ids are the row's place, which needs its partition's name to be one row's
+    conn.execute("CREATE TABLE pn (LIKE flat) PARTITION BY LIST (genre)")
+    for g in "abc":
+        conn.execute(f"CREATE TABLE pn_{g} PARTITION OF pn FOR VALUES IN ('{g}')")
+    conn.execute("INSERT INTO pn SELECT * FROM flat")
+    conn.execute("ALTER TABLE pn DROP COLUMN id")
+    with TableRead(dsn, describe(conn, "pn", "genre", None, "classify"), connections=2) as r:
+        ids = r.read(r.plan(parts=2), None).ids
+    assert len(set(ids)) == len(ids) == len(want)
+
+
+def test_a_parent_by_inheritance_reads_its_childrens_rows_once(dsn, conn, monkeypatch):
+    monkeypatch.setattr(readmod, "CHUNK_BYTES", 20_000)
+    _table(conn, "ih", rows=1500)
+    conn.execute("CREATE TABLE ih_child () INHERITS (ih)")
+    conn.execute("INSERT INTO ih_child SELECT 'c' || id, embedding, genre, pad, p, n FROM ih")
+    conn.execute("ANALYZE ih")
+    conn.execute("ANALYZE ih_child")
+    source = describe(conn, "ih", "genre", None, "classify")
+    assert source.several_heaps and not describe(conn, "ih_child").several_heaps
+    with TableRead(dsn, source, connections=3) as r:
+        plan = r.plan(parts=3)
+        cols = r.read(plan, None)
+    want = [w[0] for w in _plain(conn, "ih")]
+    assert len(plan.ranges) == 3 and min(plan.counts) > 0 and sorted(cols.ids) == sorted(want)
+    assert len(want) == 2 * conn.execute("SELECT count(*) FROM ONLY ih").fetchone()[0] > 2000

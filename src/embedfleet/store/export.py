@@ -484,17 +484,18 @@ def _publish(target: _Target) -> None:
 
 
 def _page_ranges(conn: psycopg.Connection, table: str, shards: int) -> list[tuple[int, int | None]]:
-    """`shards` runs of heap pages (`heap_pages`: of each partition, for a partitioned table) of about equal
-    size; the last is open-ended."""
+    """`shards` runs of heap pages (`heap_pages`: a partitioned table's, its largest partition's, read from
+    each) of about equal size; the last is open-ended."""
     pages = heap_pages(conn, table)[0]
     cuts = [pages * i // shards for i in range(shards + 1)]
     return [(cuts[i], cuts[i + 1] if i < shards - 1 else None) for i in range(shards)]
 
 
 def _estimate_rows(conn: psycopg.Connection, table: str) -> int | None:
-    n = conn.execute("SELECT reltuples::bigint FROM pg_class WHERE oid = %s::regclass",
-                     [table_sql(conn, table).as_string(conn)]).fetchone()[0]
-    return n if n and n > 0 else None
+    pages, per_page = heap_pages(conn, table)
+    if not per_page:  # never analyzed
+        return None
+    return round(pages * per_page) or None
 
 
 def export(dsn: str, table: str, fmt: str, out: str, *, where: str | None = None, columns: list[str] | None = None,

@@ -144,15 +144,16 @@ def _regclass(conn: psycopg.Connection, table: str) -> str:
 
 
 def heap_pages(conn: psycopg.Connection, table: str) -> tuple[int, float | None]:
-    """(pages, rows a page) of the heap pages a ctid range of `table` can name: its own, or for a partitioned
-    table its largest partition's (a ctid range of the parent reads those pages of every partition); rows a
-    page from the statistics, over those pages (None before the first ANALYZE)."""
-    leaves = ("SELECT oid AS relid FROM pg_class WHERE oid = %(t)s::regclass AND relkind <> 'p' "
-              "UNION ALL SELECT relid FROM pg_partition_tree(%(t)s::regclass) WHERE isleaf")
+    """(pages, rows a page) of the heap pages a ctid range of `table` can name. A query of a partitioned
+    table, or of a parent by inheritance, reads its children's heaps too, and a ctid range those pages of
+    each: the pages are the largest heap's, the rows a page all the heaps' rows over them (from the
+    statistics: None before the first ANALYZE)."""
     pages, per_page = conn.execute(
-        f"SELECT coalesce(max(pg_relation_size(c.oid)), 0) / current_setting('block_size')::int, "
-        f"sum(c.reltuples) FILTER (WHERE c.reltuples > 0) / nullif(max(c.relpages), 0) "
-        f"FROM ({leaves}) l JOIN pg_class c ON c.oid = l.relid", {"t": _regclass(conn, table)}).fetchone()
+        "WITH RECURSIVE heaps AS (SELECT %s::regclass::oid AS oid "
+        "UNION SELECT i.inhrelid FROM pg_inherits i JOIN heaps h ON i.inhparent = h.oid) "
+        "SELECT coalesce(max(pg_relation_size(c.oid)), 0) / current_setting('block_size')::int, "
+        "sum(c.reltuples) FILTER (WHERE c.reltuples > 0) / nullif(max(c.relpages), 0) "
+        "FROM heaps JOIN pg_class c USING (oid) WHERE c.relkind <> 'p'", [_regclass(conn, table)]).fetchone()
     return pages, per_page
 
 

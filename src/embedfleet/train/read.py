@@ -8,7 +8,9 @@ Glossary:
     range      a range of heap pages (`ctid` bounds). The dataset's row order is the table's
                physical order: ranges in page order, each read by a TID range scan (or, for a
                whole table, a sequential scan with synchronised scans off), never in parallel
-               inside the server, so every reader and every rank sees the same order.
+               inside the server, so every reader and every rank sees the same order. A partitioned
+               table's ranges (`heap_pages`) read those pages of each partition in turn: its order
+               follows the ranges, the same only for the same number of connections and ranks.
     Plan       the precount: rows and labels per range, hence each range's offset in the
                destination, the classes, and the rows skipped for a NULL label or vector.
     TableRead  the connections (REPEATABLE READ, READ ONLY, one exported snapshot) that plan
@@ -97,14 +99,14 @@ class Source:
     where: str | None = None
     ident: tuple[str, ...] = ()  # the table's identifier parts (schema, name), resolved once
     send: tuple[str, ...] = ()  # the vector type's binary send function (schema, name), from the catalog
-    partitioned: bool = False  # its partitions share ctids: a ctid names no one row
+    several_heaps: bool = False  # partitioned, or a parent by inheritance: its tables share ctids
 
     def table_sql(self) -> sql.Identifier:
         return sql.Identifier(*(self.ident or (self.table,)))
 
     def id_sql(self) -> sql.Composable:
-        if self.id_column is None:
-            return sql.SQL("ctid::text")
+        if self.id_column is None:  # with several heaps a ctid is unique only in its own
+            return sql.SQL("(tableoid::regclass::text || ctid::text)" if self.several_heaps else "ctid::text")
         return sql.SQL("{}::text").format(sql.Identifier(self.id_column))
 
     def label_sql(self) -> sql.Composable:
@@ -170,10 +172,10 @@ def describe(conn: psycopg.Connection, table: str, label: str | None = None, whe
             raise InputError(f"--task regress needs a numeric --label; {label!r} is of type {typ}")
     elif task is not None:
         raise InputError(f"--task {task} needs a --label column")
-    partitioned = conn.execute("SELECT relkind = 'p' FROM pg_class WHERE oid = %s::regclass",
-                               [table_sql(conn, table).as_string(conn)]).fetchone()[0]
+    several = conn.execute("SELECT relkind = 'p' OR relhassubclass FROM pg_class WHERE oid = %s::regclass",
+                           [table_sql(conn, table).as_string(conn)]).fetchone()[0]
     return Source(table, column, vtype, dim, id_column, label, kind, task if label else None, where or None,
-                  tuple(p for p in split_table(conn, table) if p is not None), send, partitioned)
+                  tuple(p for p in split_table(conn, table) if p is not None), send, several)
 
 
 def _primary_key(conn: psycopg.Connection, table: str) -> str | None:
