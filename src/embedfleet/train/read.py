@@ -172,10 +172,11 @@ def describe(conn: psycopg.Connection, table: str, label: str | None = None, whe
             raise InputError(f"--task regress needs a numeric --label; {label!r} is of type {typ}")
     elif task is not None:
         raise InputError(f"--task {task} needs a --label column")
+    ident = tuple(p for p in split_table(conn, table) if p is not None)
     several = conn.execute("SELECT relkind = 'p' OR relhassubclass FROM pg_class WHERE oid = %s::regclass",
-                           [table_sql(conn, table).as_string(conn)]).fetchone()[0]
+                           [sql.Identifier(*ident).as_string(conn)]).fetchone()[0]
     return Source(table, column, vtype, dim, id_column, label, kind, task if label else None, where or None,
-                  tuple(p for p in split_table(conn, table) if p is not None), send, several)
+                  ident, send, several)
 
 
 def _primary_key(conn: psycopg.Connection, table: str) -> str | None:
