@@ -16,8 +16,8 @@ scaling is against the first count's mean rate, and pair by pair against the run
 `--warmup N` first runs an untimed N-row ingest, so a fresh machine's cold caches count in no result (MiniLM
 compiles only in a job past 1 GiB: N ≥ ~1.8M reviews, or the first timed run compiles cold).
 Each run's table is dropped once measured, so no run pays for vacuuming an earlier one's. `--partitions P`
-makes a run's table beforehand as P hash partitions of the id (ingest writes into a table that exists): P
-tables that each grow under their own extension lock, against one (runs 146-148: the lock the GPUs waited on).
+passes ingest `--partitions P`: P tables that each grow under their own extension lock, against one (runs
+146-149: the lock the GPUs waited on).
 """
 
 from __future__ import annotations
@@ -265,26 +265,6 @@ def middle_rate(workers: list[dict]) -> float | None:
     return round(sum(sum(w["rows_by_tenth"][3:9]) / (0.6 * w["wall_s"]) for w in workers), 1)
 
 
-def partitioned_table(dsn: str, table: str, preset: str, model: str | None, partitions: int) -> None:
-    """`table` as ingest would make it, but as `partitions` hash partitions of the id, each with the
-    storage settings ingest gives its tables."""
-    from embedfleet.encode.models import resolve_model
-    from embedfleet.sources.presets import table_columns
-    from embedfleet.store.schema import ensure_table, vector_type
-
-    dim = json.loads((resolve_model(model) / "config.json").read_text())["hidden_size"]
-    shape = sql.Identifier(f"{table}_shape")
-    with psycopg.connect(dsn, autocommit=True) as conn:
-        ensure_table(conn, f"{table}_shape", table_columns(preset), dim, vector_type(conn, "float"))
-        conn.execute(sql.SQL("CREATE TABLE {} (LIKE {} INCLUDING ALL) PARTITION BY HASH (id)").format(
-            sql.Identifier(table), shape))
-        for i in range(partitions):
-            conn.execute(sql.SQL("CREATE TABLE {} PARTITION OF {} FOR VALUES WITH (MODULUS {}, REMAINDER {}) "
-                                 "WITH (toast_tuple_target = 8160, autovacuum_enabled = off)").format(
-                sql.Identifier(f"{table}_p{i}"), sql.Identifier(table), partitions, i))
-        conn.execute(sql.SQL("DROP TABLE {}").format(shape))
-
-
 def run_once(data: list[Path], gpus: int, model: str | None, env: dict, preset: str, extra: list[str],
              cpu: bool = False, index: bool = True, per_gpu: int = 1, gil: tuple | None = None,
              partitions: int = 0) -> dict:
@@ -300,7 +280,7 @@ def run_once(data: list[Path], gpus: int, model: str | None, env: dict, preset: 
     sampler.start()
     dsn = _db(env, "uri")
     if partitions:
-        partitioned_table(dsn, table, preset, model, partitions)
+        cmd += ["--partitions", str(partitions)]
     pg_waits = PgWaitSampler(dsn)
     pg_waits.start()
     with psycopg.connect(dsn, autocommit=True) as conn:
@@ -339,15 +319,15 @@ def run_once(data: list[Path], gpus: int, model: str | None, env: dict, preset: 
     together = (max(w["started_at"] for w in workers), min(w["started_at"] + w["wall_s"] for w in workers))
     rows_together = _rows_finished(conn, table, *together)
     timeline = _timeline(conn, table, t0_wall, wall, workers, summary.get("finalize"))
+    from embedfleet.store.schema import analyze, finish_table
+
     t0 = time.perf_counter()  # the job's ANALYZE again: what a table's statistics cost once its pages are warm
-    conn.execute(sql.SQL("ANALYZE {}").format(sql.Identifier(table)))
+    analyze(conn, sql.Identifier(table), dsn)
     analyze_again_s = round(time.perf_counter() - t0, 3)
     index_s = None
     if index:
-        from embedfleet.store.schema import finish_table
-
         t_idx = time.perf_counter()
-        finish_table(conn, table, index=True)  # on this connection: the time is the build's, no interpreter start
+        finish_table(conn, table, index=True, dsn=dsn)  # on this connection: the time is the build's, no interpreter start
         index_s = round(time.perf_counter() - t_idx, 2)
     # Drop the table: once its job ends autovacuum would visit all of it, during the next run (with
     # data checksums, full page copies into the WAL) — seen in runs 39-43, bench/NOTES.md.
@@ -478,7 +458,7 @@ def main() -> None:
     ap.add_argument("--gil", default=None, metavar="START:SECONDS:PY_SPY",
                     help="sample which worker threads hold the GIL (py-spy at this path), START s into each run")
     ap.add_argument("--partitions", default="0", metavar="P[,P…]",
-                    help="per run in --gpus order (cycled): the table made beforehand as P hash partitions of the id (0: ingest makes it)")
+                    help="per run in --gpus order (cycled): ingest --partitions P, the table as P hash partitions of its id (0: one relation)")
     ap.add_argument("--pg-set", default=None, metavar="NAME=VALUE,…",
                     help="ALTER SYSTEM these settings on the embedded server and restart it before the runs")
     ap.add_argument("--pg-reload", default=None, metavar="SETTINGS[;…]",

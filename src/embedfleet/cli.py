@@ -79,6 +79,8 @@ def ingest(
     prompt: Optional[str] = typer.Option(None, "--prompt", help="prompt name or text prepended to documents"),
     passages: Optional[str] = typer.Option(None, "--passages", help="TOKENS[:OVERLAP]: each record as passages "
                                            "of at most TOKENS tokens, overlapping by OVERLAP (e.g. 256:32)"),
+    partitions: Optional[int] = typer.Option(None, "--partitions", help="a new table as N hash partitions of its id, "
+                                             "each growing under its own lock: for several GPUs (e.g. 8)"),
     config: Optional[str] = typer.Option(None, "--config", help="YAML file with any of these flags (flags win)"),
     ray: Optional[str] = typer.Option(None, "--ray", help="run the workers as Ray actors: auto (RAY_ADDRESS or a "
                                       "local cluster) or the cluster's ADDRESS; pip install embedfleet[ray]"),
@@ -96,7 +98,7 @@ def ingest(
         inputs=inputs, meta=meta, preset=preset, text_template=text_template, text_field=text_field,
         id_field=id_field, model=model, db=db, table=table, job=job, devices=devices, workers=workers,
         batch_tokens=batch_tokens, chunk_bytes=chunk_bytes, limit=limit, no_index=no_index, dtype=dtype,
-        dim=dim, prompt=prompt, passages=passages, quiet=quiet,
+        dim=dim, prompt=prompt, passages=passages, partitions=partitions, quiet=quiet,
     ), config)
     settings = Settings.from_env(metrics_port=metrics_port)
     cfg.inputs = expand_inputs(cfg.inputs)  # a missing file or GPU fails before any server starts
@@ -128,7 +130,9 @@ def ingest(
                    f"({summary['rejected']} rejected) — try: embedfleet search \"…\" --table {shlex.quote(cfg.table)}",
                    err=True)
         if summary["time_shares"]:
-            typer.echo(bound_line(summary["time_shares"], summary["host_cpu"]), err=True)
+            ran = [s for s in progress["summaries"] if s.get("started_at", 0.0) >= begun]
+            several = len(ran) > 1 and not progress["table_partitions"]
+            typer.echo(bound_line(summary["time_shares"], summary["host_cpu"], several), err=True)
 
 
 @app.command()

@@ -27,6 +27,7 @@ DEFAULT_CHUNK_BYTES = 2 << 20  # ~6k reviews: fine-grained claiming, short pipel
 # A CPU embeds ~100 reviews/s: 2 MB chunks would show no progress for a minute; 256 kB commit every few seconds.
 CPU_CHUNK_BYTES = 256 << 10
 DEFAULT_LEASE_SECONDS = 30.0
+MAX_PARTITIONS = 1024  # a query plans each partition: PostgreSQL's docs speak of up to a few thousand
 
 
 def default_chunk_bytes(device: str) -> int:
@@ -57,6 +58,7 @@ class JobConfig:
     dim: int | None = None  # Matryoshka truncation
     prompt: str | None = None  # prompt name for documents (models with a "document" prompt use it by default)
     passages: str | None = None  # "TOKENS[:OVERLAP]": each record as passages of at most TOKENS tokens
+    partitions: int | None = None  # a new table as this many hash partitions of its id (None: one relation)
 
     # Fields that change what lands in the table. Two runs agreeing on these are the same job.
     _IDENTITY = (
@@ -152,6 +154,8 @@ def validate(cfg: JobConfig) -> JobConfig:
         raise InputError("--limit must be ≥ 0")
     if cfg.dtype not in ("float", "half"):
         raise InputError(f"--dtype {cfg.dtype!r}: use float (vector) or half (halfvec)")
+    if cfg.partitions is not None and not 2 <= cfg.partitions <= MAX_PARTITIONS:
+        raise InputError(f"--partitions {cfg.partitions}: use 2 to {MAX_PARTITIONS}, or leave it out for one relation")
     from embedfleet.encode.passages import parse_passages
 
     parse_passages(cfg.passages)

@@ -307,6 +307,8 @@ def test_other_formats_with_generic_preset(cli, dsn, conn, tmp_path, fmt):
     (["ingest", str(REVIEWS), "--model", "/no/such/model", "--quiet"], "model"),
     (["ingest", str(REVIEWS), "--devices", "gpu9"], "--devices"),
     (["ingest", str(REVIEWS), "--table", "x" * 80], "63-byte"),
+    (["ingest", str(REVIEWS), "--partitions", "1"], "--partitions 1: use 2 to"),
+    (["ingest", str(REVIEWS), "--table", "x" * 60, "--partitions", "16"], "a partition's name ('" + "x" * 60 + "_p15')"),
     (["search", "hello", "--table", "no_such_table"], "does not exist"),
     (["verify", "--table", "no_such_table"], "does not exist"),
     (["ingest", "--bogus-flag"], "No such option"),
@@ -343,6 +345,45 @@ def test_a_worker_killed_mid_run_is_reported_and_its_chunks_finish_elsewhere(cli
     n, distinct = conn.execute("SELECT count(*), count(DISTINCT id) FROM w").fetchone()
     assert n == distinct == 1500
     assert conn.execute("SELECT max(failures) FROM embedfleet.chunks").fetchone()[0] == 1
+
+
+def test_partitions_spread_the_table_and_it_is_analyzed_indexed_searched_and_verified(cli, dsn, conn):
+    cli("ingest", REVIEWS, "--preset", "amazon-reviews", "--db", dsn, "--quiet", "--table", "parted",
+        "--partitions", "4", "--devices", "cpu", "--workers", "2", "--chunk-bytes", "20000", check=True)
+    assert conn.execute("SELECT relkind FROM pg_class WHERE oid = 'parted'::regclass").fetchone()[0] == "p"
+    parts = conn.execute(
+        "SELECT c.relname, c.reloptions, c.reltuples, (SELECT count(*) FROM pg_stats s WHERE s.tablename = c.relname) "
+        "FROM pg_inherits i JOIN pg_class c ON c.oid = i.inhrelid WHERE i.inhparent = 'parted'::regclass ORDER BY 1"
+    ).fetchall()
+    assert [p[0] for p in parts] == ["parted_p0", "parted_p1", "parted_p2", "parted_p3"]
+    for name, options, tuples, stats in parts:
+        assert "toast_tuple_target=8160" in options and "autovacuum_enabled=off" not in options  # reset at the end
+        assert tuples > 0 and stats > 0, name  # each partition analyzed
+    # the parent's own statistics too (ANALYZE ONLY, or ANALYZE recursing on a server before 18)
+    assert conn.execute("SELECT count(*) FROM pg_stats WHERE tablename = 'parted' AND inherited").fetchone()[0] > 0
+    per_part = [conn.execute(f"SELECT count(*) FROM {name}").fetchone()[0] for name, *_ in parts]
+    n, distinct = conn.execute("SELECT count(*), count(DISTINCT id) FROM parted").fetchone()
+    assert n == distinct == sum(per_part) == len(_ids(REVIEWS)) and min(per_part) > 0
+    hnsw = conn.execute("SELECT tablename FROM pg_indexes WHERE indexdef LIKE '%%hnsw%%' ORDER BY 1").fetchall()
+    assert [t for (t,) in hnsw] == ["parted", *[p[0] for p in parts]]
+    rid, content = conn.execute("SELECT id, content FROM parted ORDER BY id LIMIT 1 OFFSET 11").fetchone()
+    hits = orjson.loads(cli("search", content, "--table", "parted", "--db", dsn, "--json", "-k", "3", check=True).stdout)
+    assert hits["results"][0]["id"] == rid
+    assert orjson.loads(cli("verify", "--table", "parted", "--db", dsn, "--json", check=True).stdout)["ok"]
+    # the same job again without the flag resumes into the table as it is; with another count it is refused
+    assert cli("ingest", REVIEWS, "--preset", "amazon-reviews", "--db", dsn, "--quiet", "--table", "parted",
+               "--devices", "cpu", "--workers", "2", "--chunk-bytes", "20000").returncode == 0
+    p = cli("ingest", REVIEWS, "--preset", "amazon-reviews", "--db", dsn, "--quiet", "--table", "parted",
+            "--partitions", "3", "--devices", "cpu", "--chunk-bytes", "20000")
+    assert p.returncode != 0 and "table 'parted' already exists with 4 partitions, not 3 partitions" in p.stderr
+    assert "Traceback" not in p.stderr and conn.execute("SELECT count(*) FROM parted").fetchone()[0] == n
+    # a name a partition would take is refused before any work
+    conn.execute("CREATE TABLE other_p1 (x int)")
+    p = cli("ingest", REVIEWS, "--preset", "amazon-reviews", "--db", dsn, "--quiet", "--table", "other",
+            "--partitions", "2", "--devices", "cpu")
+    assert p.returncode != 0 and "table 'other_p1' already exists, and table 'other' needs" in p.stderr
+    assert conn.execute("SELECT to_regclass('other') IS NULL AND to_regclass('embedfleet.jobs') IS NOT NULL").fetchone()[0]
+    assert conn.execute("SELECT count(*) FROM embedfleet.jobs WHERE job = 'other'").fetchone()[0] == 0
 
 
 def test_vectors_of_long_reviews_stay_inline_not_in_toast(cli, dsn, conn, tmp_path):

@@ -22,7 +22,8 @@ from embedfleet.runtime.preflight import check_inputs_have_text
 from embedfleet.sources.plan import ChunkSpec, chunk_lines, expand_inputs, plan_chunks, table_name_for
 from embedfleet.store.embedded import resolve_dsn
 from embedfleet.store.ledger import Ledger, Reconnect
-from embedfleet.store.schema import check_identifier, check_server, check_write_privileges, ensure_vector, finish_table, table_exists
+from embedfleet.store.schema import (check_identifier, check_partitions, check_server, check_write_privileges, ensure_vector,
+                                     finish_table, partition_count, table_exists)
 
 __all__ = ["Launcher", "run_job", "check_job", "prepare", "finalize", "apply_limit"]
 
@@ -73,6 +74,7 @@ def run_job(cfg: JobConfig, settings: Settings, launcher: Launcher) -> dict:
         progress["finalize"] = {"started_at": round(started_at, 3), "seconds": round(finalize_s, 3), **steps}
         progress["summaries"] = ledger.summaries(job)
         progress["table_exists"] = loaded  # none when no worker had a record
+        progress["table_partitions"] = partition_count(ledger.conn, cfg.table) if loaded else 0
         errors = ledger.worker_errors(job)
     finally:
         if prestart is not None:
@@ -141,6 +143,7 @@ def check_job(cfg: JobConfig, conn) -> None:
     if cfg.text_template:
         validate_template(cfg.text_template)
     check_write_privileges(conn, cfg.table, index=not cfg.no_index)
+    check_partitions(conn, cfg.table, cfg.partitions)
     ensure_vector(conn)
     if not cfg.meta:  # with --meta the text may come from the product fields, joined later
         check_inputs_have_text(cfg)
@@ -196,7 +199,7 @@ def finalize(ledger: Ledger, job: str, cfg: JobConfig, timings: dict | None = No
         failed = ledger.failed_chunks(job)
         msg = "; ".join(f"chunk {c} ({Path(s).name}): {e}" for c, s, e in failed[:5])
         if loaded:
-            finish_table(ledger.conn, cfg.table, index=False)
+            finish_table(ledger.conn, cfg.table, index=False, dsn=ledger.dsn)
         ledger.set_job_state(job, "failed", f"{len(failed)} chunks failed: {msg}")
         return counts, loaded
     if counts["pending"] or counts["running"]:
@@ -205,7 +208,7 @@ def finalize(ledger: Ledger, job: str, cfg: JobConfig, timings: dict | None = No
             ledger.set_job_state(job, "failed", "; ".join(f"{w}: {e}" for w, e in errors[:3]))
         return counts, loaded  # otherwise stopped early (interrupted): a rerun resumes
     if loaded:
-        index = finish_table(ledger.conn, cfg.table, index=not cfg.no_index, timings=timings)
+        index = finish_table(ledger.conn, cfg.table, index=not cfg.no_index, timings=timings, dsn=ledger.dsn)
         if index:
             log.info("table %s is searchable (HNSW index %s)", cfg.table, index)
     ledger.set_job_state(job, "done")

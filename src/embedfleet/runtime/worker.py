@@ -289,7 +289,8 @@ class Worker:
                 encoder = self._make_encoder(cfg, self.device, s)
                 model_s = time.perf_counter() - t_model
                 vtype = vector_type(ledger.conn, cfg.dtype)
-                ensure_table(ledger.conn, cfg.table, table_columns(cfg.preset, bool(cfg.passages)), encoder.dim, vtype)
+                ensure_table(ledger.conn, cfg.table, table_columns(cfg.preset, bool(cfg.passages)), encoder.dim, vtype,
+                             cfg.partitions)
                 ledger.set_model(self.job, encoder.name, encoder.dim)
                 # The compile (from the cache after a machine's first run) starts now, beside the helpers'
                 # start, unless the job is too small to pay for it; the loop starts eager beside it and

@@ -131,6 +131,11 @@ class Ledger:
         reconnect = Reconnect(dsn, patience, setup)
         return cls(reconnect.first(), reconnect, host)
 
+    @property
+    def dsn(self) -> str | None:
+        """Where more connections to the same server come from (None: made on a connection)."""
+        return self._reconnect.dsn if self._reconnect else None
+
     def close(self) -> None:
         self.conn.close()
 

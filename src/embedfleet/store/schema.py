@@ -337,8 +337,21 @@ def table_exists(conn: psycopg.Connection, table: str) -> bool:
     return conn.execute("SELECT to_regclass(%s) IS NOT NULL", [_regclass(conn, table)]).fetchone()[0]
 
 
-def ensure_table(conn: psycopg.Connection, table: str, columns: Sequence, dim: int, vtype: str) -> None:
-    """Create the target table if needed; refuse one whose embedding has another dimension or type."""
+# A review row with a 384-float vector passes the default 2 kB TOAST threshold, and the vector, its
+# largest value, is the one moved out of line: every insert would also write the TOAST table and its
+# index, and every read fetch the vector back. Toasting only rows that do not fit a page keeps vectors
+# inline: the sink writes ~1.6x faster (bench/NOTES.md, runs 22-28).
+# No autovacuum while the job loads it (`finish_table` turns it back on): PostgreSQL would vacuum the
+# table again and again as rows arrive, and with data checksums (on by default since PostgreSQL 18)
+# marking a page visited logs a full copy of it, if it is the page's first change since a checkpoint,
+# into the WAL the writers share. PostgreSQL's own advice for bulk loads: no autovacuum during, ANALYZE after.
+HEAP_OPTIONS = sql.SQL("WITH (toast_tuple_target = 8160, autovacuum_enabled = off)")
+
+
+def ensure_table(conn: psycopg.Connection, table: str, columns: Sequence, dim: int, vtype: str,
+                 partitions: int | None = None) -> None:
+    """Create the target table if needed, as `partitions` hash partitions of its id when given; refuse
+    one whose embedding has another dimension or type."""
     check_identifier(table)
     ident = table_sql(conn, table)
     with conn.transaction():
@@ -361,17 +374,49 @@ def ensure_table(conn: psycopg.Connection, table: str, columns: Sequence, dim: i
             sql.SQL("content text NOT NULL"),
             sql.SQL("embedding {}({})").format(sql.SQL(vtype), sql.Literal(dim)),
         ] + [sql.SQL("{} {}").format(sql.Identifier(c.name), sql.SQL(c.pgtype)) for c in columns]
-        # A review row with a 384-float vector passes the default 2 kB TOAST threshold, and the vector,
-        # its largest value, is the one moved out of line: every insert would also write the TOAST
-        # table and its index, and every read fetch the vector back. Toasting only rows that do not fit
-        # a page keeps vectors inline: the sink writes ~1.6x faster (bench/NOTES.md, runs 22-28).
-        # No autovacuum while the job loads it (`finish_table` turns it back on): PostgreSQL would
-        # vacuum the table again and again as rows arrive, and with data checksums (on by default
-        # since PostgreSQL 18) marking a page visited logs a full copy of it, if it is the page's
-        # first change since a checkpoint, into the WAL the writers share. PostgreSQL's own advice
-        # for bulk loads: no autovacuum during, ANALYZE after.
-        conn.execute(sql.SQL("CREATE TABLE {} ({}) WITH (toast_tuple_target = 8160, autovacuum_enabled = off)").format(
-            ident, sql.SQL(", ").join(cols)))
+        if not partitions:
+            conn.execute(sql.SQL("CREATE TABLE {} ({}) {}").format(ident, sql.SQL(", ").join(cols), HEAP_OPTIONS))
+            return
+        # A table grows under one lock, 512 kB at a time; behind several GPUs its writers queue there
+        # (bench/NOTES.md, runs 146-149). Each partition grows under its own.
+        conn.execute(sql.SQL("CREATE TABLE {} ({}) PARTITION BY HASH (id)").format(ident, sql.SQL(", ").join(cols)))
+        for i, part in enumerate(partition_names(conn, table, partitions)):
+            conn.execute(sql.SQL("CREATE TABLE {} PARTITION OF {} FOR VALUES WITH (MODULUS {}, REMAINDER {}) {}").format(
+                sql.Identifier(*part), ident, sql.Literal(partitions), sql.Literal(i), HEAP_OPTIONS))
+
+
+def partition_names(conn: psycopg.Connection, table: str, partitions: int) -> list[tuple[str, ...]]:
+    """The names of `table`'s hash partitions, NAME_p0, NAME_p1…, each (schema, name) or (name,) as `table`."""
+    schema, name = split_table(conn, table)
+    last = f"{name}_p{partitions - 1}"
+    if len(last.encode()) > 63:
+        raise InputError(f"--table {table!r} with --partitions {partitions}: a partition's name ({last!r}) passes "
+                         "PostgreSQL's 63-byte limit; pass a shorter --table")
+    return [(*([schema] if schema else []), f"{name}_p{i}") for i in range(partitions)]
+
+
+def partition_count(conn: psycopg.Connection, table: str) -> int:
+    """How many partitions (or child tables) `table` has; 0: it is one relation."""
+    return conn.execute("SELECT count(*) FROM pg_inherits WHERE inhparent = %s::regclass",
+                        [_regclass(conn, table)]).fetchone()[0]
+
+
+def check_partitions(conn: psycopg.Connection, table: str, partitions: int | None) -> None:
+    """Before any work: `--partitions` can make `table`'s partitions, or `table` exists with that many."""
+    if not partitions:
+        return
+    names = partition_names(conn, table, partitions)
+    if table_exists(conn, table):
+        have = partition_count(conn, table)
+        if have != partitions:
+            raise DatabaseError(f"table {table!r} already exists {f'with {have} partitions' if have else 'as one relation'}, "
+                                f"not {partitions} partitions: pass another --table, or leave --partitions out to "
+                                "write into it as it is")
+        return
+    for part in names:
+        if conn.execute("SELECT to_regclass(%s) IS NOT NULL", [sql.Identifier(*part).as_string(conn)]).fetchone()[0]:
+            raise DatabaseError(f"--partitions {partitions}: table {'.'.join(part)!r} already exists, and table "
+                                f"{table!r} needs that name for a partition: pass another --table")
 
 
 def embedding_info(conn: psycopg.Connection, table: str) -> tuple[str, int]:
@@ -399,9 +444,11 @@ def vector_index(conn: psycopg.Connection, table: str) -> str | None:
     return row[0] if row else None
 
 
-def finish_table(conn: psycopg.Connection, table: str, index: bool, timings: dict | None = None) -> str | None:
-    """Once a job has loaded `table`: autovacuum back to the server's setting, statistics for the planner
-    (ANALYZE reads a fixed-size sample), and an HNSW (cosine) index on the embedding unless it has one.
+def finish_table(conn: psycopg.Connection, table: str, index: bool, timings: dict | None = None,
+                 dsn: str | None = None) -> str | None:
+    """Once a job has loaded `table`: statistics for the planner (ANALYZE reads a fixed-size sample; a
+    partitioned table's partitions each on a connection of its own where `dsn` is given), autovacuum back
+    to the server's setting, and an HNSW (cosine) index on the embedding unless it has one.
     Under a lock per table, so two runs finishing together do this one after the other: the second finds
     the index built. Returns the index's name (None without `index`); `timings` gets each step's seconds."""
     ident = table_sql(conn, table)
@@ -410,14 +457,19 @@ def finish_table(conn: psycopg.Connection, table: str, index: bool, timings: dic
     with conn.transaction():
         t0 = time.perf_counter()
         conn.execute("SELECT pg_advisory_xact_lock(hashtext(%s))", lock)
-        options = conn.execute("SELECT reloptions FROM pg_class WHERE oid = %s::regclass",
-                               [ident.as_string(conn)]).fetchone()[0] or []
-        if "autovacuum_enabled=off" in options:  # set by ensure_table: a table someone else made is left alone
-            conn.execute(sql.SQL("ALTER TABLE {} RESET (autovacuum_enabled)").format(ident))
-        timings["lock_alter_s"] = round(time.perf_counter() - t0, 3)
+        timings["lock_s"] = round(time.perf_counter() - t0, 3)
         t0 = time.perf_counter()
-        conn.execute(sql.SQL("ANALYZE {}").format(ident))
+        analyze(conn, ident, dsn)
         timings["analyze_s"] = round(time.perf_counter() - t0, 3)
+        t0 = time.perf_counter()
+        # after ANALYZE: resetting an option locks its table the way each partition's ANALYZE does
+        for (heap,) in conn.execute(
+                "SELECT c.oid::regclass::text FROM pg_class c WHERE 'autovacuum_enabled=off' = ANY(c.reloptions) "
+                "AND c.oid IN (SELECT %s::regclass UNION SELECT relid FROM pg_partition_tree(%s::regclass))",
+                [ident.as_string(conn)] * 2).fetchall():
+            # set by ensure_table: a table someone else made is left alone
+            conn.execute(sql.SQL("ALTER TABLE {} RESET (autovacuum_enabled)").format(sql.SQL(heap)))
+        timings["alter_s"] = round(time.perf_counter() - t0, 3)
         t0 = time.perf_counter()
     timings["commit_s"] = round(time.perf_counter() - t0, 3)
     if not index:
@@ -439,6 +491,28 @@ def finish_table(conn: psycopg.Connection, table: str, index: bool, timings: dic
                 raise
             # A small /dev/shm (containers) cannot hold a parallel build's shared memory: build serially.
     return None
+
+
+def analyze(conn: psycopg.Connection, ident: sql.Identifier, dsn: str | None = None) -> None:
+    """ANALYZE the table. A partitioned one samples each partition, then the whole: where the server can
+    take the whole alone (ANALYZE ONLY, PostgreSQL 18) and `dsn` opens more connections, the partitions
+    are sampled side by side first (8 on four H200s: 10 s one after another, run 149)."""
+    target = ident.as_string(conn)
+    leaves = [leaf for (leaf,) in conn.execute(
+        "SELECT relid::regclass::text FROM pg_partition_tree(%s::regclass) WHERE isleaf AND level > 0", [target])]
+    side_by_side = min(len(leaves), max(2, (os.cpu_count() or 2) - 1))
+    if dsn is None or side_by_side < 2 or conn.info.server_version < 180000:
+        conn.execute(sql.SQL("ANALYZE {}").format(ident))
+        return
+    from concurrent.futures import ThreadPoolExecutor
+
+    def sample(leaf: str) -> None:
+        with psycopg.connect(dsn, autocommit=True) as c:
+            c.execute(sql.SQL("ANALYZE {}").format(sql.SQL(leaf)))
+
+    with ThreadPoolExecutor(side_by_side) as pool:
+        list(pool.map(sample, leaves))
+    conn.execute(sql.SQL("ANALYZE ONLY {}").format(ident))
 
 
 def _create_index(conn: psycopg.Connection, ident: sql.Identifier, vtype: str, workers: int) -> None:
