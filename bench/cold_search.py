@@ -80,6 +80,7 @@ def main() -> None:
     for _ in range(a.runs):
         for name, cmd in variants.items():
             times[name].append(_timed(cmd, env))
+            print(f"[cold_search] {name} {times[name][-1]:.2f} s", file=sys.stderr, flush=True)  # kept if cut short
     summary = {k: {"median_s": statistics.median(v), "min_s": min(v), "max_s": max(v), "runs": v}
                for k, v in times.items()}
     ref = summary.get("st-cuda", summary["st-cpu"])["median_s"]
