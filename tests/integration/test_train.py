@@ -317,12 +317,21 @@ BAD = [
 ]
 
 
-def test_a_partitioned_table_reads_into_memory_and_is_not_streamed(env):
-    """Hash partitions of the reviews: read into memory, the same rows and vectors as the table itself;
-    streamed, a one-line refusal (its partitions share ctids, by which a stream finds its rows)."""
+def _same_batches(a, b) -> int:
+    """Both datasets' batches of one shuffled epoch are equal; how many rows they held."""
+    seen = 0
+    for (xa, ya), (xb, yb) in zip(a.batches(48, shuffle=True, epoch=1), b.batches(48, shuffle=True, epoch=1),
+                                  strict=True):
+        assert torch.equal(xa, xb) and (ya is None and yb is None or torch.equal(ya, yb))
+        seen += len(xa)
+    return seen
+
+
+def test_a_partitioned_table_reads_into_memory_and_streams_the_same_vectors(env):
+    """Hash partitions of the reviews, whose rows share ctids: read into memory, the same rows and vectors as
+    the table itself; streamed, each window found partition by partition, the same batches as in memory."""
     import psycopg
 
-    from embedfleet.errors import InputError
     from embedfleet.train import EmbeddingDataset
 
     dsn = env["dsn"]
@@ -335,17 +344,47 @@ def test_a_partitioned_table_reads_into_memory_and_is_not_streamed(env):
     try:
         ref = EmbeddingDataset.from_table("reviews", label="rating", db=dsn, device="cpu", cache="ram")
         parts = EmbeddingDataset.from_table("reviews_parts", label="rating", db=dsn, device="cpu", cache="ram",
-                                            connections=2)
+                                            connections=2, window_rows=256)  # the stream's windows: its order
         assert sorted(parts.ids) == sorted(ref.ids) and len(parts) == ROWS - NULL_RATINGS
         at = {i: k for k, i in enumerate(ref.ids)}
         order = [at[i] for i in parts.ids]
         assert torch.equal(parts.vectors(), ref.vectors()[order])
         assert [parts.classes[int(k)] for k in parts.labels] == [ref.classes[int(ref.labels[k])] for k in order]
-        with pytest.raises(InputError, match="partitioned.*not streamed"):
-            EmbeddingDataset.from_table("reviews_parts", label="rating", db=dsn, device="cpu", cache="stream")
+        streamed = EmbeddingDataset.from_table("reviews_parts", label="rating", db=dsn, device="cpu", cache="stream",
+                                               connections=2, window_rows=256)
+        try:  # its snapshot's connection stays open: the table cannot be dropped under it
+            assert streamed.cache == "stream" and list(streamed.ids) == list(parts.ids)
+            assert _same_batches(streamed, parts) == len(parts)
+        finally:
+            streamed.close()
     finally:
         with psycopg.connect(dsn, autocommit=True) as conn:
             conn.execute("DROP TABLE reviews_parts")
+
+
+def test_a_parent_by_inheritance_with_rows_of_its_own_streams_them_and_its_childrens(env):
+    import psycopg
+
+    from embedfleet.train import EmbeddingDataset
+
+    dsn = env["dsn"]
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        conn.execute("CREATE TABLE reviews_base (LIKE reviews INCLUDING ALL)")
+        conn.execute("CREATE TABLE reviews_kid (LIKE reviews INCLUDING ALL) INHERITS (reviews_base)")
+        conn.execute("INSERT INTO reviews_base SELECT * FROM reviews WHERE rating >= 3")
+        conn.execute("INSERT INTO reviews_kid SELECT * FROM reviews WHERE rating < 3 OR rating IS NULL")
+    try:
+        ram = EmbeddingDataset.from_table("reviews_base", db=dsn, device="cpu", cache="ram", window_rows=256)
+        streamed = EmbeddingDataset.from_table("reviews_base", db=dsn, device="cpu", cache="stream",
+                                               window_rows=256)
+        try:
+            assert len(ram) == ROWS and list(streamed.ids) == list(ram.ids)
+            assert _same_batches(streamed, ram) == ROWS
+        finally:
+            streamed.close()
+    finally:
+        with psycopg.connect(dsn, autocommit=True) as conn:
+            conn.execute("DROP TABLE reviews_kid, reviews_base")
 
 
 def test_bad_inputs_give_one_line_errors(env):

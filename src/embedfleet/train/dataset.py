@@ -571,12 +571,6 @@ def load(table: str, label: str | None = None, where: str | None = None, db: str
         dist.all_gather_object(tiers, tier)  # one rank's memory may not fit what another's does
         order = ["stream", "ram", "gpu"]
         tier = min(tiers, key=order.index)
-    if tier == "stream" and source.several_heaps:  # every rank has the same tier: all of them raise it
-        reader.close()
-        raise InputError(f"table {source.table!r} is partitioned (or has child tables): its {n:,} vectors can be "
-                         "read into memory (cache 'ram' or 'gpu', where they fit), not streamed, which finds each "
-                         "row by its place in a heap its tables share; train on a partition, or on fewer rows "
-                         "with --where")
     cols, x = None, None
     try:
         if tier == "gpu":

@@ -11,6 +11,8 @@ Glossary:
                inside the server, so every reader and every rank sees the same order. A partitioned
                table's ranges (`heap_pages`) read those pages of each partition in turn: its order
                follows the ranges, the same only for the same number of connections and ranks.
+    tid        where a row is: its heap page << 16 | line pointer, and with several heaps (a partitioned
+               table, a parent by inheritance) the heap's index in `Source.heaps` << 48.
     Plan       the precount: rows and labels per range, hence each range's offset in the
                destination, the classes, and the rows skipped for a NULL label or vector.
     TableRead  the connections (REPEATABLE READ, READ ONLY, one exported snapshot) that plan
@@ -51,6 +53,8 @@ CHUNK_BYTES = 1 << 19
 ROW_MESSAGE_CORES = 4  # from this many cores a one-connection read takes a message a row (use_chunks)
 PRECOUNT_WORKERS = 4  # the server's parallel workers a one-range plan's counts may use
 _LAST_PAGE = 4_294_967_294  # the highest heap page number a tid can name
+HEAP_SHIFT = np.uint64(48)  # a tid's page (32 bits) and line pointer (16) lie below its heap's index
+_IN_HEAP = np.uint64((1 << 48) - 1)
 _KEY = "('x' || left(md5({id}), 8))::bit(32)"  # a stable 32-bit hash of the row id (md5, not hashtext)
 
 
@@ -99,10 +103,20 @@ class Source:
     where: str | None = None
     ident: tuple[str, ...] = ()  # the table's identifier parts (schema, name), resolved once
     send: tuple[str, ...] = ()  # the vector type's binary send function (schema, name), from the catalog
-    several_heaps: bool = False  # partitioned, or a parent by inheritance: its tables share ctids
+    # partitioned, or a parent by inheritance: (oid, name) of each of its tables that holds rows (they share ctids)
+    heaps: tuple[tuple[int, str], ...] = ()
+
+    @property
+    def several_heaps(self) -> bool:
+        return bool(self.heaps)
 
     def table_sql(self) -> sql.Identifier:
         return sql.Identifier(*(self.ident or (self.table,)))
+
+    def heap_sql(self) -> sql.Composable:
+        """The row's heap, as its index in `heaps`."""
+        oids = "{" + ",".join(str(oid) for oid, _ in self.heaps) + "}"
+        return sql.SQL("(array_position({}::oid[], tableoid) - 1)::int4").format(sql.Literal(oids))
 
     def id_sql(self) -> sql.Composable:
         if self.id_column is None:  # with several heaps a ctid is unique only in its own
@@ -173,10 +187,18 @@ def describe(conn: psycopg.Connection, table: str, label: str | None = None, whe
     elif task is not None:
         raise InputError(f"--task {task} needs a --label column")
     ident = tuple(p for p in split_table(conn, table) if p is not None)
-    several = conn.execute("SELECT relkind = 'p' OR relhassubclass FROM pg_class WHERE oid = %s::regclass",
-                           [sql.Identifier(*ident).as_string(conn)]).fetchone()[0]
+    target = sql.Identifier(*ident).as_string(conn)
+    heaps = ()
+    if conn.execute("SELECT relkind = 'p' OR relhassubclass FROM pg_class WHERE oid = %s::regclass", [target]).fetchone()[0]:
+        heaps = tuple(conn.execute(
+            "WITH RECURSIVE tree AS (SELECT %s::regclass::oid AS oid "
+            "UNION SELECT i.inhrelid FROM pg_inherits i JOIN tree t ON i.inhparent = t.oid) "
+            "SELECT c.oid::int8, c.oid::regclass::text FROM tree JOIN pg_class c USING (oid) "
+            "WHERE c.relkind <> 'p' ORDER BY c.oid", [target]).fetchall())
+        if len(heaps) > 1 << 16:  # a tid's top 16 bits name its heap
+            raise InputError(f"table {table!r} has {len(heaps):,} tables with rows under it; read at most 65,536")
     return Source(table, column, vtype, dim, id_column, label, kind, task if label else None, where or None,
-                  ident, send, several)
+                  ident, send, heaps)
 
 
 def _primary_key(conn: psycopg.Connection, table: str) -> str | None:
@@ -298,7 +320,7 @@ class Columns:
 
     labels: np.ndarray | None  # int64 class indices (classify) or float64 values (regress)
     keys: np.ndarray  # uint32 split keys (empty unless asked for)
-    tids: np.ndarray  # uint64: heap page << 16 | line pointer
+    tids: np.ndarray  # uint64: see the glossary's tid
     ids: Ids
     seconds: float = 0.0
     extra: dict = field(default_factory=dict)
@@ -437,6 +459,8 @@ class TableRead:
     def fields(self, with_vectors: bool = True) -> list:
         s = self.source
         out = [scalar_field("tid", "tid")]
+        if s.several_heaps:
+            out.append(scalar_field("heap", "int4"))
         if s.label is not None:
             out.append(scalar_field("label", "float8" if s.label_kind == "numeric" else "int4"))
         if self.with_keys:
@@ -448,7 +472,7 @@ class TableRead:
     def _columns_sql(self, classes: list | None, with_vectors: bool) -> list[sql.Composable]:
         """What a read takes of each row, as `fields()` says (the id follows)."""
         s = self.source
-        cols = [sql.SQL("ctid")]
+        cols = [sql.SQL("ctid")] + ([s.heap_sql()] if s.several_heaps else [])
         if s.label is not None:
             if s.label_kind == "text":  # a class index (numeric labels map to classes on the client)
                 pos = sql.SQL("array_position({}::text[], {}) - 1").format(sql.Literal(classes), s.label_sql())
@@ -620,6 +644,8 @@ class TableRead:
                 if self.with_keys:
                     keys[o:o + k] = rows["key"].view(">u4")
                 tids[o:o + k] = (rows["tid"]["block"].astype(np.uint64) << np.uint64(16)) | rows["tid"]["offset"]
+                if s.several_heaps:
+                    tids[o:o + k] |= rows["heap"].astype(np.uint64) << HEAP_SHIFT
                 if put_vectors is not None:
                     put_vectors(o, rows["vec"]["values"])
                 id_parts.append(Ids(idbuf, np.cumsum(idlens)))
@@ -647,34 +673,54 @@ class TableRead:
         return Columns(labels, keys, tids, ids, time.perf_counter() - t0)
 
     def read_vectors(self, tids: np.ndarray, put: Callable[[int, np.ndarray], None], chunk: int = 65_536) -> None:
-        """The vectors of rows given by their tids (sorted ascending, as a TID scan returns them),
-        on the first connection, in this read's snapshot: the streaming tier's windows."""
+        """The vectors of rows given by their tids, on the first connection, in this read's snapshot: the
+        streaming tier's windows. One heap's tids come sorted ascending (the rows' order), as a TID scan
+        returns them; several heaps' are sorted here, read heap by heap and put back in the order given."""
+        s = self.source
+        for a in range(0, len(tids), chunk):
+            part = tids[a:a + chunk]
+            if not s.several_heaps:
+                self._vectors(s.table_sql(), part, lambda o, v, a=a: put(a + o, v))
+                continue
+            order = np.argsort(part, kind="stable")
+            ordered = part[order]
+            heap = ordered >> HEAP_SHIFT
+            raw: list[np.ndarray] = []
+            for h in np.unique(heap).tolist():
+                lo, hi = np.searchsorted(heap, h), np.searchsorted(heap, h, "right")
+                table = sql.SQL("ONLY {}").format(sql.SQL(s.heaps[h][1]))  # regclass text: quoted already
+                self._vectors(table, ordered[lo:hi] & _IN_HEAP, lambda o, v: raw.append(v.copy()))
+            values = np.concatenate(raw)
+            back = np.empty_like(values)
+            back[order] = values
+            put(a, back)
+
+    def _vectors(self, table: sql.Composable, tids: np.ndarray, put: Callable[[int, np.ndarray], None]) -> None:
+        """The vectors of one heap's rows `tids` (sorted ascending), put in that order from offset 0."""
         s = self.source
         fields = [vector_field("vec", s.vtype, s.dim)]
         dtype = row_dtype(fields, trailing_text=False)
-        for a in range(0, len(tids), chunk):
-            part = tids[a:a + chunk]
-            lit = "{" + ",".join(f'"({b},{o})"' for b, o in zip((part >> np.uint64(16)).tolist(),
-                                                                 (part & np.uint64(0xFFFF)).tolist())) + "}"
-            query = sql.SQL("COPY (SELECT {c} FROM {t} WHERE ctid = ANY({l}::tid[])) TO STDOUT (FORMAT BINARY)").format(
-                c=sql.Identifier(s.column), t=s.table_sql(), l=sql.Literal(lit))
-            got = [a]
+        lit = "{" + ",".join(f'"({b},{o})"' for b, o in zip((tids >> np.uint64(16)).tolist(),
+                                                             (tids & np.uint64(0xFFFF)).tolist())) + "}"
+        query = sql.SQL("COPY (SELECT {c} FROM {t} WHERE ctid = ANY({l}::tid[])) TO STDOUT (FORMAT BINARY)").format(
+            c=sql.Identifier(s.column), t=table, l=sql.Literal(lit))
+        got = [0]
 
-            def on_block(raw, _ids, _lens):
-                k = len(raw)
-                rows = np.frombuffer(raw, dtype, count=k)
-                problem = check_rows(rows, fields, False)
-                if problem:
-                    raise DatabaseError(f"table {s.table!r}: {problem}")
-                put(got[0], rows["vec"]["values"])
-                got[0] += k
+        def on_block(raw, _ids, _lens):
+            k = len(raw)
+            rows = np.frombuffer(raw, dtype, count=k)
+            problem = check_rows(rows, fields, False)
+            if problem:
+                raise DatabaseError(f"table {s.table!r}: {problem}")
+            put(got[0], rows["vec"]["values"])
+            got[0] += k
 
-            try:
-                copy_rows(self.conns[0], query, dtype.itemsize, on_block, with_text=False)
-            except _CopyFailed as e:
-                raise DatabaseError(f"streaming {s.table!r} failed: {e.message}") from None
-            if got[0] != a + len(part):
-                raise DatabaseError(_CHANGED)
+        try:
+            copy_rows(self.conns[0], query, dtype.itemsize, on_block, with_text=False)
+        except _CopyFailed as e:
+            raise DatabaseError(f"streaming {s.table!r} failed: {e.message}") from None
+        if got[0] != len(tids):
+            raise DatabaseError(_CHANGED)
 
 
 _CHANGED = ("the rows read differ from the rows counted in the same snapshot: is the --where filter "
