@@ -381,9 +381,22 @@ def test_partitions_spread_the_table_and_it_is_analyzed_indexed_searched_and_ver
     conn.execute("CREATE TABLE other_p1 (x int)")
     p = cli("ingest", REVIEWS, "--preset", "amazon-reviews", "--db", dsn, "--quiet", "--table", "other",
             "--partitions", "2", "--devices", "cpu")
-    assert p.returncode != 0 and "table 'other_p1' already exists, and table 'other' needs" in p.stderr
+    assert p.returncode != 0 and "table 'public.other_p1' already exists, and table 'other' needs" in p.stderr
     assert conn.execute("SELECT to_regclass('other') IS NULL AND to_regclass('embedfleet.jobs') IS NOT NULL").fetchone()[0]
     assert conn.execute("SELECT count(*) FROM embedfleet.jobs WHERE job = 'other'").fetchone()[0] == 0
+
+
+def test_a_rerun_with_another_partition_count_than_planned_is_refused_before_the_table_exists(cli, dsn, conn, tmp_path):
+    empty = tmp_path / "blank.jsonl"  # no bytes, no chunk: a finished job whose table no worker made
+    empty.write_bytes(b"")
+    cli("ingest", empty, "--db", dsn, "--quiet", "--partitions", "4", check=True)
+    p = cli("ingest", empty, "--db", dsn, "--quiet", "--partitions", "3")
+    assert p.returncode != 0 and "job 'blank' was planned with --partitions 4, not --partitions 3" in p.stderr
+    assert cli("ingest", empty, "--db", dsn, "--quiet").returncode == 0  # as planned
+    cli("ingest", empty, "--db", dsn, "--quiet", "--job", "flat", check=True)
+    p = cli("ingest", empty, "--db", dsn, "--quiet", "--job", "flat", "--partitions", "2")
+    assert p.returncode != 0 and "job 'flat' was planned as one relation, not --partitions 2" in p.stderr
+    assert "Traceback" not in p.stderr and conn.execute("SELECT to_regclass('blank')").fetchone()[0] is None
 
 
 def test_vectors_of_long_reviews_stay_inline_not_in_toast(cli, dsn, conn, tmp_path):

@@ -191,6 +191,12 @@ def test_a_partitioned_tables_ranges_split_its_rows_and_give_each_once(dsn, conn
         plan = r.plan(parts=3)
         got = np.zeros((plan.n, DIM), np.float32)
         cols = r.read(plan, lambda o, v: got.__setitem__(slice(o, o + len(v)), v))
+        # the stream tier's windows: rows of every partition in any order, found by their tids, back in that order
+        assert len(np.unique(cols.tids >> readmod.HEAP_SHIFT)) == 4 and len(np.unique(cols.tids)) == plan.n
+        pick = np.random.default_rng(5).permutation(plan.n)[:plan.n // 2]
+        again = np.zeros((len(pick), DIM), np.float32)
+        r.read_vectors(cols.tids[pick], lambda o, v: again.__setitem__(slice(o, o + len(v)), v), chunk=500)
+        assert np.array_equal(again, got[pick])
     want = {w[0]: w for w in _plain(conn, "pc")}
     assert len(plan.ranges) == 3 and min(plan.counts) > plan.n / 6 and plan.n == len(want) > 1000
     assert sorted(cols.ids) == sorted(want)

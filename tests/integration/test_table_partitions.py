@@ -5,7 +5,7 @@ from __future__ import annotations
 import psycopg
 import pytest
 
-from embedfleet.errors import InputError
+from embedfleet.errors import DatabaseError, InputError
 from embedfleet.store.schema import check_partitions, ensure_table, ensure_vector, finish_table, partition_count
 
 
@@ -57,5 +57,39 @@ def test_hash_partitions_take_every_id_and_a_name_past_63_bytes_is_refused_first
     check_partitions(conn, "spread", 4)  # exists with as many: resumed into
     check_partitions(conn, "spread", None)
     with pytest.raises(InputError, match="63-byte limit"):
-        check_partitions(conn, "y" * 61, 10)  # y…_p9 fits, y…_p10 would not
+        check_partitions(conn, "y" * 61, 10)  # its last partition, y…_p9, would take 64 bytes
     check_partitions(conn, "y" * 60, 10)
+    # an unqualified table's partitions go to the first schema of the search path: a name elsewhere is no clash
+    conn.execute("CREATE SCHEMA side")
+    conn.execute("CREATE TABLE side.lone_p0 (x int)")
+    conn.execute("SET search_path = public, side")
+    check_partitions(conn, "lone", 2)
+    conn.execute("CREATE TABLE public.lone_p1 (x int)")
+    with pytest.raises(DatabaseError, match="table 'public.lone_p1' already exists"):
+        check_partitions(conn, "lone", 2)
+
+
+def test_where_partitions_cannot_be_sampled_side_by_side_the_whole_is_analyzed_on_the_connection(
+        dsn, conn, monkeypatch):
+    """Before PostgreSQL 18 (no ANALYZE ONLY), with no connection to spare, or when the server refuses one."""
+    from embedfleet.store import schema
+
+    opened, connect = [], psycopg.connect
+    monkeypatch.setattr(psycopg, "connect", lambda *a, **kw: opened.append(a) or connect(*a, **kw))
+    for table, patch in (("old", "version"), ("busy", "connections"), ("refused", "refused")):
+        _loaded(conn, table, 3, rows=600)
+        with monkeypatch.context() as m:
+            if patch == "version":
+                m.setattr(type(conn.info), "server_version", property(lambda self: 170000))
+            elif patch == "connections":
+                m.setattr(schema, "free_connections", lambda c: 2)  # one to spare: not side by side
+            else:
+                def refuse(*a, **kw):
+                    raise psycopg.OperationalError("sorry, too many clients already")
+
+                m.setattr(psycopg, "connect", refuse)
+            finish_table(conn, table, index=False, dsn=dsn)
+        assert opened == [], patch
+        assert all(_stats(conn, f"{table}_p{i}") > 0 for i in range(3)) and _stats(conn, table, inherited=True) > 0
+        assert conn.execute("SELECT count(*) FROM pg_class WHERE relname LIKE %s AND "
+                            "'autovacuum_enabled=off' = ANY(reloptions)", [f"{table}_p_"]).fetchone()[0] == 0

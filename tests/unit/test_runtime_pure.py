@@ -346,7 +346,7 @@ def test_the_bound_line_names_the_database_or_the_input_only_when_it_stands_out(
     db = bound_line({"embedding": 0.7, "input": 0.05, "database": 0.2})
     assert db.startswith("devices' time: 70% embedding, 5% waiting for input, 20% waiting for the database")
     assert "the database is this job's bound" in db and "--dtype half" in db and "--partitions" not in db
-    assert "--partitions 8" in bound_line({"embedding": 0.7, "input": 0.05, "database": 0.2}, None, True)
+    assert "a new table made with --partitions 8" in bound_line({"embedding": 0.7, "input": 0.05, "database": 0.2}, None, True)
     assert "--partitions" not in bound_line({"embedding": 0.9, "input": 0.05, "database": 0.05}, None, True)
     fed = bound_line({"embedding": 0.6, "input": 0.3, "database": 0.02})
     assert "input is this job's bound" in fed and "database is" not in fed

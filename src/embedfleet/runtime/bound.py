@@ -80,7 +80,7 @@ def bound_line(shares: dict, host: dict | None = None, one_table_many_writers: b
             f"{shares['database']:.0%} waiting for the database")
     if shares["database"] >= DATABASE_BOUND and shares["database"] >= shares["input"]:
         line += (" — the database is this job's bound: more devices will not help; "
-                 + ("--partitions 8 grows the table under 8 locks, " if one_table_many_writers else "")
+                 + ("a new table made with --partitions 8 grows under 8 locks, " if one_table_many_writers else "")
                  + "--dtype half writes 30% less, a faster disk more")
     elif shares["input"] >= INPUT_BOUND:
         line += " — input is this job's bound: the host's CPUs read, template and tokenize"

@@ -157,6 +157,11 @@ class Ledger:
                         f"job {name!r} already exists with other settings (inputs, model, table or template "
                         f"differ); pass --job NEWNAME to start a new one"
                     )
+                planned = existing["config"].get("partitions")  # the layout its workers make the table with
+                if cfg.partitions is not None and cfg.partitions != planned:
+                    raise JobError(f"job {name!r} was planned {f'with --partitions {planned}' if planned else 'as one relation'}, "
+                                   f"not --partitions {cfg.partitions}: rerun it without --partitions, or pass --job "
+                                   "NEWNAME --table NEWTABLE")
                 return False
             self.conn.execute(
                 "INSERT INTO embedfleet.jobs (job, table_name, fingerprint, config, model, meta_id) "

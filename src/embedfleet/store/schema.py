@@ -386,8 +386,10 @@ def ensure_table(conn: psycopg.Connection, table: str, columns: Sequence, dim: i
 
 
 def partition_names(conn: psycopg.Connection, table: str, partitions: int) -> list[tuple[str, ...]]:
-    """The names of `table`'s hash partitions, NAME_p0, NAME_p1…, each (schema, name) or (name,) as `table`."""
+    """The names of `table`'s hash partitions, NAME_p0, NAME_p1…, each (schema, name) in the table's schema
+    (an unqualified one's: the first in the search path, where CREATE puts it)."""
     schema, name = split_table(conn, table)
+    schema = schema or conn.execute("SELECT current_schema()").fetchone()[0]
     last = f"{name}_p{partitions - 1}"
     if len(last.encode()) > 63:
         raise InputError(f"--table {table!r} with --partitions {partitions}: a partition's name ({last!r}) passes "
@@ -493,6 +495,9 @@ def finish_table(conn: psycopg.Connection, table: str, index: bool, timings: dic
     return None
 
 
+ANALYZE_SIDE_BY_SIDE = 8  # partitions sampled at once: a few connections, not one a core
+
+
 def analyze(conn: psycopg.Connection, ident: sql.Identifier, dsn: str | None = None) -> None:
     """ANALYZE the table. A partitioned one samples each partition, then the whole: where the server can
     take the whole alone (ANALYZE ONLY, PostgreSQL 18) and `dsn` opens more connections, the partitions
@@ -500,18 +505,27 @@ def analyze(conn: psycopg.Connection, ident: sql.Identifier, dsn: str | None = N
     target = ident.as_string(conn)
     leaves = [leaf for (leaf,) in conn.execute(
         "SELECT relid::regclass::text FROM pg_partition_tree(%s::regclass) WHERE isleaf AND level > 0", [target])]
-    side_by_side = min(len(leaves), max(2, (os.cpu_count() or 2) - 1))
-    if dsn is None or side_by_side < 2 or conn.info.server_version < 180000:
+    side_by_side = min(len(leaves), ANALYZE_SIDE_BY_SIDE, max(2, (os.cpu_count() or 2) - 1))
+    if dsn is None or len(leaves) < 2 or conn.info.server_version < 180000:
         conn.execute(sql.SQL("ANALYZE {}").format(ident))
         return
+    side_by_side = min(side_by_side, free_connections(conn) - 1)  # one left for anyone else
     from concurrent.futures import ThreadPoolExecutor
 
     def sample(leaf: str) -> None:
         with psycopg.connect(dsn, autocommit=True) as c:
             c.execute(sql.SQL("ANALYZE {}").format(sql.SQL(leaf)))
 
-    with ThreadPoolExecutor(side_by_side) as pool:
-        list(pool.map(sample, leaves))
+    if conn.info.transaction_status != psycopg.pq.TransactionStatus.IDLE:  # idle in it meanwhile: not timed out
+        conn.execute("SET LOCAL idle_in_transaction_session_timeout = 0")
+    try:
+        if side_by_side < 2:
+            raise psycopg.OperationalError("no connections to spare")
+        with ThreadPoolExecutor(side_by_side) as pool:
+            list(pool.map(sample, leaves))
+    except psycopg.OperationalError:  # the server refused more connections: one after another on this one
+        conn.execute(sql.SQL("ANALYZE {}").format(ident))
+        return
     conn.execute(sql.SQL("ANALYZE ONLY {}").format(ident))
 
 
