@@ -143,17 +143,27 @@ def _regclass(conn: psycopg.Connection, table: str) -> str:
     return table_sql(conn, table).as_string(conn)
 
 
+# `tree`: the table and, recursively, its partitions or children by inheritance; those of relkind 'p' hold no rows
+_TREE = ("WITH RECURSIVE tree AS (SELECT %s::regclass::oid AS oid "
+         "UNION SELECT i.inhrelid FROM pg_inherits i JOIN tree t ON i.inhparent = t.oid) ")
+
+
+def heaps(conn: psycopg.Connection, table: str) -> list[tuple[int, str]]:
+    """(oid, name) of each table a query of `table` reads rows from, in oid order: itself, or a partitioned
+    table's partitions, or a parent by inheritance and its children."""
+    return conn.execute(_TREE + "SELECT c.oid::int8, c.oid::regclass::text FROM tree JOIN pg_class c USING (oid) "
+                        "WHERE c.relkind <> 'p' ORDER BY c.oid", [_regclass(conn, table)]).fetchall()
+
+
 def heap_pages(conn: psycopg.Connection, table: str) -> tuple[int, float | None]:
     """(pages, rows a page) of the heap pages a ctid range of `table` can name. A query of a partitioned
     table, or of a parent by inheritance, reads its children's heaps too, and a ctid range those pages of
     each: the pages are the largest heap's, the rows a page all the heaps' rows over them (from the
     statistics: None before the first ANALYZE)."""
     pages, per_page = conn.execute(
-        "WITH RECURSIVE heaps AS (SELECT %s::regclass::oid AS oid "
-        "UNION SELECT i.inhrelid FROM pg_inherits i JOIN heaps h ON i.inhparent = h.oid) "
-        "SELECT coalesce(max(pg_relation_size(c.oid)), 0) / current_setting('block_size')::int, "
+        _TREE + "SELECT coalesce(max(pg_relation_size(c.oid)), 0) / current_setting('block_size')::int, "
         "sum(c.reltuples) FILTER (WHERE c.reltuples > 0) / nullif(max(c.relpages), 0) "
-        "FROM heaps JOIN pg_class c USING (oid) WHERE c.relkind <> 'p'", [_regclass(conn, table)]).fetchone()
+        "FROM tree JOIN pg_class c USING (oid) WHERE c.relkind <> 'p'", [_regclass(conn, table)]).fetchone()
     return pages, per_page
 
 
@@ -501,7 +511,7 @@ ANALYZE_SIDE_BY_SIDE = 8  # partitions sampled at once
 def analyze(conn: psycopg.Connection, ident: sql.Identifier, dsn: str | None = None) -> None:
     """ANALYZE the table. A partitioned one samples each partition, then the whole: where the server can
     take the whole alone (ANALYZE ONLY, PostgreSQL 18) and spare the connections `dsn` opens, the partitions
-    are sampled side by side first (8 on four H200s: 10.1-10.9 s one after another, run 149; 3.3-3.5 s, 150)."""
+    are sampled side by side first (bench/NOTES.md, runs 149-150)."""
     whole = sql.SQL("ANALYZE {}").format(ident)
     leaves = [leaf for (leaf,) in conn.execute(
         "SELECT relid::regclass::text FROM pg_partition_tree(%s::regclass) WHERE isleaf AND level > 0",

@@ -38,7 +38,7 @@ import psycopg
 from psycopg import pq, sql
 
 from embedfleet.errors import DatabaseError, InputError
-from embedfleet.store.schema import heap_pages, split_table, table_exists, table_sql
+from embedfleet.store.schema import heap_pages, heaps as schema_heaps, split_table, table_exists, table_sql
 from embedfleet.train.copybin import (TRAILER, check_rows, chunk_count, chunk_rows, header_length, row_dtype,
                                       scalar_field, vector_field)
 
@@ -190,11 +190,7 @@ def describe(conn: psycopg.Connection, table: str, label: str | None = None, whe
     target = sql.Identifier(*ident).as_string(conn)
     heaps = ()
     if conn.execute("SELECT relkind = 'p' OR relhassubclass FROM pg_class WHERE oid = %s::regclass", [target]).fetchone()[0]:
-        heaps = tuple(conn.execute(
-            "WITH RECURSIVE tree AS (SELECT %s::regclass::oid AS oid "
-            "UNION SELECT i.inhrelid FROM pg_inherits i JOIN tree t ON i.inhparent = t.oid) "
-            "SELECT c.oid::int8, c.oid::regclass::text FROM tree JOIN pg_class c USING (oid) "
-            "WHERE c.relkind <> 'p' ORDER BY c.oid", [target]).fetchall())
+        heaps = tuple(schema_heaps(conn, table))
         if len(heaps) > 1 << 16:  # a tid's top 16 bits name its heap
             raise InputError(f"table {table!r} has {len(heaps):,} tables with rows under it; read at most 65,536")
     return Source(table, column, vtype, dim, id_column, label, kind, task if label else None, where or None,
