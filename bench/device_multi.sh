@@ -11,7 +11,7 @@
 #   bash bench/device_multi.sh parts    # MiniLM, 12M rows on every GPU: the table as one relation against PARTS hash partitions, alternated
 # Sizes through the environment: GPU_COUNTS (1,2,4… up to the machine's), N_QWEN (240000), N_MINILM (4000000; 0: none), TRAIN_ROWS (10000000),
 # WIKI_N (250000), WIKI_PASSAGES (off), ST_N (100000), PARTS (8), N_PARTS (12000000), PARTS_GPUS/PARTS_LIST/PARTS_HELPERS
-# (parts' runs: GPU counts, partitions, helpers, each a list in run order), SWEEP_HEADS (linear,mlp,mlp:4096), SWEEP_BATCHES
+# (parts' runs: GPU counts, partitions, helpers, each a list in run order), PARTS_PER_GPU (set: N_PARTS rows a GPU), SWEEP_HEADS (linear,mlp,mlp:4096), SWEEP_BATCHES
 # (1024,…,65536), DDP_SKIP (none; e.g. loader), RAM_VARIANTS (none), GPU_TESTS (gputests' list). Results: $OUT/<part>*.json and .err logs.
 set -o pipefail
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
@@ -90,7 +90,7 @@ parts)
   export EMBEDFLEET_HOME=/dev/shm/efhome
   timeout 570 python3 bench/ingest.py --n "${N_PARTS:-12000000}" --shards 32 --model "$M" --no-index --work /dev/shm/efT \
     --gpus "${PARTS_GPUS:-$GPUS,$GPUS,$GPUS,$GPUS}" --partitions "${PARTS_LIST:-0,${PARTS:-8},0,${PARTS:-8}}" \
-    ${PARTS_HELPERS:+--helpers "$PARTS_HELPERS"} --warmup 2500000 \
+    ${PARTS_HELPERS:+--helpers "$PARTS_HELPERS"} $([ -n "${PARTS_PER_GPU:-}" ] && echo --per-gpu) --warmup 2500000 \
     --out "$OUT/ingest_parts.json" 2>"$OUT/ingest_parts.err" >/dev/null; grep '^\[ingest\]' "$OUT/ingest_parts.err" | cut -c1-300
   ;;
 *) echo "usage: bash bench/device_multi.sh gputests|ingest|train|wiki|stpool|one|parts"; exit 2 ;;

@@ -2,7 +2,7 @@
 
     python bench/ingest.py --n 200000 --gpus 1,2 [--model DIR | --shape qwen3-0.6b] [--shards K] [--out results.json]
         [--workers-per-gpu 1,1,2,2] [--dtype float,half] [--compile on,off,wait] [--helpers 8,16] [--helper-nice 0,10] [--gil START:SECONDS:PY_SPY] [--pg-set NAME=VALUE,…]
-        [--pg-reload "default;NAME=VALUE,…"] [--warmup N] [--partitions 0,8]
+        [--pg-reload "default;NAME=VALUE,…"] [--warmup N] [--partitions 0,8] [--per-gpu]
 
 For each GPU count it runs the real CLI once (fresh table, --no-index so the rate is the pipeline's,
 then times ANALYZE and the HNSW build separately), samples every GPU's utilisation with NVML, and reads each
@@ -440,6 +440,9 @@ def main() -> None:
     ap.add_argument("--no-index", action="store_true", help="skip timing the HNSW build")
     ap.add_argument("--vs-bench", type=int, default=0, metavar="N",
                     help="also time the encoder alone (embedfleet bench's code) on the first N texts of this corpus")
+    ap.add_argument("--per-gpu", action="store_true",
+                    help="--n rows for each GPU: a run on g GPUs ingests g×n (--limit), so every run's loops last as long "
+                         "and its start (the graph loading while the loop runs eager) weighs as much")
     ap.add_argument("--warmup", type=int, default=0, metavar="N",
                     help="first an untimed ingest of N rows on the most GPUs (a fresh machine's caches: files, compiled kernels)")
     ap.add_argument("--shards", type=int, default=1, metavar="K",
@@ -468,7 +471,9 @@ def main() -> None:
     from embedfleet.synth import cached_review_shards, cached_reviews
 
     work = Path(args.work)
-    data = [cached_reviews(work, args.n)] if args.shards == 1 else cached_review_shards(work, args.n, args.shards)
+    counts = [int(g) for g in args.gpus.split(",")]
+    total = args.n * max(counts) if args.per_gpu else args.n
+    data = [cached_reviews(work, total)] if args.shards == 1 else cached_review_shards(work, total, args.shards)
     model = args.model
     if args.shape:
         from embedfleet.encode.shapes import build_random_model
@@ -477,7 +482,6 @@ def main() -> None:
     env = dict(os.environ, EMBEDFLEET_HOME=str(work / "home"))
     extra = ["--chunk-bytes", args.chunk_bytes] if args.chunk_bytes else []
     extra += ["--batch-tokens", args.batch_tokens] if args.batch_tokens else []
-    counts = [int(g) for g in args.gpus.split(",")]
     if args.pg_set:
         set_server(env, args.pg_set.split(","))
     warmup = None
@@ -513,7 +517,8 @@ def main() -> None:
             run_env = dict(run_env, EMBEDFLEET_HELPER_NICE=nices[i % len(nices)])
         if reloads:
             reload_server(env, reloads[i % len(reloads)], reloaded)
-        results.append(run_once(data, g, model, run_env, "amazon-reviews", extra + ["--dtype", dtype], args.cpu,
+        limit = ["--limit", str(args.n * g)] if args.per_gpu else []
+        results.append(run_once(data, g, model, run_env, "amazon-reviews", extra + limit + ["--dtype", dtype], args.cpu,
                                 not args.no_index, per[i % len(per)], gil, partitions[i % len(partitions)]))
         results[-1]["dtype"], results[-1]["compile"] = dtype, compiled
         results[-1]["partitions"] = partitions[i % len(partitions)]
@@ -545,7 +550,7 @@ def main() -> None:
         if base is not None and r["gpus"] != base["gpus"]:
             for key, name in (("rows_per_s_steady", ""), ("rows_per_s_all_running", "_all_running")):
                 r[f"scaling_vs_previous{name}"] = ratio(r[key], base[key] and base[key] / base["gpus"], r["gpus"])
-    doc = {"n": args.n, "shards": args.shards, "model": model or "bundled all-MiniLM-L6-v2", "pg_set": args.pg_set,
+    doc = {"n": args.n, "per_gpu": args.per_gpu, "shards": args.shards, "model": model or "bundled all-MiniLM-L6-v2", "pg_set": args.pg_set,
            "warmup": warmup, "results": results}
     if args.vs_bench:
         alone = encoder_alone(data[0], model, args.vs_bench)
