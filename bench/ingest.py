@@ -265,6 +265,40 @@ def middle_rate(workers: list[dict]) -> float | None:
     return round(sum(sum(w["rows_by_tenth"][3:9]) / (0.6 * w["wall_s"]) for w in workers), 1)
 
 
+_VMSTAT = ("pgfault", "pgmajfault", "pgscan_kswapd", "pgscan_direct", "pgsteal_kswapd", "pgsteal_direct",
+           "allocstall_normal", "allocstall_movable", "compact_stall", "thp_fault_alloc", "numa_hint_faults")
+
+
+def _memory_counters() -> dict:
+    """The host's memory counters: /proc/vmstat's (reclaim, faults), the CPU and memory pressure stall
+    totals (µs), and /proc/meminfo's free, available and shared (tmpfs) memory (kB)."""
+    out: dict = {}
+    try:
+        vm = dict(line.split() for line in Path("/proc/vmstat").read_text().splitlines())
+        out.update({k: int(vm[k]) for k in _VMSTAT if k in vm})
+        info = {line.split(":")[0]: int(line.split()[1]) for line in Path("/proc/meminfo").read_text().splitlines()}
+        out.update({k: info[k] for k in ("MemFree", "MemAvailable", "Shmem", "Cached") if k in info})
+    except OSError:
+        return out
+    for what in ("cpu", "memory"):
+        try:
+            some = Path(f"/proc/pressure/{what}").read_text().splitlines()[0]
+            out[f"psi_{what}_some_us"] = int(some.rsplit("total=", 1)[1])
+        except (OSError, IndexError, ValueError):
+            pass
+    return out
+
+
+def _memory_used(before: dict, after: dict, wall: float) -> dict:
+    """Counters' growth over the run; meminfo as it was before and after (GB); stall totals as shares of the wall."""
+    out = {k: after[k] - before[k] for k in _VMSTAT if k in before and k in after}
+    out.update({f"{k}_gb": [round(before[k] / 2**20, 1), round(after[k] / 2**20, 1)]
+                for k in ("MemFree", "MemAvailable", "Shmem", "Cached") if k in before and k in after})
+    out.update({f"{k[:-3]}_share": round((after[k] - before[k]) / 1e6 / wall, 4)
+                for k in ("psi_cpu_some_us", "psi_memory_some_us") if k in before and k in after})
+    return out
+
+
 def run_once(data: list[Path], gpus: int, model: str | None, env: dict, preset: str, extra: list[str],
              cpu: bool = False, index: bool = True, per_gpu: int = 1, gil: tuple | None = None,
              partitions: int = 0) -> dict:
@@ -287,7 +321,7 @@ def run_once(data: list[Path], gpus: int, model: str | None, env: dict, preset: 
         wal0, writes0 = _wal_counters(conn), _buffer_writes(conn)
         data_dir = conn.execute("SHOW data_directory").fetchone()[0]
     disk0 = _disk_written_bytes(data_dir)
-    t0, host0, pg0 = time.perf_counter(), host_ticks(), _postgres_cpu_s()
+    t0, host0, pg0, mem0 = time.perf_counter(), host_ticks(), _postgres_cpu_s(), _memory_counters()
     t0_wall = time.time()
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     gil_sampler = GilSampler(proc.pid, *gil) if gil else None
@@ -299,6 +333,7 @@ def run_once(data: list[Path], gpus: int, model: str | None, env: dict, preset: 
     if gil_sampler:
         gil_sampler.join()
     host, pg1 = host_shares(host0, host_ticks()) or {}, _postgres_cpu_s()
+    memory = _memory_used(mem0, _memory_counters(), wall)
     util = sampler.stop()
     waits = pg_waits.stop()
     sys.stderr.write(p.stderr[-4000:])
@@ -367,6 +402,7 @@ def run_once(data: list[Path], gpus: int, model: str | None, env: dict, preset: 
                            "postgres": round(_cpu_used(pg0, pg1) / rows * 1e6, 1)} if rows else None,
         "pg_waits": waits,  # client connections: share of samples per wait event (CPU: none)
         "wal": wal,  # over the whole command: WAL volume, WAL buffers found full, checkpoints, disk writes
+        "memory": memory,  # the host's reclaim, faults, pressure stalls and free memory over the command
         "buffer_writes": buffer_writes,  # pages written out of shared buffers over the command, by backend type
         "records_thread_s": {k: round(max(w.get(k, 0) for w in workers), 3)
                              for k in ("read_s", "claim_s", "collect_s", "records_blocked_s")},
