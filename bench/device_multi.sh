@@ -11,7 +11,8 @@
 #   bash bench/device_multi.sh parts    # MiniLM, 12M rows on every GPU: the table as one relation against PARTS hash partitions, alternated
 # Sizes through the environment: GPU_COUNTS (1,2,4… up to the machine's), N_QWEN (240000), N_MINILM (4000000; 0: none), TRAIN_ROWS (10000000),
 # WIKI_N (250000), WIKI_PASSAGES (off), ST_N (100000), PARTS (8), N_PARTS (12000000), PARTS_GPUS/PARTS_LIST/PARTS_HELPERS
-# (parts' runs: GPU counts, partitions, helpers, each a list in run order), PARTS_PER_GPU (set: N_PARTS rows a GPU), SWEEP_HEADS (linear,mlp,mlp:4096), SWEEP_BATCHES
+# (parts' runs: GPU counts, partitions, helpers, each a list in run order), PARTS_PER_GPU (set: N_PARTS rows a GPU),
+# PARTS_PREFILL (GiB of memory touched once before the server starts), SWEEP_HEADS (linear,mlp,mlp:4096), SWEEP_BATCHES
 # (1024,…,65536), DDP_SKIP (none; e.g. loader), RAM_VARIANTS (none), GPU_TESTS (gputests' list). Results: $OUT/<part>*.json and .err logs.
 set -o pipefail
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
@@ -88,6 +89,11 @@ parts)
   # Does the GPUs' wait on the table's extension lock (runs 146-148) go with the table as several relations?
   # PostgreSQL's data and the corpus in memory, as runs 141-148; the first run of a fresh server is the warm-up's.
   export EMBEDFLEET_HOME=/dev/shm/efhome
+  if [ -n "${PARTS_PREFILL:-}" ]; then  # touch PARTS_PREFILL GiB of a fresh VM's memory once (8 writers), then free it
+    t0=$(date +%s.%N)
+    for i in 0 1 2 3 4 5 6 7; do dd if=/dev/zero of=/dev/shm/prefill$i bs=1M count=$((PARTS_PREFILL * 128)) 2>/dev/null & done; wait
+    rm -f /dev/shm/prefill*; echo "[prefill] ${PARTS_PREFILL} GiB in $(python3 -c "import time; print(round(time.time() - $t0, 2))") s" | tee "$OUT/prefill.txt"
+  fi
   timeout 570 python3 bench/ingest.py --n "${N_PARTS:-12000000}" --shards 32 --model "$M" --no-index --work /dev/shm/efT \
     --gpus "${PARTS_GPUS:-$GPUS,$GPUS,$GPUS,$GPUS}" --partitions "${PARTS_LIST:-0,${PARTS:-8},0,${PARTS:-8}}" \
     ${PARTS_HELPERS:+--helpers "$PARTS_HELPERS"} $([ -n "${PARTS_PER_GPU:-}" ] && echo --per-gpu) --warmup 2500000 \
