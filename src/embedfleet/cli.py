@@ -265,8 +265,9 @@ def verify(
     db: Optional[str] = DbOpt,
     json_out: bool = typer.Option(False, "--json"),
 ) -> None:
-    """Check a table: row count against the ledger, dimension, unit norms, NaN and zero vectors; with
-    several, also that they were embedded by the same model."""
+    """Check a table's rows against the ledger, its dimension, unit norms, NaN and zero vectors.
+
+    With several tables, also that one model embedded them all."""
     from embedfleet.store.embedded import resolve_dsn
     from embedfleet.store.ledger import connect
     from embedfleet.store.search import verify as run_verify, verify_together
@@ -332,8 +333,9 @@ def predict(
     device: str = typer.Option("auto", "--device"),
     json_out: bool = typer.Option(False, "--json", help="print the summary as JSON"),
 ) -> None:
-    """Apply a trained head to a table's stored vectors; prints a summary (and agreement with the
-    table's label column where it has one)."""
+    """Apply a trained head to a table's stored vectors and print a summary.
+
+    Where the table has a label column, the summary gives the head's agreement with it."""
     from embedfleet.train.predict import predict as run_predict
 
     summary = run_predict(run, table, where=where, out=out, db=db, device=device)
@@ -461,9 +463,10 @@ def bench(
     batch_tokens: str = typer.Option("auto", "--batch-tokens"),
     json_out: bool = typer.Option(False, "--json"),
 ) -> None:
-    """This encoder against sentence-transformers (bf16, batch 256) on the same texts, each measurement in
-    a fresh process: the first call (constructor included, also from a script importing torch and
-    sentence-transformers), the steady state, one query."""
+    """This encoder against sentence-transformers on the same texts, each measurement a fresh process.
+
+    sentence-transformers runs in bf16 at batch 256. Measured: the first call (constructor included, also
+    from a script importing torch and sentence-transformers), the steady state, one query."""
     from embedfleet.encode.bench import TEXT_SETS, format_bench, run_bench
 
     bad = [t for t in texts or [] if t not in TEXT_SETS]

@@ -1,0 +1,26 @@
+"""`embedfleet --help` as a newcomer reads it: each command on one line with its whole summary."""
+
+import inspect
+import os
+import subprocess
+import sys
+
+import pytest
+
+from embedfleet import cli
+
+GROUPS = [([], cli.app), (["db"], cli.db_app), (["cache"], cli.cache_app)]
+
+
+@pytest.mark.parametrize("words,app", GROUPS, ids=["embedfleet", "db", "cache"])
+def test_every_command_is_listed_on_one_line_with_its_whole_summary(words, app):
+    # Wide enough for any summary: a row that still breaks came from a line break inside the summary.
+    env = dict(os.environ, COLUMNS="250", TERMINAL_WIDTH="250")
+    out = subprocess.run([sys.executable, "-m", "embedfleet.cli", *words, "--help"], env=env,
+                         capture_output=True, text=True, timeout=60, check=True).stdout
+    for command in app.registered_commands:
+        name = command.name or command.callback.__name__.replace("_", "-")
+        summary = inspect.getdoc(command.callback).split("\n\n")[0]
+        assert "\n" not in summary, f"{name}: its docstring's first paragraph must be one line (PEP 257)"
+        rows = [line for line in out.splitlines() if line.lstrip("│ ").startswith(name + " ")]
+        assert len(rows) == 1 and summary in rows[0], (name, rows)
