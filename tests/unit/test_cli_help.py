@@ -15,7 +15,8 @@ GROUPS = [([], cli.app), (["db"], cli.db_app), (["cache"], cli.cache_app)]
 @pytest.mark.parametrize("words,app", GROUPS, ids=["embedfleet", "db", "cache"])
 def test_every_command_is_listed_on_one_line_with_its_whole_summary(words, app):
     # Wide enough for any summary: a row that still breaks came from a line break inside the summary.
-    env = dict(os.environ, COLUMNS="250", TERMINAL_WIDTH="250")
+    env = {k: v for k, v in os.environ.items() if k not in ("FORCE_COLOR", "TTY_COMPATIBLE")}  # plain text, no ANSI
+    env.update(COLUMNS="250", TERMINAL_WIDTH="250")
     out = subprocess.run([sys.executable, "-m", "embedfleet.cli", *words, "--help"], env=env,
                          capture_output=True, text=True, timeout=60, check=True).stdout
     for command in app.registered_commands:
