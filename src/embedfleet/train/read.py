@@ -681,14 +681,16 @@ class TableRead:
             order = np.argsort(part, kind="stable")
             ordered = part[order]
             heap = ordered >> HEAP_SHIFT
-            raw: list[np.ndarray] = []
+            back = np.empty((len(part), s.dim), vector_field("vec", s.vtype, s.dim)[1]["values"].base)
             for h in np.unique(heap).tolist():
                 lo, hi = np.searchsorted(heap, h), np.searchsorted(heap, h, "right")
                 table = sql.SQL("ONLY {}").format(sql.SQL(s.heaps[h][1]))  # regclass text: quoted already
-                self._vectors(table, ordered[lo:hi] & _IN_HEAP, lambda o, v: raw.append(v.copy()))
-            values = np.concatenate(raw)
-            back = np.empty_like(values)
-            back[order] = values
+                where = order[lo:hi]  # each of this heap's rows goes back to its place in the order given
+
+                def place(o: int, v: np.ndarray, where: np.ndarray = where) -> None:
+                    back[where[o:o + len(v)]] = v
+
+                self._vectors(table, ordered[lo:hi] & _IN_HEAP, place)
             put(a, back)
 
     def _vectors(self, table: sql.Composable, tids: np.ndarray, put: Callable[[int, np.ndarray], None]) -> None:
