@@ -2,7 +2,7 @@
 
     python bench/ingest.py --n 200000 --gpus 1,2 [--model DIR | --shape qwen3-0.6b] [--shards K] [--out results.json]
         [--workers-per-gpu 1,1,2,2] [--dtype float,half] [--compile on,off,wait] [--helpers 8,16] [--helper-nice 0,10] [--gil START:SECONDS:PY_SPY] [--pg-set NAME=VALUE,…]
-        [--pg-reload "default;NAME=VALUE,…"] [--warmup N] [--partitions 0,8] [--per-gpu]
+        [--pg-reload "default;NAME=VALUE,…"] [--warmup N] [--partitions 0,8] [--per-gpu] [--home DIR]
 
 For each GPU count it runs the real CLI once (fresh table, --no-index so the rate is the pipeline's,
 then times ANALYZE and the HNSW build separately), samples every GPU's utilisation with NVML, and reads each
@@ -503,6 +503,8 @@ def main() -> None:
     ap.add_argument("--pg-reload", default=None, metavar="SETTINGS[;…]",
                     help="per run in --gpus order (cycled), settings a reload applies: NAME=VALUE,… or default for the "
                          "server's own; e.g. 'default;bgwriter_delay=10ms,bgwriter_lru_maxpages=10000'")
+    ap.add_argument("--home", default=None, metavar="DIR",
+                    help="EMBEDFLEET_HOME of the runs (server, caches; default WORK/home): a fresh DIR, a fresh server")
     args = ap.parse_args()
     from embedfleet.synth import cached_review_shards, cached_reviews
 
@@ -515,7 +517,7 @@ def main() -> None:
         from embedfleet.encode.shapes import build_random_model
 
         model = str(build_random_model(args.shape, work / args.shape))
-    env = dict(os.environ, EMBEDFLEET_HOME=str(work / "home"))
+    env = dict(os.environ, EMBEDFLEET_HOME=args.home or str(work / "home"))
     extra = ["--chunk-bytes", args.chunk_bytes] if args.chunk_bytes else []
     extra += ["--batch-tokens", args.batch_tokens] if args.batch_tokens else []
     if args.pg_set:
