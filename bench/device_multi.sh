@@ -9,6 +9,7 @@
 #   bash bench/device_multi.sh stpool   # sentence-transformers' multi-process pool on 1, 2, 4… GPUs, the peer
 #   bash bench/device_multi.sh one      # one GPU: every GPU test, passages (issue 20), 500k-row ingest's wall (issue 17)
 #   bash bench/device_multi.sh parts    # MiniLM, 12M rows on every GPU: the table as one relation against PARTS hash partitions, alternated
+#   bash bench/device_multi.sh firstload # MiniLM, 12M rows on every GPU: three fresh servers' first long loads on one machine
 # Sizes through the environment: GPU_COUNTS (1,2,4… up to the machine's), N_QWEN (240000), N_MINILM (4000000; 0: none), TRAIN_ROWS (10000000),
 # WIKI_N (250000), WIKI_PASSAGES (off), ST_N (100000), PARTS (8), N_PARTS (12000000), PARTS_GPUS/PARTS_LIST/PARTS_HELPERS
 # (parts' runs: GPU counts, partitions, helpers, each a list in run order), PARTS_PER_GPU (set: N_PARTS rows a GPU),
@@ -99,5 +100,16 @@ parts)
     ${PARTS_HELPERS:+--helpers "$PARTS_HELPERS"} $([ -n "${PARTS_PER_GPU:-}" ] && echo --per-gpu) --warmup 2500000 \
     --out "$OUT/ingest_parts.json" 2>"$OUT/ingest_parts.err" >/dev/null; grep '^\[ingest\]' "$OUT/ingest_parts.err" | cut -c1-300
   ;;
-*) echo "usage: bash bench/device_multi.sh gputests|ingest|train|wiki|stpool|one|parts"; exit 2 ;;
+firstload)
+  # A fresh server's first long load at every GPU, three times on one machine: the usual one (a warm-up first), a
+  # fresh server on memory the first touched, one whose WAL segment files were made beforehand (runs 158-159).
+  B="python3 bench/ingest.py --n ${N_PARTS:-12000000} --shards 32 --model $M --no-index --work /dev/shm/efT --partitions ${PARTS:-8} --gpus $GPUS"
+  fresh() { EMBEDFLEET_HOME=/dev/shm/$1 python3 -m embedfleet.cli db stop >/dev/null; rm -rf /dev/shm/$1; grep -E '^Shmem:' /proc/meminfo; }
+  timeout 300 $B --home /dev/shm/h1 --warmup 2500000 --out "$OUT/h1.json" 2>"$OUT/h1.err" >/dev/null; grep '^\[ingest\]' "$OUT/h1.err" | cut -c1-200
+  mkdir -p /dev/shm/h2 /dev/shm/h3; cp -a /dev/shm/h1/cache /dev/shm/h2/; cp -a /dev/shm/h1/cache /dev/shm/h3/; fresh h1
+  timeout 150 $B --home /dev/shm/h2 --out "$OUT/h2.json" 2>"$OUT/h2.err" >/dev/null; grep '^\[ingest\]' "$OUT/h2.err" | cut -c1-200; fresh h2
+  EMBEDFLEET_HOME=/dev/shm/h3 timeout 60 python3 bench/wal_segments.py --gb 20 | tee "$OUT/h3_wal.txt"
+  timeout 150 $B --home /dev/shm/h3 --out "$OUT/h3.json" 2>"$OUT/h3.err" >/dev/null; grep '^\[ingest\]' "$OUT/h3.err" | cut -c1-200; fresh h3
+  ;;
+*) echo "usage: bash bench/device_multi.sh gputests|ingest|train|wiki|stpool|one|parts|firstload"; exit 2 ;;
 esac
