@@ -102,14 +102,19 @@ parts)
   ;;
 firstload)
   # A fresh server's first long load at every GPU, three times on one machine: the usual one (a warm-up first), a
-  # fresh server on memory the first touched, one whose WAL segment files were made beforehand (runs 158-159).
-  B="python3 bench/ingest.py --n ${N_PARTS:-12000000} --shards 32 --model $M --no-index --work /dev/shm/efT --partitions ${PARTS:-8} --gpus $GPUS"
-  fresh() { EMBEDFLEET_HOME=/dev/shm/$1 python3 -m embedfleet.cli db stop >/dev/null; rm -rf /dev/shm/$1; grep -E '^Shmem:' /proc/meminfo; }
-  timeout 300 $B --home /dev/shm/h1 --warmup 2500000 --out "$OUT/h1.json" 2>"$OUT/h1.err" >/dev/null; grep '^\[ingest\]' "$OUT/h1.err" | cut -c1-200
-  mkdir -p /dev/shm/h2 /dev/shm/h3; cp -a /dev/shm/h1/cache /dev/shm/h2/; cp -a /dev/shm/h1/cache /dev/shm/h3/; fresh h1
-  timeout 150 $B --home /dev/shm/h2 --out "$OUT/h2.json" 2>"$OUT/h2.err" >/dev/null; grep '^\[ingest\]' "$OUT/h2.err" | cut -c1-200; fresh h2
+  # fresh server on memory the first touched, one whose WAL segment files were made beforehand (runs 158-161).
+  load() {  # load HOME SECONDS [ingest.py flags…]: N_PARTS rows on every GPU with HOME as the server's directory
+    local home=$1 limit=$2; shift 2
+    timeout "$limit" python3 bench/ingest.py --n "${N_PARTS:-12000000}" --shards 32 --model "$M" --no-index --work /dev/shm/efT \
+      --partitions "${PARTS:-8}" --gpus "$GPUS" --home "/dev/shm/$home" "$@" --out "$OUT/$home.json" 2>"$OUT/$home.err" >/dev/null
+    grep '^\[ingest\]' "$OUT/$home.err" | cut -c1-200
+  }
+  drop() { EMBEDFLEET_HOME=/dev/shm/$1 python3 -m embedfleet.cli db stop >/dev/null; rm -rf "/dev/shm/$1"; grep -E '^Shmem:' /proc/meminfo; }
+  load h1 300 --warmup 2500000
+  mkdir -p /dev/shm/h2 /dev/shm/h3; cp -a /dev/shm/h1/cache /dev/shm/h2/; cp -a /dev/shm/h1/cache /dev/shm/h3/; drop h1
+  load h2 150; drop h2
   EMBEDFLEET_HOME=/dev/shm/h3 timeout 60 python3 bench/wal_segments.py --gb 20 | tee "$OUT/h3_wal.txt"
-  timeout 150 $B --home /dev/shm/h3 --out "$OUT/h3.json" 2>"$OUT/h3.err" >/dev/null; grep '^\[ingest\]' "$OUT/h3.err" | cut -c1-200; fresh h3
+  load h3 150; drop h3
   ;;
 *) echo "usage: bash bench/device_multi.sh gputests|ingest|train|wiki|stpool|one|parts|firstload"; exit 2 ;;
 esac

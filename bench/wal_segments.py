@@ -2,12 +2,13 @@
 
     python bench/wal_segments.py [--gb 30] [--db DSN]
 
-A server's first long load writes every WAL segment file for the first time: whoever holds the WAL
-write lock creates (and zero-fills) each 16 MB file, while every backend wanting WAL buffer space
-waits. Later loads find the segments a checkpoint recycled. This switches segments until `--gb` of
-them exist (a logical message between switches, since a switch with nothing written does nothing),
-keeps them with min_wal_size, and checkpoints so they are recycled for the next load. For the
-first-load experiment of bench/NOTES.md (issue 21); the embedded server unless --db.
+A server's first long load writes every WAL segment file for the first time (the walwriter's
+`IO:WalInitWrite`); later loads find the segments a checkpoint recycled. Whether that is the first
+load's wait at four GPUs is what this is for (bench/NOTES.md, runs 158-161; at two GPUs it changed
+nothing). It switches segments until `--gb` of them were made (a logical message between switches,
+since a switch with nothing written does nothing), keeps them with min_wal_size, and checkpoints so
+they are recycled; a checkpoint that max_wal_size starts on the way removes some (20 GB asked, 17
+GiB kept), hence the count printed. The embedded server unless --db.
 """
 
 from __future__ import annotations
@@ -16,6 +17,8 @@ import argparse
 import time
 
 import psycopg
+
+from psycopg import sql
 
 from embedfleet.store.embedded import resolve_dsn
 
@@ -27,7 +30,7 @@ def main() -> None:
     a = ap.parse_args()
     with psycopg.connect(resolve_dsn(a.db), autocommit=True) as conn:
         size = conn.execute("SELECT setting::bigint FROM pg_settings WHERE name = 'wal_segment_size'").fetchone()[0]
-        conn.execute(f"ALTER SYSTEM SET min_wal_size = '{int(a.gb * 1024)}MB'")
+        conn.execute(sql.SQL("ALTER SYSTEM SET min_wal_size = {}").format(sql.Literal(f"{int(a.gb * 1024)}MB")))
         conn.execute("SELECT pg_reload_conf()")
         t0 = time.perf_counter()
         for _ in range(int(a.gb * 2**30 // size)):
