@@ -9,11 +9,11 @@
 #   bash bench/device_multi.sh stpool   # sentence-transformers' multi-process pool on 1, 2, 4… GPUs, the peer
 #   bash bench/device_multi.sh one      # one GPU: every GPU test, passages (issue 20), 500k-row ingest's wall (issue 17)
 #   bash bench/device_multi.sh parts    # MiniLM, 12M rows on every GPU: the table as one relation against PARTS hash partitions, alternated
-#   bash bench/device_multi.sh firstload # MiniLM, 12M rows on every GPU: three fresh servers' first long loads on one machine
+#   bash bench/device_multi.sh firstload # MiniLM, 12M rows on every GPU: three fresh servers' first long loads on one machine, and a later one
 # Sizes through the environment: GPU_COUNTS (1,2,4… up to the machine's), N_QWEN (240000), N_MINILM (4000000; 0: none), TRAIN_ROWS (10000000),
 # WIKI_N (250000), WIKI_PASSAGES (off), ST_N (100000), PARTS (8), N_PARTS (12000000), PARTS_GPUS/PARTS_LIST/PARTS_HELPERS
 # (parts' runs: GPU counts, partitions, helpers, each a list in run order), PARTS_PER_GPU (set: N_PARTS rows a GPU),
-# PARTS_PREFILL (GiB of memory touched once before the server starts), SWEEP_HEADS (linear,mlp,mlp:4096), SWEEP_BATCHES
+# PARTS_PREFILL (GiB of memory touched once before the server starts), WAL_GB (firstload: 40), SWEEP_HEADS (linear,mlp,mlp:4096), SWEEP_BATCHES
 # (1024,…,65536), DDP_SKIP (none; e.g. loader), RAM_VARIANTS (none), GPU_TESTS (gputests' list). Results: $OUT/<part>*.json and .err logs.
 set -o pipefail
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
@@ -101,20 +101,22 @@ parts)
     --out "$OUT/ingest_parts.json" 2>"$OUT/ingest_parts.err" >/dev/null; grep '^\[ingest\]' "$OUT/ingest_parts.err" | cut -c1-300
   ;;
 firstload)
-  # A fresh server's first long load at every GPU, three times on one machine: the usual one (a warm-up first), a
-  # fresh server on memory the first touched, one whose WAL segment files were made beforehand (runs 158-161).
-  load() {  # load HOME SECONDS [ingest.py flags…]: N_PARTS rows on every GPU with HOME as the server's directory
-    local home=$1 limit=$2; shift 2
+  # A fresh server's first long load at every GPU, on one machine: the machine's first server (a warm-up first); a
+  # fresh server on the memory that one touched, then a later load on it; a fresh server whose WAL segment files
+  # (WAL_GB, default 40: a 12M-row load writes ~32 GB) were made beforehand (runs 158-162).
+  load() {  # load HOME SECONDS GPU-LIST [ingest.py flags…]: N_PARTS rows a run with HOME as the server's directory
+    local home=$1 limit=$2 gpus=$3; shift 3
     timeout "$limit" python3 bench/ingest.py --n "${N_PARTS:-12000000}" --shards 32 --model "$M" --no-index --work /dev/shm/efT \
-      --partitions "${PARTS:-8}" --gpus "$GPUS" --home "/dev/shm/$home" "$@" --out "$OUT/$home.json" 2>"$OUT/$home.err" >/dev/null
-    grep '^\[ingest\]' "$OUT/$home.err" | cut -c1-200
+      --partitions "${PARTS:-8}" --gpus "$gpus" --home "/dev/shm/$home" "$@" --out "$OUT/$home.json" 2>"/tmp/$home.err" >/dev/null \
+      || tail -n 20 "/tmp/$home.err"
+    grep '^\[ingest\]' "/tmp/$home.err" | cut -c1-200
   }
   drop() { EMBEDFLEET_HOME=/dev/shm/$1 python3 -m embedfleet.cli db stop >/dev/null; rm -rf "/dev/shm/$1"; grep -E '^Shmem:' /proc/meminfo; }
-  load h1 300 --warmup 2500000
+  load h1 300 "$GPUS" --warmup 2500000
   mkdir -p /dev/shm/h2 /dev/shm/h3; cp -a /dev/shm/h1/cache /dev/shm/h2/; cp -a /dev/shm/h1/cache /dev/shm/h3/; drop h1
-  load h2 150; drop h2
-  EMBEDFLEET_HOME=/dev/shm/h3 timeout 60 python3 bench/wal_segments.py --gb 20 | tee "$OUT/h3_wal.txt"
-  load h3 150; drop h3
+  load h2 250 "$GPUS,$GPUS"; drop h2
+  EMBEDFLEET_HOME=/dev/shm/h3 timeout 120 python3 bench/wal_segments.py --gb "${WAL_GB:-40}" | tee "$OUT/h3_wal.txt"
+  load h3 150 "$GPUS"; drop h3
   ;;
 *) echo "usage: bash bench/device_multi.sh gputests|ingest|train|wiki|stpool|one|parts|firstload"; exit 2 ;;
 esac

@@ -6,9 +6,10 @@ A server's first long load writes every WAL segment file for the first time (the
 `IO:WalInitWrite`); later loads find the segments a checkpoint recycled. Whether that is the first
 load's wait at four GPUs is what this is for (bench/NOTES.md, runs 158-161; at two GPUs it changed
 nothing). It switches segments until `--gb` of them were made (a logical message between switches,
-since a switch with nothing written does nothing), keeps them with min_wal_size, and checkpoints so
-they are recycled; a checkpoint that max_wal_size starts on the way removes some (20 GB asked, 17
-GiB kept), hence the count printed. The embedded server unless --db.
+since a switch with nothing written does nothing), with min_wal_size and max_wal_size raised so that no
+checkpoint starts on the way and the closing one recycles them all (with max_wal_size as it was, 20 GB
+asked kept 17 GiB: run 161), then sets both back: segments already recycled ahead stay until written.
+The embedded server unless --db.
 """
 
 from __future__ import annotations
@@ -23,6 +24,12 @@ from psycopg import sql
 from embedfleet.store.embedded import resolve_dsn
 
 
+def set_wal_sizes(conn: psycopg.Connection, values: dict[str, str]) -> None:
+    for name, value in values.items():
+        conn.execute(sql.SQL("ALTER SYSTEM SET {} = {}").format(sql.Identifier(name), sql.Literal(value)))
+    conn.execute("SELECT pg_reload_conf()")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--gb", type=float, default=30.0)
@@ -30,17 +37,20 @@ def main() -> None:
     a = ap.parse_args()
     with psycopg.connect(resolve_dsn(a.db), autocommit=True) as conn:
         size = conn.execute("SELECT setting::bigint FROM pg_settings WHERE name = 'wal_segment_size'").fetchone()[0]
-        conn.execute(sql.SQL("ALTER SYSTEM SET min_wal_size = {}").format(sql.Literal(f"{int(a.gb * 1024)}MB")))
-        conn.execute("SELECT pg_reload_conf()")
+        was = {name: conn.execute(sql.SQL("SHOW {}").format(sql.Identifier(name))).fetchone()[0]
+               for name in ("min_wal_size", "max_wal_size")}
+        set_wal_sizes(conn, {"min_wal_size": f"{int(a.gb * 1024)}MB", "max_wal_size": f"{int(a.gb * 2048)}MB"})
         t0 = time.perf_counter()
         for _ in range(int(a.gb * 2**30 // size)):
             conn.execute("SELECT pg_logical_emit_message(false, 'embedfleet', '')")
             conn.execute("SELECT pg_switch_wal()")
         t1 = time.perf_counter()
         conn.execute("CHECKPOINT")
+        set_wal_sizes(conn, was)
         files, total = conn.execute("SELECT count(*), sum(size) FROM pg_ls_waldir()").fetchone()
     print(f"[wal_segments] {files} segment files, {total / 2**30:.1f} GiB: switches {t1 - t0:.1f} s, "
-          f"checkpoint {time.perf_counter() - t1:.1f} s", flush=True)
+          f"checkpoint {time.perf_counter() - t1:.1f} s; min/max_wal_size back to {was['min_wal_size']}/{was['max_wal_size']}",
+          flush=True)
 
 
 if __name__ == "__main__":
