@@ -103,7 +103,7 @@ parts)
 firstload)
   # A fresh server's first long load at every GPU, on one machine: the machine's first server (a warm-up first); a
   # fresh server on the memory that one touched, then a later load on it; a fresh server whose WAL segment files
-  # (WAL_GB, default 40: a 12M-row load writes ~32 GB) were made beforehand (runs 158-162).
+  # (WAL_GB, default 40: a 12M-row load writes ~32 GB) were made beforehand (runs 158-163).
   load() {  # load HOME SECONDS GPU-LIST [ingest.py flags…]: N_PARTS rows a run with HOME as the server's directory
     local home=$1 limit=$2 gpus=$3; shift 3
     timeout "$limit" python3 bench/ingest.py --n "${N_PARTS:-12000000}" --shards 32 --model "$M" --no-index --work /dev/shm/efT \
