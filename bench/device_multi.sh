@@ -13,7 +13,8 @@
 # Sizes through the environment: GPU_COUNTS (1,2,4… up to the machine's), N_QWEN (240000), N_MINILM (4000000; 0: none), TRAIN_ROWS (10000000),
 # WIKI_N (250000), WIKI_PASSAGES (off), ST_N (100000), PARTS (8), N_PARTS (12000000), PARTS_GPUS/PARTS_LIST/PARTS_HELPERS
 # (parts' runs: GPU counts, partitions, helpers, each a list in run order), PARTS_PER_GPU (set: N_PARTS rows a GPU),
-# PARTS_PREFILL (GiB of memory touched once before the server starts), WAL_GB (firstload: 40), SWEEP_HEADS (linear,mlp,mlp:4096), SWEEP_BATCHES
+# PARTS_PREFILL (GiB of memory touched once before the server starts), WAL_GB (firstload: 40; 0: none), H3_FLAGS
+# (firstload's third load: more ingest.py flags, e.g. --pg-set wal_init_zero=off), SWEEP_HEADS (linear,mlp,mlp:4096), SWEEP_BATCHES
 # (1024,…,65536), DDP_SKIP (none; e.g. loader), RAM_VARIANTS (none), GPU_TESTS (gputests' list). Results: $OUT/<part>*.json and .err logs.
 set -o pipefail
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
@@ -115,8 +116,8 @@ firstload)
   load h1 300 "$GPUS" --warmup 2500000
   mkdir -p /dev/shm/h2 /dev/shm/h3; cp -a /dev/shm/h1/cache /dev/shm/h2/; cp -a /dev/shm/h1/cache /dev/shm/h3/; drop h1
   load h2 250 "$GPUS,$GPUS"; drop h2
-  EMBEDFLEET_HOME=/dev/shm/h3 timeout 120 python3 bench/wal_segments.py --gb "${WAL_GB:-40}" | tee "$OUT/h3_wal.txt"
-  load h3 150 "$GPUS"; drop h3
+  [ "${WAL_GB:-40}" != 0 ] && EMBEDFLEET_HOME=/dev/shm/h3 timeout 120 python3 bench/wal_segments.py --gb "${WAL_GB:-40}" | tee "$OUT/h3_wal.txt"
+  load h3 150 "$GPUS" ${H3_FLAGS:-}; drop h3
   ;;
 *) echo "usage: bash bench/device_multi.sh gputests|ingest|train|wiki|stpool|one|parts|firstload"; exit 2 ;;
 esac
