@@ -482,8 +482,8 @@ def test_embedded_server_uri_start_stop(cli, tmp_path):
         assert c.execute("SELECT 1").fetchone() == (1,)
         # tuned for bulk loads at its first start (one restart), and the DSN still reaches it
         assert [c.execute(f"SHOW {k}").fetchone()[0] for k in ("wal_buffers", "max_wal_size", "max_connections",
-                                                               "io_method")] == [
-            "256MB", f"{max_wal_size_gb(shutil.disk_usage(tmp_path).total)}GB", "300", "sync"]
+                                                               "io_method", "wal_init_zero")] == [
+            "256MB", f"{max_wal_size_gb(shutil.disk_usage(tmp_path).total)}GB", "300", "sync", "off"]
         assert _shared_buffers_mb(c) == shared_buffers_mb(memory_bytes())
         # A data directory tuned by an earlier version (other values) is tuned again at the next start.
         c.execute("ALTER SYSTEM SET shared_buffers = '128MB'")
