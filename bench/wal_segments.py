@@ -43,13 +43,15 @@ def main() -> None:
         was = {name: conn.execute(sql.SQL("SHOW {}").format(sql.Identifier(name))).fetchone()[0]
                for name in ("min_wal_size", "max_wal_size")}
         set_wal_sizes(conn, {"min_wal_size": f"{int(a.gb * 1024)}MB", "max_wal_size": f"{int(a.gb * 2048)}MB"})
-        t0 = time.perf_counter()
-        for _ in range(int(a.gb * 2**30 // size)):
-            conn.execute("SELECT pg_logical_emit_message(false, 'embedfleet', '')")
-            conn.execute("SELECT pg_switch_wal()")
-        t1 = time.perf_counter()
-        conn.execute("CHECKPOINT")
-        set_wal_sizes(conn, was)
+        try:
+            t0 = time.perf_counter()
+            for _ in range(int(a.gb * 2**30 // size)):
+                conn.execute("SELECT pg_logical_emit_message(false, 'embedfleet', '')")
+                conn.execute("SELECT pg_switch_wal()")
+            t1 = time.perf_counter()
+            conn.execute("CHECKPOINT")
+        finally:
+            set_wal_sizes(conn, was)
         files, total = conn.execute("SELECT count(*), sum(size) FROM pg_ls_waldir()").fetchone()
     print(f"[wal_segments] {files} segment files, {total / 2**30:.1f} GiB: switches {t1 - t0:.1f} s, "
           f"checkpoint {time.perf_counter() - t1:.1f} s; min/max_wal_size back to {was['min_wal_size']}/{was['max_wal_size']}",
