@@ -37,6 +37,7 @@ import psycopg
 from psycopg import sql
 
 from embedfleet.runtime.bound import host_shares, host_ticks
+from embedfleet.store.embedded import alter_system
 
 
 class GpuSampler(threading.Thread):
@@ -233,9 +234,7 @@ def set_server(env: dict, settings: list[str]) -> None:
     """ALTER SYSTEM SET each NAME=VALUE on the embedded server, then restart it (a measuring knob:
     e.g. --pg-set wal_init_zero=off,wal_buffers=256MB)."""
     with psycopg.connect(_db(env, "uri"), autocommit=True) as conn:
-        for item in settings:
-            name, value = item.split("=", 1)
-            conn.execute(sql.SQL("ALTER SYSTEM SET {} = {}").format(sql.Identifier(name), sql.Literal(value)))
+        alter_system(conn, dict(item.split("=", 1) for item in settings))
     _db(env, "stop")
     _db(env, "start")
 
@@ -246,9 +245,7 @@ def reload_server(env: dict, settings: list[str], names: set[str]) -> None:
     with psycopg.connect(_db(env, "uri"), autocommit=True) as conn:
         for name in sorted(names):
             conn.execute(sql.SQL("ALTER SYSTEM RESET {}").format(sql.Identifier(name)))
-        for item in settings:
-            name, value = item.split("=", 1)
-            conn.execute(sql.SQL("ALTER SYSTEM SET {} = {}").format(sql.Identifier(name), sql.Literal(value)))
+        alter_system(conn, dict(item.split("=", 1) for item in settings))
         conn.execute("SELECT pg_reload_conf()")
         time.sleep(0.5)  # the postmaster signals its children; they read the file at their next loop
         stuck = conn.execute("SELECT name FROM pg_settings WHERE name = ANY(%s) AND pending_restart",

@@ -30,7 +30,7 @@ from embedfleet.encode.tokenize import tokenizer_spec
 from embedfleet.runtime.units import Task, UnitContext, UnitPool
 from embedfleet.sources.plan import ChunkSpec, plan_chunks
 from embedfleet.sources.presets import get_preset
-from embedfleet.store.embedded import resolve_dsn
+from embedfleet.store.embedded import alter_system, resolve_dsn
 from embedfleet.store.ledger import Ledger, Reconnect, connect
 from embedfleet.store.schema import ensure_table, ensure_vector
 from embedfleet.store.writer import TableSink, Unit, Writer
@@ -128,9 +128,7 @@ def main() -> None:
     dsn = resolve_dsn(a.db)
     if a.pg_set:
         with connect(dsn) as conn:
-            for item in a.pg_set.split(","):
-                name, value = item.split("=", 1)
-                conn.execute(sql.SQL("ALTER SYSTEM SET {} = {}").format(sql.Identifier(name), sql.Literal(value)))
+            alter_system(conn, dict(item.split("=", 1) for item in a.pg_set.split(",")))
             conn.execute("SELECT pg_reload_conf()")
     paths = cached_review_shards(Path(a.work), a.n, a.shards)
     results = []

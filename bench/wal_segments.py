@@ -24,12 +24,11 @@ import psycopg
 
 from psycopg import sql
 
-from embedfleet.store.embedded import resolve_dsn
+from embedfleet.store.embedded import alter_system, resolve_dsn
 
 
 def set_wal_sizes(conn: psycopg.Connection, values: dict[str, str]) -> None:
-    for name, value in values.items():
-        conn.execute(sql.SQL("ALTER SYSTEM SET {} = {}").format(sql.Identifier(name), sql.Literal(value)))
+    alter_system(conn, values)
     conn.execute("SELECT pg_reload_conf()")
 
 

@@ -130,7 +130,6 @@ def _tune(pgserver, data: Path, uri: str) -> None:
     if not wanted:
         return
     import psycopg
-    from psycopg import sql
 
     with psycopg.connect(uri, autocommit=True) as conn:
         others = conn.execute("SELECT count(*) FROM pg_stat_activity WHERE backend_type = 'client backend' "
@@ -140,9 +139,16 @@ def _tune(pgserver, data: Path, uri: str) -> None:
         todo = {name: value for name, value in wanted.items() if name in known}
         if others or not todo:
             return
-        for name, value in todo.items():
-            conn.execute(sql.SQL("ALTER SYSTEM SET {} = {}").format(sql.Identifier(name), sql.Literal(value)))
+        alter_system(conn, todo)
     pgserver.pg_ctl(["-w", "restart"], pgdata=data, user=_user())
+
+
+def alter_system(conn, settings: dict[str, str]) -> None:
+    """ALTER SYSTEM SET each name to its value on `conn` (autocommit); a reload or restart applies them."""
+    from psycopg import sql
+
+    for name, value in settings.items():
+        conn.execute(sql.SQL("ALTER SYSTEM SET {} = {}").format(sql.Identifier(name), sql.Literal(value)))
 
 
 def start() -> str:
