@@ -517,6 +517,10 @@ def main() -> None:
     env = dict(os.environ, EMBEDFLEET_HOME=args.home or str(work / "home"))
     extra = ["--chunk-bytes", args.chunk_bytes] if args.chunk_bytes else []
     extra += ["--batch-tokens", args.batch_tokens] if args.batch_tokens else []
+    if args.pg_set or args.pg_reload:
+        # tuned at its first start, then left as the knobs set it: the tuning would set its own (wal_init_zero) back
+        _db(env, "uri")
+        env["EMBEDFLEET_PG_TUNE"] = "0"
     if args.pg_set:
         set_server(env, args.pg_set.split(","))
     warmup = None

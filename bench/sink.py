@@ -130,6 +130,7 @@ def main() -> None:
         with connect(dsn) as conn:
             alter_system(conn, dict(item.split("=", 1) for item in a.pg_set.split(",")))
             conn.execute("SELECT pg_reload_conf()")
+        os.environ["EMBEDFLEET_PG_TUNE"] = "0"  # the writers' processes leave them (the tuning would set its own back)
     paths = cached_review_shards(Path(a.work), a.n, a.shards)
     results = []
     for vtype, procs in ((v, int(p)) for v in a.vtype.split(",") for p in a.procs.split(",")):
