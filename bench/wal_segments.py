@@ -6,7 +6,8 @@ A server's first long load writes every WAL segment file for the first time (the
 `IO:WalInitWrite`); later loads find the segments a checkpoint recycled. At four GPUs that making is
 the first load's wait on the database (4.5-31% of the GPUs' loops; 0.12-0.13% with the files made
 first: bench/NOTES.md, runs 162-164), but making them ahead takes longer than the wait it removes;
-`wal_init_zero = off`, the embedded server's setting since, removed it in one load (run 165).
+`wal_init_zero = off`, the embedded server's setting since, removed it in one load on memory touched
+before (run 165).
 
 It switches segments until `--gb` of them were made (a logical message between switches, since a
 switch with nothing written does nothing), with min_wal_size and max_wal_size raised so that no

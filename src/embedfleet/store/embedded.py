@@ -43,9 +43,9 @@ def _pgserver():
 # io_method: PostgreSQL 18 hands each read to an I/O worker process by default; a training read of
 # pages the OS has cached ran 13% faster doing its own reads (bench/NOTES.md, run 99).
 # wal_buffers: at 4 GPUs the 64 MB were found full ~7,600 times in a 4M-row load (run 107).
-# wal_init_zero: a fresh server makes each 16 MB WAL file as the WAL reaches it (later loads reuse them), and
-# zero-filling it under the WAL write lock held four GPUs 4.5-8% of their loops in a first long load (27-31% on
-# a VM's untouched memory); off, 0.15% as later loads (runs 162-165). Files are still fsynced as written.
+# wal_init_zero: a fresh server zero-fills each new 16 MB WAL file under the WAL write lock (later loads reuse
+# them): at four GPUs its first long load waited 5.7% of the loops, 0.15% with this off (run 165; on a VM's
+# untouched memory 26-31% on, 13.2% off: runs 147, 162-165). Files are still fsynced as written.
 BULK_SETTINGS = {"wal_buffers": "256MB", "checkpoint_timeout": "30min", "max_connections": "300",
                  "io_method": "sync", "wal_init_zero": "off"}
 
