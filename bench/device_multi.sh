@@ -14,7 +14,8 @@
 # WIKI_N (250000), WIKI_PASSAGES (off), ST_N (100000), PARTS (8), N_PARTS (12000000), PARTS_GPUS/PARTS_LIST/PARTS_HELPERS
 # (parts' runs: GPU counts, partitions, helpers, each a list in run order), PARTS_PER_GPU (set: N_PARTS rows a GPU),
 # PARTS_PREFILL (GiB of memory touched once before the server starts), WAL_GB (firstload: 40; 0: none), H3_FLAGS
-# (firstload's third load: more ingest.py flags, e.g. --pg-set wal_init_zero=off), SWEEP_HEADS (linear,mlp,mlp:4096), SWEEP_BATCHES
+# (firstload's third load: more ingest.py flags, e.g. --pg-set wal_init_zero=on), ONE_N (firstload: rows of a one-GPU
+# load on the second server; 0: none), SWEEP_HEADS (linear,mlp,mlp:4096), SWEEP_BATCHES
 # (1024,…,65536), DDP_SKIP (none; e.g. loader), RAM_VARIANTS (none), GPU_TESTS (gputests' list). Results: $OUT/<part>*.json and .err logs.
 set -o pipefail
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
@@ -108,14 +109,16 @@ firstload)
   load() {  # load HOME SECONDS GPU-LIST [ingest.py flags…]: N_PARTS rows a run with HOME as the server's directory
     local home=$1 limit=$2 gpus=$3; shift 3
     timeout "$limit" python3 bench/ingest.py --n "${N_PARTS:-12000000}" --shards 32 --model "$M" --no-index --work /dev/shm/efT \
-      --partitions "${PARTS:-8}" --gpus "$gpus" --home "/dev/shm/$home" "$@" --out "$OUT/$home.json" 2>"/tmp/$home.err" >/dev/null \
-      || tail -n 20 "/tmp/$home.err"
-    grep '^\[ingest\]' "/tmp/$home.err" | cut -c1-200
+      --partitions "${PARTS:-8}" --gpus "$gpus" --home "/dev/shm/$home" "$@" --out "$OUT/${NAME:-$home}.json" \
+      2>"/tmp/${NAME:-$home}.err" >/dev/null || tail -n 20 "/tmp/${NAME:-$home}.err"
+    grep '^\[ingest\]' "/tmp/${NAME:-$home}.err" | cut -c1-200
   }
   drop() { EMBEDFLEET_HOME=/dev/shm/$1 python3 -m embedfleet.cli db stop >/dev/null; rm -rf "/dev/shm/$1"; grep -E '^Shmem:' /proc/meminfo; }
   load h1 300 "$GPUS" --warmup 2500000
   mkdir -p /dev/shm/h2 /dev/shm/h3; cp -a /dev/shm/h1/cache /dev/shm/h2/; cp -a /dev/shm/h1/cache /dev/shm/h3/; drop h1
-  load h2 250 "$GPUS,$GPUS"; drop h2
+  load h2 250 "$GPUS,$GPUS"
+  [ "${ONE_N:-0}" != 0 ] && N_PARTS=$ONE_N NAME=h2one load h2 150 1  # one GPU on the same server: the scaling's base
+  drop h2
   [ "${WAL_GB:-40}" != 0 ] && EMBEDFLEET_HOME=/dev/shm/h3 timeout 120 python3 bench/wal_segments.py --gb "${WAL_GB:-40}" | tee "$OUT/h3_wal.txt"
   load h3 150 "$GPUS" ${H3_FLAGS:-}; drop h3
   ;;
