@@ -44,8 +44,8 @@ def _pgserver():
 # pages the OS has cached ran 13% faster doing its own reads (bench/NOTES.md, run 99).
 # wal_buffers: at 4 GPUs the 64 MB were found full ~7,600 times in a 4M-row load (run 107).
 # wal_init_zero: a fresh server zero-fills each new 16 MB WAL file under the WAL write lock (later loads reuse
-# them): at four GPUs its first long load waited 5.7% of the loops, 0.15% with this off (run 165; on a VM's
-# untouched memory 26-31% on, 13.2% off: runs 147, 162-165). Files are still fsynced as written.
+# them): at four GPUs its first long load waited 4.5-8.2% of the loops, 0.10-0.15% in 7 of 8 with this off
+# (bench/NOTES.md, runs 162-169). Files are still fsynced as written.
 BULK_SETTINGS = {"wal_buffers": "256MB", "checkpoint_timeout": "30min", "max_connections": "300",
                  "io_method": "sync", "wal_init_zero": "off"}
 
