@@ -77,14 +77,19 @@ class PgWaitSampler(threading.Thread):
     sampled every `period` s: the share of samples per state tells whether the database waits on its
     disk, on a lock (WAL insertion, the ledger's rows) or computes."""
 
+    # Per sample, for `by_tenth`: the clients' samples in all, on these waits, and on any other wait.
+    TRACKED = ("LWLock:WALInsert", "LWLock:WALWrite")
+
     def __init__(self, dsn: str, period: float = 0.05):
         super().__init__(daemon=True)
         self.dsn, self.period, self.counts, self.extend = dsn, period, {}, {}
+        self.samples: list[tuple] = []  # (time.time(), host_ticks(), clients, *TRACKED, other waits)
         self._halt = threading.Event()
 
     def run(self):
         with psycopg.connect(self.dsn, autocommit=True) as conn:
             while not self._halt.wait(self.period):
+                clients = [0] * (len(self.TRACKED) + 2)
                 for kind, event, backend in conn.execute(
                         "SELECT wait_event_type, wait_event, backend_type FROM pg_stat_activity "
                         "WHERE pid <> pg_backend_pid() AND (state = 'active' OR backend_type <> 'client backend')"):
@@ -92,6 +97,14 @@ class PgWaitSampler(threading.Thread):
                     if who == "client" or kind not in (None, "Activity"):
                         key = f"{who}: {kind}:{event}" if kind else f"{who}: CPU"
                         self.counts[key] = self.counts.get(key, 0) + 1
+                    if who == "client":
+                        clients[0] += 1
+                        wait = f"{kind}:{event}"
+                        if wait in self.TRACKED:
+                            clients[1 + self.TRACKED.index(wait)] += 1
+                        elif kind not in (None, "Client"):  # waiting on the server, not computing or reading input
+                            clients[-1] += 1
+                self.samples.append((time.time(), host_ticks(), *clients))
                 # whose extension lock the waiters queue on: the table's heap, its primary key, or TOAST
                 for (rel,) in conn.execute("SELECT relation::regclass::text FROM pg_locks "
                                            "WHERE locktype = 'extend' AND NOT granted"):
@@ -107,6 +120,25 @@ class PgWaitSampler(threading.Thread):
                   for k, v in sorted(self.counts.items(), key=lambda kv: -kv[1]) if v / total >= 0.005}
         # extension-lock waiters per relation, as shares of the client connections' samples
         return shares | {k: round(v / total, 3) for k, v in sorted(self.extend.items(), key=lambda kv: -kv[1])}
+
+    def by_tenth(self, start: float, end: float) -> dict[str, list]:
+        """Over ten equal stretches of [start, end] (epoch seconds, the loops' span): the share of the host's
+        CPU the hypervisor took, and the clients' samples on each tracked wait and on any other: whether
+        the GPUs' waits on the database (`sink_wait_by_tenth_s`) line up with steal or with a lock."""
+        names = ["stolen", *self.TRACKED, "other waits"]
+        out: dict[str, list] = {n: [None] * 10 for n in names}
+        if end <= start:
+            return out
+        edges = [start + (end - start) * i / 10 for i in range(11)]
+        for i in range(10):
+            inside = [s for s in self.samples if edges[i] <= s[0] < edges[i + 1]]
+            ticks = [s[1] for s in inside if s[1] is not None]
+            host = host_shares(ticks[0], ticks[-1]) if len(ticks) > 1 else None
+            out["stolen"][i] = host and host["stolen"]
+            clients = sum(s[2] for s in inside)
+            for j, n in enumerate(names[1:]):
+                out[n][i] = round(sum(s[3 + j] for s in inside) / clients, 3) if clients else None
+        return out
 
 
 class GilSampler(threading.Thread):
@@ -351,6 +383,8 @@ def run_once(data: list[Path], gpus: int, model: str | None, env: dict, preset: 
     together = (max(w["started_at"] for w in workers), min(w["started_at"] + w["wall_s"] for w in workers))
     rows_together = _rows_finished(conn, table, *together)
     timeline = _timeline(conn, table, t0_wall, wall, workers, summary.get("finalize"))
+    first_start = min(w["started_at"] for w in workers)
+    by_tenth = pg_waits.by_tenth(first_start, first_start + loop)
     from embedfleet.store.schema import analyze, finish_table
 
     t0 = time.perf_counter()  # the job's ANALYZE again: what a table's statistics cost once its pages are warm
@@ -398,6 +432,7 @@ def run_once(data: list[Path], gpus: int, model: str | None, env: dict, preset: 
                            "helpers": round(sum(w["helper_cpu_s"] for w in workers) / rows * 1e6, 1),
                            "postgres": round(_cpu_used(pg0, pg1) / rows * 1e6, 1)} if rows else None,
         "pg_waits": waits,  # client connections: share of samples per wait event (CPU: none)
+        "host_and_pg_by_tenth": by_tenth,  # the loops' tenths: stolen, and the clients' waits
         "wal": wal,  # over the whole command: WAL volume, WAL buffers found full, checkpoints, disk writes
         "memory": memory,  # the host's reclaim, faults, pressure stalls and free memory over the command
         "buffer_writes": buffer_writes,  # pages written out of shared buffers over the command, by backend type
