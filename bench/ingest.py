@@ -37,6 +37,7 @@ import psycopg
 from psycopg import sql
 
 from embedfleet.runtime.bound import host_shares, host_ticks
+from embedfleet.runtime.flow import by_tenth
 from embedfleet.store.embedded import alter_system
 
 
@@ -77,7 +78,7 @@ class PgWaitSampler(threading.Thread):
     sampled every `period` s: the share of samples per state tells whether the database waits on its
     disk, on a lock (WAL insertion, the ledger's rows) or computes."""
 
-    # Per sample, for `by_tenth`: the clients' samples in all, on these waits, and on any other wait.
+    # Per sample, for `tenths`: the clients' samples in all, on these waits, and on any other wait.
     TRACKED = ("LWLock:WALInsert", "LWLock:WALWrite")
 
     def __init__(self, dsn: str, period: float = 0.05):
@@ -121,24 +122,25 @@ class PgWaitSampler(threading.Thread):
         # extension-lock waiters per relation, as shares of the client connections' samples
         return shares | {k: round(v / total, 3) for k, v in sorted(self.extend.items(), key=lambda kv: -kv[1])}
 
-    def by_tenth(self, start: float, end: float) -> dict[str, list]:
-        """Over ten equal stretches of [start, end] (epoch seconds, the loops' span): the share of the host's
-        CPU the hypervisor took, and the clients' samples on each tracked wait and on any other: whether
-        the GPUs' waits on the database (`sink_wait_by_tenth_s`) line up with steal or with a lock."""
-        names = ["stolen", *self.TRACKED, "other waits"]
-        out: dict[str, list] = {n: [None] * 10 for n in names}
-        if end <= start:
-            return out
-        edges = [start + (end - start) * i / 10 for i in range(11)]
-        for i in range(10):
-            inside = [s for s in self.samples if edges[i] <= s[0] < edges[i + 1]]
-            ticks = [s[1] for s in inside if s[1] is not None]
-            host = host_shares(ticks[0], ticks[-1]) if len(ticks) > 1 else None
-            out["stolen"][i] = host and host["stolen"]
-            clients = sum(s[2] for s in inside)
-            for j, n in enumerate(names[1:]):
-                out[n][i] = round(sum(s[3 + j] for s in inside) / clients, 3) if clients else None
+    def tenths(self, start: float, end: float) -> dict[str, list]:
+        """Over the tenths of [start, end] (epoch seconds, the loops' span): the share of the host's CPU the
+        hypervisor took, and the clients' samples on each tracked wait and on any other: whether the GPUs'
+        waits on the database (`sink_wait_by_tenth_s`) line up with steal or with a lock."""
+        span = end - start
+        inside = [(s[0] - start, s) for s in self.samples if 0 <= s[0] - start < span]
+        # host ticks between one sample and the next, counted at the later one
+        steps = [(t, b[1], a[1]) for (_, a), (t, b) in zip(inside, inside[1:]) if a[1] and b[1]]
+        stolen = by_tenth([(t, b[2] - a[2]) for t, b, a in steps], span)
+        ticks = by_tenth([(t, b[1] - a[1]) for t, b, a in steps], span)
+        clients = by_tenth([(t, s[2]) for t, s in inside], span)
+        out = {"stolen": _shares(stolen, ticks)}
+        for k, name in enumerate([*self.TRACKED, "other waits"]):
+            out[name] = _shares(by_tenth([(t, s[3 + k]) for t, s in inside], span), clients)
         return out
+
+
+def _shares(parts: list[float], wholes: list[float]) -> list[float | None]:
+    return [round(p / w, 3) if w else None for p, w in zip(parts, wholes)]
 
 
 class GilSampler(threading.Thread):
@@ -384,7 +386,7 @@ def run_once(data: list[Path], gpus: int, model: str | None, env: dict, preset: 
     rows_together = _rows_finished(conn, table, *together)
     timeline = _timeline(conn, table, t0_wall, wall, workers, summary.get("finalize"))
     first_start = min(w["started_at"] for w in workers)
-    by_tenth = pg_waits.by_tenth(first_start, first_start + loop)
+    tenths = pg_waits.tenths(first_start, first_start + loop)
     from embedfleet.store.schema import analyze, finish_table
 
     t0 = time.perf_counter()  # the job's ANALYZE again: what a table's statistics cost once its pages are warm
@@ -432,7 +434,7 @@ def run_once(data: list[Path], gpus: int, model: str | None, env: dict, preset: 
                            "helpers": round(sum(w["helper_cpu_s"] for w in workers) / rows * 1e6, 1),
                            "postgres": round(_cpu_used(pg0, pg1) / rows * 1e6, 1)} if rows else None,
         "pg_waits": waits,  # client connections: share of samples per wait event (CPU: none)
-        "host_and_pg_by_tenth": by_tenth,  # the loops' tenths: stolen, and the clients' waits
+        "host_and_pg_by_tenth": tenths,  # the loops' tenths: stolen, and the clients' waits
         "wal": wal,  # over the whole command: WAL volume, WAL buffers found full, checkpoints, disk writes
         "memory": memory,  # the host's reclaim, faults, pressure stalls and free memory over the command
         "buffer_writes": buffer_writes,  # pages written out of shared buffers over the command, by backend type

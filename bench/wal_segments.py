@@ -3,16 +3,14 @@
     python bench/wal_segments.py [--gb 30] [--db DSN]
 
 A server's first long load writes every WAL segment file for the first time (the walwriter's
-`IO:WalInitWrite`); later loads find the segments a checkpoint recycled. At four GPUs that making is
-the first load's wait on the database (4.5-31% of the GPUs' loops; 0.12-0.13% with the files made
-first: bench/NOTES.md, runs 162-164), but making them ahead takes longer than the wait it removes;
-`wal_init_zero = off`, the embedded server's setting since, removed it in one load on memory touched
-before (run 165).
+`IO:WalInitWrite`); later loads find the segments a checkpoint recycled. At four GPUs that making was
+the first load's wait on the database, and making them ahead took longer than the wait it removed
+(bench/NOTES.md, runs 162-169; the embedded server now sets `wal_init_zero = off` instead).
 
 It switches segments until `--gb` of them were made (a logical message between switches, since a
 switch with nothing written does nothing), with min_wal_size and max_wal_size raised so that no
-checkpoint starts on the way and the closing one recycles them all (with max_wal_size as it was,
-20 GB asked kept 17 GiB: run 161), then sets both back: segments recycled ahead stay until written.
+checkpoint starts on the way and the closing one recycles them all, then sets both back: segments
+recycled ahead stay until written.
 The embedded server unless --db.
 """
 

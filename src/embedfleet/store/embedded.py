@@ -43,9 +43,8 @@ def _pgserver():
 # io_method: PostgreSQL 18 hands each read to an I/O worker process by default; a training read of
 # pages the OS has cached ran 13% faster doing its own reads (bench/NOTES.md, run 99).
 # wal_buffers: at 4 GPUs the 64 MB were found full ~7,600 times in a 4M-row load (run 107).
-# wal_init_zero: a fresh server zero-fills each new 16 MB WAL file under the WAL write lock (later loads reuse
-# them): at four GPUs its first long load waited 4.5-8.2% of the loops, 0.10-0.15% in 7 of 8 with this off
-# (bench/NOTES.md, runs 162-169). Files are still fsynced as written.
+# wal_init_zero: a fresh server's first long load waited on zero-filling new WAL files under the WAL write lock
+# (bench/NOTES.md, runs 162-169); off, the files are still fsynced as written.
 BULK_SETTINGS = {"wal_buffers": "256MB", "checkpoint_timeout": "30min", "max_connections": "300",
                  "io_method": "sync", "wal_init_zero": "off"}
 
