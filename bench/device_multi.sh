@@ -10,6 +10,7 @@
 #   bash bench/device_multi.sh one      # one GPU: every GPU test, passages (issue 20), 500k-row ingest's wall (issue 17)
 #   bash bench/device_multi.sh parts    # MiniLM, 12M rows on every GPU: the table as one relation against PARTS hash partitions, alternated
 #   bash bench/device_multi.sh firstload # MiniLM, 12M rows on every GPU: three fresh servers' first long loads on one machine, and a later one
+#   bash bench/device_multi.sh untouched # the same, each server's first load on memory the VM never touched (UNTOUCHED_DTYPES)
 # Sizes through the environment: GPU_COUNTS (1,2,4… up to the machine's), N_QWEN (240000), N_MINILM (4000000; 0: none), TRAIN_ROWS (10000000),
 # WIKI_N (250000), WIKI_PASSAGES (off), ST_N (100000), PARTS (8), N_PARTS (12000000), PARTS_GPUS/PARTS_LIST/PARTS_HELPERS
 # (parts' runs: GPU counts, partitions, helpers, each a list in run order), PARTS_PER_GPU (set: N_PARTS rows a GPU),
@@ -122,5 +123,23 @@ firstload)
   [ "${WAL_GB:-40}" != 0 ] && EMBEDFLEET_HOME=/dev/shm/h3 timeout 120 python3 bench/wal_segments.py --gb "${WAL_GB:-40}" | tee "$OUT/h3_wal.txt"
   load h3 150 "$GPUS" ${H3_FLAGS:-}; drop h3
   ;;
-*) echo "usage: bash bench/device_multi.sh gputests|ingest|train|wiki|stpool|one|parts|firstload"; exit 2 ;;
+untouched)
+  # First long loads into memory the VM has never touched, one server each, with UNTOUCHED_DTYPES (float,half,float):
+  # every server keeps its files (freed pages would be reused, touched), so each load's WAL and heap land on new memory.
+  load() {  # as firstload's, without the per-home names
+    local home=$1 limit=$2; shift 2
+    timeout "$limit" python3 bench/ingest.py --n "${N_PARTS:-12000000}" --shards 32 --model "$M" --no-index --work /dev/shm/efT \
+      --partitions "${PARTS:-8}" --gpus "$GPUS" --home "/dev/shm/$home" "$@" --out "$OUT/$home.json" \
+      2>"/tmp/$home.err" >/dev/null || tail -n 20 "/tmp/$home.err"
+    grep '^\[ingest\]' "/tmp/$home.err" | cut -c1-200; grep -E '^Shmem:' /proc/meminfo
+  }
+  N_PARTS=1000000 load u0 200  # the compile cache and the corpus; a small server, kept
+  k=0
+  for dtype in $(echo "${UNTOUCHED_DTYPES:-float,half,float}" | tr , ' '); do
+    k=$((k + 1)); mkdir -p "/dev/shm/u$k"; cp -a /dev/shm/u0/cache "/dev/shm/u$k/"
+    load "u$k" 150 --dtype "$dtype"
+  done
+  for h in /dev/shm/u*; do EMBEDFLEET_HOME=$h python3 -m embedfleet.cli db stop >/dev/null; done
+  ;;
+*) echo "usage: bash bench/device_multi.sh gputests|ingest|train|wiki|stpool|one|parts|firstload|untouched"; exit 2 ;;
 esac

@@ -279,8 +279,7 @@ def reload_server(env: dict, settings: list[str], names: set[str]) -> None:
     with psycopg.connect(_db(env, "uri"), autocommit=True) as conn:
         for name in sorted(names):
             conn.execute(sql.SQL("ALTER SYSTEM RESET {}").format(sql.Identifier(name)))
-        alter_system(conn, dict(item.split("=", 1) for item in settings))
-        conn.execute("SELECT pg_reload_conf()")
+        alter_system(conn, dict(item.split("=", 1) for item in settings), reload=True)
         time.sleep(0.5)  # the postmaster signals its children; they read the file at their next loop
         stuck = conn.execute("SELECT name FROM pg_settings WHERE name = ANY(%s) AND pending_restart",
                              [sorted(names)]).fetchall()

@@ -128,8 +128,7 @@ def main() -> None:
     dsn = resolve_dsn(a.db)
     if a.pg_set:
         with connect(dsn) as conn:
-            alter_system(conn, dict(item.split("=", 1) for item in a.pg_set.split(",")))
-            conn.execute("SELECT pg_reload_conf()")
+            alter_system(conn, dict(item.split("=", 1) for item in a.pg_set.split(",")), reload=True)
         os.environ["EMBEDFLEET_PG_TUNE"] = "0"  # the writers' processes leave them (the tuning would set its own back)
     paths = cached_review_shards(Path(a.work), a.n, a.shards)
     results = []

@@ -26,11 +26,6 @@ from psycopg import sql
 from embedfleet.store.embedded import alter_system, resolve_dsn
 
 
-def set_wal_sizes(conn: psycopg.Connection, values: dict[str, str]) -> None:
-    alter_system(conn, values)
-    conn.execute("SELECT pg_reload_conf()")
-
-
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--gb", type=float, default=30.0)
@@ -40,7 +35,7 @@ def main() -> None:
         size = conn.execute("SELECT setting::bigint FROM pg_settings WHERE name = 'wal_segment_size'").fetchone()[0]
         was = {name: conn.execute(sql.SQL("SHOW {}").format(sql.Identifier(name))).fetchone()[0]
                for name in ("min_wal_size", "max_wal_size")}
-        set_wal_sizes(conn, {"min_wal_size": f"{int(a.gb * 1024)}MB", "max_wal_size": f"{int(a.gb * 2048)}MB"})
+        alter_system(conn, {"min_wal_size": f"{int(a.gb * 1024)}MB", "max_wal_size": f"{int(a.gb * 2048)}MB"}, reload=True)
         try:
             t0 = time.perf_counter()
             for _ in range(int(a.gb * 2**30 // size)):
@@ -49,7 +44,7 @@ def main() -> None:
             t1 = time.perf_counter()
             conn.execute("CHECKPOINT")
         finally:
-            set_wal_sizes(conn, was)
+            alter_system(conn, was, reload=True)
         files, total = conn.execute("SELECT count(*), sum(size) FROM pg_ls_waldir()").fetchone()
     print(f"[wal_segments] {files} segment files, {total / 2**30:.1f} GiB: switches {t1 - t0:.1f} s, "
           f"checkpoint {time.perf_counter() - t1:.1f} s; min/max_wal_size back to {was['min_wal_size']}/{was['max_wal_size']}",

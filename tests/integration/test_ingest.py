@@ -569,6 +569,35 @@ def test_a_setting_the_server_does_not_have_is_left_out_and_restarts_nothing(tmp
         embedded.stop()
 
 
+def test_alter_system_writes_a_setting_and_applies_it_only_when_asked_to_reload(dsn):
+    import time
+
+    import psycopg
+
+    from embedfleet.store.embedded import alter_system
+
+    def fresh() -> str:  # a new backend reads the configuration the postmaster holds
+        with psycopg.connect(dsn) as c:
+            return c.execute("SHOW bgwriter_delay").fetchone()[0]
+
+    with psycopg.connect(dsn, autocommit=True) as c:
+        was, started = fresh(), c.execute("SELECT pg_postmaster_start_time()").fetchone()[0]
+        assert was != "123ms"
+        try:
+            alter_system(c, {"bgwriter_delay": "123ms"})
+            assert c.execute("SELECT setting FROM pg_file_settings WHERE name = 'bgwriter_delay'").fetchone() == ("123ms",)
+            assert fresh() == was  # written, not applied
+            alter_system(c, {"bgwriter_delay": "123ms"}, reload=True)
+            deadline = time.monotonic() + 10  # the postmaster applies a reload signal on its own time
+            while fresh() != "123ms" and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert fresh() == "123ms"
+            assert c.execute("SELECT pg_postmaster_start_time()").fetchone()[0] == started  # no restart
+        finally:
+            c.execute("ALTER SYSTEM RESET bgwriter_delay")
+            c.execute("SELECT pg_reload_conf()")
+
+
 def test_helper_processes_prepare_exactly_what_the_inline_path_does(cli, dsn, conn, tmp_path):
     """Units prepared in helper processes (the GPU hosts' path: each helper reads its byte range,
     joins meta over its own connection, tokenizes and encodes COPY rows; a .gz stream is read by the

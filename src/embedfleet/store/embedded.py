@@ -142,12 +142,15 @@ def _tune(pgserver, data: Path, uri: str) -> None:
     pgserver.pg_ctl(["-w", "restart"], pgdata=data, user=_user())
 
 
-def alter_system(conn, settings: dict[str, str]) -> None:
-    """ALTER SYSTEM SET each name to its value on `conn` (autocommit); a reload or restart applies them."""
+def alter_system(conn, settings: dict[str, str], reload: bool = False) -> None:
+    """ALTER SYSTEM SET each name to its value on `conn` (autocommit); a restart applies them, or with `reload`
+    a configuration reload now (for the settings a reload applies)."""
     from psycopg import sql
 
     for name, value in settings.items():
         conn.execute(sql.SQL("ALTER SYSTEM SET {} = {}").format(sql.Identifier(name), sql.Literal(value)))
+    if reload:
+        conn.execute("SELECT pg_reload_conf()")
 
 
 def start() -> str:
