@@ -11,6 +11,7 @@
 #   bash bench/device_multi.sh parts    # MiniLM, 12M rows on every GPU: the table as one relation against PARTS hash partitions, alternated
 #   bash bench/device_multi.sh firstload # MiniLM, 12M rows on every GPU: three fresh servers' first long loads on one machine, and a later one
 #   bash bench/device_multi.sh untouched # the same, each server's first load on memory the VM never touched (UNTOUCHED_DTYPES)
+#   bash bench/device_multi.sh disk      # PostgreSQL's data on the machine's disk (DISK_HOME): a long load per DISK_DTYPES (float,float)
 # Sizes through the environment: GPU_COUNTS (1,2,4… up to the machine's), N_QWEN (240000), N_MINILM (4000000; 0: none), TRAIN_ROWS (10000000),
 # WIKI_N (250000), WIKI_PASSAGES (off), ST_N (100000), PARTS (8), N_PARTS (12000000), PARTS_GPUS/PARTS_LIST/PARTS_HELPERS
 # (parts' runs: GPU counts, partitions, helpers, each a list in run order), PARTS_PER_GPU (set: N_PARTS rows a GPU),
@@ -141,5 +142,17 @@ untouched)
   done
   for h in /dev/shm/u*; do EMBEDFLEET_HOME=$h python3 -m embedfleet.cli db stop >/dev/null; done
   ;;
-*) echo "usage: bash bench/device_multi.sh gputests|ingest|train|wiki|stpool|one|parts|firstload|untouched"; exit 2 ;;
+disk)
+  # PostgreSQL's data on the machine's disk (the embedded default's place), not in memory: a first long load at
+  # every GPU and the same server's next, --partitions as parts'; the disk's own write rate for scale.
+  D=${DISK_HOME:-/var/tmp/efdisk}; mkdir -p "$D"; findmnt -T "$D" -o SOURCE,FSTYPE,SIZE,AVAIL | tail -n 1
+  dd if=/dev/zero of="$D/dd.test" bs=1M count=4096 conv=fdatasync 2>&1 | tail -n 1; rm -f "$D/dd.test"
+  timeout 420 python3 bench/ingest.py --n "${N_PARTS:-12000000}" --shards 32 --model "$M" --no-index --work /dev/shm/efT \
+    --partitions "${PARTS:-8}" --gpus "$(echo "${DISK_DTYPES:-float,float}" | sed "s/[a-z]*/$GPUS/g")" \
+    --dtype "${DISK_DTYPES:-float,float}" --warmup 1000000 --home "$D/home" --out "$OUT/disk.json" \
+    2>/tmp/disk.err >/dev/null || tail -n 20 /tmp/disk.err
+  grep '^\[ingest\]' /tmp/disk.err | cut -c1-200
+  EMBEDFLEET_HOME=$D/home python3 -m embedfleet.cli db stop >/dev/null
+  ;;
+*) echo "usage: bash bench/device_multi.sh gputests|ingest|train|wiki|stpool|one|parts|firstload|untouched|disk"; exit 2 ;;
 esac
