@@ -126,7 +126,8 @@ firstload)
   ;;
 untouched)
   # First long loads into memory the VM has never touched, one server each, with UNTOUCHED_DTYPES (float,half,float):
-  # every server keeps its files (freed pages would be reused, touched), so each load's WAL and heap land on new memory.
+  # every server keeps running with its WAL files (freed pages would be reused, touched), so each load's WAL and shared
+  # buffers land on new memory (its heap may reuse the pages of the table the run before dropped).
   load() {  # as firstload's, without the per-home names
     local home=$1 limit=$2; shift 2
     timeout "$limit" python3 bench/ingest.py --n "${N_PARTS:-12000000}" --shards 32 --model "$M" --no-index --work /dev/shm/efT \
@@ -134,7 +135,7 @@ untouched)
       2>"/tmp/$home.err" >/dev/null || tail -n 20 "/tmp/$home.err"
     grep '^\[ingest\]' "/tmp/$home.err" | cut -c1-200; grep -E '^Shmem:' /proc/meminfo
   }
-  N_PARTS=1000000 load u0 200  # the compile cache and the corpus; a small server, kept
+  N_PARTS=2500000 load u0 200  # the compile cache (a smaller job runs eager); a small server, kept
   k=0
   for dtype in $(echo "${UNTOUCHED_DTYPES:-float,half,float}" | tr , ' '); do
     k=$((k + 1)); mkdir -p "/dev/shm/u$k"; cp -a /dev/shm/u0/cache "/dev/shm/u$k/"
@@ -143,13 +144,13 @@ untouched)
   for h in /dev/shm/u*; do EMBEDFLEET_HOME=$h python3 -m embedfleet.cli db stop >/dev/null; done
   ;;
 disk)
-  # PostgreSQL's data on the machine's disk (the embedded default's place), not in memory: a first long load at
-  # every GPU and the same server's next, --partitions as parts'; the disk's own write rate for scale.
-  D=${DISK_HOME:-/var/tmp/efdisk}; mkdir -p "$D"; findmnt -T "$D" -o SOURCE,FSTYPE,SIZE,AVAIL | tail -n 1
+  # PostgreSQL's data on the machine's disk (the embedded default's place), not in memory: a fresh server's long loads
+  # at every GPU, one per word of DISK_DTYPES, --partitions as parts'; the disk's own write rate for scale.
+  D=${DISK_HOME:-/var/tmp/efdisk}; rm -rf "$D/home"; mkdir -p "$D"; findmnt -T "$D" -o SOURCE,FSTYPE,SIZE,AVAIL | tail -n 1
   dd if=/dev/zero of="$D/dd.test" bs=1M count=4096 conv=fdatasync 2>&1 | tail -n 1; rm -f "$D/dd.test"
   timeout 420 python3 bench/ingest.py --n "${N_PARTS:-12000000}" --shards 32 --model "$M" --no-index --work /dev/shm/efT \
-    --partitions "${PARTS:-8}" --gpus "$(echo "${DISK_DTYPES:-float,float}" | sed "s/[a-z]*/$GPUS/g")" \
-    --dtype "${DISK_DTYPES:-float,float}" --warmup 1000000 --home "$D/home" --out "$OUT/disk.json" \
+    --partitions "${PARTS:-8}" --gpus "$(echo "${DISK_DTYPES:-float,float}" | sed "s/[^,][^,]*/$GPUS/g")" \
+    --dtype "${DISK_DTYPES:-float,float}" --warmup 2500000 --home "$D/home" --out "$OUT/disk.json" \
     2>/tmp/disk.err >/dev/null || tail -n 20 /tmp/disk.err
   grep '^\[ingest\]' /tmp/disk.err | cut -c1-200
   EMBEDFLEET_HOME=$D/home python3 -m embedfleet.cli db stop >/dev/null

@@ -132,7 +132,8 @@ def ingest(
         if summary["time_shares"]:
             ran = [s for s in progress["summaries"] if s.get("started_at", 0.0) >= begun]
             several = len(ran) > 1 and not progress["table_partitions"]
-            typer.echo(bound_line(summary["time_shares"], summary["host_cpu"], several, cfg.dtype == "half"), err=True)
+            typer.echo(bound_line(summary["time_shares"], summary["host_cpu"], several,
+                                  stores_half=cfg.dtype == "half"), err=True)
 
 
 @app.command()

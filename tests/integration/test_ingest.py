@@ -569,33 +569,40 @@ def test_a_setting_the_server_does_not_have_is_left_out_and_restarts_nothing(tmp
         embedded.stop()
 
 
-def test_alter_system_writes_a_setting_and_applies_it_only_when_asked_to_reload(dsn):
+def test_alter_system_writes_a_setting_and_applies_it_only_when_asked_to_reload(tmp_path, monkeypatch):
+    """On a server of its own: the setting is cluster-wide, and the session's server is shared."""
     import time
 
     import psycopg
 
-    from embedfleet.store.embedded import alter_system
+    from embedfleet.store import embedded
 
-    def fresh() -> str:  # a new backend reads the configuration the postmaster holds
-        with psycopg.connect(dsn) as c:
-            return c.execute("SHOW bgwriter_delay").fetchone()[0]
+    monkeypatch.setenv("EMBEDFLEET_HOME", str(tmp_path / "home"))
+    try:
+        dsn = embedded.start()
 
-    with psycopg.connect(dsn, autocommit=True) as c:
-        was, started = fresh(), c.execute("SELECT pg_postmaster_start_time()").fetchone()[0]
-        assert was != "123ms"
-        try:
-            alter_system(c, {"bgwriter_delay": "123ms"})
-            assert c.execute("SELECT setting FROM pg_file_settings WHERE name = 'bgwriter_delay'").fetchone() == ("123ms",)
-            assert fresh() == was  # written, not applied
-            alter_system(c, {"bgwriter_delay": "123ms"}, reload=True)
-            deadline = time.monotonic() + 10  # the postmaster applies a reload signal on its own time
-            while fresh() != "123ms" and time.monotonic() < deadline:
+        def in_a_new_backend() -> str:  # a new backend takes the configuration the postmaster holds
+            with psycopg.connect(dsn) as c:
+                return c.execute("SHOW bgwriter_delay").fetchone()[0]
+
+        def within(seconds: float, value: str) -> bool:  # a reload is a signal, applied shortly after
+            deadline = time.monotonic() + seconds
+            while in_a_new_backend() != value and time.monotonic() < deadline:
                 time.sleep(0.05)
-            assert fresh() == "123ms"
+            return in_a_new_backend() == value
+
+        with psycopg.connect(dsn, autocommit=True) as c:
+            was, started = in_a_new_backend(), c.execute("SELECT pg_postmaster_start_time()").fetchone()[0]
+            assert was != "123ms"
+            embedded.alter_system(c, {"bgwriter_delay": "123ms"})
+            assert c.execute("SELECT setting FROM pg_file_settings WHERE name = 'bgwriter_delay' "
+                             "AND sourcefile LIKE '%postgresql.auto.conf'").fetchall() == [("123ms",)]
+            assert not within(1.0, "123ms")  # written, not applied
+            embedded.alter_system(c, {"bgwriter_delay": "123ms"}, reload=True)
+            assert within(10.0, "123ms")
             assert c.execute("SELECT pg_postmaster_start_time()").fetchone()[0] == started  # no restart
-        finally:
-            c.execute("ALTER SYSTEM RESET bgwriter_delay")
-            c.execute("SELECT pg_reload_conf()")
+    finally:
+        embedded.stop()
 
 
 def test_helper_processes_prepare_exactly_what_the_inline_path_does(cli, dsn, conn, tmp_path):

@@ -348,9 +348,9 @@ def test_the_bound_line_names_the_database_or_the_input_only_when_it_stands_out(
     assert "the database is this job's bound" in db and "--dtype half" in db and "--partitions" not in db
     assert "a new table made with --partitions 8" in bound_line({"embedding": 0.7, "input": 0.05, "database": 0.2}, None, True)
     assert "--partitions" not in bound_line({"embedding": 0.9, "input": 0.05, "database": 0.05}, None, True)
-    stored_half = bound_line({"embedding": 0.7, "input": 0.05, "database": 0.2}, None, False, half=True)
+    stored_half = bound_line({"embedding": 0.7, "input": 0.05, "database": 0.2}, None, True, stores_half=True)
     assert "the database is this job's bound" in stored_half and "--dtype half" not in stored_half  # has it already
-    assert stored_half.endswith("a faster disk helps")
+    assert "--partitions 8" in stored_half and stored_half.endswith("a faster disk helps")
     fed = bound_line({"embedding": 0.6, "input": 0.3, "database": 0.02})
     assert "input is this job's bound" in fed and "database is" not in fed
     busy = bound_line({"embedding": 0.95, "input": 0.02, "database": 0.01})

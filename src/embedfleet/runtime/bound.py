@@ -73,16 +73,16 @@ def host_shares(before: tuple | None, after: tuple | None) -> dict | None:
 
 
 def bound_line(shares: dict, host: dict | None = None, one_table_many_writers: bool = False,
-               half: bool = False) -> str:
+               stores_half: bool = False) -> str:
     """One line: the shares, the bound where one stands out, and the hypervisor where it took enough of the
     host's CPU (`host`, from `host_shares`) to slow what runs there. Several workers writing one relation
-    are told of --partitions: they queue on the lock that grows it (runs 146-149); a job storing `vector`
-    of --dtype half, which writes less WAL a row (runs 173-174)."""
+    are told of --partitions: they queue on the lock that grows it (runs 146-149). A job storing `vector`
+    is told of --dtype half: 30% less WAL a row (runs 173-174)."""
     line = (f"devices' time: {shares['embedding']:.0%} embedding, {shares['input']:.0%} waiting for input, "
             f"{shares['database']:.0%} waiting for the database")
     if shares["database"] >= DATABASE_BOUND and shares["database"] >= shares["input"]:
         hints = (["a new table made with --partitions 8 grows under 8 locks"] if one_table_many_writers else []) \
-            + ([] if half else ["a new table made with --dtype half writes 30% less"]) + ["a faster disk helps"]
+            + ([] if stores_half else ["a new table made with --dtype half writes 30% less WAL"]) + ["a faster disk helps"]
         line += " — the database is this job's bound: more devices will not help; " + ", ".join(hints)
     elif shares["input"] >= INPUT_BOUND:
         line += " — input is this job's bound: the host's CPUs read, template and tokenize"

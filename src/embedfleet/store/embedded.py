@@ -142,9 +142,9 @@ def _tune(pgserver, data: Path, uri: str) -> None:
     pgserver.pg_ctl(["-w", "restart"], pgdata=data, user=_user())
 
 
-def alter_system(conn, settings: dict[str, str], reload: bool = False) -> None:
+def alter_system(conn, settings: dict[str, str], *, reload: bool = False) -> None:
     """ALTER SYSTEM SET each name to its value on `conn` (autocommit); a restart applies them, or with `reload`
-    a configuration reload now (for the settings a reload applies)."""
+    a signal to reload the configuration (for the settings a reload applies; the server takes it shortly after)."""
     from psycopg import sql
 
     for name, value in settings.items():
