@@ -84,17 +84,21 @@ class PgWaitSampler(threading.Thread):
     def __init__(self, dsn: str, period: float = 0.05):
         super().__init__(daemon=True)
         self.dsn, self.period, self.counts, self.extend = dsn, period, {}, {}
-        self.samples: list[tuple] = []  # (time.time(), host_ticks(), clients, *TRACKED, other waits)
+        # (time.time(), host_ticks(), clients, *TRACKED, other waits, checkpoint running, WAL writer writing)
+        self.samples: list[tuple] = []
         self._halt = threading.Event()
 
     def run(self):
         with psycopg.connect(self.dsn, autocommit=True) as conn:
             while not self._halt.wait(self.period):
-                clients = [0] * (len(self.TRACKED) + 2)
+                clients, checkpointing, wal_writing = [0] * (len(self.TRACKED) + 2), 0, 0
                 for kind, event, backend in conn.execute(
                         "SELECT wait_event_type, wait_event, backend_type FROM pg_stat_activity "
                         "WHERE pid <> pg_backend_pid() AND (state = 'active' OR backend_type <> 'client backend')"):
                     who = "client" if backend == "client backend" else backend
+                    # out of its main loop's sleep the checkpointer is checkpointing (writing, or pacing itself)
+                    checkpointing |= who == "checkpointer" and kind != "Activity"
+                    wal_writing |= who == "walwriter" and kind == "IO"
                     if who == "client" or kind not in (None, "Activity"):
                         key = f"{who}: {kind}:{event}" if kind else f"{who}: CPU"
                         self.counts[key] = self.counts.get(key, 0) + 1
@@ -105,7 +109,7 @@ class PgWaitSampler(threading.Thread):
                             clients[1 + self.TRACKED.index(wait)] += 1
                         elif kind not in (None, "Client"):  # waiting on the server, not computing or reading input
                             clients[-1] += 1
-                self.samples.append((time.time(), host_ticks(), *clients))
+                self.samples.append((time.time(), host_ticks(), *clients, checkpointing, wal_writing))
                 # whose extension lock the waiters queue on: the table's heap, its primary key, or TOAST
                 for (rel,) in conn.execute("SELECT relation::regclass::text FROM pg_locks "
                                            "WHERE locktype = 'extend' AND NOT granted"):
@@ -124,8 +128,9 @@ class PgWaitSampler(threading.Thread):
 
     def tenths(self, start: float, end: float) -> dict[str, list]:
         """Over the tenths of [start, end] (epoch seconds, the loops' span): the share of the host's CPU the
-        hypervisor took, and the clients' samples on each tracked wait and on any other: whether the GPUs'
-        waits on the database (`sink_wait_by_tenth_s`) line up with steal or with a lock."""
+        hypervisor took, the clients' samples on each tracked wait and on any other, and the samples in which a
+        checkpoint ran and the WAL writer was writing: whether the GPUs' waits on the database
+        (`sink_wait_by_tenth_s`) line up with steal, with a lock or with a checkpoint."""
         span = end - start
         inside = [(s[0] - start, s) for s in self.samples if 0 <= s[0] - start < span]
         # host ticks between one sample and the next, counted at the later one
@@ -136,6 +141,9 @@ class PgWaitSampler(threading.Thread):
         out = {"stolen": _shares(stolen, ticks)}
         for k, name in enumerate([*self.TRACKED, "other waits"]):
             out[name] = _shares(by_tenth([(t, s[3 + k]) for t, s in inside], span), clients)
+        samples = by_tenth([(t, 1) for t, _ in inside], span)
+        for k, name in ((-2, "checkpoint running"), (-1, "WAL writer writing")):
+            out[name] = _shares(by_tenth([(t, s[k]) for t, s in inside], span), samples)
         return out
 
 
