@@ -30,6 +30,13 @@ OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 GPUS=$(nvidia-smi -L | wc -l)
 COUNTS=${GPU_COUNTS:-$(python3 -c "print(','.join(str(k) for k in (1, 2, 4, 8) if k <= $GPUS))")}
 nvidia-smi -L; lscpu | grep -E '^(CPU\(s\)|Model name)'; free -g | head -2
+long_load() {  # NAME HOME SECONDS GPU-LIST [ingest.py flags…]: N_PARTS MiniLM rows a run, the server's directory HOME;
+  local name=$1 home=$2 limit=$3 gpus=$4; shift 4  # results $OUT/NAME.json, its [ingest] lines and the host's Shmem
+  timeout "$limit" python3 bench/ingest.py --n "${N_PARTS:-12000000}" --shards 32 --model "$M" --no-index --work /dev/shm/efT \
+    --partitions "${PARTS:-8}" --gpus "$gpus" --home "$home" "$@" --out "$OUT/$name.json" \
+    2>"/tmp/$name.err" >/dev/null || tail -n 20 "/tmp/$name.err"
+  grep '^\[ingest\]' "/tmp/$name.err" | cut -c1-200; grep -E '^Shmem:' /proc/meminfo
+}
 case "$1" in
 gputests)
   timeout 150 python3 -m pytest -q -p no:cacheprovider -x ${GPU_TESTS:-tests/gpu/test_train_gpu.py \
@@ -108,18 +115,12 @@ firstload)
   # A fresh server's first long load at every GPU, on one machine: the machine's first server (a warm-up first); a
   # fresh server on the memory that one touched, then a later load on it; a fresh server whose WAL segment files
   # (WAL_GB, default 40: a 12M-row load writes ~32 GB) were made beforehand (runs 158-163).
-  load() {  # load HOME SECONDS GPU-LIST [ingest.py flags…]: N_PARTS rows a run with HOME as the server's directory
-    local home=$1 limit=$2 gpus=$3; shift 3
-    timeout "$limit" python3 bench/ingest.py --n "${N_PARTS:-12000000}" --shards 32 --model "$M" --no-index --work /dev/shm/efT \
-      --partitions "${PARTS:-8}" --gpus "$gpus" --home "/dev/shm/$home" "$@" --out "$OUT/${NAME:-$home}.json" \
-      2>"/tmp/${NAME:-$home}.err" >/dev/null || tail -n 20 "/tmp/${NAME:-$home}.err"
-    grep '^\[ingest\]' "/tmp/${NAME:-$home}.err" | cut -c1-200
-  }
+  load() { long_load "$1" "/dev/shm/$1" "${@:2}"; }  # load HOME SECONDS GPU-LIST [flags…], HOME under /dev/shm
   drop() { EMBEDFLEET_HOME=/dev/shm/$1 python3 -m embedfleet.cli db stop >/dev/null; rm -rf "/dev/shm/$1"; grep -E '^Shmem:' /proc/meminfo; }
   load h1 300 "$GPUS" --warmup 2500000
   mkdir -p /dev/shm/h2 /dev/shm/h3; cp -a /dev/shm/h1/cache /dev/shm/h2/; cp -a /dev/shm/h1/cache /dev/shm/h3/; drop h1
   load h2 250 "$GPUS,$GPUS"
-  [ "${ONE_N:-0}" != 0 ] && N_PARTS=$ONE_N NAME=h2one load h2 150 1  # one GPU on the same server: the scaling's base
+  [ "${ONE_N:-0}" != 0 ] && N_PARTS=$ONE_N long_load h2one /dev/shm/h2 150 1  # one GPU on the same server: the scaling's base
   drop h2
   [ "${WAL_GB:-40}" != 0 ] && EMBEDFLEET_HOME=/dev/shm/h3 timeout 120 python3 bench/wal_segments.py --gb "${WAL_GB:-40}" | tee "$OUT/h3_wal.txt"
   load h3 150 "$GPUS" ${H3_FLAGS:-}; drop h3
@@ -128,13 +129,7 @@ untouched)
   # First long loads into memory the VM has never touched, one server each, with UNTOUCHED_DTYPES (float,half,float):
   # every server keeps running with its WAL files (freed pages would be reused, touched), so each load's WAL and shared
   # buffers land on new memory (its heap may reuse the pages of the table the run before dropped).
-  load() {  # as firstload's, without the per-home names
-    local home=$1 limit=$2; shift 2
-    timeout "$limit" python3 bench/ingest.py --n "${N_PARTS:-12000000}" --shards 32 --model "$M" --no-index --work /dev/shm/efT \
-      --partitions "${PARTS:-8}" --gpus "$GPUS" --home "/dev/shm/$home" "$@" --out "$OUT/$home.json" \
-      2>"/tmp/$home.err" >/dev/null || tail -n 20 "/tmp/$home.err"
-    grep '^\[ingest\]' "/tmp/$home.err" | cut -c1-200; grep -E '^Shmem:' /proc/meminfo
-  }
+  load() { long_load "$1" "/dev/shm/$1" "$2" "$GPUS" "${@:3}"; }  # load HOME SECONDS [flags…]
   N_PARTS=2500000 load u0 200  # the compile cache (a smaller job runs eager); a small server, kept
   k=0
   for dtype in $(echo "${UNTOUCHED_DTYPES:-float,half,float}" | tr , ' '); do
@@ -148,11 +143,8 @@ disk)
   # at every GPU, one per word of DISK_DTYPES, --partitions as parts'; the disk's own write rate for scale.
   D=${DISK_HOME:-/var/tmp/efdisk}; rm -rf "$D/home"; mkdir -p "$D"; findmnt -T "$D" -o SOURCE,FSTYPE,SIZE,AVAIL | tail -n 1
   dd if=/dev/zero of="$D/dd.test" bs=1M count=4096 conv=fdatasync 2>&1 | tail -n 1; rm -f "$D/dd.test"
-  timeout 420 python3 bench/ingest.py --n "${N_PARTS:-12000000}" --shards 32 --model "$M" --no-index --work /dev/shm/efT \
-    --partitions "${PARTS:-8}" --gpus "$(echo "${DISK_DTYPES:-float,float}" | sed "s/[^,][^,]*/$GPUS/g")" \
-    --dtype "${DISK_DTYPES:-float,float}" --warmup 2500000 --home "$D/home" --out "$OUT/disk.json" \
-    2>/tmp/disk.err >/dev/null || tail -n 20 /tmp/disk.err
-  grep '^\[ingest\]' /tmp/disk.err | cut -c1-200
+  long_load disk "$D/home" 420 "$(echo "${DISK_DTYPES:-float,float}" | sed "s/[^,][^,]*/$GPUS/g")" \
+    --dtype "${DISK_DTYPES:-float,float}" --warmup 2500000
   EMBEDFLEET_HOME=$D/home python3 -m embedfleet.cli db stop >/dev/null
   ;;
 *) echo "usage: bash bench/device_multi.sh gputests|ingest|train|wiki|stpool|one|parts|firstload|untouched|disk"; exit 2 ;;

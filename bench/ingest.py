@@ -441,7 +441,7 @@ def run_once(data: list[Path], gpus: int, model: str | None, env: dict, preset: 
                            "helpers": round(sum(w["helper_cpu_s"] for w in workers) / rows * 1e6, 1),
                            "postgres": round(_cpu_used(pg0, pg1) / rows * 1e6, 1)} if rows else None,
         "pg_waits": waits,  # client connections: share of samples per wait event (CPU: none)
-        "host_and_pg_by_tenth": tenths,  # the loops' tenths: stolen, and the clients' waits
+        "host_and_pg_by_tenth": tenths,  # the loops' tenths: stolen, the clients' waits, checkpoint and WAL writer
         "wal": wal,  # over the whole command: WAL volume, WAL buffers found full, checkpoints, disk writes
         "memory": memory,  # the host's reclaim, faults, pressure stalls and free memory over the command
         "buffer_writes": buffer_writes,  # pages written out of shared buffers over the command, by backend type
