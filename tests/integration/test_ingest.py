@@ -482,8 +482,9 @@ def test_embedded_server_uri_start_stop(cli, tmp_path):
         assert c.execute("SELECT 1").fetchone() == (1,)
         # tuned for bulk loads at its first start (one restart), and the DSN still reaches it
         assert [c.execute(f"SHOW {k}").fetchone()[0] for k in ("wal_buffers", "max_wal_size", "max_connections",
-                                                               "io_method", "wal_init_zero")] == [
-            "256MB", f"{max_wal_size_gb(shutil.disk_usage(tmp_path).total)}GB", "300", "sync", "off"]
+                                                               "io_method", "wal_init_zero", "min_wal_size",
+                                                               "wal_segment_size")] == [
+            "256MB", f"{max_wal_size_gb(shutil.disk_usage(tmp_path).total)}GB", "300", "sync", "off", "1GB", "256MB"]
         assert _shared_buffers_mb(c) == shared_buffers_mb(memory_bytes())
         # A data directory tuned by an earlier version (other values) is tuned again at the next start.
         c.execute("ALTER SYSTEM SET shared_buffers = '128MB'")
@@ -538,11 +539,16 @@ def test_embedded_server_is_not_restarted_under_a_connected_client(cli):
     try:
         with psycopg.connect(dsn, autocommit=True) as c:
             assert c.execute("SHOW wal_buffers").fetchone()[0] != "256MB"
+            c.execute("CREATE TABLE kept AS SELECT g AS id, md5(g::text) AS content FROM generate_series(1, 5000) g")
             cli("db", "uri", check=True)  # would tune and restart, but someone is connected
             assert c.execute("SHOW wal_buffers").fetchone()[0] != "256MB"  # same session: not cut off
-        cli("db", "uri", check=True)  # alone now: tuned
+        cli("db", "uri", check=True)  # alone now: tuned, its WAL segment files resized on the way
         with psycopg.connect(dsn) as c:
-            assert c.execute("SHOW wal_buffers").fetchone()[0] == "256MB"
+            assert [c.execute(f"SHOW {k}").fetchone()[0] for k in ("wal_buffers", "wal_segment_size")] == [
+                "256MB", "256MB"]
+            assert c.execute("SELECT count(*), sum(length(content)) FROM kept").fetchone() == (5000, 5000 * 32)
+            c.execute("INSERT INTO kept SELECT 0, 'after'")  # and it writes
+            c.commit()
     finally:
         cli("db", "stop")
 

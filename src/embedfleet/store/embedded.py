@@ -7,12 +7,16 @@ next command (or a worker process) connects in milliseconds; `embedfleet db stop
 
 from __future__ import annotations
 
+import logging
 import os
 import shutil
+import subprocess
 import warnings
 from pathlib import Path
 
 from embedfleet.errors import DatabaseError
+
+log = logging.getLogger(__name__)
 
 
 def home() -> Path:
@@ -45,8 +49,14 @@ def _pgserver():
 # wal_buffers: at 4 GPUs the 64 MB were found full ~7,600 times in a 4M-row load (run 107).
 # wal_init_zero: a fresh server's first long load waited on zero-filling new WAL files under the WAL write lock
 # (bench/NOTES.md, runs 162-169); off, the files are still fsynced as written.
+# min_wal_size: PostgreSQL's floor is two WAL segment files (WAL_SEGMENT_MB).
 BULK_SETTINGS = {"wal_buffers": "256MB", "checkpoint_timeout": "30min", "max_connections": "300",
-                 "io_method": "sync", "wal_init_zero": "off"}
+                 "io_method": "sync", "wal_init_zero": "off", "min_wal_size": "1GB"}
+
+# The WAL in 256 MB files, not 16 MB: on a disk, PostgreSQL alone took 24 writers' rows at 273-279k rows/s with
+# 16 MB files and 333-398k with 256 MB, alternated on one host; with 16 MB its backends also wrote WAL themselves,
+# in ~45k small writes a 3M-row load (bench/NOTES.md, run 177). initdb fixes the size; pg_resetwal changes it.
+WAL_SEGMENT_MB = 256
 
 
 def max_wal_size_gb(disk_bytes: int) -> int:
@@ -136,10 +146,24 @@ def _tune(pgserver, data: Path, uri: str) -> None:
         # a setting this server's version does not have (io_method before PostgreSQL 18) is left out
         known = {r[0] for r in conn.execute("SELECT name FROM pg_settings WHERE name = ANY(%s)", [list(wanted)])}
         todo = {name: value for name, value in wanted.items() if name in known}
-        if others or not todo:
+        resize = conn.execute("SHOW wal_segment_size").fetchone()[0] != f"{WAL_SEGMENT_MB}MB"
+        if others or not (todo or resize):
             return
         alter_system(conn, todo)
-    pgserver.pg_ctl(["-w", "restart"], pgdata=data, user=_user())
+    if resize:
+        _resize_wal(pgserver, data)
+    pgserver.pg_ctl(["-w", "restart"], pgdata=data, user=_user())  # starts a stopped server with its last options
+
+
+def _resize_wal(pgserver, data: Path) -> None:
+    """Stop the server and give it WAL_SEGMENT_MB segment files. pg_resetwal only runs on a cleanly stopped
+    server, which needs none of its WAL; where it fails the server keeps its segments, and works as before."""
+    pgserver.pg_ctl(["-w", "stop"], pgdata=data, user=_user())
+    try:
+        pgserver.pg_resetwal([f"--wal-segsize={WAL_SEGMENT_MB}"], pgdata=data, user=_user())
+    except subprocess.CalledProcessError as e:
+        log.warning("the embedded server keeps its WAL segment size: pg_resetwal failed (%s)",
+                    (e.stderr or str(e)).strip().splitlines()[-1])
 
 
 def alter_system(conn, settings: dict[str, str], *, reload: bool = False) -> None:
