@@ -1,5 +1,5 @@
-"""What the bench scripts that drive the real CLI share: run one command for its `--json` document, and
-the span of the workers' loops from their summaries."""
+"""What the bench scripts that drive the real CLI share: run one command for its `--json` document, the
+span of the workers' loops from their summaries, and --pg-set's NAME=VALUE lists."""
 
 from __future__ import annotations
 
@@ -25,3 +25,14 @@ def loop_span(workers: list[dict]) -> tuple[float, float]:
     """(the first worker's loop start, seconds from it to the last one's end)."""
     first = min(w["started_at"] for w in workers)
     return first, max(w["started_at"] + w["wall_s"] for w in workers) - first
+
+
+def name_values(items: list[str]) -> dict[str, str]:
+    """{NAME: VALUE} of NAME=VALUE items (a server's settings); an item without "=" ends the bench."""
+    out = {}
+    for item in items:
+        name, eq, value = item.partition("=")
+        if not eq:
+            raise SystemExit(f"expected NAME=VALUE, got {item!r}")
+        out[name.strip()] = value.strip()
+    return out

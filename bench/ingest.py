@@ -31,11 +31,13 @@ import sys
 import threading
 import time
 from pathlib import Path
+from typing import NamedTuple
 
 import orjson
 import psycopg
 from psycopg import sql
 
+from _cli import name_values
 from embedfleet.runtime.bound import host_shares, host_ticks
 from embedfleet.runtime.flow import by_tenth
 from embedfleet.store.embedded import alter_system
@@ -73,25 +75,35 @@ class GpuSampler(threading.Thread):
         return [round(sum(s[i] for s in window) / len(window), 1) for i in range(len(self.indices))]
 
 
+class PgSample(NamedTuple):
+    """One look at pg_stat_activity, for `PgWaitSampler.tenths`."""
+    at: float                      # time.time()
+    host: tuple[int, int, int] | None  # host_ticks(): (busy, total, stolen)
+    clients: int                   # client connections running a statement
+    tracked: tuple[int, ...]       # of them, on each of PgWaitSampler.TRACKED
+    other_waits: int               # of them, on any other wait on the server
+    checkpointing: bool
+    wal_writing: bool
+
+
 class PgWaitSampler(threading.Thread):
     """What the server's busy connections are doing (pg_stat_activity's wait event, or CPU when none),
     sampled every `period` s: the share of samples per state tells whether the database waits on its
     disk, on a lock (WAL insertion, the ledger's rows) or computes."""
 
-    # Per sample, for `tenths`: the clients' samples in all, on these waits, and on any other wait.
+    # For `tenths`: the clients' samples on these waits apart from any other wait.
     TRACKED = ("LWLock:WALInsert", "LWLock:WALWrite")
 
     def __init__(self, dsn: str, period: float = 0.05):
         super().__init__(daemon=True)
         self.dsn, self.period, self.counts, self.extend = dsn, period, {}, {}
-        # (time.time(), host_ticks(), clients, *TRACKED, other waits, checkpoint running, WAL writer writing)
-        self.samples: list[tuple] = []
+        self.samples: list[PgSample] = []
         self._halt = threading.Event()
 
     def run(self):
         with psycopg.connect(self.dsn, autocommit=True) as conn:
             while not self._halt.wait(self.period):
-                clients, checkpointing, wal_writing = [0] * (len(self.TRACKED) + 2), 0, 0
+                clients, tracked, other, checkpointing, wal_writing = 0, [0] * len(self.TRACKED), 0, False, False
                 for kind, event, backend in conn.execute(
                         "SELECT wait_event_type, wait_event, backend_type FROM pg_stat_activity "
                         "WHERE pid <> pg_backend_pid() AND (state = 'active' OR backend_type <> 'client backend')"):
@@ -103,13 +115,14 @@ class PgWaitSampler(threading.Thread):
                         key = f"{who}: {kind}:{event}" if kind else f"{who}: CPU"
                         self.counts[key] = self.counts.get(key, 0) + 1
                     if who == "client":
-                        clients[0] += 1
+                        clients += 1
                         wait = f"{kind}:{event}"
                         if wait in self.TRACKED:
-                            clients[1 + self.TRACKED.index(wait)] += 1
+                            tracked[self.TRACKED.index(wait)] += 1
                         elif kind not in (None, "Client"):  # waiting on the server, not computing or reading input
-                            clients[-1] += 1
-                self.samples.append((time.time(), host_ticks(), *clients, checkpointing, wal_writing))
+                            other += 1
+                self.samples.append(PgSample(time.time(), host_ticks(), clients, tuple(tracked), other,
+                                             checkpointing, wal_writing))
                 # whose extension lock the waiters queue on: the table's heap, its primary key, or TOAST
                 for (rel,) in conn.execute("SELECT relation::regclass::text FROM pg_locks "
                                            "WHERE locktype = 'extend' AND NOT granted"):
@@ -132,18 +145,19 @@ class PgWaitSampler(threading.Thread):
         checkpoint ran and the WAL writer was writing: whether the GPUs' waits on the database
         (`sink_wait_by_tenth_s`) line up with steal, with a lock or with a checkpoint."""
         span = end - start
-        inside = [(s[0] - start, s) for s in self.samples if 0 <= s[0] - start < span]
+        inside = [(s.at - start, s) for s in self.samples if 0 <= s.at - start < span]
         # host ticks between one sample and the next, counted at the later one
-        steps = [(t, b[1], a[1]) for (_, a), (t, b) in zip(inside, inside[1:]) if a[1] and b[1]]
-        stolen = by_tenth([(t, b[2] - a[2]) for t, b, a in steps], span)
-        ticks = by_tenth([(t, b[1] - a[1]) for t, b, a in steps], span)
-        clients = by_tenth([(t, s[2]) for t, s in inside], span)
+        steps = [(t, b.host, a.host) for (_, a), (t, b) in zip(inside, inside[1:]) if a.host and b.host]
+        stolen = by_tenth([(t, now[2] - before[2]) for t, now, before in steps], span)
+        ticks = by_tenth([(t, now[1] - before[1]) for t, now, before in steps], span)
+        clients = by_tenth([(t, s.clients) for t, s in inside], span)
         out = {"stolen": _shares(stolen, ticks)}
-        for k, name in enumerate([*self.TRACKED, "other waits"]):
-            out[name] = _shares(by_tenth([(t, s[3 + k]) for t, s in inside], span), clients)
+        for k, name in enumerate(self.TRACKED):
+            out[name] = _shares(by_tenth([(t, s.tracked[k]) for t, s in inside], span), clients)
+        out["other waits"] = _shares(by_tenth([(t, s.other_waits) for t, s in inside], span), clients)
         samples = by_tenth([(t, 1) for t, _ in inside], span)
-        for k, name in ((-2, "checkpoint running"), (-1, "WAL writer writing")):
-            out[name] = _shares(by_tenth([(t, s[k]) for t, s in inside], span), samples)
+        out["checkpoint running"] = _shares(by_tenth([(t, s.checkpointing) for t, s in inside], span), samples)
+        out["WAL writer writing"] = _shares(by_tenth([(t, s.wal_writing) for t, s in inside], span), samples)
         return out
 
 
@@ -276,7 +290,7 @@ def set_server(env: dict, settings: list[str]) -> None:
     """ALTER SYSTEM SET each NAME=VALUE on the embedded server, then restart it (a measuring knob:
     e.g. --pg-set wal_init_zero=off,wal_buffers=256MB)."""
     with psycopg.connect(_db(env, "uri"), autocommit=True) as conn:
-        alter_system(conn, dict(item.split("=", 1) for item in settings))
+        alter_system(conn, name_values(settings))
     _db(env, "stop")
     _db(env, "start")
 
@@ -287,7 +301,7 @@ def reload_server(env: dict, settings: list[str], names: set[str]) -> None:
     with psycopg.connect(_db(env, "uri"), autocommit=True) as conn:
         for name in sorted(names):
             conn.execute(sql.SQL("ALTER SYSTEM RESET {}").format(sql.Identifier(name)))
-        alter_system(conn, dict(item.split("=", 1) for item in settings), reload=True)
+        alter_system(conn, name_values(settings), reload=True)
         time.sleep(0.5)  # the postmaster signals its children; they read the file at their next loop
         stuck = conn.execute("SELECT name FROM pg_settings WHERE name = ANY(%s) AND pending_restart",
                              [sorted(names)]).fetchall()
@@ -585,7 +599,7 @@ def main() -> None:
     nices = args.helper_nice.split(",") if args.helper_nice else [None]
     partitions = [int(k) for k in args.partitions.split(",")]
     reloads = [[] if v.strip() in ("", "default") else v.split(",") for v in args.pg_reload.split(";")] if args.pg_reload else None
-    reloaded = {item.split("=", 1)[0] for v in reloads or [] for item in v}
+    reloaded = {name for v in reloads or [] for name in name_values(v)}
     gil = None
     if args.gil:
         start, seconds, py_spy = args.gil.split(":", 2)

@@ -25,6 +25,7 @@ from pathlib import Path
 import numpy as np
 from psycopg import sql
 
+from _cli import name_values
 from embedfleet.config import DEFAULT_CHUNK_BYTES, JobConfig
 from embedfleet.encode.tokenize import tokenizer_spec
 from embedfleet.runtime.units import Task, UnitContext, UnitPool
@@ -128,7 +129,7 @@ def main() -> None:
     dsn = resolve_dsn(a.db)
     if a.pg_set:
         with connect(dsn) as conn:
-            alter_system(conn, dict(item.split("=", 1) for item in a.pg_set.split(",")), reload=True)
+            alter_system(conn, name_values(a.pg_set.split(",")), reload=True)
         os.environ["EMBEDFLEET_PG_TUNE"] = "0"  # the writers' processes leave them (the tuning would set its own back)
     paths = cached_review_shards(Path(a.work), a.n, a.shards)
     results = []
