@@ -1,5 +1,5 @@
-"""What the bench scripts that drive the real CLI share: run one command for its `--json` document, the
-span of the workers' loops from their summaries, and --pg-set's NAME=VALUE lists."""
+"""What bench scripts share: run one command of the real CLI for its `--json` document, the span of the
+workers' loops from their summaries, and --pg-set's NAME=VALUE lists."""
 
 from __future__ import annotations
 

@@ -484,14 +484,18 @@ def test_embedded_server_uri_start_stop(cli, tmp_path):
         assert [c.execute(f"SHOW {k}").fetchone()[0] for k in ("wal_buffers", "max_wal_size", "max_connections",
                                                                "io_method", "wal_init_zero", "min_wal_size",
                                                                "wal_segment_size")] == [
-            "256MB", f"{max_wal_size_gb(shutil.disk_usage(tmp_path).total)}GB", "300", "sync", "off", "1GB", "256MB"]
+            "256MB", f"{max_wal_size_gb(shutil.disk_usage(tmp_path).total)}GB", "300", "sync", "off", "1280MB",
+            "256MB"]
         assert _shared_buffers_mb(c) == shared_buffers_mb(memory_bytes())
-        # A data directory tuned by an earlier version (other values) is tuned again at the next start.
-        c.execute("ALTER SYSTEM SET shared_buffers = '128MB'")
+        # Settings tuned away (or by an earlier version) are tuned again at the next start; with ALTER SYSTEM's
+        # file emptied, min_wal_size still fits 256 MB WAL files, or the server would not start.
+        c.execute("ALTER SYSTEM RESET ALL")
     assert "stopped" in cli("db", "stop", check=True).stderr
     assert cli("db", "uri", check=True).stdout.strip() == dsn
     with psycopg.connect(dsn) as c:
         assert _shared_buffers_mb(c) == shared_buffers_mb(memory_bytes())
+        assert [c.execute(f"SHOW {k}").fetchone()[0] for k in ("min_wal_size", "wal_segment_size")] == [
+            "1280MB", "256MB"]
     assert "stopped" in cli("db", "stop", check=True).stderr
     assert "not running" in cli("db", "stop", check=True).stderr
     assert cli("db", "uri", check=True).stdout.strip() == dsn  # started again, same data directory
@@ -571,6 +575,42 @@ def test_a_setting_the_server_does_not_have_is_left_out_and_restarts_nothing(tmp
         assert embedded.start() == dsn
         with psycopg.connect(dsn) as c:
             assert c.execute("SELECT pg_postmaster_start_time()").fetchone()[0] == started  # not restarted
+    finally:
+        embedded.stop()
+
+
+def test_a_failed_wal_resize_leaves_the_server_running_as_before_and_the_next_start_resizes_it(
+        tmp_path, monkeypatch, caplog):
+    import logging
+    import subprocess
+    import types
+
+    import psycopg
+
+    from embedfleet.store import embedded
+
+    monkeypatch.setenv("EMBEDFLEET_HOME", str(tmp_path / "home"))
+    monkeypatch.setenv("EMBEDFLEET_PG_TUNE", "0")
+    pgserver = embedded._pgserver()
+    data = embedded.home() / "pgdata"
+
+    def refuse(args, **kwargs):
+        raise subprocess.CalledProcessError(1, ["pg_resetwal", *args])
+
+    failing = types.SimpleNamespace(PostgresServer=pgserver.PostgresServer, pg_ctl=pgserver.pg_ctl,
+                                    pg_resetwal=refuse)
+    try:
+        dsn = embedded.start()  # stock: PostgreSQL's 16 MB WAL files
+        monkeypatch.delenv("EMBEDFLEET_PG_TUNE")
+        with caplog.at_level(logging.WARNING, logger=embedded.__name__):
+            embedded._tune(failing, data, dsn)
+        assert "pg_resetwal exited 1" in caplog.text
+        with psycopg.connect(dsn) as c:  # started again: its settings tuned, its WAL files as they were
+            assert [c.execute(f"SHOW {k}").fetchone()[0] for k in ("wal_buffers", "wal_segment_size")] == [
+                "256MB", "16MB"]
+        assert embedded.start() == dsn  # the next start tries again
+        with psycopg.connect(dsn) as c:
+            assert c.execute("SHOW wal_segment_size").fetchone()[0] == "256MB"
     finally:
         embedded.stop()
 

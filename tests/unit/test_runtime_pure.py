@@ -20,7 +20,8 @@ from embedfleet.runtime.local import parse_devices, worker_count, writers_each
 from embedfleet.runtime.monitor import rate_and_eta
 from embedfleet.sources import read_chunk
 from embedfleet.sources.plan import ChunkSpec, plan_chunks
-from embedfleet.store.embedded import _settings_in, changed, max_wal_size_gb, shared_buffers_mb
+from embedfleet.store.embedded import (_settings_in, _sigint_ignored, changed, max_wal_size_gb,
+                                       shared_buffers_mb, wal_segment_mb)
 from embedfleet.store.schema import check_identifier
 from embedfleet.train.read import use_chunks
 
@@ -430,3 +431,29 @@ def test_a_worker_process_reuses_the_pages_it_freed_for_its_next_units_buffers()
         pytest.skip("not glibc: its allocator is left as it is")
     # 120 units of ~7 MB (~210k pages): by default 29-42k faults on the 2-core VM; kept, 6-12k (each thread's first)
     assert int(out["default"][1]) > 2 * int(out["keep"][1]), out
+
+
+def test_the_wal_segment_size_is_read_from_a_segment_file(tmp_path):
+    wal = tmp_path / "pg_wal"
+    (wal / "archive_status").mkdir(parents=True)
+    (wal / "00000002.history").write_text("1\t0/3000000\tno recovery target specified\n")
+    assert wal_segment_mb(tmp_path) is None  # no segment
+    with open(wal / "000000010000000000000003", "wb") as f:
+        f.truncate(256 << 20)  # sparse, as with wal_init_zero off
+    assert wal_segment_mb(tmp_path) == 256
+
+
+def test_ctrl_c_does_not_reach_what_runs_with_sigint_ignored():
+    import os
+    import signal
+
+    got = []
+    before = signal.signal(signal.SIGINT, lambda *_: got.append(1))
+    try:
+        with _sigint_ignored():
+            os.kill(os.getpid(), signal.SIGINT)
+        assert got == []
+        os.kill(os.getpid(), signal.SIGINT)  # the handler is back
+        assert got == [1]
+    finally:
+        signal.signal(signal.SIGINT, before)

@@ -10,8 +10,11 @@ from __future__ import annotations
 import logging
 import os
 import shutil
+import signal
 import subprocess
+import threading
 import warnings
+from contextlib import contextmanager
 from pathlib import Path
 
 from embedfleet.errors import DatabaseError
@@ -49,14 +52,15 @@ def _pgserver():
 # wal_buffers: at 4 GPUs the 64 MB were found full ~7,600 times in a 4M-row load (run 107).
 # wal_init_zero: a fresh server's first long load waited on zero-filling new WAL files under the WAL write lock
 # (bench/NOTES.md, runs 162-169); off, the files are still fsynced as written.
-# min_wal_size: PostgreSQL's floor is two WAL segment files (WAL_SEGMENT_MB).
 BULK_SETTINGS = {"wal_buffers": "256MB", "checkpoint_timeout": "30min", "max_connections": "300",
-                 "io_method": "sync", "wal_init_zero": "off", "min_wal_size": "1GB"}
+                 "io_method": "sync", "wal_init_zero": "off"}
 
 # The WAL in 256 MB files, not 16 MB: on a disk, PostgreSQL alone took 24 writers' rows at 273-279k rows/s with
 # 16 MB files and 333-398k with 256 MB, alternated on one host; with 16 MB its backends also wrote WAL themselves,
-# in ~45k small writes a 3M-row load (bench/NOTES.md, run 177). initdb fixes the size; pg_resetwal changes it.
+# in 31-58k small writes a 3M-row load (bench/NOTES.md, runs 176-178). initdb fixes the size; pg_resetwal changes it.
 WAL_SEGMENT_MB = 256
+# PostgreSQL does not start with min_wal_size under two segment files; initdb writes five (80 MB for 16 MB files).
+MIN_WAL_LINE = f"min_wal_size = {5 * WAL_SEGMENT_MB}MB  # embedfleet: initdb's for {WAL_SEGMENT_MB} MB WAL files"
 
 
 def max_wal_size_gb(disk_bytes: int) -> int:
@@ -128,42 +132,81 @@ def _user() -> str | None:
 
 
 def _tune(pgserver, data: Path, uri: str) -> None:
-    """Apply `bulk_settings()` and restart, unless they are set already or someone else is connected (a
-    restart would cut them off: try again next time). EMBEDFLEET_PG_TUNE=0 leaves the server as it is."""
+    """Apply `bulk_settings()` and WAL_SEGMENT_MB files with one restart, unless they are there already or someone
+    else is connected (a restart would cut them off: try again next time). EMBEDFLEET_PG_TUNE=0 leaves the server
+    as it is."""
     if os.environ.get("EMBEDFLEET_PG_TUNE") == "0":
         return
     try:
-        wanted = changed(_settings_in((data / "postgresql.auto.conf").read_text()), bulk_settings(data))
+        if not any(_untuned(data)):
+            return
     except OSError:
-        return
-    if not wanted:
         return
     import psycopg
 
-    with psycopg.connect(uri, autocommit=True) as conn:
-        others = conn.execute("SELECT count(*) FROM pg_stat_activity WHERE backend_type = 'client backend' "
-                              "AND pid <> pg_backend_pid()").fetchone()[0]
-        # a setting this server's version does not have (io_method before PostgreSQL 18) is left out
-        known = {r[0] for r in conn.execute("SELECT name FROM pg_settings WHERE name = ANY(%s)", [list(wanted)])}
-        todo = {name: value for name, value in wanted.items() if name in known}
-        resize = conn.execute("SHOW wal_segment_size").fetchone()[0] != f"{WAL_SEGMENT_MB}MB"
-        if others or not (todo or resize):
-            return
-        alter_system(conn, todo)
-    if resize:
-        _resize_wal(pgserver, data)
-    pgserver.pg_ctl(["-w", "restart"], pgdata=data, user=_user())  # starts a stopped server with its last options
+    # pgserver's lock on starting a server (any process's): none starts this one while it is stopped here
+    with pgserver.PostgresServer._lock:
+        wanted, resize = _untuned(data)  # again: another process may have tuned it meanwhile
+        with psycopg.connect(uri, autocommit=True) as conn:
+            others = conn.execute("SELECT count(*) FROM pg_stat_activity WHERE backend_type = 'client backend' "
+                                  "AND pid <> pg_backend_pid()").fetchone()[0]
+            # a setting this server's version does not have (io_method before PostgreSQL 18) is left out
+            known = {r[0] for r in conn.execute("SELECT name FROM pg_settings WHERE name = ANY(%s)", [list(wanted)])}
+            todo = {name: value for name, value in wanted.items() if name in known}
+            if others or not (todo or resize):
+                return
+            alter_system(conn, todo)
+        try:
+            if resize:
+                _resize_wal(pgserver, data)
+        finally:  # restart also starts a stopped server, with the options it last ran with
+            pgserver.pg_ctl(["-w", "-l", str(data / "log"), "restart"], pgdata=data, user=_user())
+
+
+def _untuned(data: Path) -> tuple[dict[str, str], bool]:
+    """(the settings the server in `data` lacks, whether its WAL files are to be resized), from its files alone."""
+    wanted = changed(_settings_in((data / "postgresql.auto.conf").read_text()), bulk_settings(data))
+    room = shutil.disk_usage(data).free > 4 * WAL_SEGMENT_MB << 20  # for the new files, with some to spare
+    return wanted, room and wal_segment_mb(data) not in (None, WAL_SEGMENT_MB)
+
+
+def wal_segment_mb(data: Path) -> int | None:
+    """The size of a data directory's WAL segment files, from one of them (None where there is none)."""
+    for f in (data / "pg_wal").iterdir():
+        if len(f.name) == 24 and f.is_file():  # a segment's name: 24 hex digits
+            return f.stat().st_size >> 20
+    return None
 
 
 def _resize_wal(pgserver, data: Path) -> None:
-    """Stop the server and give it WAL_SEGMENT_MB segment files. pg_resetwal only runs on a cleanly stopped
-    server, which needs none of its WAL; where it fails the server keeps its segments, and works as before."""
-    pgserver.pg_ctl(["-w", "stop"], pgdata=data, user=_user())
+    """Stop the server and rewrite its WAL in WAL_SEGMENT_MB files: pg_resetwal, which runs only on a cleanly
+    stopped server (it then needs none of its WAL). Where it cannot, the server keeps its files and works as
+    before; the next start tries again."""
+    pgserver.pg_ctl(["-w", "-t", "600", "stop"], pgdata=data, user=_user())  # may write out GBs of buffers
+    conf = data / "postgresql.conf"
+    if MIN_WAL_LINE not in conf.read_text():  # there, not in ALTER SYSTEM's file: a RESET falls back to it
+        with conf.open("a") as f:
+            f.write(f"\n{MIN_WAL_LINE}\n")
     try:
-        pgserver.pg_resetwal([f"--wal-segsize={WAL_SEGMENT_MB}"], pgdata=data, user=_user())
-    except subprocess.CalledProcessError as e:
-        log.warning("the embedded server keeps its WAL segment size: pg_resetwal failed (%s)",
-                    (e.stderr or str(e)).strip().splitlines()[-1])
+        # cut short, it would leave no WAL and a server that does not start: Ctrl-C does not reach it
+        with _sigint_ignored():
+            pgserver.pg_resetwal([f"--wal-segsize={WAL_SEGMENT_MB}"], pgdata=data, user=_user(),
+                                 start_new_session=True)
+    except subprocess.CalledProcessError as e:  # pgserver has logged its output
+        log.warning("the embedded server keeps its WAL files: pg_resetwal exited %s", e.returncode)
+
+
+@contextmanager
+def _sigint_ignored():
+    """SIGINT (Ctrl-C) ignored inside the block, in the main thread (the only one Python delivers it to)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    before = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, before)
 
 
 def alter_system(conn, settings: dict[str, str], *, reload: bool = False) -> None:
