@@ -579,6 +579,25 @@ def test_a_setting_the_server_does_not_have_is_left_out_and_restarts_nothing(tmp
         embedded.stop()
 
 
+def test_processes_starting_a_new_embedded_server_at_once_all_reach_it_tuned(cli):
+    """As several `train` ranks do with no --db: while one tunes the server (stopped for its WAL files) no
+    other may start it, or be cut off."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    import psycopg
+
+    try:
+        with ThreadPoolExecutor(4) as pool:
+            runs = list(pool.map(lambda _: cli("db", "uri"), range(4)))
+        assert [p.returncode for p in runs] == [0] * 4, [p.stderr[-500:] for p in runs]
+        (dsn,) = {p.stdout.strip() for p in runs}
+        with psycopg.connect(dsn) as c:
+            assert [c.execute(f"SHOW {k}").fetchone()[0] for k in ("wal_buffers", "wal_segment_size")] == [
+                "256MB", "256MB"]
+    finally:
+        cli("db", "stop")
+
+
 def test_a_failed_wal_resize_leaves_the_server_running_as_before_and_the_next_start_resizes_it(
         tmp_path, monkeypatch, caplog):
     import logging
