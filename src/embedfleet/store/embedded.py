@@ -55,9 +55,8 @@ def _pgserver():
 BULK_SETTINGS = {"wal_buffers": "256MB", "checkpoint_timeout": "30min", "max_connections": "300",
                  "io_method": "sync", "wal_init_zero": "off"}
 
-# The WAL in 256 MB files, not 16 MB: on the disks of five hosts, PostgreSQL alone took 24 writers' rows at 333-398k
-# rows/s with 256 MB files and 273-311k with 16 MB; with 16 MB its backends also wrote part of the WAL themselves,
-# in 31-68k small writes a 3M-row load (bench/NOTES.md, runs 175-179). initdb fixes the size; pg_resetwal changes it.
+# The WAL in 256 MB files, not 16 MB: on a disk the writers' backends then leave the WAL's writing to the WAL writer,
+# and PostgreSQL alone took rows ~1.3x faster (bench/NOTES.md, runs 175-179). initdb fixes the size; pg_resetwal changes it.
 WAL_SEGMENT_MB = 256
 # PostgreSQL does not start with min_wal_size under two segment files; initdb writes five (80 MB for 16 MB files).
 MIN_WAL_LINE = f"min_wal_size = {5 * WAL_SEGMENT_MB}MB  # embedfleet: initdb's for {WAL_SEGMENT_MB} MB WAL files"
