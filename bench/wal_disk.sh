@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # PostgreSQL's WAL write path on a machine's disk, by WAL segment size (initdb --wal-segsize), on the GPU
-# machine (device tool) or any Linux host, from the project root. Carry .whl and .models (device_multi.sh's).
+# machine (device tool) or any Linux host, from the project root. Carry .whl and .models (bench/device_prelude.sh).
 #   SINK_SEGS=16,256,16,256 bash bench/wal_disk.sh
 # First the disk: 4 GiB of zeros with fdatasync. Then, for each segment size in SINK_SEGS (MB, in run order), a
 # fresh server with its data in $DISK_HOME/efwal, the embedded server's bulk settings but max_wal_size 32GB (no
@@ -8,13 +8,7 @@
 # workers, no model; SINK_N rows); then its WAL I/O by process (pg_stat_io: write and fsync counts and times).
 # Results under $OUT: <k>_seg<MB>.json in run order, walio.txt. Exits 1 if a load or a server failed.
 set -o pipefail
-export PYTHONPATH=$PWD/src${PYTHONPATH:+:$PYTHONPATH}
-if [ -d .whl ] && ! python3 -c "import psycopg, pgserver" 2>/dev/null; then  # the GPU machine lacks them
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
-  export PYTHONPATH=/tmp/site:$PYTHONPATH
-fi
-M=${MODEL:-$PWD/.models/all-MiniLM-L6-v2-fp16}
-OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+. bench/device_prelude.sh
 ROOT=${DISK_HOME:-/var/tmp}/efwal  # a directory of its own: it is handed to the pgserver user
 mkdir -p "$ROOT" || exit 1
 BIN=$(python3 -c "import os, pgserver; print(os.path.dirname(pgserver.__file__))")/pginstall/bin
