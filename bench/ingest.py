@@ -38,7 +38,7 @@ import psycopg
 from psycopg import sql
 
 from _cli import name_values
-from embedfleet.runtime.bound import host_shares, host_ticks
+from embedfleet.runtime.bound import HostTicks, host_shares, host_ticks
 from embedfleet.runtime.flow import by_tenth
 from embedfleet.store.embedded import alter_system
 
@@ -78,7 +78,7 @@ class GpuSampler(threading.Thread):
 class PgSample(NamedTuple):
     """One look at pg_stat_activity, for `PgWaitSampler.tenths`."""
     at: float                      # time.time()
-    host: tuple[int, int, int] | None  # host_ticks(): (busy, total, stolen)
+    host: HostTicks | None
     clients: int                   # client connections running a statement
     tracked: tuple[int, ...]       # of them, on each of PgWaitSampler.TRACKED
     other_waits: int               # of them, on any other wait on the server
@@ -148,8 +148,8 @@ class PgWaitSampler(threading.Thread):
         inside = [(s.at - start, s) for s in self.samples if 0 <= s.at - start < span]
         # host ticks between one sample and the next, counted at the later one
         steps = [(t, b.host, a.host) for (_, a), (t, b) in zip(inside, inside[1:]) if a.host and b.host]
-        stolen = by_tenth([(t, now[2] - before[2]) for t, now, before in steps], span)
-        ticks = by_tenth([(t, now[1] - before[1]) for t, now, before in steps], span)
+        stolen = by_tenth([(t, now.stolen - before.stolen) for t, now, before in steps], span)
+        ticks = by_tenth([(t, now.total - before.total) for t, now, before in steps], span)
         clients = by_tenth([(t, s.clients) for t, s in inside], span)
         out = {"stolen": _shares(stolen, ticks)}
         for k, name in enumerate(self.TRACKED):

@@ -10,6 +10,7 @@ takes ~5% or more of it (bench/NOTES.md, runs 112-136); with a large model the G
 from __future__ import annotations
 
 from pathlib import Path
+from typing import NamedTuple
 
 SHOWN_AFTER_S = 5.0  # loops shorter than this (summed over workers) are mostly start-up: nothing said
 DATABASE_BOUND = 0.10  # shares of the loops past which that wait is named the job's bound
@@ -36,9 +37,15 @@ def time_shares(summaries: list[dict], since: float = 0.0) -> dict | None:
             "database": round(database / wall, 3)}
 
 
-def host_ticks(stat_line: str | None = None) -> tuple[int, int, int] | None:
-    """(busy, total, stolen) CPU ticks of this host since boot, from /proc/stat's first line (stolen: taken
-    by the hypervisor of a virtual machine); None where there is no /proc/stat."""
+class HostTicks(NamedTuple):
+    """CPU ticks of this host since boot: busy, all, and stolen (taken by the hypervisor of a virtual machine)."""
+    busy: int
+    total: int
+    stolen: int
+
+
+def host_ticks(stat_line: str | None = None) -> HostTicks | None:
+    """This host's CPU ticks from /proc/stat's first line; None where there is no /proc/stat."""
     if stat_line is None:
         try:
             stat_line = Path("/proc/stat").read_text().split("\n", 1)[0]
@@ -46,7 +53,7 @@ def host_ticks(stat_line: str | None = None) -> tuple[int, int, int] | None:
             return None
     # user nice system idle iowait irq softirq steal; the guest fields after them are counted in user already
     v = [int(x) for x in stat_line.split()[1:9]]
-    return sum(v) - v[3] - v[4], sum(v), v[7]
+    return HostTicks(busy=sum(v) - v[3] - v[4], total=sum(v), stolen=v[7])
 
 
 def run_queue_seconds(thread: int | None = None) -> float | None:
@@ -64,12 +71,13 @@ def run_queue_seconds(thread: int | None = None) -> float | None:
     return total / 1e9 if seen else None
 
 
-def host_shares(before: tuple | None, after: tuple | None) -> dict | None:
+def host_shares(before: HostTicks | None, after: HostTicks | None) -> dict | None:
     """{"busy", "stolen"}: shares of the host's CPU time between two `host_ticks` readings."""
-    if before is None or after is None or after[1] <= before[1]:
+    if before is None or after is None or after.total <= before.total:
         return None
-    total = after[1] - before[1]
-    return {"busy": round((after[0] - before[0]) / total, 3), "stolen": round((after[2] - before[2]) / total, 3)}
+    total = after.total - before.total
+    return {"busy": round((after.busy - before.busy) / total, 3),
+            "stolen": round((after.stolen - before.stolen) / total, 3)}
 
 
 def bound_line(shares: dict, host: dict | None = None, one_table_many_writers: bool = False,
