@@ -3,8 +3,9 @@
     python bench/cold_search.py [--runs 5] [--model DIR] [--db DSN] [--json]
 
 First makes sure table `cold_search[_MODEL]` exists (the 200 example reviews, embedded with --model; the
-embedded server unless --db), timed: on a fresh EMBEDFLEET_HOME, a user's first ingest. Then, --runs times each, interleaved, every one a new process timed
-from its start to its exit (interpreter and imports included: what a user waits for):
+embedded server unless --db), timed: on a fresh EMBEDFLEET_HOME, a user's first ingest. Then, --runs times
+each, interleaved, every one a new process timed from its start to its exit (interpreter and imports
+included: what a user waits for):
 
     search            embedfleet search "…" --table cold_search          (its default: the CPU)
     search-cuda       the same with --device cuda                         (when there is a GPU)
@@ -64,7 +65,7 @@ def main() -> None:
     table = TABLE + ("_" + re.sub(r"[^a-z0-9]+", "_", Path(a.model).name.lower()) if a.model else "")
     ingest = _cli("ingest", str(ROOT / "examples/Cell_Phones_and_Accessories.jsonl"), "--table", table,
                   "--preset", "amazon-reviews", "--quiet", *model, *db)
-    setup_s = _timed(ingest, env)  # on a fresh EMBEDFLEET_HOME: a user's first ingest (server made); a rerun finds it done
+    setup_s = _timed(ingest, env)  # a fresh EMBEDFLEET_HOME: a first ingest (server made); a rerun finds it done
     print(f"[cold_search] setup ingest {setup_s:.2f} s", file=sys.stderr, flush=True)
 
     import torch
