@@ -51,8 +51,10 @@ print(sys.argv[2], r['rows_per_s_steady'], r['rows_per_s_wall'], r['wall_s'], r[
       --out "$OUT/read_cold.json" 2>"$OUT/read_cold.err" >/dev/null; grep -E '^\[read_cold\]|Error' "$OUT/read_cold.err" ;;
   first) timeout "${FIRST_TIMEOUT:-300}" python3 -m embedfleet.cli bench --model "$M" --texts "${TEXTS:-reviews}" --n 20000 --json \
       >"$OUT/bench_first.json" 2>"$OUT/bench_first.err"; tail -n 20 "$OUT/bench_first.err" ;;
-  cold) rm -rf /tmp/efcold; EMBEDFLEET_HOME=/tmp/efcold timeout "${COLD_TIMEOUT:-300}" python3 bench/cold_search.py \
-      --runs "${COLD_RUNS:-2}" --model "$M" --json >"$OUT/cold_search.json" 2>"$OUT/cold_search.err"; cat "$OUT/cold_search.err" ;;
+  cold) export EMBEDFLEET_HOME=/tmp/efcold; python3 -m embedfleet.cli db stop >/dev/null 2>&1; rm -rf "$EMBEDFLEET_HOME"
+    timeout "${COLD_TIMEOUT:-300}" python3 bench/cold_search.py --runs "${COLD_RUNS:-2}" --model "$M" --json \
+      >"$OUT/cold_search.json" 2>"$OUT/cold_search.err"; cat "$OUT/cold_search.err"
+    python3 -m embedfleet.cli db stop >/dev/null 2>&1; export EMBEDFLEET_HOME=/tmp/efhome ;;
   *) echo "unknown part $part"; exit 2 ;;
   esac
   echo "== $part took $(python3 -c "import time; print(round(time.time() - $t0, 1))") s"

@@ -19,7 +19,7 @@ nvidia-smi -L; lscpu | grep -E '^(CPU\(s\)|Thread|Core|Socket|Model name|NUMA no
 wait
 # What the helper processes of one worker can prepare (CPU only): the ceiling for small models.
 [ -z "$SKIP_PREP" ] && timeout 120 python3 bench/prep_cpu.py --n 200000 --helpers ${PREP_HELPERS:-4,16} 2>&1 | grep -v Warning | tee "$OUT/prep_cpu.txt"
-[ "$N_MINILM" -gt 0 ] && timeout 420 python3 bench/ingest.py --n "$N_MINILM" --gpus "1,$GPUS" --model .models/all-MiniLM-L6-v2-fp16 --no-index \
+[ "$N_MINILM" -gt 0 ] && timeout 420 python3 bench/ingest.py --n "$N_MINILM" --gpus "1,$GPUS" --model "$M" --no-index \
   --vs-bench 200000 --out "$OUT/ingest_minilm.json" 2>"$OUT/ingest_minilm.err" | tail -2
 [ "$N_QWEN" -gt 0 ] && timeout 300 python3 bench/ingest.py --n "$N_QWEN" --gpus "1,$GPUS" --shape qwen3-0.6b --no-index --work /tmp/efq \
   --vs-bench ${QWEN_VS_BENCH:-50000} --out "$OUT/ingest_qwen3.json" 2>"$OUT/ingest_qwen3.err" | tail -2
