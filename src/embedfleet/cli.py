@@ -126,9 +126,11 @@ def ingest(
     else:
         import shlex
 
+        merged = progress["rows_seen"] - progress["rows_written"]
+        same_id = f"; {merged:,} records shared an id with another, the table keeps the last" if merged > 0 else ""
         typer.echo(f"{cfg.job}: {summary['rows_written']:,} rows in table {cfg.table!r} "
-                   f"({summary['rejected']} rejected) — try: embedfleet search \"…\" --table {shlex.quote(cfg.table)}",
-                   err=True)
+                   f"({summary['rejected']} rejected{same_id}) — try: embedfleet search \"…\" --table "
+                   f"{shlex.quote(cfg.table)}", err=True)
         if summary["time_shares"]:
             ran = [s for s in progress["summaries"] if s.get("started_at", 0.0) >= begun]
             several = len(ran) > 1 and not progress["table_partitions"]
@@ -287,6 +289,10 @@ def verify(
                 typer.echo(f"  {kind}: {report['problems'][kind]} rows, e.g. {', '.join(ids[:10])}")
             if not report["count_matches_ledger"]:
                 typer.echo(f"  row count {report['rows']} differs from the ledger's {report['ledger_rows']}")
+            if report["overwritten"]:
+                typer.echo(f"  {report['overwritten']:,} of the {report['ledger_records']:,} records written replaced "
+                           "another record's row of the same id (duplicate ids in the inputs, or a later job "
+                           "rewriting rows): the table keeps the last of each")
         if "same_model" in doc and not doc["same_model"]:
             typer.echo("  the tables were embedded by different models or dimensions: their vectors do not compare")
         typer.echo("OK" if doc["ok"] else "PROBLEMS FOUND")

@@ -9,6 +9,7 @@ why; it never stops the batch.
 from __future__ import annotations
 
 import math
+import os
 import re
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -369,8 +370,10 @@ def to_records(
     text_field: str | None = None,
     id_field: str | None = None,
     meta_lookup: Callable[[set[str]], dict[str, dict]] | None = None,
+    source_name: Callable[[str], str] = os.path.basename,
 ) -> tuple[list[Record], list[Reject]]:
-    """One batch of RawRecords -> (records in input order, rejects). Duplicate ids are all kept."""
+    """One batch of RawRecords -> (records in input order, rejects). Duplicate ids are all kept.
+    `source_name(source)` is how a default id names the record's file (`sources.plan.id_name`)."""
     if template is not None and text_field is not None:
         raise InputError("give a text field or a text template, not both")
     if template is None and text_field is None:
@@ -387,7 +390,7 @@ def to_records(
     for raw in good:
         product = products.get(_meta_key(raw.data, preset), {}) if products else {}  # none looked up: no key to work out
         try:
-            records.append(_to_record(raw, preset, product, template, text_field, id_field))
+            records.append(_to_record(raw, preset, product, template, text_field, id_field, source_name))
         except RecordError as e:
             rejects.append(_reject(raw, str(e)))
     return records, rejects
@@ -410,7 +413,8 @@ def _lookup_products(raws: list, preset, meta_lookup) -> dict[str, dict]:
     return meta_lookup(keys) if keys else {}
 
 
-def _to_record(raw, preset, product: dict, template: str | None, text_field: str | None, id_field: str | None) -> Record:
+def _to_record(raw, preset, product: dict, template: str | None, text_field: str | None, id_field: str | None,
+               source_name: Callable[[str], str]) -> Record:
     data = raw.data
     values = preset.values(data, text_field)
     for col in preset.meta_columns:
@@ -424,4 +428,5 @@ def _to_record(raw, preset, product: dict, template: str | None, text_field: str
     content = preset.clean_text(sanitize(text)).strip()
     if not content:
         raise RecordError(empty_reason)
-    return Record(preset.record_id(data, values, raw.source, raw.line, id_field), content, values, raw.source, raw.line)
+    name = source_name(raw.source)
+    return Record(preset.record_id(data, values, name, raw.line, id_field), content, values, raw.source, raw.line)

@@ -45,7 +45,7 @@ from embedfleet.records import Reject, to_records
 from embedfleet.runtime.heap import keep_freed_memory
 from embedfleet.sources import RawRecord, read_chunk
 from embedfleet.sources.jsonl import block_lines, block_records, stream_blocks
-from embedfleet.sources.plan import ChunkSpec
+from embedfleet.sources.plan import ChunkSpec, id_name
 from embedfleet.sources.presets import get_preset, table_columns
 from embedfleet.store.copyrows import COPY_TYPES, EncodedRows, RowEncoder
 
@@ -63,6 +63,7 @@ class UnitContext:
     meta_id: str | None = None
     db_patience: float = 0.0  # how long that connection keeps reconnecting to a database that went away
     passages: tuple[int, int] | None = None  # (tokens, overlap): each record as its passages
+    id_root: str | None = None  # default ids name files below this (`sources.plan.id_root`); None: by base name
 
 
 @dataclass
@@ -140,6 +141,9 @@ class Preparer:
                          if ctx.passages else None)
         self._ledger = None
 
+    def _source_name(self, source: str) -> str:
+        return os.path.basename(source) if self.ctx.id_root is None else id_name(source, self.ctx.id_root)
+
     def _meta_lookup(self, keys: set[str]) -> dict[str, dict]:
         if self._ledger is None:
             from embedfleet.store.ledger import Ledger
@@ -170,7 +174,7 @@ class Preparer:
         raws, cursor = self._read(task)
         records, rejects = to_records(
             raws, self.preset, template=ctx.template, text_field=ctx.text_field, id_field=ctx.id_field,
-            meta_lookup=self._meta_lookup if ctx.meta_id else None,
+            meta_lookup=self._meta_lookup if ctx.meta_id else None, source_name=self._source_name,
         )
         if self.splitter is not None:
             records = expand(records, self.splitter)

@@ -44,7 +44,7 @@ from embedfleet.runtime.flow import Prefetch, Throttle, by_tenth, timed
 from embedfleet.runtime.gpu import gpu_reader
 from embedfleet.runtime.heap import keep_freed_memory
 from embedfleet.runtime.units import FIRST_TASK_BYTES, Task, UnitContext, UnitPool, settle_gc, stream_tasks, task_sizes
-from embedfleet.sources.plan import ChunkSpec
+from embedfleet.sources.plan import ChunkSpec, id_root
 from embedfleet.encode.passages import parse_passages
 from embedfleet.sources.presets import table_columns
 from embedfleet.store.ledger import Claim, Ledger, Reconnect, process_started
@@ -280,7 +280,8 @@ class Worker:
             # The helpers start (seconds: each imports and loads the tokenizer) while this process loads the model.
             ctx = UnitContext(cfg.preset, cfg.text_template, cfg.text_field, cfg.id_field,
                               tokenizer_spec(cfg.model, cfg.prompt), self.dsn if cfg.meta else None,
-                              row["meta_id"] if cfg.meta else None, s.db_patience_seconds, parse_passages(cfg.passages))
+                              row["meta_id"] if cfg.meta else None, s.db_patience_seconds, parse_passages(cfg.passages),
+                              id_root(cfg.inputs))
             pool = self._make_helpers(ctx, s.helpers)
             helpers_ready = pool.start_in_background()
             encoder = None

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import csv
 import os
+import posixpath
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -79,6 +80,30 @@ def expand_inputs(inputs: list[str]) -> list[str]:
     for item in inputs:
         found.update(files.expand(item))
     return sorted(found)
+
+
+def id_root(sources: list[str]) -> str:
+    """What every input has in common: the folder (or URL prefix) below which default ids name a file, so
+    that d1/data.jsonl and d2/data.jsonl cannot give the same id. One input's root is its own folder."""
+    if not sources:
+        return ""
+    heads = {s.split("://", 1)[0] + "://" + s.split("://", 1)[1].split("/", 1)[0] if files.is_url(s) else ""
+             for s in sources}
+    if len(heads) != 1:  # local paths beside URLs, or URLs of several hosts: ids carry the whole source
+        return ""
+    (head,) = heads
+    folders = [posixpath.dirname(s[len(head):]) or "/" for s in sources]
+    common = posixpath.commonpath(folders) if all(f.startswith("/") for f in folders) else ""
+    return head + common
+
+
+def id_name(source: str, root: str) -> str:
+    """The name a default id gives `source`: its path below `root` ("d1/data.jsonl"), or the whole source
+    where `root` does not hold it."""
+    prefix = root if root.endswith("/") else root + "/"
+    if root and source.startswith(prefix) and len(source) > len(prefix):
+        return source[len(prefix):]
+    return source
 
 
 def plan_chunks(paths: list[str], chunk_bytes: int = 8 << 20) -> list[ChunkSpec]:

@@ -4,7 +4,8 @@
   `extra`, product columns joined from the meta file by parent_asin, id "user_id|asin|timestamp"
   (timestamp as epoch milliseconds, so the same review in another time format is the same row).
 - generic: every field except the text in one jsonb column `record`; id from --id-field, else
-  "<file name>:<line>" (the name only, so ids match across machines).
+  "<file>:<line>", the file named by its path below the folder all the job's inputs share (one input:
+  its name), so ids match across machines and two files of one name in two folders keep their rows.
 - wikipedia (Hugging Face wikimedia/wikipedia Parquet: id, url, title, text): id from `id`, columns
   url and title; the article's text lives only in `content` ("{title}\n\n{text}"), not again in a
   column of its own, since an article can be hundreds of kB (and every passage row would repeat it).
@@ -17,7 +18,6 @@ Every preset but generic keeps fields it does not know in `extra` (jsonb).
 from __future__ import annotations
 
 import logging
-import os
 import re
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -63,11 +63,12 @@ class Preset:
         return values
 
     def record_id(self, data: dict, values: dict, source: str, line: int, id_field: str | None = None) -> str:
-        """The deterministic row id; raises RecordError when a field it needs is missing."""
+        """The deterministic row id; raises RecordError when a field it needs is missing. `source` is the
+        file's name as the job's ids give it (`sources.plan.id_name`)."""
         if id_field or self.id_field:
             return _field_id(data, id_field or self.id_field)
         if not self.id_fields:
-            return f"{os.path.basename(source)}:{line}"
+            return f"{source}:{line}"
         parts = []
         for key, col, is_time in self._id_columns:
             value = values.get(col)

@@ -188,17 +188,20 @@ def _lines(path: str) -> Iterator[str]:
 
 
 def verify(conn: psycopg.Connection, table: str, tol: float = 1e-3, max_ids: int = 100) -> dict:
-    """Row count against the ledger, dimension, unit norms, NaN and zero vectors.
+    """Row count against the ledger, records written against rows stored (a record that replaced another's
+    row of the same id was overwritten), dimension, unit norms, NaN and zero vectors.
     Returns a report with `ok` and, per problem, the offending ids (at most `max_ids` each)."""
     vtype, dim = embedding_info(conn, table)
     t = table_sql(conn, table)
     norm = sql.SQL("l2_norm(embedding)" if vtype == "halfvec" else "vector_norm(embedding)")
     rows = conn.execute(sql.SQL("SELECT count(*) FROM {}").format(t)).fetchone()[0]
-    ledger_rows, jobs = conn.execute(
-        "SELECT coalesce(sum(c.rows_written), 0), count(DISTINCT j.job) FROM embedfleet.jobs j "
-        "LEFT JOIN embedfleet.chunks c ON c.job = j.job WHERE j.table_name = %s",
+    # rows_written counts the ids a unit inserted, rows_seen the records it wrote: any record that did not
+    # insert its id replaced a row of the same id (an overwrite, unless two records were one and the same)
+    ledger_rows, records, jobs = conn.execute(
+        "SELECT coalesce(sum(c.rows_written), 0), coalesce(sum(c.rows_seen), 0), count(DISTINCT j.job) "
+        "FROM embedfleet.jobs j LEFT JOIN embedfleet.chunks c ON c.job = j.job WHERE j.table_name = %s",
         [table],
-    ).fetchone() if ledger_exists(conn) else (0, 0)
+    ).fetchone() if ledger_exists(conn) else (0, 0, 0)
     # One scan computes every per-row check.
     bad = conn.execute(
         sql.SQL(
@@ -223,16 +226,18 @@ def verify(conn: psycopg.Connection, table: str, tol: float = 1e-3, max_ids: int
         problems[kind].append(id_)
     counts = {k: len(v) for k, v in problems.items()}
     count_ok = jobs == 0 or int(ledger_rows) == rows
+    overwritten = max(0, int(records) - int(ledger_rows)) if jobs else 0
     made = conn.execute(
         "SELECT coalesce(model, config->>'model'), config->>'prompt', config->>'passages' FROM embedfleet.jobs "
         "WHERE table_name = %s ORDER BY created DESC LIMIT 1", [table]).fetchone() if jobs else None
     return {
         "table": table, "rows": rows, "ledger_rows": int(ledger_rows) if jobs else None,
-        "count_matches_ledger": count_ok, "dim": dim, "vector_type": vtype,
+        "count_matches_ledger": count_ok, "ledger_records": int(records) if jobs else None,
+        "overwritten": overwritten, "dim": dim, "vector_type": vtype,
         "problems": counts, "offending_ids": {k: v[:max_ids] for k, v in problems.items() if v},
         "model": made[0] if made else None, "prompt": made[1] if made else None,
         "passages": made[2] if made else None,
-        "ok": count_ok and not any(counts.values()),
+        "ok": count_ok and not overwritten and not any(counts.values()),
     }
 
 
