@@ -126,7 +126,7 @@ def ingest(
     else:
         import shlex
 
-        merged = progress["rows_seen"] - progress["rows_written"]
+        merged = progress["rows_seen"] - progress["rows_written"] - progress["rows_before"]
         same_id = f"; {merged:,} records shared an id with another, the table keeps the last" if merged > 0 else ""
         typer.echo(f"{cfg.job}: {summary['rows_written']:,} rows in table {cfg.table!r} "
                    f"({summary['rejected']} rejected{same_id}) — try: embedfleet search \"…\" --table "
@@ -216,11 +216,16 @@ def search(
                                           "prints one JSON line of results each, the model loaded once"),
     group_by_parent: bool = typer.Option(False, "--group-by-parent",
                                          help="the best passage of each of the k nearest records (--passages tables)"),
+    statement_timeout: float = typer.Option(5.0, "--statement-timeout", help="seconds a search may run on the server"),
     json_out: bool = typer.Option(False, "--json"),
 ) -> None:
     """Nearest rows to QUERY (cosine), embedded with the table's own model and query prompt."""
     if (query is None) == (queries is None):
         raise EmbedfleetError("give a QUERY or --queries FILE (one of them)")
+    if query is not None and not query.strip():
+        raise EmbedfleetError("the query is empty: give the text to search for")
+    if statement_timeout <= 0:
+        raise EmbedfleetError(f"--statement-timeout {statement_timeout:g}: give a number of seconds above 0")
     if queries is None:
         from embedfleet.encode import one_thread_math
 
@@ -229,12 +234,15 @@ def search(
     from embedfleet.store.search import query_lines, run_search
 
     texts = query_lines(queries) if queries is not None else [query]
-    for text, results in run_search(resolve_dsn(db), table, texts, k=k, where=where, model=model, device=device,
-                                    group_by_parent=group_by_parent):
+    for text, results, scan in run_search(resolve_dsn(db), table, texts, k=k, where=where, model=model, device=device,
+                                          group_by_parent=group_by_parent, statement_timeout=statement_timeout):
         if queries is not None:
-            sys.stdout.write(orjson.dumps({"query": text, "results": results}, default=str).decode() + "\n")
+            sys.stdout.write(orjson.dumps({"query": text, "results": results, "scan": scan}, default=str).decode() + "\n")
         elif json_out:
-            _emit({"results": results})
+            _emit({"results": results, "scan": scan})
+        elif not results:
+            typer.echo(f"no rows of {table!r}" + (" pass the filter" if where else " to search (the table is empty)"),
+                       err=True)
         else:
             for r in results:
                 line = " ".join(str(r["content"]).split())
@@ -250,15 +258,46 @@ def serve(
     k: int = typer.Option(10, "-k", "--k", help="results when a request gives no k"),
     model: Optional[str] = typer.Option(None, "--model", help="default: the model the table was built with"),
     device: str = typer.Option("auto", "--device", help="auto (a GPU if there is one) | cpu | cuda | cuda:N"),
+    allow_where: bool = typer.Option(False, "--allow-where", help="accept SQL filters (where=…) from clients; they "
+                                     "run read-only as a role that can read only this table"),
+    where_db: Optional[str] = typer.Option(None, "--where-db", help="with --db: a DSN of the role filters run as "
+                                           "(one that can read only this table)"),
+    statement_timeout: float = typer.Option(5.0, "--statement-timeout", help="seconds a request's search may run"),
 ) -> None:
-    """Answer GET /search?q=…&k=…&where=… with the nearest rows as JSON, the model loaded once."""
+    """Answer GET /search?q=…&k=… with the nearest rows as JSON, the model loaded once."""
+    if where_db and not allow_where:
+        raise EmbedfleetError("--where-db names the role filters run as: give --allow-where with it")
+    if statement_timeout <= 0:
+        raise EmbedfleetError(f"--statement-timeout {statement_timeout:g}: give a number of seconds above 0")
     from embedfleet.encode import one_thread_math
 
     one_thread_math()  # a request's query at a time: its own thread, several requests at once
     from embedfleet.serve import serve as run_serve
-    from embedfleet.store.embedded import resolve_dsn
+    from embedfleet.store.embedded import resolve_dsn, uses_embedded
 
-    run_serve(resolve_dsn(db), table, host=host, port=port, k=k, model=model, device=device)
+    dsn = resolve_dsn(db)
+    where_dsn = _filter_role(dsn, table, where_db, uses_embedded(db)) if allow_where else None
+    run_serve(dsn, table, host=host, port=port, k=k, model=model, device=device, where_dsn=where_dsn,
+              statement_timeout=statement_timeout)
+
+
+def _filter_role(dsn: str, table: str, where_db: str | None, embedded: bool) -> str:
+    """The DSN strangers' filters run on: the embedded server's reader role (made here), the --where-db
+    given, or --db itself where its role reads only `table`; anything else is refused with the role to make."""
+    from embedfleet.store.ledger import connect
+    from embedfleet.store.roles import check_reader, ensure_reader, reader_dsn
+    from embedfleet.store.schema import embedding_info
+
+    with connect(dsn) as conn:
+        embedding_info(conn, table)  # the table exists, before any role is made for it
+        if where_db is None and embedded:
+            where_db = reader_dsn(dsn, ensure_reader(conn, table))
+        elif where_db is None:
+            check_reader(conn, table, where_db=False)
+            return dsn
+    with connect(where_db) as conn:
+        check_reader(conn, table, where_db=True)
+    return where_db
 
 
 @app.command()
@@ -291,8 +330,8 @@ def verify(
                 typer.echo(f"  row count {report['rows']} differs from the ledger's {report['ledger_rows']}")
             if report["overwritten"]:
                 typer.echo(f"  {report['overwritten']:,} of the {report['ledger_records']:,} records written replaced "
-                           "another record's row of the same id (duplicate ids in the inputs, or a later job "
-                           "rewriting rows): the table keeps the last of each")
+                           "the row of another record of their job with the same id (duplicate ids in the inputs): "
+                           "the table keeps the last of each")
         if "same_model" in doc and not doc["same_model"]:
             typer.echo("  the tables were embedded by different models or dimensions: their vectors do not compare")
         typer.echo("OK" if doc["ok"] else "PROBLEMS FOUND")

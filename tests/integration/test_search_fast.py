@@ -123,8 +123,16 @@ def _get(url: str) -> tuple[int, dict]:
 
 
 def test_serve_answers_like_the_cli_refuses_writes_and_listens_on_loopback(cli, table_dsn, tmp_path):
+    import psycopg
+
+    with psycopg.connect(table_dsn, autocommit=True) as admin:  # filters run as a role that reads the table only
+        admin.execute("DO $$BEGIN IF NOT EXISTS (SELECT 1 FROM pg_roles WHERE rolname = 'phones_reader') THEN "
+                      "CREATE ROLE phones_reader LOGIN; END IF; END$$")
+        admin.execute(f'GRANT SELECT ON "{TABLE}" TO phones_reader')
+    reader = table_dsn.replace("postgres:@", "phones_reader:@", 1)
     proc = subprocess.Popen([sys.executable, "-m", "embedfleet.cli", "serve", "--table", TABLE, "--db", table_dsn,
-                             "--port", "0", "--device", "cpu"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                             "--port", "0", "--device", "cpu", "--allow-where", "--where-db", reader],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True, env=dict(os.environ, EMBEDFLEET_HOME=str(tmp_path / "home")))
     try:
         line = proc.stderr.readline()
@@ -154,8 +162,6 @@ def test_serve_answers_like_the_cli_refuses_writes_and_listens_on_loopback(cli, 
     finally:
         proc.terminate()
         proc.wait(timeout=30)
-    import psycopg
-
     with psycopg.connect(table_dsn) as conn:
         assert conn.execute(f'SELECT count(*) FROM "{TABLE}"').fetchone()[0] == 200
 

@@ -75,6 +75,7 @@ def run_job(cfg: JobConfig, settings: Settings, launcher: Launcher) -> dict:
         progress["summaries"] = ledger.summaries(job)
         progress["table_exists"] = loaded  # none when no worker had a record
         progress["table_partitions"] = partition_count(ledger.conn, cfg.table) if loaded else 0
+        progress["rows_before"] = (ledger.job(job) or {}).get("rows_before") or 0  # rows a rewrite may replace
         errors = ledger.worker_errors(job)
     finally:
         if prestart is not None:

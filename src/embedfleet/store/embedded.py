@@ -248,6 +248,11 @@ def stop() -> bool:
     return True
 
 
+def uses_embedded(db: str | None) -> bool:
+    """Whether a command given `db` talks to the embedded server (no --db, no EMBEDFLEET_DB)."""
+    return not (db or os.environ.get("EMBEDFLEET_DB"))
+
+
 def resolve_dsn(db: str | None) -> str:
     """--db wins, then EMBEDFLEET_DB, then the embedded server."""
     return db or os.environ.get("EMBEDFLEET_DB") or start()

@@ -23,7 +23,7 @@ from psycopg.types.json import Jsonb
 
 from embedfleet.config import JobConfig
 from embedfleet.errors import DatabaseError, JobError
-from embedfleet.store.schema import ensure_ledger, ledger_exists
+from embedfleet.store.schema import ensure_ledger, ledger_exists, table_rows
 
 log = logging.getLogger("embedfleet.ledger")
 
@@ -164,9 +164,10 @@ class Ledger:
                                    "NEWNAME --table NEWTABLE")
                 return False
             self.conn.execute(
-                "INSERT INTO embedfleet.jobs (job, table_name, fingerprint, config, model, meta_id) "
-                "VALUES (%s, %s, %s, %s, %s, %s)",
-                [name, cfg.table, cfg.fingerprint(), Jsonb(cfg.to_json()), cfg.model, meta_id],
+                "INSERT INTO embedfleet.jobs (job, table_name, fingerprint, config, model, meta_id, rows_before) "
+                "VALUES (%s, %s, %s, %s, %s, %s, %s)",
+                [name, cfg.table, cfg.fingerprint(), Jsonb(cfg.to_json()), cfg.model, meta_id,
+                 table_rows(self.conn, cfg.table)],
             )
             with self.conn.cursor() as cur:
                 with cur.copy(

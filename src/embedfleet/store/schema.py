@@ -13,7 +13,7 @@ from psycopg import sql
 from embedfleet.errors import DatabaseError, InputError
 
 SCHEMA = "embedfleet"
-LEDGER_VERSION = 3  # bump with each change below; ensure_ledger brings an older ledger up to it
+LEDGER_VERSION = 4  # bump with each change below; ensure_ledger brings an older ledger up to it
 PG_MIN = 130000  # PostgreSQL 13
 PGVECTOR_MIN, HALFVEC_MIN = (0, 5), (0, 7)  # HNSW came in pgvector 0.5, halfvec in 0.7
 
@@ -109,6 +109,8 @@ ALTER TABLE embedfleet.workers ADD COLUMN IF NOT EXISTS gpu_mem_used integer;
 ALTER TABLE embedfleet.workers ADD COLUMN IF NOT EXISTS gpu_mem_total integer;
 ALTER TABLE embedfleet.workers ADD COLUMN IF NOT EXISTS gpu_temp real;
 ALTER TABLE embedfleet.workers ADD COLUMN IF NOT EXISTS gpu_power real;
+-- version 4: the rows the target table held when the job was planned (what its upserts may rightly replace)
+ALTER TABLE embedfleet.jobs ADD COLUMN IF NOT EXISTS rows_before bigint;
 """
 
 
@@ -345,6 +347,13 @@ def free_connections(conn: psycopg.Connection) -> int:
 
 def table_exists(conn: psycopg.Connection, table: str) -> bool:
     return conn.execute("SELECT to_regclass(%s) IS NOT NULL", [_regclass(conn, table)]).fetchone()[0]
+
+
+def table_rows(conn: psycopg.Connection, table: str) -> int:
+    """The rows `table` holds (0: no such table)."""
+    if not table_exists(conn, table):
+        return 0
+    return conn.execute(sql.SQL("SELECT count(*) FROM {}").format(table_sql(conn, table))).fetchone()[0]
 
 
 # A review row with a 384-float vector passes the default 2 kB TOAST threshold, and the vector, its

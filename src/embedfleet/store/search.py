@@ -17,7 +17,7 @@ from psycopg import sql
 from psycopg.rows import dict_row
 
 from embedfleet.errors import DatabaseError, InputError
-from embedfleet.store.schema import embedding_info, ledger_exists, table_sql
+from embedfleet.store.schema import embedding_info, ledger_exists, table_sql, vector_index
 
 __all__ = ["Searcher", "query_encoder", "query_lines", "run_search", "search", "search_queries", "table_model",
            "verify", "verify_together"]
@@ -54,19 +54,30 @@ def query_encoder(conn: psycopg.Connection, table: str, model: str | None = None
     return QueryEncoder(model or job_model, device=device, dim=None if model else dim)
 
 
-class Searcher:
-    """Top-k by cosine distance in one table, its columns and vector type read once."""
+DEFAULT_STATEMENT_TIMEOUT = 5.0  # seconds a search may run: a filter can make the server work for ever
+ITERATIVE_MIN = (0, 8)  # pgvector's iterative index scans: a filtered HNSW scan goes on until it has k rows
 
-    def __init__(self, conn: psycopg.Connection, table: str):
+
+class Searcher:
+    """Top-k by cosine distance in one table, its columns, vector type and index read once.
+
+    `scan` says how the last search found its rows: "index" (the HNSW index), "iterative" (the index, scanned
+    on until k rows passed the filter), or "exact" (every row the filter keeps, measured)."""
+
+    def __init__(self, conn: psycopg.Connection, table: str, statement_timeout: float = DEFAULT_STATEMENT_TIMEOUT):
         from pgvector.psycopg import register_vector
 
-        self.conn, self.table = conn, table
+        self.conn, self.table, self.statement_timeout = conn, table, statement_timeout
         self.vtype, self.dim = embedding_info(conn, table)
         self.columns = [r[0] for r in conn.execute(
             "SELECT attname FROM pg_attribute WHERE attrelid = %s::regclass AND attnum > 0 AND NOT attisdropped "
             "AND attname <> 'embedding' ORDER BY attnum",
             [table_sql(conn, table).as_string(conn)],
         ).fetchall()]
+        self.indexed = vector_index(conn, table) is not None
+        version = conn.execute("SELECT extversion FROM pg_extension WHERE extname = 'vector'").fetchone()
+        self.iterative = bool(version) and tuple(int(x) for x in version[0].split(".")[:2]) >= ITERATIVE_MIN
+        self.scan: str | None = None
         register_vector(conn)  # the query goes over in pgvector's binary format; the SQL casts it for halfvec
         self._select = sql.SQL("SELECT {cols}, embedding <=> %(q)s::{vt} AS distance FROM {t} ").format(
             cols=sql.SQL(", ").join(map(sql.Identifier, self.columns)), vt=sql.SQL(self.vtype),
@@ -76,8 +87,8 @@ class Searcher:
     def search(self, query_vec: np.ndarray, k: int = 10, where: str | None = None,
                ef_search: int | None = None, group_by_parent: bool = False) -> list[dict]:
         """`where` is the user's own SQL: it runs inside a READ ONLY transaction with a statement
-        timeout, so it can filter but never write. `group_by_parent`: the best passage of each of the k
-        nearest records (a table ingested with --passages)."""
+        timeout, so it can filter but never write. Whenever k rows pass it, k rows come back.
+        `group_by_parent`: the best passage of each of the k nearest records (a table ingested with --passages)."""
         if not group_by_parent:
             return self._nearest(query_vec, k, where, ef_search)
         if "parent_id" not in self.columns:
@@ -101,25 +112,45 @@ class Searcher:
         if k < 1:
             raise InputError(f"-k {k}: ask for at least one result")
         vec = Vector(query_vec.reshape(-1).astype(np.float32))
-        stmt = self._select + (sql.SQL("WHERE ({})").format(sql.SQL(where)) if where else sql.SQL("")) + self._order
+        # The user's SQL goes in as written: its % are escaped so that psycopg, which reads the statement for its
+        # own placeholders, gives them back to the server unchanged ("title ilike '%cable%'").
+        filt = sql.SQL("WHERE ({})").format(sql.SQL(where.replace("%", "%%"))) if where else sql.SQL("")
+        stmt = self._select + filt + self._order
         conn = self.conn
         with conn.cursor(row_factory=dict_row) as cur:
             try:
                 with conn.transaction():
                     cur.execute("SET TRANSACTION READ ONLY")
-                    cur.execute("SET LOCAL statement_timeout = '60s'")
+                    cur.execute(sql.SQL("SET LOCAL statement_timeout = {}").format(
+                        sql.Literal(f"{max(1, round(self.statement_timeout * 1000))}ms")))
                     if ef_search:
                         cur.execute(sql.SQL("SET LOCAL hnsw.ef_search = {}").format(sql.Literal(int(ef_search))))
+                    scan = "exact" if not self.indexed else "index"
+                    if where and self.indexed and self.iterative:
+                        # a filter drops most of the index's candidates: scan the graph on until k rows pass it
+                        cur.execute("SET LOCAL hnsw.iterative_scan = strict_order")
+                        scan = "iterative"
                     rows = cur.execute(stmt, {"q": vec, "k": k}).fetchall()
+                    if where and self.indexed and len(rows) < k:
+                        # the index gave up before k rows passed (a rare filter): measure every row it keeps
+                        cur.execute("SET LOCAL enable_indexscan = off")
+                        rows = cur.execute(stmt, {"q": vec, "k": k}).fetchall()
+                        scan = "exact"
             except psycopg.errors.ReadOnlySqlTransaction as e:
                 raise InputError(f"--where {where!r} would write ({e.diag.message_primary}): it may only filter") from None
+            except psycopg.errors.QueryCanceled as e:
+                error = InputError if where else DatabaseError  # a filter's cost is the user's to change
+                what = f"--where {where!r}" if where else "the search"
+                raise error(f"{what}: stopped after the {self.statement_timeout:g} s statement timeout "
+                            f"({e.diag.message_primary}); pass a larger --statement-timeout to wait longer") from None
             except (psycopg.errors.SyntaxError, psycopg.errors.UndefinedColumn, psycopg.errors.UndefinedFunction,
                     psycopg.errors.UndefinedTable, psycopg.errors.DatatypeMismatch, psycopg.errors.DataError,
                     psycopg.errors.FeatureNotSupported, psycopg.errors.InsufficientPrivilege,
-                    psycopg.errors.QueryCanceled, psycopg.errors.ProgrammingError) as e:
+                    psycopg.errors.ProgrammingError) as e:
                 if not where:
                     raise
                 raise InputError(f"--where {where!r}: {e.diag.message_primary or e}") from None
+        self.scan = scan
         out = []
         for r in rows:
             d = {"id": r.pop("id"), "distance": float(r.pop("distance")), "content": r.pop("content")}
@@ -136,34 +167,40 @@ def search(conn: psycopg.Connection, table: str, query_vec: np.ndarray, k: int =
 
 def search_queries(conn: psycopg.Connection, table: str, queries: Iterable[str], k: int = 10,
                    where: str | None = None, model: str | None = None, device: str = "cpu",
-                   group_by_parent: bool = False) -> Iterator[tuple[str, list[dict]]]:
-    """(query, its top-k) for each query, in order: the model loaded once, queries embedded
-    QUERY_BATCH at a time (the same vectors as one at a time)."""
+                   group_by_parent: bool = False, statement_timeout: float = DEFAULT_STATEMENT_TIMEOUT,
+                   ) -> Iterator[tuple[str, list[dict], str]]:
+    """(query, its top-k, how they were found) for each query, in order: the model loaded once, queries
+    embedded QUERY_BATCH at a time (the same vectors as one at a time)."""
     encoder = query_encoder(conn, table, model, device)
     try:
-        searcher = Searcher(conn, table)
+        searcher = Searcher(conn, table, statement_timeout)
+
+        def each(batch: list[str]) -> Iterator[tuple[str, list[dict], str]]:
+            for text, vec in zip(batch, encoder.encode(batch)):
+                results = searcher.search(vec, k, where, None, group_by_parent)
+                yield text, results, searcher.scan
+
         batch: list[str] = []
         for q in queries:
             batch.append(q)
             if len(batch) == QUERY_BATCH:
-                yield from zip(batch, (searcher.search(v, k, where, None, group_by_parent)
-                                       for v in encoder.encode(batch)))
+                yield from each(batch)
                 batch = []
         if batch:
-            yield from zip(batch, (searcher.search(v, k, where, None, group_by_parent) for v in encoder.encode(batch)))
+            yield from each(batch)
     finally:
         encoder.close()
 
 
 def run_search(dsn: str, table: str, queries: Iterable[str], k: int = 10, where: str | None = None,
-               model: str | None = None, device: str = "cpu",
-               group_by_parent: bool = False) -> Iterator[tuple[str, list[dict]]]:
-    """`embedfleet search`: (query, its top-k) for each query, on one connection."""
+               model: str | None = None, device: str = "cpu", group_by_parent: bool = False,
+               statement_timeout: float = DEFAULT_STATEMENT_TIMEOUT) -> Iterator[tuple[str, list[dict], str]]:
+    """`embedfleet search`: (query, its top-k, the scan) for each query, on one connection."""
     from embedfleet.store.ledger import connect
 
     with connect(dsn) as conn:
         yield from search_queries(conn, table, queries, k=k, where=where, model=model, device=device,
-                                  group_by_parent=group_by_parent)
+                                  group_by_parent=group_by_parent, statement_timeout=statement_timeout)
 
 
 def query_lines(path: str) -> Iterator[str]:
@@ -195,13 +232,17 @@ def verify(conn: psycopg.Connection, table: str, tol: float = 1e-3, max_ids: int
     t = table_sql(conn, table)
     norm = sql.SQL("l2_norm(embedding)" if vtype == "halfvec" else "vector_norm(embedding)")
     rows = conn.execute(sql.SQL("SELECT count(*) FROM {}").format(t)).fetchone()[0]
-    # rows_written counts the ids a unit inserted, rows_seen the records it wrote: any record that did not
-    # insert its id replaced a row of the same id (an overwrite, unless two records were one and the same)
-    ledger_rows, records, jobs = conn.execute(
-        "SELECT coalesce(sum(c.rows_written), 0), coalesce(sum(c.rows_seen), 0), count(DISTINCT j.job) "
-        "FROM embedfleet.jobs j LEFT JOIN embedfleet.chunks c ON c.job = j.job WHERE j.table_name = %s",
-        [table],
-    ).fetchone() if ledger_exists(conn) else (0, 0, 0)
+    per_job = conn.execute(
+        "SELECT j.rows_before, coalesce(sum(c.rows_written), 0), coalesce(sum(c.rows_seen), 0) "
+        "FROM embedfleet.jobs j LEFT JOIN embedfleet.chunks c ON c.job = j.job WHERE j.table_name = %s "
+        "GROUP BY j.job ORDER BY min(j.created)", [table]).fetchall() if ledger_exists(conn) else []
+    jobs = len(per_job)
+    ledger_rows, records = sum(int(w) for _, w, _ in per_job), sum(int(r) for _, _, r in per_job)
+    # A job's records that did not insert their id replaced a row: one the table held before the job (a later
+    # job rewriting rows), else one of the job's own records (an overwrite). A ledger from before rows_before
+    # was kept says so only for a table's first job.
+    overwritten = sum(max(0, int(seen) - int(written) - (before if before is not None else 0 if i == 0 else seen))
+                      for i, (before, written, seen) in enumerate(per_job))
     # One scan computes every per-row check.
     bad = conn.execute(
         sql.SQL(
@@ -226,7 +267,6 @@ def verify(conn: psycopg.Connection, table: str, tol: float = 1e-3, max_ids: int
         problems[kind].append(id_)
     counts = {k: len(v) for k, v in problems.items()}
     count_ok = jobs == 0 or int(ledger_rows) == rows
-    overwritten = max(0, int(records) - int(ledger_rows)) if jobs else 0
     made = conn.execute(
         "SELECT coalesce(model, config->>'model'), config->>'prompt', config->>'passages' FROM embedfleet.jobs "
         "WHERE table_name = %s ORDER BY created DESC LIMIT 1", [table]).fetchone() if jobs else None
