@@ -131,15 +131,43 @@ class ModelSpec:
         return prompt
 
 
+# The sentence-transformers modules the encoder computes; a model listing any other is refused, since its
+# vectors would come out silently different from the model's own.
+COMPUTED_MODULES = ("Transformer", "Pooling", "Normalize")
+# Pooling config keys for modes the encoder has: mean, CLS, last token. Any other mode set true is refused.
+_POOLING_MODES = {"pooling_mode_mean_tokens", "pooling_mode_cls_token", "pooling_mode_lasttoken"}
+
+
+def _check_pooling(path: Path, pool: dict) -> None:
+    """Refuse a Pooling module whose mode the encoder does not compute (max, mean of square roots, weighted
+    mean, several at once) or that leaves the prompt out of the mean."""
+    modes = [k for k, v in pool.items() if k.startswith("pooling_mode_") and k != "pooling_mode" and v is True]
+    named = pool.get("pooling_mode")
+    unknown = [m for m in modes if m not in _POOLING_MODES] + ([named] if named not in (None, "mean", "cls", "lasttoken")
+                                                             else [])
+    if unknown or len(modes) > 1:
+        shown = ", ".join(unknown or modes)
+        raise ModelError(f"model {path}: its Pooling module uses {shown}; embedfleet computes one of mean, CLS or "
+                         "last-token pooling, and would give wrong vectors")
+    if pool.get("include_prompt") is False:
+        raise ModelError(f"model {path}: its Pooling module leaves the prompt out of the mean (include_prompt: false); "
+                         "embedfleet does not compute that yet, and would give wrong vectors")
+
+
 def read_spec(path: Path) -> ModelSpec:
     modules = _read_json(path / "modules.json") or []
     hf_dir, pool_dir, normalize = path, None, False
-    for m in modules:
+    for i, m in enumerate(modules):
         kind = m.get("type", "").rsplit(".", 1)[-1]
+        if kind not in COMPUTED_MODULES:
+            raise ModelError(f"model {path}: its module {i} ({m.get('type') or 'of no type'}, folder "
+                             f"{m.get('path') or '.'!r}) is one embedfleet does not compute yet, and leaving it out "
+                             f"would give wrong vectors; embedfleet computes {', '.join(COMPUTED_MODULES)}")
         if kind == "Transformer":
             hf_dir = path / m.get("path", "")
         elif kind == "Pooling":
             pool_dir = path / m.get("path", "")
+            _check_pooling(path, _read_json(pool_dir / "config.json") or {})
         elif kind == "Normalize":
             normalize = True
     config = _read_json(hf_dir / "config.json")
