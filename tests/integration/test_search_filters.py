@@ -1,0 +1,103 @@
+"""Filtered search returns k rows whenever k rows match: a filter that drops most of the HNSW index's
+candidates goes on with pgvector's iterative scan, and a rarer one falls back to an exact scan. A `%` in a
+filter is the user's own (never a placeholder). Real PostgreSQL + pgvector, a real HNSW index."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from embedfleet.store.search import Searcher
+
+DIM, TOPICS, PER_TOPIC = 16, 200, 250  # 50,000 rows; one topic is 0.5% of them
+
+
+@pytest.fixture(scope="module")
+def clustered(pg_server):
+    """A table of 200 tight clusters of vectors, one topic each, with its HNSW index (cosine)."""
+    import uuid
+
+    import psycopg
+
+    name = "t_" + uuid.uuid4().hex[:12]
+    with psycopg.connect(pg_server.get_uri(), autocommit=True) as c:
+        c.execute(f'CREATE DATABASE "{name}"')
+    dsn = pg_server.get_uri(database=name)
+    rng = np.random.default_rng(7)
+    centers = rng.normal(size=(TOPICS, DIM)).astype(np.float32)
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        conn.execute("CREATE EXTENSION IF NOT EXISTS vector")
+        conn.execute(f"CREATE TABLE items (id text PRIMARY KEY, content text, topic text, embedding vector({DIM}))")
+        with conn.cursor() as cur, cur.copy("COPY items (id, content, topic, embedding) FROM STDIN") as copy:
+            for t in range(TOPICS):
+                vecs = centers[t] + 0.05 * rng.normal(size=(PER_TOPIC, DIM)).astype(np.float32)
+                vecs /= np.linalg.norm(vecs, axis=1, keepdims=True)
+                for i, v in enumerate(vecs):
+                    copy.write_row((f"{t}-{i}", f"item {i} of topic {t} — 100% naïve", f"topic {t}",
+                                    "[" + ",".join(f"{x:.6f}" for x in v) + "]"))
+        conn.execute("CREATE INDEX ON items USING hnsw (embedding vector_cosine_ops)")
+        conn.execute("ANALYZE items")
+    return dsn, centers
+
+
+def test_a_filter_matching_half_a_percent_returns_k_rows_for_queries_from_other_clusters(clustered):
+    import psycopg
+
+    dsn, centers = clustered
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        searcher = Searcher(conn, "items")
+        for other in (3, 50, 120):
+            q = centers[other] / np.linalg.norm(centers[other])
+            rows = searcher.search(q, 10, where="topic = 'topic 7'")
+            assert len(rows) == 10 and {r["topic"] for r in rows} == {"topic 7"}
+            assert searcher.scan in ("iterative", "exact")  # far clusters: the iterative scan may give up first
+            with conn.transaction():
+                conn.execute("SET LOCAL enable_indexscan = off")  # the plain index scan is what returned nothing
+                exact = [d for (d,) in conn.execute(
+                    "SELECT embedding <=> %s::vector AS d FROM items WHERE topic = 'topic 7' ORDER BY d LIMIT 60",
+                    ["[" + ",".join(map(str, q)) + "]"]).fetchall()]
+            # an approximate graph search, but of the nearest: all ten among the topic's nearest quarter
+            assert len(exact) == 60 and max(r["distance"] for r in rows) <= exact[-1]
+            assert [r["distance"] for r in rows] == sorted(r["distance"] for r in rows)
+        plain = searcher.search(centers[9] / np.linalg.norm(centers[9]), 10)
+        assert len(plain) == 10 and searcher.scan == "index"
+        # a filter keeping a third of the rows: the index's own candidates run out, the iterative scan goes on
+        rows = searcher.search(centers[9] / np.linalg.norm(centers[9]), 10, where="right(id, 1) IN ('1', '2', '3')")
+        assert len(rows) == 10 and searcher.scan == "iterative"
+
+
+def test_a_filter_with_fewer_matches_than_k_returns_them_all_by_an_exact_scan(clustered):
+    import psycopg
+
+    dsn, centers = clustered
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        searcher = Searcher(conn, "items")
+        rows = searcher.search(centers[0], 10, where="id IN ('7-1', '7-2', '150-3', '199-9', '42-0')")
+        assert sorted(r["id"] for r in rows) == ["150-3", "199-9", "42-0", "7-1", "7-2"]
+        assert searcher.scan == "exact"
+        rows = searcher.search(centers[0], 3, where="content = 'item 4 of topic 5 — 100% naïve'")
+        assert [r["id"] for r in rows] == ["5-4"]  # the user's % reaches the server as written
+        rows = searcher.search(centers[0], 3, where="content = 'item 4 of topic 5 — 100%% naïve'")
+        assert rows == []  # and '%%' stays two characters, which no content has
+
+
+def test_percent_in_where_for_search_and_queries(cli, dsn, tmp_path):
+    src = tmp_path / "products.jsonl"
+    titles = ["USB cable, 2 m", "HDMI cable", "phone case", "screen protector", "charging cable 100% copper"]
+    src.write_text("".join(json.dumps({"text": t, "title": t}) + "\n" for t in titles))
+    cli("ingest", src, "--db", dsn, "--devices", "cpu", "--quiet", check=True)
+    p = cli("search", "cable", "--table", "products", "--db", dsn, "--where", "record->>'title' ilike '%cable%'",
+            "--json")
+    assert p.returncode == 0, p.stderr
+    doc = json.loads(p.stdout)
+    assert sorted(r["content"] for r in doc["results"]) == sorted(t for t in titles if "cable" in t)
+    assert doc["scan"] in ("iterative", "exact")
+    queries = tmp_path / "q.txt"
+    queries.write_text("cable\ncopper\n")
+    p = cli("search", "--queries", queries, "--table", "products", "--db", dsn, "--where",
+            "content like '%100\\%%' escape '\\'")
+    assert p.returncode == 0, p.stderr
+    lines = [json.loads(line) for line in p.stdout.splitlines()]
+    assert [[r["content"] for r in line["results"]] for line in lines] == [["charging cable 100% copper"]] * 2
