@@ -21,11 +21,12 @@ Errors a user can act on print one line and exit non-zero (no traceback unless -
 from __future__ import annotations
 
 import contextlib
-import logging
+import signal
 import sys
 import time
 from typing import List, Optional
 
+import click
 import orjson
 import typer
 
@@ -51,9 +52,9 @@ def _emit(doc) -> None:
 def _root(debug: bool = typer.Option(False, "--debug", help="Show tracebacks.")) -> None:
     _state["debug"] = debug
     keep_bytecode()  # before torch & co. are imported, here and in every process this one starts
-    logging.basicConfig(level=logging.DEBUG if debug else logging.INFO, stream=sys.stderr,
-                        format="%(asctime)s %(levelname)s %(message)s", datefmt="%H:%M:%S")
-    logging.getLogger("pgserver").setLevel(logging.DEBUG if debug else logging.WARNING)
+    from embedfleet.logs import setup_logging
+
+    setup_logging(debug)
 
 
 @app.command()
@@ -89,6 +90,7 @@ def ingest(
     json_out: bool = typer.Option(False, "--json", help="print the final job summary as JSON"),
 ) -> None:
     """Embed INPUT files into a pgvector table. Re-running the same command resumes."""
+    _state["resumes"] = True
     from embedfleet.config import Settings, build_config
     from embedfleet.runtime.bound import bound_line, host_shares, host_ticks, time_shares
     from embedfleet.runtime.job import run_job
@@ -149,6 +151,7 @@ def worker(
     quiet: bool = typer.Option(False, "--quiet", help="no progress display"),
 ) -> None:
     """Join a running job from this host, one worker per local device: claim chunks until none are left."""
+    _state["resumes"] = True
     from contextlib import nullcontext
 
     from embedfleet.config import Settings, validate_devices
@@ -199,6 +202,7 @@ def status(
 
         if watch:
             watch_fleet(lambda: jobs_overview(conn, job))
+            _stopped_on_purpose()
             return
         Console().print(status_table(jobs) if jobs else "no jobs yet: embedfleet ingest FILE")
 
@@ -277,8 +281,12 @@ def serve(
 
     dsn = resolve_dsn(db)
     where_dsn = _filter_role(dsn, table, where_db, uses_embedded(db)) if allow_where else None
-    run_serve(dsn, table, host=host, port=port, k=k, model=model, device=device, where_dsn=where_dsn,
-              statement_timeout=statement_timeout)
+    try:
+        run_serve(dsn, table, host=host, port=port, k=k, model=model, device=device, where_dsn=where_dsn,
+                  statement_timeout=statement_timeout)
+    except KeyboardInterrupt:  # uvicorn stops on SIGINT/SIGTERM, then raises the signal again
+        pass
+    _stopped_on_purpose()
 
 
 def _filter_role(dsn: str, table: str, where_db: str | None, embedded: bool) -> str:
@@ -526,24 +534,34 @@ def bench(
         typer.echo(format_bench(result))
 
 
-def _database_error(e: Exception) -> str | None:
-    """One line for a database error met mid-command (the server stopped or restarted, a privilege
-    missing), or None for anything else."""
-    import psycopg
+_SIGNAL: dict = {"received": None}
 
-    if not isinstance(e, psycopg.Error):
-        return None
-    first = (str(e).strip().splitlines() or [type(e).__name__])[0]
-    if isinstance(e, psycopg.OperationalError):
-        return f"the database connection was lost ({first}); once the server is back, rerun the same command to resume"
-    if isinstance(e, psycopg.errors.InsufficientPrivilege):
-        return f"the database refused: {first}; ask its admin for the privilege, or pass --db with a role that has it"
-    return None
+
+def _interrupt(signum, frame) -> None:
+    """Ctrl-C, and SIGTERM the same way: workers stopped, their chunks freed, the job "interrupted"."""
+    _SIGNAL["received"] = signum
+    raise KeyboardInterrupt
+
+
+def _stopped_on_purpose() -> None:
+    """A command that runs until interrupted (serve, status --watch) ends as the user asked: no message."""
+    _SIGNAL["received"] = None
+
+
+def _interrupted() -> None:
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a second one does not cut the message short
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    typer.echo("interrupted: rerun the same command to resume" if _state.get("resumes") else "interrupted", err=True)
+    sys.exit(128 + (_SIGNAL["received"] or signal.SIGINT))
 
 
 def main() -> None:
+    signal.signal(signal.SIGTERM, _interrupt)
+    signal.signal(signal.SIGINT, _interrupt)
     try:
         rc = app(standalone_mode=False)  # returns typer.Exit's code instead of raising it
+        if _SIGNAL["received"] is not None:  # typer turns an interrupt into a silent 130
+            _interrupted()
         sys.exit(rc if isinstance(rc, int) else 0)
     except EmbedfleetError as e:
         if _state["debug"]:
@@ -552,16 +570,17 @@ def main() -> None:
         sys.exit(e.exit_code)
     except typer.Exit as e:
         sys.exit(e.exit_code)
-    except KeyboardInterrupt:
-        typer.echo("interrupted: rerun the same command to resume", err=True)
-        sys.exit(130)
+    except (KeyboardInterrupt, click.exceptions.Abort):  # older typer: click turns a KeyboardInterrupt into Abort
+        _interrupted()
     except Exception as e:
         if hasattr(e, "show") and hasattr(e, "exit_code"):  # click's usage errors: bad flag, missing argument
             e.show()
             sys.exit(e.exit_code)
         if _state["debug"]:
             raise
-        line = _database_error(e) or f"{type(e).__name__}: {e} (rerun with --debug for the traceback)"
+        from embedfleet.store.errors import user_line
+
+        line = user_line(e) or f"{type(e).__name__}: {e} (rerun with --debug for the traceback)"
         typer.echo(f"error: {line}", err=True)
         sys.exit(1)
 

@@ -8,6 +8,7 @@ until no chunk is left, then finish it (statistics, the HNSW index, its final st
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
 import time
@@ -23,7 +24,7 @@ from embedfleet.sources.plan import ChunkSpec, chunk_lines, expand_inputs, plan_
 from embedfleet.store.embedded import resolve_dsn
 from embedfleet.store.ledger import Ledger, Reconnect
 from embedfleet.store.schema import (check_identifier, check_partitions, check_server, check_write_privileges, ensure_vector,
-                                     finish_table, partition_count, table_exists)
+                                     drop_table, finish_table, partition_count, table_exists, table_rows)
 
 __all__ = ["Launcher", "run_job", "check_job", "prepare", "finalize", "apply_limit"]
 
@@ -44,7 +45,9 @@ class Launcher(Protocol):
 
 def run_job(cfg: JobConfig, settings: Settings, launcher: Launcher) -> dict:
     """Run one ingest job to its end. Returns the job's final progress (each worker's summary under
-    "summaries"); a job that ends with failed chunks, or stops with chunks left, is a JobError."""
+    "summaries"). A job that ends with failed chunks, stops with chunks left, embeds nothing, or whose
+    table cannot be finished is a JobError, and the ledger says the same (state and error). An interrupt
+    (Ctrl-C, SIGTERM) stops the workers, frees their chunks and leaves the job "interrupted"."""
     dsn = resolve_dsn(cfg.db)
     reconnect = Reconnect(dsn, settings.db_patience_seconds)
     conn = reconnect.first()
@@ -54,8 +57,10 @@ def run_job(cfg: JobConfig, settings: Settings, launcher: Launcher) -> dict:
         conn.close()
         raise
     ledger = Ledger(conn, reconnect, settings.host_id)
+    existed = table_exists(conn, cfg.table)  # a table made by this run and left empty is not kept
     # GPU workers import torch and start their devices (seconds) while the job is planned
     prestart = getattr(launcher, "prestart", None) if launcher.device_kind == "cuda" else None
+    job = None
     try:
         if prestart is not None:
             prestart(cfg.job, dsn, conn, bool(cfg.meta))
@@ -68,7 +73,7 @@ def run_job(cfg: JobConfig, settings: Settings, launcher: Launcher) -> dict:
         if prestart is not None:
             launcher.discard()  # those the job did not need (nothing left, or fewer chunks than devices)
         t0, started_at, steps = time.perf_counter(), time.time(), {}
-        counts, loaded = finalize(ledger, job, cfg, steps)
+        counts, loaded = finish(ledger, job, cfg, steps)
         finalize_s = time.perf_counter() - t0
         progress = ledger.progress(job)
         progress["finalize"] = {"started_at": round(started_at, 3), "seconds": round(finalize_s, 3), **steps}
@@ -77,6 +82,12 @@ def run_job(cfg: JobConfig, settings: Settings, launcher: Launcher) -> dict:
         progress["table_partitions"] = partition_count(ledger.conn, cfg.table) if loaded else 0
         progress["rows_before"] = (ledger.job(job) or {}).get("rows_before") or 0  # rows a rewrite may replace
         errors = ledger.worker_errors(job)
+        if not (counts["failed"] or counts["pending"] or counts["running"]):
+            nothing_embedded(ledger, job, cfg, progress, existed)
+    except KeyboardInterrupt:
+        if job is not None:
+            interrupted(ledger, job, launcher)
+        raise
     finally:
         if prestart is not None:
             launcher.discard()  # also after an error planning the job, or Ctrl-C
@@ -90,6 +101,36 @@ def run_job(cfg: JobConfig, settings: Settings, launcher: Launcher) -> dict:
         raise JobError(f"job {job!r} stopped with {counts['pending'] + counts['running']} chunks left "
                        "(all workers died); rerun the same command to resume")
     return progress
+
+
+def interrupted(ledger: Ledger, job: str, launcher: Launcher) -> None:
+    """After an interrupt: the launcher's workers are stopped; their chunks go back to pending now, and the
+    job says it was interrupted (not "running" for ever)."""
+    try:
+        discard = getattr(launcher, "discard", None)
+        if discard is not None:
+            discard()  # whatever started early is stopped before its chunks are freed
+        ledger.release_dead_local(job)
+        ledger.set_job_state(job, "interrupted", "interrupted: rerun the same command to resume")
+    except Exception as e:  # noqa: BLE001 - the database may be what went away; the interrupt still ends the run
+        log.warning("could not mark job %s interrupted: %s", job, e)
+
+
+def nothing_embedded(ledger: Ledger, job: str, cfg: JobConfig, progress: dict, existed: bool) -> None:
+    """A job whose inputs gave no row fails with why, and leaves no empty table of its own making: with
+    rejects the job stays in the ledger (status lists them); with no record at all it is removed."""
+    if progress["rows_written"] or progress["rows_seen"]:
+        return
+    if not existed and table_exists(ledger.conn, cfg.table) and table_rows(ledger.conn, cfg.table) == 0:
+        drop_table(ledger.conn, cfg.table)
+    if progress["rejected"]:
+        first = ledger.first_reject(job)
+        why = (f"all {progress['rejected']:,} records were rejected (first: {Path(first[0]).name} line {first[1]}: "
+               f"{first[2]}); `embedfleet status --job {job}` counts them, and embedfleet.rejects holds each line")
+        ledger.set_job_state(job, "failed", f"nothing embedded: {why}")
+        raise JobError(f"nothing embedded: {why}")
+    ledger.remove_job(job)
+    raise JobError("nothing embedded: the inputs hold no records (empty, or blank lines only); no table made")
 
 
 def _metrics(port: int | None, dsn: str, job: str):
@@ -181,8 +222,14 @@ def prepare(cfg: JobConfig, ledger: Ledger, device: str) -> str:
             log.info("loaded %d products from %s", n, meta_path)
     chunk_bytes = cfg.chunk_bytes or default_chunk_bytes(device)
     plan = [] if ledger.job(cfg.job) else apply_limit(plan_chunks(cfg.inputs, chunk_bytes), cfg.limit)
+    if not plan and not ledger.job(cfg.job):  # every input is empty: no job, no table, the same as blank lines
+        raise JobError("nothing embedded: the inputs hold no records (empty, or blank lines only); no table made")
     if not ledger.create_job(cfg.job, cfg, plan, meta_id):  # it exists with the same settings: resume
         released = ledger.release_dead_local(cfg.job)
+        if not table_exists(ledger.conn, cfg.table) and ledger.made_progress(cfg.job):
+            chunks = ledger.restart_job(cfg.job)
+            log.warning("table %s is gone: embedding job %s again from the start (%d chunks)", cfg.table, cfg.job,
+                        chunks)
         retried = ledger.retry_failed(cfg.job)
         if released or retried:
             log.info("resuming %s: %d chunks of dead workers re-queued, %d failed chunks retried",
@@ -214,3 +261,35 @@ def finalize(ledger: Ledger, job: str, cfg: JobConfig, timings: dict | None = No
             log.info("table %s is searchable (HNSW index %s)", cfg.table, index)
     ledger.set_job_state(job, "done")
     return counts, loaded
+
+
+def finish(ledger: Ledger, job: str, cfg: JobConfig, timings: dict) -> tuple[dict, bool]:
+    """`finalize`, with a statement the server refuses (an index it cannot build, a full disk) reported as
+    itself: the job is marked failed with the reason, and the error says what would work. A lost connection
+    is left to the caller's one line about it."""
+    import psycopg
+
+    from embedfleet.store.errors import connection_lost, first_line
+
+    try:
+        return finalize(ledger, job, cfg, timings)
+    except psycopg.Error as e:
+        if connection_lost(e):
+            raise
+        reason = first_line(e)
+        hint = finish_hint(reason)
+        with contextlib.suppress(psycopg.Error):
+            ledger.set_job_state(job, "failed", f"finishing table {cfg.table} failed: {reason}")
+        raise JobError(f"job {job!r}: every row is written, but finishing table {cfg.table!r} failed: {reason}"
+                       + (f"; {hint}" if hint else "")) from None
+
+
+def finish_hint(reason: str) -> str | None:
+    """What would work instead, for the failures a table's finish is known to meet."""
+    if "dimensions for hnsw index" in reason:
+        return ("pgvector's HNSW index takes vector up to 2,000 dimensions (halfvec up to 4,000): rerun the same "
+                "command with --no-index to finish without one (search then scans every row), or with --dim N "
+                "(N ≤ 2000) under a new --job and --table where the model was trained for shorter vectors")
+    if "could not extend file" in reason or "No space left" in reason:
+        return "the server's disk is full: free space, then rerun the same command to finish"
+    return None

@@ -217,7 +217,8 @@ def _spawn(slot: Slot, job: str, dsn: str, settings: Settings, threads: int,
         env.setdefault("OMP_NUM_THREADS", str(threads))
     env.setdefault("TOKENIZERS_PARALLELISM", "false")
     cmd = [sys.executable, "-m", "embedfleet.runtime.worker", "--job", job, "--db", dsn,
-           "--worker-id", slot.worker, "--device", device, "--settings", orjson.dumps(settings.to_json()).decode()]
+           "--worker-id", slot.worker, "--device", device, "--settings", orjson.dumps(settings.to_json()).decode(),
+           "--launcher-pid", str(os.getpid())]
     if wait:
         cmd += ["--wait-registered", str(wait[0]), "--registered-since", repr(wait[1])]
     return subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL)

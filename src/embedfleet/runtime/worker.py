@@ -24,6 +24,7 @@ import itertools
 import logging
 import os
 import resource
+import signal
 import sys
 import threading
 import time
@@ -38,7 +39,8 @@ from embedfleet.bytecode import keep_bytecode
 from embedfleet.config import JobConfig, Settings, default_chunk_bytes, use_settings
 from embedfleet.encode.tokenize import tokenizer_spec
 from embedfleet.errors import EmbedfleetError, JobError
-from embedfleet.process import NOT_REGISTERED, exit_now
+from embedfleet.logs import setup_logging
+from embedfleet.process import NOT_REGISTERED, die_with_parent, exit_now
 from embedfleet.runtime.bound import run_queue_seconds
 from embedfleet.runtime.flow import Prefetch, Throttle, by_tenth, timed
 from embedfleet.runtime.gpu import gpu_reader
@@ -519,8 +521,12 @@ def main(argv: list[str] | None = None) -> int:
                         "worker (importing torch and starting the device meanwhile); unregistered, exit")
     p.add_argument("--registered-since", type=float, default=0.0, metavar="EPOCH",
                    help="with --wait-registered: only a registration at or after this time counts")
+    p.add_argument("--launcher-pid", type=int, default=0, help="the launcher's pid: this worker ends when it does")
     a = p.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    if a.launcher_pid:
+        die_with_parent(a.launcher_pid)
+    signal.signal(signal.SIGTERM, lambda signum, frame: _stop_now(a.db, a.job, a.worker_id, signum))
+    setup_logging()
     try:
         keep_bytecode()  # started by hand rather than by the CLI: torch's imports (below) still cached
         settings = Settings.from_json(orjson.loads(a.settings)) if a.settings else Settings.from_env()
@@ -568,6 +574,19 @@ def wait_registered(dsn: str, job: str, worker: str, seconds: float, since: floa
             ledger.close()
     except KeyboardInterrupt:  # Ctrl-C reaches the whole process group: the CLI says it once
         return False
+
+
+def _stop_now(dsn: str, job: str, worker: str, signum: int) -> None:
+    """SIGTERM (its launcher stopping it, or gone): say so in the ledger, where `status` reads it, and leave at
+    once. What it held is freed by its launcher or by the next run; what it committed stays."""
+    try:
+        ledger = Ledger.connect(dsn)
+        try:
+            ledger.worker_ended(job, worker, "exited")
+        finally:
+            ledger.close()
+    finally:
+        exit_now(128 + signum)
 
 
 def _record_failure(dsn: str, job: str, worker: str, error: str) -> None:

@@ -30,6 +30,7 @@ log = logging.getLogger("embedfleet.ledger")
 MAX_FAILURES = 3
 FLEET_GAUGES = ("rows_s", "tokens_s", "gpu_util", "gpu_mem_used", "gpu_mem_total", "gpu_temp", "gpu_power")
 STALE_SECONDS = 120  # a running job with no heartbeat for this long is reported as interrupted
+ENDED_SECONDS = 5.0  # and one whose workers have all ended this long ago, with its launcher gone
 HOST = socket.gethostname()
 
 
@@ -184,9 +185,38 @@ class Ledger:
         self.conn.execute(
             "UPDATE embedfleet.jobs SET state = %s, error = %s, "
             "started = CASE WHEN %s = 'running' THEN coalesce(started, now()) ELSE started END, "
-            "finished = CASE WHEN %s IN ('done', 'failed') THEN now() ELSE NULL END WHERE job = %s",
-            [state, error, state, state, name],
+            # a rerun of a finished job finds it finished: when it finished stays as it was
+            "finished = CASE WHEN %s NOT IN ('done', 'failed') THEN NULL WHEN state = %s THEN coalesce(finished, now()) "
+            "ELSE now() END WHERE job = %s",
+            [state, error, state, state, state, name],
         )
+
+    def remove_job(self, name: str) -> None:
+        """The job and everything the ledger holds of it (chunks, rejects, workers)."""
+        self.conn.execute("DELETE FROM embedfleet.jobs WHERE job = %s", [name])
+
+    def restart_job(self, name: str) -> int:
+        """Every chunk back to pending from its first line, counts and rejects cleared: the job's table is
+        gone, so all of it is embedded again. Returns the chunks that had made progress."""
+        with self.conn.transaction():
+            n = self.conn.execute(
+                "UPDATE embedfleet.chunks SET state = 'pending', cursor_line = 0, rows_written = 0, rows_seen = 0, "
+                "rejected = 0, tokens = 0, failures = 0, claim = NULL, worker = NULL, started = NULL, error = NULL, "
+                "finished = NULL WHERE job = %s", [name]).rowcount
+            self.conn.execute("DELETE FROM embedfleet.rejects WHERE job = %s", [name])
+            self.conn.execute("UPDATE embedfleet.jobs SET rows_before = 0, error = NULL WHERE job = %s", [name])
+        return n
+
+    def made_progress(self, name: str) -> bool:
+        """Whether any chunk of the job committed anything (rows, rejects, or its end)."""
+        return self.conn.execute(
+            "SELECT EXISTS (SELECT 1 FROM embedfleet.chunks WHERE job = %s AND (cursor_line > 0 OR state = 'done'))",
+            [name]).fetchone()[0]
+
+    def first_reject(self, name: str) -> tuple[str, int, str] | None:
+        """(source, line, reason) of the job's first reject, in input order."""
+        return self.conn.execute("SELECT source, line, reason FROM embedfleet.rejects WHERE job = %s "
+                                 "ORDER BY source, line LIMIT 1", [name]).fetchone()
 
     def set_model(self, name: str, model: str, dim: int) -> None:
         self.conn.execute(
@@ -529,6 +559,8 @@ def jobs_overview(conn: psycopg.Connection, job: str | None = None) -> list[dict
                    j.started, j.finished,
                    extract(epoch FROM now() - coalesce(
                        (SELECT max(heartbeat) FROM embedfleet.workers w WHERE w.job = j.job), j.started)) AS idle_s,
+                   (SELECT count(*) FROM embedfleet.workers w WHERE w.job = j.job
+                       AND w.state NOT IN ('finished', 'exited', 'failed')) AS live_workers,
                    (SELECT coalesce(jsonb_agg(jsonb_build_object('chunk', f.chunk, 'source', f.source,
                                                                  'error', f.error) ORDER BY f.chunk), '[]')
                       FROM embedfleet.chunks f WHERE f.job = j.job AND f.state = 'failed') AS failures,
@@ -546,8 +578,9 @@ def jobs_overview(conn: psycopg.Connection, job: str | None = None) -> list[dict
     out = []
     for r in rows:
         state = r["state"]
-        if state == "running" and r["idle_s"] is not None and float(r["idle_s"]) > STALE_SECONDS:
-            state = "interrupted"  # no worker has beaten for a while: rerun the same command to resume
+        idle = float(r["idle_s"]) if r["idle_s"] is not None else 0.0
+        if state == "running" and (idle > STALE_SECONDS or (r["live_workers"] == 0 and idle > ENDED_SECONDS)):
+            state = "interrupted"  # no worker beats, or every one has ended: rerun the same command to resume
         out.append({
             "job": r["job"], "table": r["table"], "state": state,
             "chunks_total": int(r["chunks_total"]), "chunks_done": int(r["chunks_done"]),

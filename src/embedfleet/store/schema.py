@@ -349,6 +349,11 @@ def table_exists(conn: psycopg.Connection, table: str) -> bool:
     return conn.execute("SELECT to_regclass(%s) IS NOT NULL", [_regclass(conn, table)]).fetchone()[0]
 
 
+def drop_table(conn: psycopg.Connection, table: str) -> None:
+    """Drop `table` (and its partitions); one a job made and that holds nothing, or what `jobs rm --drop-table` asks."""
+    conn.execute(sql.SQL("DROP TABLE IF EXISTS {}").format(table_sql(conn, table)))
+
+
 def table_rows(conn: psycopg.Connection, table: str) -> int:
     """The rows `table` holds (0: no such table)."""
     if not table_exists(conn, table):

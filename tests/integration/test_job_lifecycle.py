@@ -1,0 +1,132 @@
+"""A job's life as a user meets it: stopping the launcher (SIGTERM, SIGKILL, Ctrl-C's path) stops its
+workers and leaves the job resumable and "interrupted"; a job that embeds nothing exits non-zero with one
+line; a rerun after the table was dropped embeds everything again; a finish the server refuses ends the job
+"failed" with the server's own reason. Real processes, a real PostgreSQL, real MiniLM on CPU."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import orjson
+import psutil
+import pytest
+
+from conftest import wait_for
+from embedfleet.synth import write_amazon_reviews
+
+
+def _one_line_error(p, needle: str) -> str:
+    assert p.returncode != 0
+    assert "Traceback" not in p.stderr, p.stderr[-3000:]
+    lines = [line for line in p.stderr.splitlines() if line.startswith("error: ")]
+    assert len(lines) == 1, p.stderr[-3000:]
+    assert needle in lines[0], lines[0]
+    return lines[0]
+
+
+def _job(cli, dsn, job):
+    p = cli("status", "--job", job, "--db", dsn, "--json")
+    assert p.returncode == 0, p.stderr
+    return orjson.loads(p.stdout)["jobs"][0]
+
+
+def _embedfleet_processes(launcher_pid: int, children: list[psutil.Process]) -> list[psutil.Process]:
+    alive = []
+    for proc in children:
+        try:
+            if proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE:
+                alive.append(proc)
+        except psutil.NoSuchProcess:
+            pass
+    return alive
+
+
+@pytest.mark.parametrize("how", [signal.SIGTERM, signal.SIGKILL])
+def test_stopping_the_launcher_stops_its_workers_and_leaves_the_job_resumable(cli, dsn, conn, tmp_path, how):
+    src = write_amazon_reviews(tmp_path / "stop.jsonl", 4000, seed=5)
+    args = [sys.executable, "-m", "embedfleet.cli", "ingest", str(src), "--preset", "amazon-reviews", "--db", dsn,
+            "--devices", "cpu", "--workers", "2", "--chunk-bytes", "100000", "--quiet", "--no-index"]
+    env = dict(os.environ, EMBEDFLEET_HOME=str(tmp_path / "home"))
+    launcher = subprocess.Popen(args, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    wait_for(conn, "SELECT nullif(sum(rows_written), 0) FROM embedfleet.chunks WHERE job = 'stop'")
+    children = psutil.Process(launcher.pid).children(recursive=True)
+    assert any("embedfleet.runtime.worker" in " ".join(c.cmdline()) for c in children)
+    launcher.send_signal(how)
+    _, err = launcher.communicate(timeout=60)
+    deadline = time.time() + 10
+    while _embedfleet_processes(launcher.pid, children) and time.time() < deadline:
+        time.sleep(0.2)
+    assert _embedfleet_processes(launcher.pid, children) == [], "workers outlived their launcher"
+    if how == signal.SIGTERM:
+        assert launcher.returncode == 128 + signal.SIGTERM
+        assert "interrupted: rerun the same command to resume" in err and "Traceback" not in err
+        running = conn.execute("SELECT count(*) FROM embedfleet.chunks WHERE job = 'stop' AND state = 'running'")
+        assert running.fetchone()[0] == 0  # freed at once, not left to their leases
+    before = conn.execute("SELECT sum(rows_written) FROM embedfleet.chunks WHERE job = 'stop'").fetchone()[0]
+    time.sleep(2)  # nothing writes any more
+    assert conn.execute("SELECT sum(rows_written) FROM embedfleet.chunks WHERE job = 'stop'").fetchone()[0] == before
+    time.sleep(4)
+    assert _job(cli, dsn, "stop")["state"] == "interrupted"
+    cli(*args[3:], check=True)  # the same command resumes
+    assert conn.execute("SELECT count(*), count(DISTINCT id) FROM stop").fetchone() == (4000, 4000)
+    assert _job(cli, dsn, "stop")["state"] == "done"
+
+
+def test_nothing_embedded_exits_non_zero_with_one_line_the_same_for_empty_and_blank(cli, dsn, conn, tmp_path):
+    (tmp_path / "blank.jsonl").write_text("\n  \n\n")
+    (tmp_path / "empty.jsonl").write_bytes(b"")
+    for name in ("blank", "empty"):
+        p = cli("ingest", tmp_path / f"{name}.jsonl", "--db", dsn, "--devices", "cpu", "--quiet")
+        assert p.returncode == 1
+        _one_line_error(p, "nothing embedded: the inputs hold no records")
+        assert conn.execute("SELECT to_regclass(%s)", [name]).fetchone()[0] is None
+    assert conn.execute("SELECT to_regclass('embedfleet.jobs') IS NULL OR "
+                        "NOT EXISTS (SELECT 1 FROM embedfleet.jobs WHERE job IN ('blank', 'empty'))").fetchone()[0]
+    noise = tmp_path / "noise.jsonl"
+    noise.write_bytes(os.urandom(200_000))
+    p = cli("ingest", noise, "--db", dsn, "--devices", "cpu", "--quiet")
+    assert p.returncode == 1
+    line = _one_line_error(p, "nothing embedded: all")
+    assert "records were rejected" in line and "noise.jsonl line" in line
+    assert conn.execute("SELECT to_regclass('noise')").fetchone()[0] is None
+    job = _job(cli, dsn, "noise")
+    assert job["state"] == "failed" and job["rejected"] > 0 and "nothing embedded" in job["error"]
+
+
+def test_a_rerun_after_the_table_was_dropped_embeds_every_row_again(cli, dsn, conn, tmp_path):
+    src = write_amazon_reviews(tmp_path / "gone.jsonl", 300, seed=9)
+    args = ("ingest", src, "--preset", "amazon-reviews", "--db", dsn, "--devices", "cpu", "--quiet")
+    cli(*args, check=True)
+    ids = {r[0] for r in conn.execute("SELECT id FROM gone").fetchall()}
+    conn.execute("DROP TABLE gone")
+    p = cli(*args, check=True)
+    assert "gone: 300 rows" in p.stderr and "again from the start" in p.stderr
+    assert {r[0] for r in conn.execute("SELECT id FROM gone").fetchall()} == ids
+    assert orjson.loads(cli("verify", "--table", "gone", "--db", dsn, "--json").stdout)["ok"]
+    assert _job(cli, dsn, "gone")["rows_written"] == 300
+
+
+def test_a_finish_the_server_refuses_ends_the_job_failed_with_its_reason(cli, dsn, conn, tmp_path):
+    from embedfleet.store.schema import ensure_ledger
+
+    ensure_ledger(conn)  # the ledger's own indexes exist before indexes are refused
+    conn.execute("CREATE FUNCTION no_index() RETURNS event_trigger LANGUAGE plpgsql AS "
+                 "$$BEGIN RAISE EXCEPTION 'indexes are frozen on this server'; END$$")
+    conn.execute("CREATE EVENT TRIGGER no_index ON ddl_command_start WHEN TAG IN ('CREATE INDEX') "
+                 "EXECUTE FUNCTION no_index()")
+    src = write_amazon_reviews(tmp_path / "frozen.jsonl", 50, seed=4)
+    args = ("ingest", src, "--preset", "amazon-reviews", "--db", dsn, "--devices", "cpu", "--quiet")
+    p = cli(*args)
+    line = _one_line_error(p, "indexes are frozen on this server")
+    assert p.returncode == 1 and "connection was lost" not in line and "every row is written" in line
+    job = _job(cli, dsn, "frozen")
+    assert job["state"] == "failed" and "indexes are frozen" in job["error"]
+    assert conn.execute("SELECT count(*) FROM frozen").fetchone()[0] == 50
+    again = cli(*args)  # a rerun meets the same refusal and says so again
+    _one_line_error(again, "indexes are frozen")
+    done = cli(*args, "--no-index", check=True)  # and one that asks for no index finishes the job
+    assert "50 rows" in done.stderr and _job(cli, dsn, "frozen")["state"] == "done"
