@@ -322,6 +322,26 @@ def _compile(template: str) -> tuple[tuple[str, tuple[str, ...] | None], ...]:
     return tuple(parts)
 
 
+def template_fields(template: str) -> list[str]:
+    """The field paths a template reads, in order, as written ("details.Brand")."""
+    return [".".join(path) for _, path in _compile(template) if path is not None]
+
+
+def has_field(fields: dict, path: str) -> bool:
+    """Whether a record has `path` at all (its value may be null): what tells a misspelled field from a missing value."""
+    if path in fields:
+        return True
+    value: object = fields
+    for key in path.split("."):
+        if isinstance(value, dict) and key in value:
+            value = value[key]
+        elif isinstance(value, list) and key.isdigit() and int(key) < len(value):
+            value = value[int(key)]
+        else:
+            return False
+    return True
+
+
 def lookup(fields: dict, path: tuple[str, ...] | str) -> object:
     """The value at a dotted path ("details.Brand"), or None; a key that itself has dots wins."""
     if isinstance(path, str):
@@ -355,7 +375,9 @@ def as_text(value: object) -> str:
 
 
 def render_template(template: str, fields: dict) -> str:
-    """Fill "{title}\\n\\n{text}"-style templates; a missing or None field renders as ""."""
+    """Fill "{title}\\n\\n{text}"-style templates. A field a record lacks (or holds null) renders as "", so
+    the rest of its text is kept; a record whose whole text renders empty is a reject ("template renders
+    no text"). A field no record has is refused before the job starts (`runtime.preflight`)."""
     return "".join([lit + ("" if path is None else as_text(lookup(fields, path))) for lit, path in _compile(template)])
 
 

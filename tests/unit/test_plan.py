@@ -87,7 +87,7 @@ def test_stream_and_csv_are_one_chunk(tmp_path):
         (tmp_path / name).write_bytes(b"x")
     chunks = plan_chunks(sorted(str(p) for p in tmp_path.iterdir()), 1)
     assert [(c.kind, c.start, c.end, c.first_line) for c in chunks] == [
-        ("stream", 0, -1, 1), ("stream", 0, -1, 1), ("csv", 0, -1, 1)
+        ("stream", 0, -1, 1), ("stream", 0, -1, 1), ("csv", 0, -1, 2)  # a CSV's data start on line 2
     ]
     assert all(os.path.isabs(c.source) for c in chunks)
 

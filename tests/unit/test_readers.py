@@ -141,21 +141,21 @@ def test_csv(tmp_path):
         "5,caf\xe9,3\r\n".encode("utf-8").replace(b"caf\xc3\xa9", b"caf\xe9")  # latin-1 byte: replaced
     )
     recs = read_all(path)
-    assert [r.line for r in recs] == [1, 3, 4, 5, 6]
+    assert [r.line for r in recs] == [2, 4, 6, 7, 8]  # as an editor numbers them: the header is line 1
     assert recs[0].data == {"id": "1", "text": "hello, world", "rating": "5"}
     assert json.loads(recs[0].raw) == recs[0].data
     assert recs[1].data["text"] == 'two\nlines "quoted"'
     assert recs[2].error == "CSV row has 4 fields, the header has 3" and recs[2].data is None
     assert recs[3].error == "CSV row has 2 fields, the header has 3"
     assert recs[4].data["text"] == "caf\ufffd"
-    assert [r.line for r in read_all(path, after_line=3)] == [4, 5, 6]
+    assert [r.line for r in read_all(path, after_line=4)] == [6, 7, 8]
 
 
 def test_csv_gz_and_long_field(tmp_path):
     path = tmp_path / "f.csv.gz"
     path.write_bytes(gzip.compress(("text\n" + "x" * 300_000 + "\n").encode()))
     (rec,) = read_all(path)
-    assert len(rec.data["text"]) == 300_000 and rec.line == 1
+    assert len(rec.data["text"]) == 300_000 and rec.line == 2
 
 
 def test_csv_header_only(tmp_path):
@@ -229,3 +229,29 @@ def test_stream_blocks_parse_exactly_as_the_stream_reader(tmp_path):
             got = [(r.line, r.data, r.error) for first, block in stream_blocks(spec, after, block_bytes)
                    for r in block_records(spec.source, first, block, after)]
             assert got == want, (after, block_bytes)
+
+
+def test_csv_stray_quote_rejects_its_line_and_reads_the_next_ones(tmp_path):
+    """A stray quote would swallow the following rows into one field; its line is a reject and every line
+    after it is a record of its own. Short rows are rejects mid-file and at the end alike."""
+    path = tmp_path / "f.csv"
+    path.write_text(
+        "id,text,rating\n"            # 1
+        "1,fine,5\n"                   # 2
+        '2,"broken quote,4\n'          # 3: opens a field that never closes where a field ends
+        "3,next,3\n"                   # 4
+        "4,short\n"                    # 5: short mid-file
+        '5,"ok ""quoted""",2\n'        # 6
+        "6,after,1\n"                  # 7
+        "7,short at the end"           # 8: short, and no final newline
+    )
+    recs = read_all(path)
+    assert [(r.line, r.error is None) for r in recs] == [(2, True), (3, False), (4, True), (5, False), (6, True),
+                                                         (7, True), (8, False)]
+    assert "quoting" in recs[1].error and recs[1].raw == '2,"broken quote,4'
+    assert recs[3].error == recs[6].error == "CSV row has 2 fields, the header has 3"
+    assert [r.data["id"] for r in recs if r.error is None] == ["1", "3", "5", "6"]
+    assert recs[4].data["text"] == 'ok "quoted"'
+    # a quote left open to the end of the file: the same, and nothing after it is lost
+    path.write_text('id,text\n1,"never closed\n2,b\n3,c\n')
+    assert [(r.line, r.error is None) for r in read_all(path)] == [(2, False), (3, True), (4, True)]

@@ -66,9 +66,13 @@ def test_limit_counts_lines_across_inputs_of_every_kind(tmp_path):
         return [(Path(r.source).suffix, r.line) for c, last in apply_limit(chunks, limit)
                 for r in read_chunk(c) if r.line <= last]
 
-    got = kept(31 + 20 + 25 + 17)  # past the first three files, into the Parquet file's third row group
+    # past the first three files, into the Parquet file's third row group; each CSV record spans two lines
+    # (its quoted newline), and lines are counted as an editor shows them
+    got = kept(31 + 20 + 50 + 17)
     assert len(got) == 30 + 20 + 25 + 17  # a.jsonl's blank 31st line holds no record
+    assert [line for ext, line in got if ext == ".csv"] == list(range(2, 52, 2))
     assert [line for ext, line in got if ext == ".parquet"] == list(range(1, 18))
+    assert len(kept(31 + 20 + 9)) == 30 + 20 + 5  # records starting on the CSV's first 9 lines of data
     assert kept(40) == [(".jsonl", i) for i in range(1, 31)] + [(".gz", i) for i in range(1, 10)]
     assert len(kept(10_000)) == 30 + 20 + 25 + 40
 

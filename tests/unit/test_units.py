@@ -274,7 +274,7 @@ def test_a_streams_first_tasks_start_small_and_grow(tmp_path):
     spec = ChunkSpec(str(path), "csv", 0, -1, 1)
     tasks = list(stream_tasks(spec, after_line=0, last_line=None, sizes=task_sizes(3200, 400, growth=2)))
     sizes = [sum(len(r.raw) + 1 for r in t.raws) for t in tasks]
-    assert [n for t in tasks for n in (r.line for r in t.raws)] == list(range(1, 401))
+    assert [n for t in tasks for n in (r.line for r in t.raws)] == list(range(2, 402))  # the header is line 1
     assert sizes[0] < 500 and 800 <= sizes[1] < 900 and 1600 <= sizes[2] < 1700
     assert all(3200 <= s < 3300 for s in sizes[3:-1])
 
@@ -322,10 +322,10 @@ def test_a_workers_ramp_goes_on_across_its_chunks(tmp_path):
     path = tmp_path / "r.csv"
     path.write_text("id,text\n" + "".join(f"{i},review number {i:04d} {'x' * 30}\n" for i in range(1, 401)))
     sizes = task_sizes(3200, 100, growth=1.2)
-    first = list(stream_tasks(ChunkSpec(str(path), "csv", 0, -1, 1), 0, 200, sizes))
-    second = list(stream_tasks(ChunkSpec(str(path), "csv", 0, -1, 1), 200, None, sizes))
+    first = list(stream_tasks(ChunkSpec(str(path), "csv", 0, -1, 2), 0, 200, sizes))
+    second = list(stream_tasks(ChunkSpec(str(path), "csv", 0, -1, 2), 200, None, sizes))
     measure = [sum(len(r.raw) + 1 for r in t.raws) for t in first + second]
-    assert [r.line for t in first + second for r in t.raws] == list(range(1, 401))
+    assert [r.line for t in first + second for r in t.raws] == list(range(2, 402))  # the header is line 1
     assert measure[len(first)] > max(measure[: len(first) - 1])  # the first chunk's last task may be short
     assert measure[0] < 200 and max(measure) >= 3200
 

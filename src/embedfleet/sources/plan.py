@@ -33,6 +33,7 @@ _JSONL = (".jsonl", ".ndjson", ".jsonlines", ".json")
 _COMPRESSED = (".gz", ".zst")
 _PARQUET = (".parquet", ".pq")
 _CSV = (".csv",)
+CSV_FIRST_LINE = 2  # a CSV file's first data line, after a header of one line (where --limit counts from)
 SUPPORTED = ".jsonl .ndjson .jsonlines .json (each optionally .gz or .zst), .parquet .pq, .csv (optionally .gz or .zst)"
 
 
@@ -124,8 +125,8 @@ def plan_chunks(paths: list[str], chunk_bytes: int = 8 << 20) -> list[ChunkSpec]
                     chunks.extend(_jsonl_chunks(path, chunk_bytes))
                 elif kind == "parquet":
                     chunks.extend(_parquet_chunks(path, chunk_bytes))
-                else:
-                    chunks.append(ChunkSpec(path, kind, 0, -1, 1))
+                else:  # a CSV file's lines are numbered as an editor shows them: its data start after the header
+                    chunks.append(ChunkSpec(path, kind, 0, -1, CSV_FIRST_LINE if kind == "csv" else 1))
             except OSError as e:
                 raise InputError(f"cannot read input {path}: {e.strerror or e}") from e
     return chunks

@@ -1,0 +1,48 @@
+"""Bad input as a new user gives it, through the real command: one line and an exit code that say what is
+wrong, and the good records around it land."""
+
+from __future__ import annotations
+
+import json
+
+import orjson
+
+
+def _one_line_error(p, needle: str) -> str:
+    assert p.returncode != 0
+    assert "Traceback" not in p.stderr, p.stderr[-3000:]
+    lines = [line for line in p.stderr.splitlines() if line.startswith("error: ")]
+    assert len(lines) == 1, p.stderr[-3000:]
+    assert needle in lines[0], lines[0]
+    return lines[0]
+
+
+def test_a_misspelled_template_field_is_refused_before_planning(cli, dsn, conn, tmp_path):
+    src = tmp_path / "books.jsonl"
+    src.write_text("".join(json.dumps({"title": f"title {i}", "details": {"author": f"a{i}"}}) + "\n"
+                           for i in range(30)))
+    p = cli("ingest", src, "--text-template", "{title} {nonexistent}", "--db", dsn, "--devices", "cpu", "--quiet")
+    line = _one_line_error(p, "{nonexistent}")
+    assert p.returncode == 2 and "fields: details, title" in line
+    assert conn.execute("SELECT to_regclass('embedfleet.jobs')").fetchone()[0] is None  # nothing planned
+    # a dotted path that exists is fine, and a field only some records lack renders empty (documented)
+    src.write_text(json.dumps({"title": "has both", "details": {"author": "x"}}) + "\n"
+                   + json.dumps({"title": "only a title"}) + "\n" + json.dumps({"details": {}}) + "\n")
+    p = cli("ingest", src, "--text-template", "{title} {details.author}", "--db", dsn, "--devices", "cpu",
+            "--quiet", check=True)
+    assert "2 rows" in p.stderr and "1 rejected" in p.stderr
+    assert sorted(r[0] for r in conn.execute("SELECT content FROM books")) == ["has both x", "only a title"]
+    assert conn.execute("SELECT line, reason FROM embedfleet.rejects").fetchall() == [(3, "template renders no text")]
+
+
+def test_a_csv_with_a_stray_quote_lands_every_other_record(cli, dsn, conn, tmp_path):
+    src = tmp_path / "notes.csv"
+    src.write_text("id,text\n1,first note\n2,\"a stray quote\n3,third note\n4,fourth note\n\n5,fifth note\n"
+                   "6,\"two\nlines\"\n7,short,row,too,long\n8,last note")
+    p = cli("ingest", src, "--id-field", "id", "--db", dsn, "--devices", "cpu", "--quiet", check=True)
+    assert "6 rows" in p.stderr and "2 rejected" in p.stderr
+    assert sorted(r[0] for r in conn.execute("SELECT id FROM notes")) == ["1", "3", "4", "5", "6", "8"]
+    rejects = dict(conn.execute("SELECT line, reason FROM embedfleet.rejects WHERE job = 'notes'").fetchall())
+    # line 3: the stray quote; line 10: five fields (lines as an editor shows them: 8-9 are one quoted record)
+    assert set(rejects) == {3, 10} and "quoting" in rejects[3] and "5 fields" in rejects[10]
+    assert orjson.loads(cli("verify", "--table", "notes", "--db", dsn, "--json").stdout)["ok"]
