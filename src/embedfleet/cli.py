@@ -37,6 +37,8 @@ app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_
                   help="Embed large text corpora on every GPU you can reach, into PostgreSQL/pgvector, exactly once.")
 db_app = typer.Typer(no_args_is_help=True, help="The embedded PostgreSQL server (used when no --db is given).")
 app.add_typer(db_app, name="db")
+jobs_app = typer.Typer(no_args_is_help=True, help="The jobs in the ledger (`embedfleet status` lists them).")
+app.add_typer(jobs_app, name="jobs")
 cache_app = typer.Typer(no_args_is_help=True, help="Compiled graphs, kernels and bytecode kept under $EMBEDFLEET_HOME/cache.")
 app.add_typer(cache_app, name="cache")
 
@@ -460,6 +462,27 @@ def map_(
     else:
         typer.echo(f"map of {summary['rows']:,} of {summary['total']:,} rows of {table!r} ({summary['method']}) → "
                    f"{', '.join(summary['outs'])} in {summary['seconds']:.1f} s", err=True)
+
+
+@jobs_app.command("rm")
+def jobs_rm(
+    job: str = typer.Argument(..., help="the job's name, as `embedfleet status` lists it"),
+    db: Optional[str] = DbOpt,
+    drop_table: bool = typer.Option(False, "--drop-table", help="drop the job's table too (default: keep it)"),
+    json_out: bool = typer.Option(False, "--json"),
+) -> None:
+    """Remove a job's ledger entries (chunks, rejects, workers); its table stays unless --drop-table."""
+    from embedfleet.store.embedded import resolve_dsn
+    from embedfleet.store.ledger import connect, remove_job
+
+    with connect(resolve_dsn(db)) as conn:
+        removed = remove_job(conn, job, drop_table=drop_table)
+    if json_out:
+        _emit(removed)
+    else:
+        kept = "dropped" if removed["table_dropped"] else "kept"
+        typer.echo(f"removed job {job!r} ({removed['chunks']} chunks, {removed['rejects']} rejects); "
+                   f"table {removed['table']!r} {kept}", err=True)
 
 
 @db_app.command("uri")

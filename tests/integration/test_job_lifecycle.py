@@ -130,3 +130,22 @@ def test_a_finish_the_server_refuses_ends_the_job_failed_with_its_reason(cli, ds
     _one_line_error(again, "indexes are frozen")
     done = cli(*args, "--no-index", check=True)  # and one that asks for no index finishes the job
     assert "50 rows" in done.stderr and _job(cli, dsn, "frozen")["state"] == "done"
+
+
+def test_checks_come_before_planning_and_jobs_rm_clears_the_ledger(cli, dsn, conn, tmp_path):
+    src = write_amazon_reviews(tmp_path / "dims.jsonl", 40, seed=6)
+    cli("ingest", src, "--preset", "amazon-reviews", "--db", dsn, "--devices", "cpu", "--quiet", check=True)
+    p = cli("ingest", src, "--preset", "amazon-reviews", "--db", dsn, "--dim", "128", "--job", "narrow", "--quiet")
+    line = _one_line_error(p, "already exists with vector(384), not vector(128)")
+    assert p.returncode == 2 and "--table" in line
+    assert conn.execute("SELECT count(*) FROM embedfleet.jobs WHERE job = 'narrow'").fetchone()[0] == 0
+    _one_line_error(cli("ingest", src, "--db", dsn, "--dim", "999", "--table", "wide", "--quiet"), "--dim 999")
+    p = cli("jobs", "rm", "dims", "--db", dsn, "--json", check=True)
+    assert orjson.loads(p.stdout) == {"job": "dims", "table": "dims", "chunks": 1, "rejects": 0,
+                                      "table_dropped": False}
+    assert conn.execute("SELECT count(*) FROM embedfleet.chunks WHERE job = 'dims'").fetchone()[0] == 0
+    assert conn.execute("SELECT count(*) FROM dims").fetchone()[0] == 40  # the table stays
+    cli("ingest", src, "--preset", "amazon-reviews", "--db", dsn, "--devices", "cpu", "--quiet", check=True)
+    cli("jobs", "rm", "dims", "--db", dsn, "--drop-table", check=True)
+    assert conn.execute("SELECT to_regclass('dims')").fetchone()[0] is None
+    _one_line_error(cli("jobs", "rm", "dims", "--db", dsn), "no job named 'dims'")

@@ -120,6 +120,14 @@ class ModelSpec:
     prompts: dict[str, str] = field(default_factory=dict)
     default_prompt_name: str | None = None
 
+    @property
+    def hidden_size(self) -> int | None:
+        """The width of the vectors the model makes (its hidden size), where its config says it."""
+        for key in ("hidden_size", "d_model", "dim"):
+            if isinstance(self.config.get(key), int):
+                return self.config[key]
+        return None
+
     def prompt_text(self, prompt: str | None) -> str:
         """None uses the model's default prompt (if any); a known name maps to its text; else literal."""
         if prompt is None:

@@ -17,13 +17,13 @@ from pathlib import Path
 from typing import Callable, Protocol
 
 from embedfleet.config import JobConfig, Settings, default_chunk_bytes
-from embedfleet.errors import InputError, JobError
+from embedfleet.errors import InputError, JobError, ModelError
 from embedfleet.records import validate_template
 from embedfleet.runtime.preflight import check_inputs_have_text
 from embedfleet.sources.plan import ChunkSpec, chunk_lines, expand_inputs, plan_chunks, table_name_for
 from embedfleet.store.embedded import resolve_dsn
-from embedfleet.store.ledger import Ledger, Reconnect
-from embedfleet.store.schema import (check_identifier, check_partitions, check_server, check_write_privileges, ensure_vector,
+from embedfleet.store.ledger import Ledger, Reconnect, remove_job
+from embedfleet.store.schema import (check_embedding_column, check_identifier, check_partitions, check_server, check_write_privileges, ensure_vector,
                                      drop_table, finish_table, partition_count, table_exists, table_rows)
 
 __all__ = ["Launcher", "run_job", "check_job", "prepare", "finalize", "apply_limit"]
@@ -129,7 +129,7 @@ def nothing_embedded(ledger: Ledger, job: str, cfg: JobConfig, progress: dict, e
                f"{first[2]}); `embedfleet status --job {job}` counts them, and embedfleet.rejects holds each line")
         ledger.set_job_state(job, "failed", f"nothing embedded: {why}")
         raise JobError(f"nothing embedded: {why}")
-    ledger.remove_job(job)
+    remove_job(ledger.conn, job)
     raise JobError("nothing embedded: the inputs hold no records (empty, or blank lines only); no table made")
 
 
@@ -180,6 +180,9 @@ def check_job(cfg: JobConfig, conn) -> None:
     from embedfleet.encode.models import check_model
 
     spec = check_model(cfg.model)  # an unusable model fails here, once, not in every worker after planning
+    hidden = spec.hidden_size
+    if cfg.dim is not None and hidden is not None and not 0 < cfg.dim <= hidden:
+        raise ModelError(f"--dim {cfg.dim} is out of range: {spec.path.name} makes {hidden}-dimensional vectors")
     if cfg.passages:
         check_passages(cfg, spec)
     if cfg.text_template:
@@ -187,6 +190,8 @@ def check_job(cfg: JobConfig, conn) -> None:
     check_write_privileges(conn, cfg.table, index=not cfg.no_index)
     check_partitions(conn, cfg.table, cfg.partitions)
     ensure_vector(conn)
+    if table_exists(conn, cfg.table) and (cfg.dim or hidden):  # its vectors must be this job's size
+        check_embedding_column(conn, cfg.table, cfg.dim or hidden, "halfvec" if cfg.dtype == "half" else "vector")
     if not cfg.meta:  # with --meta the text may come from the product fields, joined later
         check_inputs_have_text(cfg)
 

@@ -23,7 +23,8 @@ from psycopg.types.json import Jsonb
 
 from embedfleet.config import JobConfig
 from embedfleet.errors import DatabaseError, JobError
-from embedfleet.store.schema import ensure_ledger, ledger_exists, table_rows
+from embedfleet.store.schema import drop_table as drop_table_
+from embedfleet.store.schema import ensure_ledger, ledger_exists, table_exists, table_rows
 
 log = logging.getLogger("embedfleet.ledger")
 
@@ -190,10 +191,6 @@ class Ledger:
             "ELSE now() END WHERE job = %s",
             [state, error, state, state, state, name],
         )
-
-    def remove_job(self, name: str) -> None:
-        """The job and everything the ledger holds of it (chunks, rejects, workers)."""
-        self.conn.execute("DELETE FROM embedfleet.jobs WHERE job = %s", [name])
 
     def restart_job(self, name: str) -> int:
         """Every chunk back to pending from its first line, counts and rejects cleared: the job's table is
@@ -591,3 +588,28 @@ def jobs_overview(conn: psycopg.Connection, job: str | None = None) -> list[dict
             "failures": r["failures"], "workers": r["workers"],
         })
     return out
+
+
+def remove_job(conn: psycopg.Connection, job: str, drop_table: bool = False) -> dict:
+    """`embedfleet jobs rm`: the job and all the ledger holds of it, in one transaction; its table too with
+    `drop_table`. A job whose workers still beat is refused: it would be planned again under them."""
+    if not ledger_exists(conn):
+        raise JobError(f"no job named {job!r}; `embedfleet status` lists them")
+    with conn.transaction():
+        row = conn.execute("SELECT table_name FROM embedfleet.jobs WHERE job = %s FOR UPDATE", [job]).fetchone()
+        if row is None:
+            raise JobError(f"no job named {job!r}; `embedfleet status` lists them")
+        beating = conn.execute(
+            "SELECT count(*) FROM embedfleet.workers WHERE job = %s AND state NOT IN ('finished', 'exited', 'failed') "
+            "AND heartbeat >= now() - make_interval(secs => %s)", [job, STALE_SECONDS / 4]).fetchone()[0]
+        if beating:
+            raise JobError(f"job {job!r} is running ({beating} workers beat within the last {STALE_SECONDS // 4} s): "
+                           "stop it first (Ctrl-C its `embedfleet ingest`), then remove it")
+        chunks, rejects = conn.execute(
+            "SELECT (SELECT count(*) FROM embedfleet.chunks WHERE job = %s), "
+            "(SELECT count(*) FROM embedfleet.rejects WHERE job = %s)", [job, job]).fetchone()
+        conn.execute("DELETE FROM embedfleet.jobs WHERE job = %s", [job])  # chunks, rejects, workers cascade
+        dropped = drop_table and table_exists(conn, row[0])
+        if dropped:
+            drop_table_(conn, row[0])
+    return {"job": job, "table": row[0], "chunks": chunks, "rejects": rejects, "table_dropped": dropped}

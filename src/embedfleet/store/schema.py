@@ -372,6 +372,19 @@ def table_rows(conn: psycopg.Connection, table: str) -> int:
 HEAP_OPTIONS = sql.SQL("WITH (toast_tuple_target = 8160, autovacuum_enabled = off)")
 
 
+def check_embedding_column(conn: psycopg.Connection, table: str, dim: int, vtype: str) -> None:
+    """An existing `table` must hold `vtype(dim)` embeddings: a job never writes vectors of another size into it."""
+    row = conn.execute(
+        "SELECT format_type(atttypid, atttypmod) FROM pg_attribute "
+        "WHERE attrelid = %s::regclass AND attname = 'embedding' AND NOT attisdropped",
+        [table_sql(conn, table).as_string(conn)],
+    ).fetchone()
+    want = f"{vtype}({dim})"
+    if row is None or row[0] != want:
+        have = row[0] if row else "no embedding column"
+        raise DatabaseError(f"table {table!r} already exists with {have}, not {want}; pass another --table")
+
+
 def ensure_table(conn: psycopg.Connection, table: str, columns: Sequence, dim: int, vtype: str,
                  partitions: int | None = None) -> None:
     """Create the target table if needed, as `partitions` hash partitions of its id when given; refuse
@@ -381,17 +394,7 @@ def ensure_table(conn: psycopg.Connection, table: str, columns: Sequence, dim: i
     with conn.transaction():
         conn.execute("SELECT pg_advisory_xact_lock(hashtext(%s))", [f"embedfleet.table.{table}"])
         if table_exists(conn, table):
-            row = conn.execute(
-                "SELECT format_type(atttypid, atttypmod) FROM pg_attribute "
-                "WHERE attrelid = %s::regclass AND attname = 'embedding' AND NOT attisdropped",
-                [ident.as_string(conn)],
-            ).fetchone()
-            want = f"{vtype}({dim})"
-            if row is None or row[0] != want:
-                have = row[0] if row else "no embedding column"
-                raise DatabaseError(
-                    f"table {table!r} already exists with {have}, not {want}; pass another --table"
-                )
+            check_embedding_column(conn, table, dim, vtype)
             return
         cols = [
             sql.SQL("id text PRIMARY KEY"),
