@@ -201,3 +201,24 @@ def test_a_partitioned_tables_shards_each_take_a_share(cli, dsn, conn, tmp_path)
     assert (_bits(vecs) == _bits(np.stack([table[i]["v"] for i in ids]))).all()
     shares = [pq.read_metadata(f).num_rows for f in sorted(out.glob("part-*.parquet"))]
     assert len(shares) == 4 and min(shares) > 2000 / 8, shares
+
+
+def test_shards_are_capped_by_the_tables_pages_and_no_part_is_empty(cli, dsn, conn, tmp_path):
+    from embedfleet.store.export import MIN_SHARD_PAGES, shard_count
+
+    assert shard_count(0, 32) == 1 and shard_count(10 * MIN_SHARD_PAGES, 500) == 10 and shard_count(10**6, 4) == 4
+    _table(conn, "small", 200)
+    out = tmp_path / "many"
+    p = cli("export", "--table", "small", "--format", "parquet", "--out", out, "--db", dsn, "--shards", 500, "--json",
+            "--quiet", check=True)
+    doc = orjson.loads(p.stdout)
+    pages = conn.execute("SELECT pg_relation_size('small') / current_setting('block_size')::int").fetchone()[0]
+    assert doc["rows"] == 200 and doc["shards"] == shard_count(pages, 500) < 500
+    files = sorted(f.name for f in out.glob("part-*.parquet"))
+    assert files == doc["files"] and all(pq.read_metadata(out / f).num_rows > 0 for f in files)
+    # a filter that leaves most parts empty: only the parts with rows are written, numbered in a row
+    p = cli("export", "--table", "small", "--format", "jsonl", "--out", tmp_path / "few", "--db", dsn, "--shards",
+            4, "--where", "id = (SELECT max(id) FROM small)", "--json", "--quiet", check=True)
+    doc = orjson.loads(p.stdout)
+    assert doc["rows"] == 1 and doc["files"] == ["part-00000-of-00001.jsonl"]
+    assert sorted(f.name for f in (tmp_path / "few").glob("part-*")) == doc["files"]

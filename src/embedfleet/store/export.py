@@ -23,6 +23,8 @@ Layouts of `--out PATH`:
 
 from __future__ import annotations
 
+import logging
+
 import os
 import shutil
 import threading
@@ -41,7 +43,9 @@ from psycopg import sql
 from embedfleet.errors import DatabaseError, InputError
 from embedfleet.store.schema import embedding_info, heap_pages, table_sql
 
-__all__ = ["FORMATS", "Block", "Column", "column_oids", "export", "read_blocks", "read_vectors", "table_columns"]
+log = logging.getLogger(__name__)
+
+__all__ = ["FORMATS", "Block", "Column", "column_oids", "export", "read_blocks", "read_vectors", "shard_count", "table_columns"]
 
 FORMATS = ("parquet", "npy", "jsonl")
 DTYPES = ("float32", "float16")
@@ -483,6 +487,15 @@ def _publish(target: _Target) -> None:
         shutil.rmtree(old, ignore_errors=True)
 
 
+# A part gets at least this many heap pages (128 kB): more parts than that only adds files and connections.
+MIN_SHARD_PAGES = 16
+
+
+def shard_count(pages: int, asked: int) -> int:
+    """How many parts `--shards asked` writes of a table of `pages` heap pages: at most one per MIN_SHARD_PAGES."""
+    return max(1, min(asked, pages // MIN_SHARD_PAGES))
+
+
 def _page_ranges(conn: psycopg.Connection, table: str, shards: int) -> list[tuple[int, int | None]]:
     """`shards` runs of heap pages (`heap_pages`: a partitioned table's, its largest partition's, read from
     each) of about equal size; the last is open-ended."""
@@ -524,15 +537,21 @@ def export(dsn: str, table: str, fmt: str, out: str, *, where: str | None = None
             dim = dim[0] if dim else 0
         oids = column_oids(conn, chosen)
         estimate = None if where else _estimate_rows(conn, table)
+        asked, shards = shards, shard_count(heap_pages(conn, table)[0], shards)
+        if shards < asked:
+            log.info("--shards %d: table %s has %d pages, so %d part(s) of at least %d pages each", asked, table,
+                     heap_pages(conn, table)[0], shards, MIN_SHARD_PAGES)
         conn.rollback()
-        target = _target(out, fmt, shards)
+        target = _target(out, fmt, asked)
         try:
             conn.execute("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ READ ONLY")
             conn.execute("SET LOCAL timezone = 'UTC'")
             metadata = {"table": table, "vector_type": vtype, "dim": dim, "dtype": dtype}
-            tasks = _shards(conn, dsn, table, fmt, chosen, where, shards, target, oids, vtype, dim, dtype)
-            rows = _run(conn, tasks, metadata, estimate, progress)
-            files = _finish(target, tasks, fmt)
+            tasks = _shards(conn, dsn, table, fmt, chosen, where, shards, target, oids, vtype, dim, dtype,
+                            parts=asked > 1)
+            per_part = _run(conn, tasks, metadata, estimate, progress)
+            rows = sum(per_part)
+            files = _finish(target, tasks, fmt, per_part)
             summary = {"table": table, "format": fmt, "out": str(target.final), "rows": rows, "dim": dim,
                        "dtype": dtype, "vector_type": vtype, "columns": ["id", *(c.name for c in chosen), "embedding"],
                        "where": where, "shards": shards, "files": files}
@@ -551,13 +570,15 @@ def export(dsn: str, table: str, fmt: str, out: str, *, where: str | None = None
 
 
 def _shards(conn: psycopg.Connection, dsn: str, table: str, fmt: str, columns: tuple[Column, ...], where: str | None,
-            shards: int, target: _Target, oids: tuple[int, ...], vtype: str, dim: int, dtype: str) -> list[Shard]:
-    """The work of each shard; with more than one, under a snapshot exported from `conn`'s transaction."""
+            shards: int, target: _Target, oids: tuple[int, ...], vtype: str, dim: int, dtype: str,
+            parts: bool) -> list[Shard]:
+    """The work of each shard; with more than one, under a snapshot exported from `conn`'s transaction.
+    `parts`: the files are named as parts (part-00000-of-0000N), however many there are."""
     snapshot = conn.execute("SELECT pg_export_snapshot()").fetchone()[0] if shards > 1 else None
     tasks = []
     for i, pages in enumerate(_page_ranges(conn, table, shards) if shards > 1 else [None]):
         select, count = _select(table_sql(conn, table), columns, where, pages)
-        part = f"part-{i:05d}-of-{shards:05d}" if shards > 1 else ""
+        part = _part_name(i, shards) if parts else ""
         tasks.append(Shard(
             index=i, dsn=dsn, snapshot=snapshot, select=select.as_string(conn), count=count.as_string(conn),
             oids=oids, vtype=vtype, dim=dim, dtype=dtype, fmt=fmt, columns=columns,
@@ -567,9 +588,14 @@ def _shards(conn: psycopg.Connection, dsn: str, table: str, fmt: str, columns: t
     return tasks
 
 
-def _run(conn: psycopg.Connection, tasks: list[Shard], metadata: dict, estimate: int | None, progress: bool) -> int:
+def _part_name(i: int, parts: int) -> str:
+    return f"part-{i:05d}-of-{parts:05d}"
+
+
+def _run(conn: psycopg.Connection, tasks: list[Shard], metadata: dict, estimate: int | None,
+         progress: bool) -> list[int]:
     """Count (npy), lay out embeddings.npy, then write every shard: inline on `conn` for one shard,
-    else one helper process each. Returns the rows written."""
+    else on helper processes, one a core at most. Returns the rows each shard wrote."""
     bar = _Bar(progress, estimate)
     try:
         if len(tasks) == 1:
@@ -580,12 +606,12 @@ def _run(conn: psycopg.Connection, tasks: list[Shard], metadata: dict, estimate:
                     total = conn.execute(shard.count).fetchone()[0]
                 header = _lay_out_npy(shard.path, total, shard.dim, shard.dtype)
                 bar.total(total)
-            return _check(write_shard(conn, shard, header, metadata, bar.advance), total)
+            return [_check(write_shard(conn, shard, header, metadata, bar.advance), total)]
         import multiprocessing as mp
 
         spawn = mp.get_context("spawn")  # not fork: a child must not share the parent's libpq socket
         counter = spawn.Array("q", len(tasks))
-        with ProcessPoolExecutor(len(tasks), mp_context=spawn, initializer=_helper_init,
+        with ProcessPoolExecutor(min(len(tasks), os.cpu_count() or 1), mp_context=spawn, initializer=_helper_init,
                                  initargs=(counter, os.getpid())) as pool:
             header, total = 0, None
             if tasks[0].fmt == "npy":
@@ -605,7 +631,9 @@ def _run(conn: psycopg.Connection, tasks: list[Shard], metadata: dict, estimate:
                         for other in pending:
                             other.cancel()
                         raise f.exception()
-            return _check(sum(f.result() for f in futures), total)
+            per_shard = [f.result() for f in futures]
+            _check(sum(per_shard), total)
+            return per_shard
     finally:
         bar.close()
 
@@ -627,10 +655,21 @@ def _lay_out_npy(path: str, rows: int, dim: int, dtype: str) -> int:
     return header
 
 
-def _finish(target: _Target, tasks: list[Shard], fmt: str) -> list[str]:
-    """Join the shards' id files (npy); the export's files, relative to its directory."""
+def _finish(target: _Target, tasks: list[Shard], fmt: str, rows: list[int]) -> list[str]:
+    """Join the shards' id files (npy), or leave out the parts that hold no row (renumbering the rest); the
+    export's files, relative to its directory."""
     if fmt != "npy":
-        return [os.path.basename(t.path) for t in tasks]
+        names = [os.path.basename(t.path) for t in tasks]
+        kept = [name for name, n in zip(names, rows) if n] or names[:1]  # no row at all: one part, its schema
+        if len(kept) == len(names) or not target.is_dir:
+            return names
+        for name in set(names) - set(kept):
+            os.unlink(target.file(name))
+        final = []
+        for i, name in enumerate(kept):
+            final.append(f"{_part_name(i, len(kept))}.{fmt}")
+            os.rename(target.file(name), target.file(final[-1]))
+        return final
     if len(tasks) > 1:
         import pyarrow.parquet as pq
 
