@@ -84,6 +84,8 @@ def ingest(
                                            "of at most TOKENS tokens, overlapping by OVERLAP (e.g. 256:32)"),
     partitions: Optional[int] = typer.Option(None, "--partitions", help="a new table as N hash partitions of its id, "
                                              "each growing under its own lock: for several GPUs (e.g. 8)"),
+    columns: Optional[str] = typer.Option(None, "--columns", help="NAME:TYPE,…: record fields as typed columns of "
+                                          "their own (e.g. stars:int,lang:text), for --where, train and map"),
     config: Optional[str] = typer.Option(None, "--config", help="YAML file with any of these flags (flags win)"),
     ray: Optional[str] = typer.Option(None, "--ray", help="run the workers as Ray actors: auto (RAY_ADDRESS or a "
                                       "local cluster) or the cluster's ADDRESS; pip install embedfleet[ray]"),
@@ -102,7 +104,7 @@ def ingest(
         inputs=inputs, meta=meta, preset=preset, text_template=text_template, text_field=text_field,
         id_field=id_field, model=model, db=db, table=table, job=job, devices=devices, workers=workers,
         batch_tokens=batch_tokens, chunk_bytes=chunk_bytes, limit=limit, no_index=no_index, dtype=dtype,
-        dim=dim, prompt=prompt, passages=passages, partitions=partitions, quiet=quiet,
+        dim=dim, prompt=prompt, passages=passages, partitions=partitions, quiet=quiet, columns=columns,
     ), config)
     settings = Settings.from_env(metrics_port=metrics_port)
     cfg.inputs = expand_inputs(cfg.inputs)  # a missing file or GPU fails before any server starts
@@ -356,7 +358,8 @@ def train(
     task: str = typer.Option(..., "--task", help="classify | regress"),
     head: str = typer.Option("linear", "--head", help="linear | mlp"),
     epochs: int = typer.Option(10, "--epochs"),
-    batch_size: int = typer.Option(4096, "--batch-size", help="rows a step, across all devices"),
+    batch_size: Optional[int] = typer.Option(None, "--batch-size", help="rows a step, across all devices (default: "
+                                             "an eighth of the train rows as a power of two, at most 4096)"),
     lr: float = typer.Option(1e-3, "--lr", help="AdamW learning rate (warm-up, then cosine decay)"),
     where: Optional[str] = typer.Option(None, "--where", help="SQL filter on the rows (read-only)"),
     val_fraction: float = typer.Option(0.1, "--val-fraction", help="share of rows, by id hash, kept for validation"),

@@ -59,16 +59,18 @@ class JobConfig:
     prompt: str | None = None  # prompt name for documents (models with a "document" prompt use it by default)
     passages: str | None = None  # "TOKENS[:OVERLAP]": each record as passages of at most TOKENS tokens
     partitions: int | None = None  # a new table as this many hash partitions of its id (None: one relation)
+    columns: list[str] | None = None  # "NAME:TYPE" fields promoted from the records into typed columns
 
     # Fields that change what lands in the table. Two runs agreeing on these are the same job.
     _IDENTITY = (
         "inputs", "meta", "preset", "text_template", "text_field", "id_field", "model",
-        "table", "chunk_bytes", "limit", "dtype", "dim", "prompt", "passages",
+        "table", "chunk_bytes", "limit", "dtype", "dim", "prompt", "passages", "columns",
     )
 
     def fingerprint(self) -> str:
         # A field at its default is left out: a job planned before the field existed keeps its fingerprint.
-        ident = {k: getattr(self, k) for k in self._IDENTITY if k != "passages" or self.passages is not None}
+        ident = {k: getattr(self, k) for k in self._IDENTITY
+                 if k not in ("passages", "columns") or getattr(self, k) is not None}
         return hashlib.sha256(orjson.dumps(ident, option=orjson.OPT_SORT_KEYS)).hexdigest()[:16]
 
     def to_json(self) -> dict[str, Any]:
@@ -112,8 +114,9 @@ def typed(cls, values: dict[str, Any], source: str):
     no int, 3.7 no int, "false" no bool); a wrong one is a one-line error naming the key and `source`."""
     import msgspec
 
-    if isinstance(values.get("inputs"), str):
-        values = {**values, "inputs": [values["inputs"]]}
+    for key in ("inputs", "columns"):
+        if isinstance(values.get(key), str):  # one input; "stars:int,lang:text"
+            values = {**values, key: [values[key]] if key == "inputs" else values[key].split(",")}
     try:
         return msgspec.convert(values, cls, strict=True)
     except msgspec.ValidationError as e:
@@ -169,6 +172,9 @@ def validate(cfg: JobConfig) -> JobConfig:
         raise InputError(f"--preset {cfg.preset!r}: choose one of {', '.join(PRESETS)}")
     if cfg.meta and cfg.preset != "amazon-reviews":
         raise InputError("--meta joins product metadata and needs --preset amazon-reviews")
+    from embedfleet.sources.presets import job_preset
+
+    job_preset(cfg.preset, cfg.columns)  # names and types that can be columns
     return cfg
 
 

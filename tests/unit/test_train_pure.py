@@ -211,3 +211,11 @@ def test_a_read_that_fails_puts_no_block_after_and_keeps_the_puts_error_beside_i
     assert put == [0]  # block 1 was only handed back
     assert isinstance(e.value.__context__, ValueError)
 
+
+
+def test_the_default_batch_takes_at_least_eight_steps_an_epoch():
+    from embedfleet.train.trainer import MAX_AUTO_BATCH, auto_batch
+
+    assert [auto_batch(n) for n in (1, 7, 8, 169, 180, 1000)] == [1, 1, 1, 16, 16, 64]
+    assert auto_batch(10**6) == MAX_AUTO_BATCH == 4096
+    assert all(-(-n // auto_batch(n)) >= 8 for n in range(8, 40_000, 7))

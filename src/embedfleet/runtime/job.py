@@ -20,10 +20,11 @@ from embedfleet.config import JobConfig, Settings, default_chunk_bytes
 from embedfleet.errors import InputError, JobError, ModelError
 from embedfleet.records import validate_template
 from embedfleet.runtime.preflight import check_inputs_have_text
+from embedfleet.sources.presets import table_columns
 from embedfleet.sources.plan import ChunkSpec, chunk_lines, expand_inputs, plan_chunks, table_name_for
 from embedfleet.store.embedded import resolve_dsn
 from embedfleet.store.ledger import Ledger, Reconnect, remove_job
-from embedfleet.store.schema import (check_embedding_column, check_identifier, check_partitions, check_server, check_write_privileges, ensure_vector,
+from embedfleet.store.schema import (check_embedding_column, check_identifier, check_table_columns, check_partitions, check_server, check_write_privileges, ensure_vector,
                                      drop_table, finish_table, partition_count, table_exists, table_rows)
 
 __all__ = ["Launcher", "run_job", "check_job", "prepare", "finalize", "apply_limit"]
@@ -190,8 +191,10 @@ def check_job(cfg: JobConfig, conn) -> None:
     check_write_privileges(conn, cfg.table, index=not cfg.no_index)
     check_partitions(conn, cfg.table, cfg.partitions)
     ensure_vector(conn)
-    if table_exists(conn, cfg.table) and (cfg.dim or hidden):  # its vectors must be this job's size
-        check_embedding_column(conn, cfg.table, cfg.dim or hidden, "halfvec" if cfg.dtype == "half" else "vector")
+    if table_exists(conn, cfg.table):  # its vectors must be this job's size, and its columns this job's
+        if cfg.dim or hidden:
+            check_embedding_column(conn, cfg.table, cfg.dim or hidden, "halfvec" if cfg.dtype == "half" else "vector")
+        check_table_columns(conn, cfg.table, table_columns(cfg.preset, bool(cfg.passages), cfg.columns))
     if not cfg.meta:  # with --meta the text may come from the product fields, joined later
         check_inputs_have_text(cfg)
 

@@ -11,7 +11,7 @@ from embedfleet.errors import InputError
 from embedfleet.records import has_field, template_fields, to_records
 from embedfleet.sources import ChunkSpec, input_kind, read_chunk
 from embedfleet.sources.files import size
-from embedfleet.sources.presets import get_preset
+from embedfleet.sources.presets import job_preset
 
 SAMPLE = 200  # records read from the first input
 _HEAD_BYTES = 1 << 20  # of a plain JSONL file: enough for the sample
@@ -44,7 +44,7 @@ def check_inputs_have_text(cfg: JobConfig) -> None:
         return
     if not raws:
         return
-    preset = get_preset(cfg.preset)
+    preset = job_preset(cfg.preset, cfg.columns)
     fields = sorted({k for r in raws for k in r.data})
     if cfg.text_template:
         joined = {c.name for c in preset.meta_columns} if cfg.meta else set()  # product fields come with --meta

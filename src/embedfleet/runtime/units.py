@@ -46,7 +46,7 @@ from embedfleet.runtime.heap import keep_freed_memory
 from embedfleet.sources import RawRecord, read_chunk
 from embedfleet.sources.jsonl import block_lines, block_records, stream_blocks
 from embedfleet.sources.plan import ChunkSpec, id_name
-from embedfleet.sources.presets import get_preset, table_columns
+from embedfleet.sources.presets import job_preset, table_columns
 from embedfleet.store.copyrows import COPY_TYPES, EncodedRows, RowEncoder
 
 
@@ -64,6 +64,7 @@ class UnitContext:
     db_patience: float = 0.0  # how long that connection keeps reconnecting to a database that went away
     passages: tuple[int, int] | None = None  # (tokens, overlap): each record as its passages
     id_root: str | None = None  # default ids name files below this (`sources.plan.id_root`); None: by base name
+    columns: tuple[str, ...] | None = None  # --columns: record fields promoted into typed columns
 
 
 @dataclass
@@ -131,10 +132,10 @@ class Preparer:
 
     def __init__(self, ctx: UnitContext):
         self.ctx = ctx
-        self.preset = get_preset(ctx.preset)
+        self.preset = job_preset(ctx.preset, ctx.columns)
         self.tokenizer = ctx.tokenizer.build()
         self.tokenizer.build_word_path()  # in the helper's start-up, not in the job's first unit
-        columns = table_columns(ctx.preset, ctx.passages is not None)
+        columns = table_columns(ctx.preset, ctx.passages is not None, ctx.columns)
         self.encoder = RowEncoder(["text", "text"] + [COPY_TYPES[c.pgtype] for c in columns])
         self._column_names = tuple(c.name for c in columns)  # each row's values, in column order
         self.splitter = (Splitter(ctx.tokenizer.tokenizer_json, *ctx.passages, words=self.tokenizer.word_tokens_many)

@@ -283,7 +283,7 @@ class Worker:
             ctx = UnitContext(cfg.preset, cfg.text_template, cfg.text_field, cfg.id_field,
                               tokenizer_spec(cfg.model, cfg.prompt), self.dsn if cfg.meta else None,
                               row["meta_id"] if cfg.meta else None, s.db_patience_seconds, parse_passages(cfg.passages),
-                              id_root(cfg.inputs))
+                              id_root(cfg.inputs), tuple(cfg.columns) if cfg.columns else None)
             pool = self._make_helpers(ctx, s.helpers)
             helpers_ready = pool.start_in_background()
             encoder = None
@@ -292,7 +292,7 @@ class Worker:
                 encoder = self._make_encoder(cfg, self.device, s)
                 model_s = time.perf_counter() - t_model
                 vtype = vector_type(ledger.conn, cfg.dtype)
-                ensure_table(ledger.conn, cfg.table, table_columns(cfg.preset, bool(cfg.passages)), encoder.dim, vtype,
+                ensure_table(ledger.conn, cfg.table, table_columns(cfg.preset, bool(cfg.passages), cfg.columns), encoder.dim, vtype,
                              cfg.partitions)
                 ledger.set_model(self.job, encoder.name, encoder.dim)
                 # The compile (from the cache after a machine's first run) starts now, beside the helpers'
@@ -409,7 +409,7 @@ class Worker:
     def _writer(self, cfg: JobConfig, device: str, vtype: str, spare: int) -> Writer:
         s, stats = self.settings, self.stats
         writers, depth = default_writers(device)
-        columns = table_columns(cfg.preset, bool(cfg.passages))
+        columns = table_columns(cfg.preset, bool(cfg.passages), cfg.columns)
         done_lock = threading.Lock()  # writer threads report concurrently
 
         def on_done(unit: Unit, inserted: int) -> None:

@@ -17,6 +17,7 @@ Every preset but generic keeps fields it does not know in `extra` (jsonb).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import re
 from collections.abc import Callable, Iterator
@@ -226,6 +227,47 @@ PRESETS = {
 }
 
 
+# `--columns NAME:TYPE,…`: the types a promoted field may take, by the names a user would write.
+COLUMN_TYPES = {
+    "int": "bigint", "integer": "integer", "bigint": "bigint", "real": "real", "float": "double precision",
+    "double": "double precision", "text": "text", "bool": "boolean", "boolean": "boolean", "date": "date",
+    "timestamp": "timestamptz", "timestamptz": "timestamptz", "json": "jsonb", "jsonb": "jsonb", "text[]": "text[]",
+}
+_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,62}")
+
+
+def parse_columns(specs: list[str] | None) -> tuple[Column, ...]:
+    """`--columns stars:int,lang:text`: each NAME (a field of the records, and the column's name) with its type."""
+    out: list[Column] = []
+    for spec in specs or []:
+        name, colon, kind = spec.strip().partition(":")
+        name, kind = name.strip(), kind.strip().lower()
+        if not colon or not _NAME.fullmatch(name) or kind not in COLUMN_TYPES:
+            raise InputError(f"--columns {spec!r}: give NAME:TYPE, NAME a field of the records (letters, digits, _) "
+                             f"and TYPE one of {', '.join(COLUMN_TYPES)}")
+        if name in {c.name for c in out}:
+            raise InputError(f"--columns: {name!r} is given twice")
+        out.append(Column(name, COLUMN_TYPES[kind]))
+    return tuple(out)
+
+
+def job_preset(name: str, columns: list[str] | None = None) -> Preset:
+    """The preset a job uses: `name`'s, with the `--columns` fields promoted from the records (out of the
+    preset's catch-all jsonb column) into typed columns of their own."""
+    preset = get_preset(name)
+    extra = parse_columns(columns)
+    if not extra:
+        return preset
+    from embedfleet.encode.passages import COLUMNS as PASSAGE_COLUMNS
+
+    taken = {"id", "content", "embedding", *(c.name for c in preset.columns), *(c.name for c in PASSAGE_COLUMNS)}
+    clash = [c.name for c in extra if c.name in taken]
+    if clash:
+        raise InputError(f"--columns {clash[0]!r}: preset {name} already has a column of that name")
+    return dataclasses.replace(preset, columns=preset.columns + extra,
+                               fields=preset.fields + tuple((c.name, c.name) for c in extra))
+
+
 def get_preset(name: str) -> Preset:
     try:
         return PRESETS[name]
@@ -257,9 +299,9 @@ def load_meta(path: str, preset: Preset, on_skip: Callable[[int, str], None] | N
         log.warning("meta file %s: skipped %d lines (first: line %d, %s)", path, skipped, *first)
 
 
-def table_columns(preset: str, passages: bool = False) -> tuple[Column, ...]:
-    """A job's table columns besides id, content and embedding: the preset's, and with --passages the
-    record each passage came from and its place in it."""
+def table_columns(preset: str, passages: bool = False, columns: list[str] | None = None) -> tuple[Column, ...]:
+    """A job's table columns besides id, content and embedding: the preset's and its --columns, and with
+    --passages the record each passage came from and its place in it."""
     from embedfleet.encode.passages import COLUMNS
 
-    return get_preset(preset).columns + (COLUMNS if passages else ())
+    return job_preset(preset, columns).columns + (COLUMNS if passages else ())

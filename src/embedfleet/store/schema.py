@@ -385,6 +385,20 @@ def check_embedding_column(conn: psycopg.Connection, table: str, dim: int, vtype
         raise DatabaseError(f"table {table!r} already exists with {have}, not {want}; pass another --table")
 
 
+def check_table_columns(conn: psycopg.Connection, table: str, columns: Sequence) -> None:
+    """An existing `table` must have every column the job writes (a --columns field it was made without)."""
+    have = {r[0] for r in conn.execute(
+        "SELECT attname FROM pg_attribute WHERE attrelid = %s::regclass AND attnum > 0 AND NOT attisdropped",
+        [table_sql(conn, table).as_string(conn)]).fetchall()}
+    missing = [c for c in columns if c.name not in have]
+    if missing:
+        c = missing[0]
+        target = table_sql(conn, table).as_string(conn)
+        raise DatabaseError(f"table {table!r} already exists without column {c.name!r}: pass another --table, or add "
+                            f"it first (ALTER TABLE {target} ADD COLUMN {sql.Identifier(c.name).as_string(conn)} "
+                            f"{c.pgtype})")
+
+
 def ensure_table(conn: psycopg.Connection, table: str, columns: Sequence, dim: int, vtype: str,
                  partitions: int | None = None) -> None:
     """Create the target table if needed, as `partitions` hash partitions of its id when given; refuse

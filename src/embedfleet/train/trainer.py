@@ -33,11 +33,19 @@ from pathlib import Path
 from embedfleet.errors import EmbedfleetError, InputError
 from embedfleet.process import exit_now
 
-__all__ = ["TrainSettings", "train", "run_rank", "lr_factor", "default_out", "table_model"]
+__all__ = ["TrainSettings", "auto_batch", "train", "run_rank", "lr_factor", "default_out", "table_model"]
 
 log = logging.getLogger("embedfleet")
 
 EVAL_BATCH = 65_536  # rows per rank per validation batch
+MAX_AUTO_BATCH = 4096  # the default batch of a large table: big steps keep the device busy
+
+
+def auto_batch(train_rows: int) -> int:
+    """The default global batch: at most MAX_AUTO_BATCH, and no more than an eighth of the train split (rounded
+    down to a power of two), so that a small table still takes enough steps an epoch to learn."""
+    eighth = max(1, train_rows // 8)
+    return min(MAX_AUTO_BATCH, 1 << (eighth.bit_length() - 1))
 
 
 @dataclass
@@ -47,7 +55,7 @@ class TrainSettings:
     task: str = "classify"
     head: str = "linear"
     epochs: int = 10
-    batch_size: int = 4096  # global, across ranks
+    batch_size: int | None = None  # global, across ranks (None: auto_batch of the train split)
     lr: float = 1e-3
     weight_decay: float = 0.01
     where: str | None = None
@@ -68,7 +76,7 @@ class TrainSettings:
             raise InputError(f"--task {self.task!r}: use classify or regress")
         if self.head not in HEADS:
             raise InputError(f"--head {self.head!r}: use {' or '.join(HEADS)}")
-        if self.epochs < 1 or self.batch_size < 1:
+        if self.epochs < 1 or (self.batch_size is not None and self.batch_size < 1):
             raise InputError("--epochs and --batch-size must be at least 1")
         if not self.lr > 0:
             raise InputError(f"--lr {self.lr}: use a positive learning rate")
@@ -283,7 +291,11 @@ def _train(settings: TrainSettings, dev, rank: int, world: int, dsn: str) -> dic
         target = (float(y.mean()), float(y.std()) if len(y) > 1 and float(y.std()) > 0 else 1.0)
     torch.manual_seed(settings.seed)
     model = build_head(settings.head, ds.dim, classes or 1).to(dev)
-    per_rank = -(-settings.batch_size // world)
+    batch = settings.batch_size or auto_batch(len(train_ds))
+    if settings.batch_size is None and rank == 0:
+        log.info("batch size %d (the default: an eighth of the %d train rows, as a power of two, at most %d)",
+                 batch, len(train_ds), MAX_AUTO_BATCH)
+    per_rank = -(-batch // world)
     total_steps = settings.epochs * len(ordering.step_sizes(len(train_ds), per_rank, world))
     lrs = [settings.lr * lr_factor(s, total_steps) for s in range(total_steps)]
     loop = TrainLoop(model, train_ds, per_rank, rank, world, task, target, lrs, settings.weight_decay,

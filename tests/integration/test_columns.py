@@ -1,0 +1,65 @@
+"""`ingest --columns NAME:TYPE,…`: fields promoted from the records into typed columns of their own, for any
+preset, so that --where, train and map use them as plain columns."""
+
+from __future__ import annotations
+
+import json
+
+import orjson
+import pytest
+
+from embedfleet.errors import InputError
+from embedfleet.sources.presets import job_preset, parse_columns
+
+
+def test_column_specs_are_parsed_and_checked():
+    assert [(c.name, c.pgtype) for c in parse_columns(["stars:int", " lang : TEXT", "when:timestamp"])] == [
+        ("stars", "bigint"), ("lang", "text"), ("when", "timestamptz")]
+    for bad in (["stars"], ["stars:money"], ["bad name:int"], ["a:int", "a:text"]):
+        with pytest.raises(InputError, match="--columns"):
+            parse_columns(bad)
+    with pytest.raises(InputError, match="already has a column"):
+        job_preset("amazon-reviews", ["rating:int"])
+    preset = job_preset("generic", ["stars:int"])
+    values = preset.values({"text": "t", "stars": "4", "other": 1}, "text")
+    assert values == {"stars": 4, "record": {"other": 1}}  # promoted: out of `record`
+
+
+def _reviews(path, n=200):
+    rows = []
+    for i in range(n):
+        good = i % 2 == 0
+        rows.append({"text": ("great battery, love it" if good else "broke in a week, refund") + f" #{i}",
+                     "stars": 5 if good else 1, "lang": "en" if i % 3 else "de"})
+    rows.append({"text": "a review whose stars do not parse", "stars": "five", "lang": "en"})
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def test_promoted_columns_serve_where_and_train(cli, dsn, conn, tmp_path):
+    src = _reviews(tmp_path / "gen.jsonl")
+    p = cli("ingest", src, "--columns", "stars:int,lang:text", "--db", dsn, "--devices", "cpu", "--quiet", check=True)
+    assert "200 rows" in p.stderr and "1 rejected" in p.stderr
+    types = dict(conn.execute("SELECT attname, format_type(atttypid, atttypmod) FROM pg_attribute "
+                              "WHERE attrelid = 'gen'::regclass AND attnum > 0").fetchall())
+    assert types["stars"] == "bigint" and types["lang"] == "text"
+    assert conn.execute("SELECT count(*) FROM gen WHERE record ? 'stars'").fetchone()[0] == 0
+    assert "stars" in conn.execute("SELECT reason FROM embedfleet.rejects WHERE job = 'gen'").fetchone()[0]
+    s = cli("search", "battery", "--table", "gen", "--db", dsn, "--where", "stars >= 4 AND lang = 'de'", "--json")
+    results = orjson.loads(s.stdout)["results"]
+    assert results and all(r["stars"] == 5 and r["lang"] == "de" for r in results)
+    t = cli("train", "--table", "gen", "--label", "stars", "--task", "classify", "--db", dsn, "--devices", "cpu",
+            "--out", tmp_path / "run", "--json", check=True)
+    doc = orjson.loads(t.stdout)
+    assert doc["final"]["val_accuracy"] >= 0.9 and doc["batch_size"] == 16  # 180 train rows: auto batch 16
+
+
+def test_an_existing_table_without_the_column_is_refused_before_planning(cli, dsn, conn, tmp_path):
+    src = _reviews(tmp_path / "gen.jsonl", 20)
+    cli("ingest", src, "--db", dsn, "--devices", "cpu", "--quiet", check=True)
+    p = cli("ingest", src, "--columns", "stars:int", "--job", "again", "--db", dsn, "--quiet")
+    lines = [line for line in p.stderr.splitlines() if line.startswith("error: ")]
+    assert p.returncode == 2 and len(lines) == 1 and "without column 'stars'" in lines[0] and "ADD COLUMN" in lines[0]
+    assert conn.execute("SELECT count(*) FROM embedfleet.jobs WHERE job = 'again'").fetchone()[0] == 0
+    bad = cli("ingest", src, "--columns", "stars", "--table", "x", "--db", dsn, "--quiet")
+    assert bad.returncode == 2 and "NAME:TYPE" in bad.stderr and "Traceback" not in bad.stderr
