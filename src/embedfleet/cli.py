@@ -33,7 +33,7 @@ import typer
 from embedfleet.bytecode import keep_bytecode
 from embedfleet.errors import EmbedfleetError
 
-app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
+app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False, rich_markup_mode=None,
                   help="Embed large text corpora on every GPU you can reach, into PostgreSQL/pgvector, exactly once.")
 db_app = typer.Typer(no_args_is_help=True, help="The embedded PostgreSQL server (used when no --db is given).")
 app.add_typer(db_app, name="db")
@@ -513,11 +513,14 @@ def db_stop() -> None:
 
 
 @cache_app.command("path")
-def cache_path() -> None:
+def cache_path(json_out: bool = typer.Option(False, "--json", help='{"path": …}')) -> None:
     """Print where compiled graphs and kernels are kept ($EMBEDFLEET_HOME/cache)."""
     from embedfleet.cache import cache_dir
 
-    typer.echo(str(cache_dir()))
+    if json_out:
+        _emit({"path": str(cache_dir())})
+    else:
+        typer.echo(str(cache_dir()))
 
 
 @cache_app.command("clear")

@@ -9,10 +9,10 @@ import pytest
 
 from embedfleet import cli
 
-GROUPS = [([], cli.app), (["db"], cli.db_app), (["cache"], cli.cache_app)]
+GROUPS = [([], cli.app), (["db"], cli.db_app), (["cache"], cli.cache_app), (["jobs"], cli.jobs_app)]
 
 
-@pytest.mark.parametrize("words,app", GROUPS, ids=["embedfleet", "db", "cache"])
+@pytest.mark.parametrize("words,app", GROUPS, ids=["embedfleet", "db", "cache", "jobs"])
 def test_every_command_is_listed_on_one_line_with_its_whole_summary(words, app):
     # Wide enough for any summary: a row that still breaks came from a line break inside the summary.
     env = {k: v for k, v in os.environ.items() if k not in ("FORCE_COLOR", "TTY_COMPATIBLE")}  # plain text, no ANSI
@@ -25,3 +25,12 @@ def test_every_command_is_listed_on_one_line_with_its_whole_summary(words, app):
         assert "\n" not in summary, f"{name}: its docstring's first paragraph must be one line (PEP 257)"
         rows = [line for line in out.splitlines() if line.lstrip("│ ").startswith(name + " ")]
         assert len(rows) == 1 and summary in rows[0], (name, rows)
+
+
+def test_help_shows_brackets_as_written():
+    """Help text is plain: `embedfleet[ray]` and TOKENS[:OVERLAP] are not taken for markup and dropped."""
+    env = {k: v for k, v in os.environ.items() if k not in ("FORCE_COLOR", "TTY_COMPATIBLE")}
+    env.update(COLUMNS="250", TERMINAL_WIDTH="250")
+    out = subprocess.run([sys.executable, "-m", "embedfleet.cli", "ingest", "--help"], env=env,
+                         capture_output=True, text=True, timeout=60, check=True).stdout
+    assert "pip install embedfleet[ray]" in out and "TOKENS[:OVERLAP]" in out
