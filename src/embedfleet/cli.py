@@ -33,7 +33,8 @@ import typer
 from embedfleet.bytecode import keep_bytecode
 from embedfleet.errors import EmbedfleetError
 
-app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False, rich_markup_mode=None,
+# Help text is rich markup: a literal bracket is escaped with a backslash, or rich takes "[ray]" for a style.
+app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   help="Embed large text corpora on every GPU you can reach, into PostgreSQL/pgvector, exactly once.")
 db_app = typer.Typer(no_args_is_help=True, help="The embedded PostgreSQL server (used when no --db is given).")
 app.add_typer(db_app, name="db")
@@ -80,7 +81,7 @@ def ingest(
     dtype: Optional[str] = typer.Option(None, "--dtype", help="float (vector) | half (halfvec, pgvector ≥ 0.7)"),
     dim: Optional[int] = typer.Option(None, "--dim", help="Matryoshka: keep the first N dimensions"),
     prompt: Optional[str] = typer.Option(None, "--prompt", help="prompt name or text prepended to documents"),
-    passages: Optional[str] = typer.Option(None, "--passages", help="TOKENS[:OVERLAP]: each record as passages "
+    passages: Optional[str] = typer.Option(None, "--passages", help="TOKENS\\[:OVERLAP]: each record as passages "
                                            "of at most TOKENS tokens, overlapping by OVERLAP (e.g. 256:32)"),
     partitions: Optional[int] = typer.Option(None, "--partitions", help="a new table as N hash partitions of its id, "
                                              "each growing under its own lock: for several GPUs (e.g. 8)"),
@@ -88,7 +89,7 @@ def ingest(
                                           "their own (e.g. stars:int,lang:text), for --where, train and map"),
     config: Optional[str] = typer.Option(None, "--config", help="YAML file with any of these flags (flags win)"),
     ray: Optional[str] = typer.Option(None, "--ray", help="run the workers as Ray actors: auto (RAY_ADDRESS or a "
-                                      "local cluster) or the cluster's ADDRESS; pip install embedfleet[ray]"),
+                                      "local cluster) or the cluster's ADDRESS; pip install embedfleet\\[ray]"),
     metrics_port: Optional[int] = typer.Option(None, "--metrics-port", help="serve Prometheus metrics on this port"),
     quiet: bool = typer.Option(False, "--quiet", help="no progress display"),
     json_out: bool = typer.Option(False, "--json", help="print the final job summary as JSON"),
