@@ -46,3 +46,14 @@ def test_a_csv_with_a_stray_quote_lands_every_other_record(cli, dsn, conn, tmp_p
     # line 3: the stray quote; line 10: five fields (lines as an editor shows them: 8-9 are one quoted record)
     assert set(rejects) == {3, 10} and "quoting" in rejects[3] and "5 fields" in rejects[10]
     assert orjson.loads(cli("verify", "--table", "notes", "--db", dsn, "--json").stdout)["ok"]
+
+
+def test_cosmetic_refusals_are_one_line(cli, dsn, tmp_path):
+    p = cli("status", "--db", "notadsn")
+    assert p.returncode == 2 and "not a PostgreSQL connection string" in _one_line_error(p, "--db")
+    p = cli("search", "", "--table", "t", "--db", dsn)
+    assert p.returncode == 2 and "empty" in _one_line_error(p, "query")
+    p = cli("predict", "--run", tmp_path, "--table", "t", "--out", tmp_path / "p.csv", "--db", dsn)
+    assert p.returncode == 2 and "Parquet" in _one_line_error(p, "--out")
+    p = cli("cache", "path", "--json")
+    assert p.returncode == 0 and orjson.loads(p.stdout)["path"].endswith("cache")

@@ -107,3 +107,11 @@ def test_map_without_its_extra_says_what_to_install(cli, dsn, tmp_path):
     p = cli("map", "--table", "t", "--out", tmp_path / "m.html", "--db", dsn, extra_env={"PYTHONPATH": path})
     assert p.returncode == 2 and "Traceback" not in p.stderr
     assert p.stderr.strip().splitlines()[-1] == "error: embedfleet map needs umap-learn: pip install 'embedfleet[map]'"
+
+
+def test_an_empty_table_is_refused_with_one_line(cli, dsn, conn, tmp_path):
+    conn.execute("CREATE EXTENSION IF NOT EXISTS vector")
+    conn.execute("CREATE TABLE empty (id text PRIMARY KEY, content text, embedding vector(8))")
+    p = cli("map", "--table", "empty", "--out", tmp_path / "m.png", "--db", dsn)
+    assert p.returncode == 2 and "Traceback" not in p.stderr and not (tmp_path / "m.png").exists()
+    assert p.stderr.strip().splitlines()[-1] == "error: table 'empty' has no rows to map (it is empty)"

@@ -46,3 +46,23 @@ def test_hover_columns_are_cut_and_dictionary_encoded_when_repetitive():
     codes = np.frombuffer(base64.b64decode(repetitive["codes"]), dtype="<u4")
     assert [repetitive["values"][c] for c in codes] == ["a", "b", "a", "a", None, "a"]
     assert _hover_json("rating", [1.5, 2.0])["values"] == ["1.5", "2"]
+
+
+def test_few_numbers_are_listed_in_their_own_order():
+    labels, _, codes = categories([5, 1, 1, 1, 3, None, 5])  # 1 the most frequent: still after nothing
+    assert labels == ["1", "3", "5", "(none)"]
+    assert [labels[c] for c in codes] == ["5", "1", "1", "1", "3", "(none)", "5"]
+    assert categories([2.5, 0.5, 0.5])[0] == ["0.5", "2.5"]
+
+
+def test_a_small_table_is_laid_out_by_t_sne_in_seconds():
+    from embedfleet.viz.map import SMALL_LAYOUT, layout
+
+    rng = np.random.default_rng(1)
+    centers = rng.normal(size=(2, 32))
+    x = np.concatenate([c + 0.05 * rng.normal(size=(60, 32)) for c in centers]).astype(np.float32)
+    coords, method = layout(x, seed=0)
+    assert method == "t-sne" and coords.shape == (120, 2) and np.isfinite(coords).all() and 120 <= SMALL_LAYOUT
+    a, b = coords[:60].mean(0), coords[60:].mean(0)
+    spread = max(coords[:60].std(0).max(), coords[60:].std(0).max())
+    assert np.linalg.norm(a - b) > 3 * spread  # the two clusters land apart

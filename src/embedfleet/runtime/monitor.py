@@ -117,20 +117,28 @@ def _when(iso: str | None) -> str:
     return f"{iso[5:10]} {iso[11:16]}" if iso else ""
 
 
+def _span(started: str | None, finished: str | None) -> str:
+    """"11-29 06:25–06:39": when a job started and finished, the second date left out on the same day."""
+    begin, end = _when(started), _when(finished)
+    if not begin:
+        return ""
+    return f"{begin}–{end[6:] if end[:5] == begin[:5] else end}"
+
+
 def status_table(jobs: list[dict]) -> Group:
     """`embedfleet status`: one row per job, readable at 80 columns (long names wrap rather than vanish),
     then why each failed chunk failed."""
-    t = Table(box=None, pad_edge=False)
-    t.add_column("job", overflow="fold", ratio=2)
+    t = Table(box=None, pad_edge=False, collapse_padding=True)  # one space between columns
+    t.add_column("job", overflow="fold")
     tables = any(j["table"] != j["job"] for j in jobs)  # a job is usually named after its table: say it once
     if tables:
-        t.add_column("table", overflow="fold", ratio=2)
-    for name in ("state", "chunks", "rows", "rejected", "started", "finished"):
+        t.add_column("table", overflow="fold")
+    for name in ("state", "chunks", "rows", "rejected", "ran"):
         t.add_column(name, no_wrap=True, justify="right" if name in ("chunks", "rows", "rejected") else "left")
     notes = []
     for j in jobs:
         t.add_row(j["job"], *([j["table"]] if tables else []), j["state"], f"{j['chunks_done']}/{j['chunks_total']}",
-                  f"{j['rows_written']:,}", str(j["rejected"]), _when(j["started"]), _when(j["finished"]))
+                  f"{j['rows_written']:,}", str(j["rejected"]), _span(j["started"], j["finished"]))
         for f in j.get("failures") or []:
             notes.append(Text(f"{j['job']}: chunk {f['chunk']} ({f['source'].rsplit('/', 1)[-1]}) failed: {f['error']}",
                               style="red"))

@@ -185,12 +185,13 @@ class Heartbeat(threading.Thread):
         self.ledger, self.job, self.worker, self.device, self.lease, self.stats = ledger, job, worker, device, lease, stats
         self._halt = threading.Event()
         self._gpu = gpu_reader(device)
-        self._last = (time.monotonic(), 0, 0)
+        self._last = self._first = (time.monotonic(), 0, 0)
 
-    def beat(self) -> None:
+    def beat(self, whole_run: bool = False) -> None:
+        """Renew, and publish rates since the last beat (`whole_run`: since the first, for the last word)."""
         self.ledger.renew(self.job, self.worker, self.lease)
         s, now = self.stats, time.monotonic()
-        t0, rows0, tokens0 = self._last
+        t0, rows0, tokens0 = self._first if whole_run else self._last
         dt = max(now - t0, 1e-9)
         gauges = {"rows_s": (s.rows - rows0) / dt, "tokens_s": (s.tokens - tokens0) / dt, **self._gpu()}
         self._last = (now, s.rows, s.tokens)
@@ -209,7 +210,7 @@ class Heartbeat(threading.Thread):
         if self.is_alive():
             self.join()
         try:
-            self.beat()
+            self.beat(whole_run=True)  # a finished worker's rows/s is its run's, as the job's is
             self.ledger.worker_ended(self.job, self.worker, "failed" if error else "finished", error, summary)
         finally:
             self.ledger.close()

@@ -23,6 +23,7 @@ from psycopg.types.json import Jsonb
 
 from embedfleet.config import JobConfig
 from embedfleet.errors import DatabaseError, JobError
+from embedfleet.store.errors import first_line
 from embedfleet.store.schema import drop_table as drop_table_
 from embedfleet.store.schema import ensure_ledger, ledger_exists, table_exists, table_rows
 
@@ -52,6 +53,9 @@ class Claim:
 def connect(dsn: str, **kw) -> psycopg.Connection:
     try:
         return psycopg.connect(dsn, autocommit=True, **kw)
+    except psycopg.ProgrammingError as e:  # not a connection string at all (it may hold a password: not echoed)
+        raise DatabaseError(f"--db / EMBEDFLEET_DB is not a PostgreSQL connection string ({first_line(e)}); "
+                            "give postgresql://USER@HOST:PORT/DATABASE") from None
     except psycopg.OperationalError as e:
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise DatabaseError(f"cannot connect to the database ({first}); check --db / EMBEDFLEET_DB") from None

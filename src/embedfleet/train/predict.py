@@ -42,6 +42,8 @@ def load_head(run: str | Path, device=None):
 
 def predict(run: str, table: str, where: str | None = None, out: str | None = None, db: str | None = None,
             device: str = "auto", batch_size: int = 65_536) -> dict:
+    if out is not None and not out.lower().endswith((".parquet", ".pq")):
+        raise InputError(f"--out {out}: predictions are written as Parquet; name the file FILE.parquet")
     import torch
 
     from embedfleet.store.embedded import resolve_dsn

@@ -44,6 +44,7 @@ log = logging.getLogger(__name__)
 DEFAULT_SAMPLE = 200_000
 COORD_COLUMNS = ("map_x", "map_y")
 MAX_CATEGORIES = 20  # colours a legend can hold and an eye can tell apart
+SMALL_LAYOUT = 1000  # rows up to which t-SNE lays the map out, in a second or two
 CONTENT_CHARS = 300  # hover text: enough to recognise a row, small enough for 200k rows in one page
 VALUE_CHARS = 80
 NUMERIC_BINS = 8
@@ -172,7 +173,10 @@ def categories(values: list, limit: int = MAX_CATEGORIES) -> tuple[list[str], li
     counts: dict = {}
     for v in present:
         counts[v] = counts.get(v, 0) + 1
-    ranked = sorted(counts, key=lambda v: (-counts[v], str(v)))
+    if present and all(isinstance(v, _NUMBERS) and not isinstance(v, bool) for v in present):
+        ranked = sorted(counts)  # numbers and times in their own order, as a reader scans a scale
+    else:
+        ranked = sorted(counts, key=lambda v: (-counts[v], str(v)))
     top = ranked if len(ranked) <= limit else ranked[: limit - 1]
     index = {v: k for k, v in enumerate(top)}
     labels = [_label(v) for v in top]
@@ -240,10 +244,17 @@ def _b64(a: np.ndarray) -> str:
 
 
 def layout(vectors: np.ndarray, seed: int = 0, n_neighbors: int = 15, min_dist: float = 0.1) -> tuple[np.ndarray, str]:
-    """2-D UMAP coordinates [rows, 2] float32 (cosine) and which implementation made them."""
+    """2-D coordinates [rows, 2] float32 (cosine) and which method made them: t-SNE for a small table
+    (umap-learn's start-up alone, its functions compiling, takes far longer), else UMAP."""
     n = len(vectors)
     if n < 3:  # UMAP needs neighbours; one or two points go on a line
         return np.stack([np.arange(n, dtype=np.float32), np.zeros(n, np.float32)], axis=1), "none"
+    if n <= SMALL_LAYOUT:
+        from sklearn.manifold import TSNE  # umap-learn's own dependency: installed with the map extra
+
+        coords = TSNE(n_components=2, metric="cosine", init="pca", perplexity=min(30.0, (n - 1) / 3),
+                      random_state=seed).fit_transform(vectors)
+        return np.asarray(coords, dtype=np.float32), "t-sne"
     neighbours = max(2, min(n_neighbors, n - 1))
     try:
         from cuml.manifold import UMAP as GpuUMAP  # noqa: N811
@@ -266,7 +277,8 @@ def _note(data: MapData, method: str) -> str:
     shown = len(data.ids)
     what = (f"{shown:,} of {data.total:,} rows, a random sample (--sample to change)" if shown < data.total
             else f"all {shown:,} rows")
-    return f"{what} · UMAP ({method}, cosine) of {data.vectors.shape[1]}-dimensional vectors"
+    how = {"t-sne": "t-SNE (scikit-learn", "none": "a line (too few rows to lay out"}.get(method, f"UMAP ({method}")
+    return f"{what} · {how}, cosine) of {data.vectors.shape[1]}-dimensional vectors"
 
 
 def _colours(data: MapData) -> tuple[list[str], list[str], np.ndarray]:
@@ -377,7 +389,9 @@ def build_map(dsn: str, table: str, outs: list[str], *, color_by: str | None = N
             conn.execute("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ READ ONLY")
             data = read_sample(conn, table, sample, color_by, seed)
         times["read_s"] = time.perf_counter() - t0
-        log.info("map: %s rows of %s read in %.1f s; UMAP…", f"{len(data.ids):,}", f"{data.total:,}", times["read_s"])
+        if not data.ids:
+            raise InputError(f"table {table!r} has no rows to map" + (" (it is empty)" if not data.total else ""))
+        log.info("map: %s rows of %s read in %.1f s; laying them out…", f"{len(data.ids):,}", f"{data.total:,}", times["read_s"])
         t1 = time.perf_counter()
         coords, method = layout(data.vectors, seed)
         times["umap_s"] = time.perf_counter() - t1
