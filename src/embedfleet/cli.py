@@ -540,7 +540,7 @@ def cache_clear(json_out: bool = typer.Option(False, "--json")) -> None:
 def bench(
     shape: List[str] = typer.Option(None, "--shape", help="minilm-l6 | bert-base | qwen3-0.6b (repeatable)"),
     model: Optional[str] = typer.Option(None, "--model", help="a real model directory instead of a shape"),
-    n: int = typer.Option(20000, "--n", help="texts per run"),
+    n: Optional[int] = typer.Option(None, "--n", help="texts per run (default 20000 on a GPU, 1000 on a CPU)"),
     texts: List[str] = typer.Option(None, "--texts", help="reviews | world (repeatable; default both)"),
     device: str = typer.Option("auto", "--device"),
     no_st: bool = typer.Option(False, "--no-st", help="skip the sentence-transformers baseline"),
@@ -549,8 +549,9 @@ def bench(
 ) -> None:
     """This encoder against sentence-transformers on the same texts, each measurement a fresh process.
 
-    sentence-transformers runs in bf16 at batch 256. Measured: the first call (constructor included, also
-    from a script importing torch and sentence-transformers), the steady state, one query."""
+    Each tool at its best on the device (a GPU: bf16, sentence-transformers at batch 256; a CPU: the dtype it
+    is fastest in, sentence-transformers at its default batch 32). Measured: the first call (constructor
+    included, also from a script importing torch and sentence-transformers), the steady state, one query."""
     from embedfleet.encode.bench import TEXT_SETS, format_bench, run_bench
 
     bad = [t for t in texts or [] if t not in TEXT_SETS]

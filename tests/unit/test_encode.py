@@ -291,3 +291,12 @@ def test_word_split_is_the_pre_tokenizers_on_any_ascii():
         text = rng.choice(alphabet, size).tobytes().decode("ascii")
         starts, ends = split_words(np.frombuffer(text.encode("ascii"), np.uint8))
         assert list(zip(starts.tolist(), ends.tolist())) == [m.span() for m in WORDS.finditer(text)]
+
+
+def test_bench_puts_each_tool_at_its_best_on_the_device(monkeypatch):
+    from embedfleet.encode import bench
+
+    assert bench.best_settings("cuda") == {"dtype": None, "st_dtype": "bfloat16", "st_batch": 256}
+    for native, dtype in ((True, "bfloat16"), (False, "float32")):
+        monkeypatch.setattr(bench, "cpu_has_bf16", lambda native=native: native)
+        assert bench.best_settings("cpu") == {"dtype": dtype, "st_dtype": dtype, "st_batch": 32}

@@ -8,7 +8,8 @@ For every model (a random-weight shape or a real directory) and every text set, 
                  peak measured there
     ours-script  (a) again from a script that imports torch and sentence_transformers at its top
     ours-query   (c) Encoder(...) and one query (cold), then the median of 20 more (warm)
-    st           (a) and (b) for SentenceTransformer(...) (bf16 on a GPU, batch 256), constructor included
+    st           (a) and (b) for SentenceTransformer(...) at its best on the device (`best_settings`),
+                 constructor included
     st-query     (c) for sentence-transformers
 
 Imports are not timed on either side (`torch`, `sentence_transformers`): from the constructor on.
@@ -110,10 +111,12 @@ def _cosines(a_file: str, b_file: str) -> tuple[float, float] | None:
 
 
 def _measure(label: str, path: Path, set_name: str, texts_file: Path, n: int, device: str, st: bool,
-             st_batch: int, batch_tokens, tmp: Path, user_view: bool) -> dict:
+             st_batch: int, batch_tokens, tmp: Path, user_view: bool, best: dict | None = None) -> dict:
+    best = best or best_settings(device)
     spec = {"label": label, "set": set_name, "model": str(path), "texts": str(texts_file), "device": device,
-            "batch_tokens": batch_tokens, "st_batch": st_batch, "vectors": str(tmp / f"ours-{label}-{set_name}.npy")}
-    row: dict = {"label": label, "text_set": set_name, "n": n}
+            "batch_tokens": batch_tokens, "st_batch": st_batch, "vectors": str(tmp / f"ours-{label}-{set_name}.npy"),
+            "dtype": best["dtype"], "st_dtype": best["st_dtype"]}
+    row: dict = {"label": label, "text_set": set_name, "n": n, "st_dtype": best["st_dtype"], "st_batch": st_batch}
     ours = _run_child("ours", spec, tmp)
     row.update(ours)
     if user_view:
@@ -155,16 +158,53 @@ def _derive(row: dict) -> None:
             row[key] = row[theirs] / row[ours] if key != "script_ratio" else row[ours] / row[theirs]
 
 
-def run_bench(shapes: list[str] | None = None, model: str | None = None, n: int = 20000, device="auto",
-              st: bool = True, st_batch: int = 256, batch_tokens="auto", seed: int = 0,
+def cpu_has_bf16() -> bool:
+    """Whether this CPU computes bf16 natively (AVX512-BF16 or AMX): there bf16 is the faster setting, elsewhere
+    far slower than float32."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next((line for line in f if line.startswith("flags")), "").split()
+    except OSError:
+        return False
+    return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
+def best_settings(device: str) -> dict:
+    """Each tool at its best on the device: on a GPU bf16 (sentence-transformers at batch 256, ours at its
+    own dtype); on a CPU the dtype this CPU is fastest in, for both, and sentence-transformers at its own
+    default batch of 32 (larger batches pad long-tailed texts to their longest)."""
+    if device.startswith("cuda"):
+        return {"dtype": None, "st_dtype": "bfloat16", "st_batch": 256}
+    dtype = "bfloat16" if cpu_has_bf16() else "float32"
+    return {"dtype": dtype, "st_dtype": dtype, "st_batch": 32}
+
+
+def _bench_device(device: str) -> str:
+    """"auto" as the children will take it, without touching the GPU here: NVML counts the GPUs."""
+    if device != "auto":
+        return device
+    from embedfleet.runtime.gpu import visible_gpu_count
+
+    return "cuda" if visible_gpu_count() else "cpu"
+
+
+def run_bench(shapes: list[str] | None = None, model: str | None = None, n: int | None = None, device="auto",
+              st: bool = True, st_batch: int | None = None, batch_tokens="auto", seed: int = 0,
               texts: list[str] | None = None, text_sets: list[str] | None = None, user_view: bool = True) -> dict:
     """`texts` replaces the generated text sets (e.g. an ingest corpus's own contents); `user_view`
     False skips the script and query processes. This process never touches the GPU: every
-    measurement runs in a fresh one."""
+    measurement runs in a fresh one. On a CPU, without --shape, only the MiniLM shape, on fewer texts."""
     import torch
 
     from embedfleet.encode.shapes import SHAPES, build_random_model
 
+    device = _bench_device(str(device))
+    best = best_settings(device)
+    st_batch = st_batch or best["st_batch"]
+    on_cpu = not device.startswith("cuda")
+    n = n or (1000 if on_cpu else 20000)
+    if on_cpu and not shapes and not model:
+        shapes = ["minilm-l6"]
     sets = {"custom": list(texts)} if texts is not None else {s: _texts(s, n, seed) for s in text_sets or TEXT_SETS}
     rows = []
     with tempfile.TemporaryDirectory(prefix="embedfleet-bench-") as tmp_name:
@@ -179,13 +219,13 @@ def run_bench(shapes: list[str] | None = None, model: str | None = None, n: int 
         for label, path in targets:
             for name in sets:
                 rows.append(_measure(label, path, name, files[name], len(sets[name]), str(device), st, st_batch,
-                                     batch_tokens, tmp, user_view))
+                                     batch_tokens, tmp, user_view, best))
                 # each row as soon as it is measured: a run stopped part way keeps what it measured
                 print("[bench] row " + json.dumps(rows[-1], default=str), file=sys.stderr, flush=True)
     first = next((r for r in rows if r.get("gpu")), {})
     return {"device": first.get("device", str(device)), "gpu": first.get("gpu", "cpu"), "torch": torch.__version__,
             "peak_bf16_tflops": first.get("peak_bf16_tflops"), "n": n, "seed": seed, "st_batch": st_batch,
-            "results": rows}
+            "st_dtype": best["st_dtype"], "results": rows}
 
 
 def format_bench(result: dict) -> str:
@@ -200,7 +240,8 @@ def format_bench(result: dict) -> str:
              ("query cold s", "query_cold_s", "{:.2f}"), ("ST query cold s", "st_query_cold_s", "{:.2f}"),
              ("query p50 ms", "query_p50_ms", "{:.1f}"), ("ST p50 ms", "st_query_p50_ms", "{:.1f}")]
     head = (f"{result['gpu']} ({result['device']}), torch {result['torch']}, n={result['n']}, "
-            f"bf16 matmul peak {result['peak_bf16_tflops'] or 0:.0f} TFLOP/s; every figure from a fresh process")
+            f"bf16 matmul peak {result['peak_bf16_tflops'] or 0:.0f} TFLOP/s; sentence-transformers in "
+            f"{result.get('st_dtype') or 'bfloat16'} at batch {result['st_batch']}; every figure from a fresh process")
     return "\n".join([head, "steady state (after warmup):", _table(steady, result["results"]),
                       "what users meet (constructor included; script: torch + sentence_transformers imported at its top):",
                       _table(first, result["results"])])
@@ -236,7 +277,8 @@ def _ours(spec: dict) -> dict:
 
     texts = json.loads(Path(spec["texts"]).read_text())
     t0 = time.perf_counter()  # CUDA's start-up is the constructor's, on both sides
-    enc = Encoder(spec["model"], device=spec["device"], batch_tokens=spec["batch_tokens"])
+    enc = Encoder(spec["model"], device=spec["device"], batch_tokens=spec["batch_tokens"],
+                  dtype=getattr(torch, spec["dtype"]) if spec.get("dtype") else None)
     first = enc.encode(texts)  # vectors on the host: the device is done
     first_s = time.perf_counter() - t0
     dev = enc._dev
@@ -275,8 +317,7 @@ def _st_model(spec: dict):
 
     dev = _device(spec["device"])
     model = SentenceTransformer(spec["model"], device=str(dev))
-    if dev.type == "cuda":
-        model.to(torch.bfloat16)  # its best setting on a GPU
+    model.to(getattr(torch, spec.get("st_dtype") or "bfloat16"))  # best_settings: each tool at its best
     return model, dev
 
 
@@ -307,12 +348,13 @@ def _query(spec: dict, st: bool) -> dict:
         kw = {"prompt_name": "query"} if "query" in (model.prompts or {}) else {}  # as ours: the query prompt
         encode = lambda q: model.encode([q], normalize_embeddings=True, convert_to_numpy=True, **kw)  # noqa: E731
     else:
-        import torch  # noqa: F401
+        import torch
 
         from embedfleet.encode.encoder import Encoder
 
         t0 = time.perf_counter()
-        enc = Encoder(spec["model"], device=spec["device"], batch_tokens=spec["batch_tokens"])
+        enc = Encoder(spec["model"], device=spec["device"], batch_tokens=spec["batch_tokens"],
+                      dtype=getattr(torch, spec["dtype"]) if spec.get("dtype") else None)
         encode = lambda q: enc.encode([q], prompt="query")  # noqa: E731 - ndarray on the host: synced
     encode(queries[0])
     cold = time.perf_counter() - t0
