@@ -28,6 +28,8 @@ import sys
 import time
 from pathlib import Path
 
+import harness
+
 ROOT = Path(__file__).resolve().parents[1]
 TABLE = "cold_search"
 QUERY = "battery dies after a week"
@@ -65,10 +67,11 @@ def main() -> None:
     table = TABLE + ("_" + re.sub(r"[^a-z0-9]+", "_", Path(a.model).name.lower()) if a.model else "")
     ingest = _cli("ingest", str(ROOT / "examples/Cell_Phones_and_Accessories.jsonl"), "--table", table,
                   "--preset", "amazon-reviews", "--quiet", *model, *db)
-    from embedfleet.store.embedded import home
+    from embedfleet.pg.embedded import data_dir
+    from embedfleet.settings import Settings
 
     embedded = a.db is None and not os.environ.get("EMBEDFLEET_DB")
-    fresh = embedded and not (home() / "pgdata").exists()  # then the ingest below is a first one: server made
+    fresh = embedded and not data_dir(Settings.from_env()).exists()  # then the ingest below is a first one: server made
     setup_s = _timed(ingest, env)  # a rerun finds the table done
     print(f"[cold_search] setup ingest {setup_s:.2f} s", file=sys.stderr, flush=True)
 
@@ -90,10 +93,10 @@ def main() -> None:
     summary = {k: {"median_s": statistics.median(v), "min_s": min(v), "max_s": max(v), "runs": v}
                for k, v in times.items()}
     ref = summary.get("st-cuda", summary["st-cpu"])["median_s"]
-    result = {"gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None, "model": path,
+    result = harness.stamp({"gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None, "model": path,
               "setup_ingest_s": setup_s, "setup_on_fresh_home": fresh, "variants": summary,
               "search_over_st": summary["search"]["median_s"] / ref,
-              "reference": "st-cuda" if "st-cuda" in summary else "st-cpu"}
+              "reference": "st-cuda" if "st-cuda" in summary else "st-cpu"}, a.db)
     if a.json:
         print(json.dumps(result))
         return

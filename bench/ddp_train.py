@@ -48,6 +48,8 @@ from pathlib import Path
 
 import numpy as np
 
+import harness
+
 CLASSES = 5
 
 
@@ -410,14 +412,15 @@ def main() -> None:
     if a.rank_job:
         return rank_main(a.rank_job)
     sys.path.insert(0, str(Path(__file__).parent))
-    from embedfleet.store.embedded import resolve_dsn
+    from embedfleet.pg.embedded import resolve_dsn
+    from embedfleet.settings import Settings
     from train_loader import _machine, write_table
 
     skip = set(filter(None, a.skip.split(",")))
     counts = [int(n) for n in a.gpus.split(",")]
-    dsn = resolve_dsn(a.db)
+    dsn = resolve_dsn(a.db, Settings.from_env())
     table = a.table or f"bench_train_{a.rows}_{a.dim}"
-    doc: dict = {"machine": _machine(), "gpus": counts, "batch_per_gpu": a.batch_per_gpu}
+    doc: dict = harness.stamp({"machine": _machine(), "gpus": counts, "batch_per_gpu": a.batch_per_gpu}, dsn)
     t_start = time.perf_counter()
 
     def save():

@@ -25,6 +25,8 @@ import os
 import pstats
 import time
 
+import harness
+
 _FIRST = {  # where a first big call waits (profile entries, cumulative wall time of the main thread)
     "launch": ("encode/encoder.py", "_launch"),
     "device_results": ("encode/encoder.py", "result"),
@@ -121,7 +123,7 @@ def main() -> None:
             "cache": os.environ.get("TORCHINDUCTOR_CACHE_DIR"), "torch": torch.__version__,
             "steps_s": {k: (round(v, 3) if v is not None else None) for k, v in steps.items()}}
     if a.json:
-        print(json.dumps(info))
+        print(json.dumps(harness.stamp(info)))
         return
     print({k: v for k, v in info.items() if k != "steps_s"})
     for k, v in info["steps_s"].items():

@@ -29,7 +29,9 @@ import orjson
 import psycopg
 from psycopg import sql
 
-from embedfleet.store.embedded import resolve_dsn
+import harness
+from embedfleet.settings import Settings
+from embedfleet.pg.embedded import resolve_dsn
 from embedfleet.synth_table import write_vector_table
 
 
@@ -100,9 +102,10 @@ def main() -> None:
     ap.add_argument("--db")
     ap.add_argument("--dir", default=tempfile.gettempdir(), help="where the files go (then removed)")
     args = ap.parse_args()
-    dsn = resolve_dsn(args.db)
+    dsn = resolve_dsn(args.db, Settings.from_env())
     table = f"bench_export_{args.n}_{args.dim}_{args.vtype}"
-    result: dict = {"n": args.n, "dim": args.dim, "vtype": args.vtype, "cores": os.cpu_count(), "table": table}
+    result: dict = harness.stamp({"n": args.n, "dim": args.dim, "vtype": args.vtype, "cores": os.cpu_count(),
+                                  "table": table}, dsn)
     with psycopg.connect(dsn, autocommit=True) as conn:
         result["table_write_s"] = round(ensure(conn, table, args.n, args.dim, args.vtype), 2)
         result["table_bytes"] = conn.execute("SELECT pg_table_size(%s::regclass)", [table]).fetchone()[0]

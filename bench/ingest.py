@@ -37,10 +37,11 @@ import orjson
 import psycopg
 from psycopg import sql
 
+import harness
 from _cli import name_values
-from embedfleet.runtime.bound import HostTicks, host_shares, host_ticks
-from embedfleet.runtime.flow import by_tenth
-from embedfleet.store.embedded import alter_system
+from embedfleet.ingest.bound import HostTicks, host_shares, host_ticks
+from embedfleet.ingest.flow import by_tenth
+from embedfleet.pg.embedded import alter_system
 
 
 class GpuSampler(threading.Thread):
@@ -182,7 +183,7 @@ class GilSampler(threading.Thread):
         time.sleep(self.start_s)
         try:
             workers = [c for c in psutil.Process(self.parent).children(recursive=True)
-                       if "embedfleet.runtime.worker" in " ".join(c.cmdline())]
+                       if "embedfleet.ingest.worker" in " ".join(c.cmdline())]
         except psutil.Error:
             return
         procs = {w.pid: subprocess.Popen([self.py_spy, "record", "--gil", "--threads", "--nonblocking", "-r",
@@ -408,7 +409,7 @@ def run_once(data: list[Path], gpus: int, model: str | None, env: dict, preset: 
     timeline = _timeline(conn, table, t0_wall, wall, workers, summary.get("finalize"))
     first_start = min(w["started_at"] for w in workers)
     tenths = pg_waits.tenths(first_start, first_start + loop)
-    from embedfleet.store.schema import analyze, finish_table
+    from embedfleet.pg.ddl import analyze, finish_table
 
     t0 = time.perf_counter()  # the job's ANALYZE again: what a table's statistics cost once its pages are warm
     analyze(conn, sql.Identifier(table), dsn)
@@ -419,7 +420,7 @@ def run_once(data: list[Path], gpus: int, model: str | None, env: dict, preset: 
         finish_table(conn, table, index=True, dsn=dsn)  # on this connection: the time is the build's, no interpreter start
         index_s = round(time.perf_counter() - t_idx, 2)
     # Drop the table: once its job ends autovacuum would visit all of it, during the next run (with
-    # data checksums, full page copies into the WAL) — seen in runs 39-43, bench/NOTES.md.
+    # data checksums, full page copies into the WAL) — seen in runs 39-43, docs/archive/NOTES.md.
     with conn:
         conn.execute(sql.SQL("DROP TABLE {}").format(sql.Identifier(table)))
     return {
@@ -503,7 +504,7 @@ def encoder_alone(data: Path, model: str | None, n: int) -> dict:
     from itertools import islice
 
     from embedfleet.encode.bench import run_bench
-    from embedfleet.records import to_records
+    from embedfleet.sources.records import to_records
     from embedfleet.sources import read_chunk
     from embedfleet.sources.plan import ChunkSpec
     from embedfleet.sources.presets import get_preset
@@ -623,7 +624,7 @@ def main() -> None:
         results[-1]["helper_nice"] = int(run_env.get("EMBEDFLEET_HELPER_NICE") or 0)
         results[-1]["pg_reload"] = (",".join(reloads[i % len(reloads)]) or "default") if reloads else None
         if args.out:  # each run as it ends: a command cut short by its timeout keeps the runs before
-            Path(args.out).write_text(json.dumps({"partial": True, "results": results}, indent=2))
+            Path(args.out).write_text(json.dumps(harness.stamp({"partial": True, "results": results}), indent=2))
         r = results[-1]
         print(f"[ingest] {g} GPU, {dtype}, compile {compiled}, {r['helpers']} helpers (nice {r['helper_nice']}), {r['partitions']} partitions, server {r['pg_reload'] or 'as set'}: {r['rows_per_s_steady']:,.0f} rows/s steady, {r['rows_per_s_all_running']} while all "
               f"ran, {r['rows_per_s_workers_sum']:,.0f} workers' sum, {r['rows_per_s_middle'] or 0:,.0f} middle tenths, wall {r['wall_s']} s {r['timeline_s']}",
@@ -647,8 +648,8 @@ def main() -> None:
         if base is not None and r["gpus"] != base["gpus"]:
             for key, name in (("rows_per_s_steady", ""), ("rows_per_s_all_running", "_all_running")):
                 r[f"scaling_vs_previous{name}"] = ratio(r[key], base[key] and base[key] / base["gpus"], r["gpus"])
-    doc = {"n": args.n, "per_gpu": args.per_gpu, "shards": args.shards, "model": model or "bundled all-MiniLM-L6-v2", "pg_set": args.pg_set,
-           "warmup": warmup, "results": results}
+    doc = harness.stamp({"n": args.n, "per_gpu": args.per_gpu, "shards": args.shards, "model": model or "bundled all-MiniLM-L6-v2", "pg_set": args.pg_set,
+           "warmup": warmup, "results": results})
     if args.vs_bench:
         alone = encoder_alone(data[0], model, args.vs_bench)
         doc["encoder_alone"] = alone

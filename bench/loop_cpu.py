@@ -18,13 +18,14 @@ import json
 import pstats
 import time
 
+import harness
 from ingest import GpuSampler  # bench/ingest.py
 
 
 def units_of(n: int, rows: int, model: str | None, work: str):
-    from embedfleet.config import DEFAULT_CHUNK_BYTES
+    from embedfleet.settings import DEFAULT_CHUNK_BYTES
     from embedfleet.encode.encoder import Encoder
-    from embedfleet.records import to_records
+    from embedfleet.sources.records import to_records
     from embedfleet.sources import read_chunk
     from embedfleet.sources.plan import plan_chunks
     from embedfleet.sources.presets import get_preset
@@ -62,7 +63,7 @@ def main() -> None:
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
     from embedfleet.encode.encoder import Encoder
-    from embedfleet.runtime.units import settle_gc
+    from embedfleet.ingest.prepare import settle_gc
 
     units = units_of(a.n, a.rows or a.n, a.model, a.work)
     rows, tokens = sum(len(u) for u in units), sum(u.num_tokens for u in units)
@@ -93,9 +94,8 @@ def main() -> None:
         if "profile" in r:
             print(r["profile"], flush=True)
         enc.close()
-    if a.out:
-        with open(a.out, "w") as f:
-            json.dump(results, f, indent=1)
+    if a.out:  # the runs under "results", beside the environment stamp
+        harness.record(results, a.out)
 
 
 if __name__ == "__main__":

@@ -18,8 +18,10 @@ from pathlib import Path
 
 import orjson
 
+import harness
 from _cli import loop_span, run_json
-from embedfleet.store.embedded import resolve_dsn
+from embedfleet.settings import Settings
+from embedfleet.pg.embedded import resolve_dsn
 from embedfleet.synth import write_articles
 
 
@@ -53,7 +55,7 @@ def main() -> None:
     ap.add_argument("--work", default=None)
     ap.add_argument("--skip-whole", action="store_true", help="only the run with passages")
     a = ap.parse_args()
-    dsn = resolve_dsn(None)
+    dsn = resolve_dsn(None, Settings.from_env())
     if a.work:
         Path(a.work).mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=a.work) as tmp:
@@ -63,8 +65,8 @@ def main() -> None:
         stamp = int(time.time())
         whole = None if a.skip_whole else ingest(src, dsn, f"articles_{stamp}", [], a.model, a.devices)
         parts = ingest(src, dsn, f"passages_{stamp}", ["--passages", a.passages], a.model, a.devices)
-    print(orjson.dumps({"articles": a.n, "corpus_written_s": round(written, 1), "passages": a.passages,
-                        "cores": os.cpu_count(), "whole_documents": whole, "with_passages": parts},
+    print(orjson.dumps(harness.stamp({"articles": a.n, "corpus_written_s": round(written, 1), "passages": a.passages,
+                                      "cores": os.cpu_count(), "whole_documents": whole, "with_passages": parts}, dsn),
                        option=orjson.OPT_INDENT_2).decode())
 
 

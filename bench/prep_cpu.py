@@ -20,17 +20,18 @@ from pathlib import Path
 
 import orjson
 
-from embedfleet.config import DEFAULT_CHUNK_BYTES
+from embedfleet.settings import DEFAULT_CHUNK_BYTES
 from embedfleet.encode.passages import parse_passages
 from embedfleet.encode.tokenize import tokenizer_spec
-from embedfleet.records import to_records
-from embedfleet.runtime.units import Preparer, Task, UnitContext, UnitPool
+from embedfleet.sources.records import to_records
+from embedfleet.ingest.prepare import Preparer, PrepareContext, UnitPool
+from embedfleet.ingest.stages import Task
 from embedfleet.sources import read_chunk
 from embedfleet.sources.plan import plan_chunks
 from embedfleet.synth import cached_reviews, long_tail_texts
 
 
-def stage_split(ctx: UnitContext, task: Task) -> dict:
+def stage_split(ctx: PrepareContext, task: Task) -> dict:
     """Microseconds per row of each step, in this process, tokenizer single-threaded as in a helper."""
     os.environ["TOKENIZERS_PARALLELISM"] = "false"
     p = Preparer(ctx)
@@ -66,10 +67,10 @@ def main() -> None:
             texts = long_tail_texts(a.articles, seed=1, median_words=700)
             data.write_bytes(b"".join(orjson.dumps({"id": str(i), "title": t[:40], "text": t}) + b"\n"
                                       for i, t in enumerate(texts)))
-        ctx = UnitContext("wikipedia", None, None, None, tokenizer_spec(a.model), passages=parse_passages(a.passages))
+        ctx = PrepareContext("wikipedia", None, None, None, tokenizer_spec(a.model), passages=parse_passages(a.passages))
     else:
         data = cached_reviews(a.work, a.n)
-        ctx = UnitContext("amazon-reviews", None, None, None, tokenizer_spec(a.model))  # no torch, no weights
+        ctx = PrepareContext("amazon-reviews", None, None, None, tokenizer_spec(a.model))  # no torch, no weights
     tasks = [Task(spec, 0, None) for spec in plan_chunks([str(data)], DEFAULT_CHUNK_BYTES)]
     split = "(articles: not split by stage)" if a.articles else stage_split(ctx, tasks[0])
     print(f"cores: {len(os.sched_getaffinity(0))}; one helper, per row: {split}", flush=True)

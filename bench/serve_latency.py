@@ -21,6 +21,7 @@ import urllib.request
 
 import orjson
 
+import harness
 from embedfleet.synth import world_texts
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -74,7 +75,7 @@ def main() -> None:
     ap.add_argument("--db", default=None)
     a = ap.parse_args()
     out = [one_device(a.table, d, a.n, a.port + i, a.db) for i, d in enumerate(a.device.split(","))]
-    print(orjson.dumps({"table": a.table, "runs": out}, option=orjson.OPT_INDENT_2).decode())
+    print(orjson.dumps(harness.stamp({"table": a.table, "runs": out}, a.db), option=orjson.OPT_INDENT_2).decode())
 
 
 if __name__ == "__main__":

@@ -25,16 +25,20 @@ from pathlib import Path
 import numpy as np
 from psycopg import sql
 
+import harness
 from _cli import name_values
-from embedfleet.config import DEFAULT_CHUNK_BYTES, JobConfig
+from embedfleet.settings import Settings, DEFAULT_CHUNK_BYTES, JobSpec
 from embedfleet.encode.tokenize import tokenizer_spec
-from embedfleet.runtime.units import Task, UnitContext, UnitPool
+from embedfleet.ingest.stages import Task
+from embedfleet.ingest.prepare import PrepareContext, UnitPool
 from embedfleet.sources.plan import ChunkSpec, plan_chunks
 from embedfleet.sources.presets import get_preset
-from embedfleet.store.embedded import alter_system, resolve_dsn
-from embedfleet.store.ledger import Ledger, Reconnect, connect
-from embedfleet.store.schema import ensure_table, ensure_vector
-from embedfleet.store.writer import TableSink, Unit, Writer
+from embedfleet.pg.embedded import alter_system, resolve_dsn
+from embedfleet.ledger import Ledger
+from embedfleet.pg.connect import Reconnect, connect
+from embedfleet.pg.ddl import ensure_table, ensure_vector
+from embedfleet.ingest.commit import TableSink, Writer
+from embedfleet.ingest.stages import Unit
 from embedfleet.synth import cached_review_shards
 
 
@@ -43,7 +47,7 @@ def _writer_process(dsn: str, job: str, share: int, threads: int, helpers: int, 
     """One GPU worker's writing, without the GPU: claim `share` chunks, prepare them, then time the commits."""
     ledger = Ledger.connect(dsn)
     claims = [c for c in (ledger.claim(job, f"sink-{os.getpid()}", 3600) for _ in range(share)) if c is not None]
-    pool = UnitPool(UnitContext("amazon-reviews", None, None, None, tokenizer_spec(model)), helpers)
+    pool = UnitPool(PrepareContext("amazon-reviews", None, None, None, tokenizer_spec(model)), helpers)
     futures = [pool.submit(Task(ChunkSpec(c.source, c.kind, c.start, c.end, c.first_line), c.cursor_line, c.last_line))
                for c in claims]
     rng = np.random.default_rng(os.getpid())
@@ -81,7 +85,7 @@ def run(dsn: str, paths: list[Path], procs: int, threads: int, dim: int, vtype: 
     ledger = Ledger(conn)
     job = f"sink_{procs}p_{int(time.time() * 1000) % 10**9}"
     chunks = plan_chunks([str(p) for p in paths], DEFAULT_CHUNK_BYTES)
-    cfg = JobConfig(inputs=[str(p) for p in paths], table=job, job=job, preset="amazon-reviews")
+    cfg = JobSpec(inputs=[str(p) for p in paths], table=job, job=job, preset="amazon-reviews")
     ledger.create_job(job, cfg, [(c, None) for c in chunks], None)
     ensure_table(conn, job, get_preset("amazon-reviews").columns, dim, vtype)
     ctx = mp.get_context("spawn")
@@ -126,7 +130,7 @@ def main() -> None:
     ap.add_argument("--pg-set", default=None, metavar="NAME=VALUE,…")
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
-    dsn = resolve_dsn(a.db)
+    dsn = resolve_dsn(a.db, Settings.from_env())
     if a.pg_set:
         with connect(dsn) as conn:
             alter_system(conn, name_values(a.pg_set.split(",")), reload=True)
@@ -141,7 +145,8 @@ def main() -> None:
               f"{r['table_bytes_per_row']:,.0f} table bytes a row, {r['wal_mb_per_s']} MB/s of WAL, "
               f"{r['checkpoints']} checkpoint(s)", flush=True)
     if a.out:
-        Path(a.out).write_text(json.dumps({"n": a.n, "dim": a.dim, "pg_set": a.pg_set, "results": results}, indent=2))
+        Path(a.out).write_text(json.dumps(harness.stamp({"n": a.n, "dim": a.dim, "pg_set": a.pg_set, "results": results}, dsn),
+                                          indent=2))
 
 
 if __name__ == "__main__":

@@ -15,6 +15,8 @@ import time
 
 import orjson
 
+import harness
+
 
 def main() -> None:
     ap = argparse.ArgumentParser()
@@ -60,7 +62,8 @@ def main() -> None:
     base = one["texts_per_s"] / one["gpus"]
     for r in runs:
         r["scaling"] = round(r["texts_per_s"] / (base * r["gpus"]), 3)
-    print(orjson.dumps({"model": a.model, "n": a.n, "batch": a.batch, "runs": runs}, option=orjson.OPT_INDENT_2).decode())
+    print(orjson.dumps(harness.stamp({"model": a.model, "n": a.n, "batch": a.batch, "runs": runs}),
+                      option=orjson.OPT_INDENT_2).decode())
 
 
 if __name__ == "__main__":

@@ -11,8 +11,8 @@ import gzip
 import pickle
 import time
 
-from embedfleet.config import DEFAULT_CHUNK_BYTES
-from embedfleet.runtime.units import stream_tasks
+from embedfleet.settings import DEFAULT_CHUNK_BYTES
+from embedfleet.ingest.claim import stream_tasks
 from embedfleet.sources.plan import ChunkSpec
 from embedfleet.synth import cached_reviews
 

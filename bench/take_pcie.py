@@ -17,6 +17,8 @@ import time
 
 import torch
 
+import harness
+
 SHAPES = [(8192, 4, None), (1024, 1, None), (2048, 2, None), (8192, 4, 16), (8192, 4, 32), (8192, 4, 64),
           (8192, 8, 32), (16384, 8, 16), (16384, 8, 32), (4096, 4, 32), (4096, 4, 64), (2048, 2, 64)]
 
@@ -72,7 +74,7 @@ def main() -> None:
             z = torch.nn.functional.gelu(z @ w) + h
         return z
 
-    out = {"gpu": torch.cuda.get_device_name(), "rows": a.rows, "dim": a.dim, "batch": a.batch, "batch_bytes": nbytes}
+    out = harness.stamp({"gpu": torch.cuda.get_device_name(), "rows": a.rows, "dim": a.dim, "batch": a.batch, "batch_bytes": nbytes})
     staging = torch.empty(nbytes, dtype=torch.uint8).pin_memory()
     dst = torch.empty(nbytes, dtype=torch.uint8, device=dev)
     out["copy_engine_us"] = _graph_us(lambda i: dst.copy_(staging, non_blocking=True), a.reps)

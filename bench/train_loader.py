@@ -58,9 +58,12 @@ import torch
 import torch.nn.functional as F
 from psycopg import sql
 
-from embedfleet.store.embedded import resolve_dsn
-from embedfleet.store.ledger import connect
-from embedfleet.store.schema import ensure_vector
+import harness
+
+from embedfleet.settings import Settings
+from embedfleet.pg.embedded import resolve_dsn
+from embedfleet.pg.connect import connect
+from embedfleet.pg.ddl import ensure_vector
 from embedfleet.train import EmbeddingDataset
 from embedfleet.train.heads import build_head
 from embedfleet.train.order import step_sizes
@@ -505,14 +508,14 @@ def main() -> None:
     a = ap.parse_args()
     skip = set(filter(None, a.skip.split(",")))
     t_start = time.perf_counter()
-    dsn = resolve_dsn(a.db)
+    dsn = resolve_dsn(a.db, Settings.from_env())
     dev = torch.device("cuda" if a.device == "auto" and torch.cuda.is_available() else
                        ("cpu" if a.device == "auto" else a.device))
-    doc: dict = {"machine": _machine(), "device": str(dev), "batch_size": a.batch_size, "head": "linear",
-                 "classes": CLASSES, "notes": []}
+    doc: dict = harness.stamp({"machine": _machine(), "device": str(dev), "batch_size": a.batch_size,
+                               "head": "linear", "classes": CLASSES, "notes": []}, dsn)
     from embedfleet.train.read import default_connections
 
-    readers = [int(k) for k in (a.readers or f"1,{max(2, default_connections())}").split(",")]
+    readers = [int(k) for k in (a.readers or f"1,{max(2, default_connections(Settings.from_env()))}").split(",")]
     table = a.table or f"bench_train_{a.rows}_{a.dim}"
     if a.table is None:
         doc["table"] = write_table(dsn, table, a.rows, a.dim, writers=max(1, min(8, (os.cpu_count() or 2) // 2)))

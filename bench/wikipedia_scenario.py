@@ -23,8 +23,10 @@ from pathlib import Path
 
 import orjson
 
+import harness
 from _cli import run_json
-from embedfleet.store.embedded import resolve_dsn
+from embedfleet.settings import Settings
+from embedfleet.pg.embedded import resolve_dsn
 from embedfleet.synth import write_articles
 
 QUESTIONS = ["Who founded the city and when?", "What is the river's longest tributary?",
@@ -54,7 +56,7 @@ def main() -> None:
     a = ap.parse_args()
     if a.passages_only and not a.passages:
         ap.error("--passages-only needs --passages TOKENS[:OVERLAP]")
-    dsn = resolve_dsn(None)
+    dsn = resolve_dsn(None, Settings.from_env())
     with tempfile.TemporaryDirectory(dir=a.work) as tmp:
         work = Path(tmp)
         model = a.model
@@ -74,7 +76,8 @@ def main() -> None:
         questions.write_text("".join(orjson.dumps({"qid": f"q{i}", "question": QUESTIONS[i % len(QUESTIONS)]}).decode()
                                      + "\n" for i in range(a.questions)))
         stamp = int(time.time())
-        out = {"articles": a.n, "questions": a.questions, "model": a.model or a.shape, "corpus_written_s": round(written, 1)}
+        out = harness.stamp({"articles": a.n, "questions": a.questions, "model": a.model or a.shape,
+                             "corpus_written_s": round(written, 1)}, dsn)
         step(out, a.out, f"corpus of {a.n:,} articles written in {written:.1f} s")
         runs = ([] if a.passages_only else [("whole", [])]) + ([("passages", ["--passages", a.passages])] if a.passages else [])
         for name, extra in runs:

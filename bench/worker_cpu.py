@@ -20,11 +20,11 @@ from pathlib import Path
 
 import numpy as np
 
-from embedfleet.config import Settings, build_config
-from embedfleet.runtime.job import prepare
-from embedfleet.runtime.worker import Worker
-from embedfleet.store.embedded import resolve_dsn
-from embedfleet.store.ledger import Ledger
+from embedfleet.settings import Settings, build_job
+from embedfleet.ingest.job import check_job, plan_job
+from embedfleet.ingest.worker import Worker
+from embedfleet.pg.embedded import resolve_dsn
+from embedfleet.ledger import Ledger
 from embedfleet.synth import write_amazon_reviews
 
 
@@ -72,21 +72,21 @@ def main() -> None:
                     help="emulate a device of this speed instead of an instant one (to see the claim throttle work)")
     a = ap.parse_args()
     encoder = EmulatedEncoder(tokens_per_s=a.gpu_tokens_per_s)
-    dsn = resolve_dsn(a.db)
+    dsn = resolve_dsn(a.db, Settings.from_env())
     with tempfile.TemporaryDirectory() as tmp:
         src = write_amazon_reviews(Path(tmp) / "r.jsonl", a.n)
         job = f"cpu_ceiling_{int(time.time())}"
-        cfg = build_config(dict(inputs=[str(src)], preset="amazon-reviews", model=a.model, table=job, job=job,
+        cfg = build_job(dict(inputs=[str(src)], preset="amazon-reviews", model=a.model, table=job, job=job,
                                 no_index=True, devices="cpu"))
-        prepare(cfg, Ledger.connect(dsn), "cuda")
+        ledger = Ledger.connect(dsn)
+        plan_job(check_job(cfg, ledger.conn, Settings.from_env()), ledger, "cuda")
         t0, c0 = time.perf_counter(), time.process_time()
-        worker = Worker(job, dsn, "ceiling", "cpu", Settings.from_env(), encoder=lambda cfg, device, s: encoder)
-        worker.run()
-        stats = worker.stats
+        summary = Worker(job, dsn, "ceiling", "cpu", Settings.from_env(), encoder=lambda cfg, device, s: encoder).run()
         wall, cpu = time.perf_counter() - t0, time.process_time() - c0
-    print(f"{stats.rows:,} rows in {wall:.1f} s: {stats.rows / wall:,.0f} rows/s with an instant forward pass "
-          f"({os.cpu_count()} cores; input wait {stats.wait_seconds:.1f} s); the worker process itself "
-          f"(all its threads, not its helpers) used {cpu:.1f} CPU s = {cpu / max(stats.rows, 1) * 1e6:.1f} µs per row")
+    rows = summary["rows"]
+    print(f"{rows:,} rows in {wall:.1f} s: {rows / wall:,.0f} rows/s with an instant forward pass "
+          f"({os.cpu_count()} cores; input wait {summary['input_wait_s']:.1f} s); the worker process itself "
+          f"(all its threads, not its helpers) used {cpu:.1f} CPU s = {cpu / max(rows, 1) * 1e6:.1f} µs per row")
 
 
 if __name__ == "__main__":

@@ -1,15 +1,27 @@
-"""embedfleet: embed large text corpora on every GPU you can reach, into PostgreSQL/pgvector, exactly once."""
+"""embedfleet: move data between PostgreSQL and GPUs, fast and exactly once.
+
+Public names, imported lazily (`import embedfleet` pulls no torch in: `status` and `db` never need it):
+
+    Encoder            texts to L2-normalised vectors, on the packed forward pass (embedfleet.encode)
+    EmbeddingDataset   a table's vectors read once, iterated as device-side batches (embedfleet.train)
+    Settings           every EMBEDFLEET_* knob, declared once (embedfleet.settings)
+    EmbedfleetError…   the errors a user can act on (embedfleet.errors)
+"""
 
 from __future__ import annotations
 
 __version__ = "0.1.0"
-__all__ = ["Encoder", "__version__"]
+__all__ = ["DatabaseError", "EmbedfleetError", "EmbeddingDataset", "Encoder", "InputError", "JobError", "ModelError",
+           "Settings", "__version__"]
+
+_WHERE = {"Encoder": "embedfleet.encode.encoder", "EmbeddingDataset": "embedfleet.train.dataset",
+          "Settings": "embedfleet.settings", "EmbedfleetError": "embedfleet.errors", "InputError": "embedfleet.errors",
+          "ModelError": "embedfleet.errors", "DatabaseError": "embedfleet.errors", "JobError": "embedfleet.errors"}
 
 
 def __getattr__(name: str):
-    # Lazy: `import embedfleet` must not pull torch in (the CLI's `status`/`db` commands never need it).
-    if name == "Encoder":
-        from embedfleet.encode.encoder import Encoder
+    if name in _WHERE:
+        import importlib
 
-        return Encoder
+        return getattr(importlib.import_module(_WHERE[name]), name)
     raise AttributeError(name)

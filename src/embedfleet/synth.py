@@ -180,8 +180,7 @@ def cached_reviews(directory: str | Path, n: int) -> Path:
 def cached_review_shards(directory: str | Path, n: int, shards: int) -> list[Path]:
     """`n` reviews as `shards` files, written side by side by one process each and reused like
     `cached_reviews`; shard i (from 0) has seed i, so its texts and ids are its own. For runs long
-    enough that the workers' start-up weighs little: one process writes 20-30k reviews a second, so
-    millions would take minutes."""
+    enough that the workers' start-up weighs little: one process alone would take minutes over millions."""
     sizes = [n // shards + (i < n % shards) for i in range(shards)]
     paths = [Path(directory) / f"reviews_long_tail_{n}_{i + 1}of{shards}.jsonl" for i in range(shards)]
     missing = [i for i, path in enumerate(paths) if not path.exists()]
@@ -207,7 +206,7 @@ _WORLD = (
 def world_texts(n: int, seed: int = 0, median_words: int = 40, long_share: float = 0.01) -> list[str]:
     """`n` review-like texts mixing English with other scripts, accents, emoji and curly quotes (about
     half the words from `_WORLD`), lengths like `review_texts` except that `long_share` of the texts
-    (1%) run 1,000 to 3,000 words; deterministic for a seed."""
+    (1%) reach 1,000 to 3,000 words; deterministic for a seed."""
     rng = np.random.default_rng(seed + 2)
     lengths = review_lengths(n, seed, median_words)
     long = rng.random(n) < long_share

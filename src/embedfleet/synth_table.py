@@ -11,9 +11,9 @@ import numpy as np
 import psycopg
 from psycopg import sql
 
-from embedfleet.records import Column
-from embedfleet.store.copyrows import SIGNATURE, TRAILER, RowEncoder, assemble, vector_fields
-from embedfleet.store.schema import ensure_table, ensure_vector
+from embedfleet.sources.records import Column
+from embedfleet.pg.copyin import SIGNATURE, TRAILER, RowEncoder, assemble, vector_fields
+from embedfleet.pg.ddl import ensure_table, ensure_vector
 
 __all__ = ["write_vector_table"]
 

@@ -37,7 +37,7 @@ def test_ingest_on_every_gpu_then_verify(tmp_path, dsn):
 
 
 def test_the_launcher_counts_gpus_as_torch_does_without_importing_it():
-    code = ("import sys; from embedfleet.runtime.gpu import visible_gpu_count; n = visible_gpu_count(); "
+    code = ("import sys; from embedfleet.platform.gpu import visible_gpu_count; n = visible_gpu_count(); "
             "print(n, 'torch' in sys.modules)")
     for visible in (None, "0"):
         env = {k: v for k, v in os.environ.items() if k != "CUDA_VISIBLE_DEVICES"}

@@ -9,7 +9,7 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 
 def test_layout_uses_cuml_when_present():
     pytest.importorskip("cuml", reason="cuML not installed (pip install cuml-cu12)")
-    from embedfleet.viz.map import layout
+    from embedfleet.map import layout
 
     rng = np.random.default_rng(0)
     centres = rng.standard_normal((4, 384))

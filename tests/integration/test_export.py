@@ -18,7 +18,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from embedfleet.errors import InputError
-from embedfleet.store.export import export
+from embedfleet.export import export
 from embedfleet.synth_table import write_vector_table
 
 TYPED = """ALTER TABLE {t} ADD COLUMN rating real, ADD COLUMN tags text[], ADD COLUMN info jsonb,
@@ -204,7 +204,7 @@ def test_a_partitioned_tables_shards_each_take_a_share(cli, dsn, conn, tmp_path)
 
 
 def test_shards_are_capped_by_the_tables_pages_and_no_part_is_empty(cli, dsn, conn, tmp_path):
-    from embedfleet.store.export import MIN_SHARD_PAGES, shard_count
+    from embedfleet.export import MIN_SHARD_PAGES, shard_count
 
     assert shard_count(0, 32) == 1 and shard_count(10 * MIN_SHARD_PAGES, 500) == 10 and shard_count(10**6, 4) == 4
     _table(conn, "small", 200)

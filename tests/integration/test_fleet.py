@@ -23,22 +23,22 @@ from embedfleet.synth import write_amazon_reviews
 
 def _plan(dsn: str, src, job: str, **flags) -> None:
     """Plan a job into the ledger, as `ingest` does before it starts workers."""
-    from embedfleet.config import build_config
-    from embedfleet.runtime.job import check_job, prepare
-    from embedfleet.store.ledger import Ledger
+    from embedfleet.ingest.job import check_job, plan_job
+    from embedfleet.settings import Settings, build_job
+    from embedfleet.ledger import Ledger
 
-    cfg = build_config(dict(inputs=[str(src)], preset="amazon-reviews", table=job, job=job, no_index=True, **flags))
+    cfg = build_job(dict(inputs=[str(src)], preset="amazon-reviews", table=job, job=job, no_index=True, **flags))
     ledger = Ledger.connect(dsn)
-    check_job(cfg, ledger.conn)
-    prepare(cfg, ledger, "cpu")
+    cfg = check_job(cfg, ledger.conn, Settings.from_env())
+    plan_job(cfg, ledger, "cpu")
     ledger.close()
 
 
 def test_the_whole_worker_loop_runs_in_process_with_a_hash_encoder(dsn, conn, tmp_path):
-    from embedfleet.config import Settings
+    from embedfleet.settings import Settings
     from embedfleet.encode.fake import HashEncoder, hash_vectors
     from embedfleet.encode.tokenize import tokenizer_spec
-    from embedfleet.runtime.worker import Worker
+    from embedfleet.ingest.worker import Worker
 
     src = write_amazon_reviews(tmp_path / "inproc.jsonl", 300, seed=6)
     _plan(dsn, src, "inproc", chunk_bytes=20000)
@@ -167,7 +167,7 @@ def test_status_watch_in_a_real_terminal_shows_a_row_per_worker(dsn, conn, tmp_p
 
 
 def test_metrics_show_the_jobs_progress_and_every_worker(cli, dsn, conn, tmp_path):
-    from embedfleet.runtime.metrics import serve_metrics
+    from embedfleet.ingest.metrics import serve_metrics
 
     src = write_amazon_reviews(tmp_path / "scraped.jsonl", 120, seed=16)
     cli("ingest", src, "--preset", "amazon-reviews", "--db", dsn, "--devices", "cpu", "--workers", "2",
@@ -190,11 +190,12 @@ def test_a_workers_loop_starts_eager_beside_its_compile_unless_told_to_wait(dsn,
     """Settings.compile_wait: by default the loop starts at once, eager, while the compile runs; with it,
     the loop starts once the compile is done. Either way the worker says it is finished only once its
     compile has ended (nothing of the job's outlives the command)."""
-    from embedfleet.config import Settings
+    from embedfleet.settings import Settings
     from embedfleet.encode.fake import HashEncoder
-    from embedfleet.runtime import worker as worker_mod
+    from embedfleet.ingest import embed as embed_mod
+    from embedfleet.ingest import worker as worker_mod
 
-    monkeypatch.setattr(worker_mod, "COMPILE_MIN_BYTES", 0)  # this small job counts as one that pays for it
+    monkeypatch.setattr(embed_mod, "COMPILE_MIN_BYTES", 0)  # this small job counts as one that pays for it
 
     class Recording(HashEncoder):
         def __init__(self):
@@ -238,7 +239,7 @@ def _workers_of(job: str) -> list[int]:
                 argv = open(f"/proc/{entry}/cmdline", "rb").read().split(b"\0")
             except OSError:
                 continue
-            if b"embedfleet.runtime.worker" in argv and job.encode() in argv and _alive(int(entry)):
+            if b"embedfleet.ingest.worker" in argv and job.encode() in argv and _alive(int(entry)):
                 out.append(int(entry))
     return out
 
@@ -247,7 +248,7 @@ def test_a_worker_started_before_its_job_starts_torch_then_waits_to_be_registere
     """The local launcher starts workers while the job is planned: one imports torch meanwhile, touches
     nothing of the job until registered, and then runs it."""
     src = write_amazon_reviews(tmp_path / "early.jsonl", 40, seed=4)
-    cmd = [sys.executable, "-m", "embedfleet.runtime.worker", "--job", "early", "--db", dsn, "--worker-id", "e-w0",
+    cmd = [sys.executable, "-m", "embedfleet.ingest.worker", "--job", "early", "--db", dsn, "--worker-id", "e-w0",
            "--device", "cpu", "--wait-registered", "120"]
     proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True)
     try:
@@ -262,7 +263,7 @@ def test_a_worker_started_before_its_job_starts_torch_then_waits_to_be_registere
         time.sleep(0.5)
         assert proc.poll() is None and conn.execute(
             "SELECT count(*) FROM embedfleet.chunks WHERE job = 'early' AND state <> 'pending'").fetchone()[0] == 0
-        from embedfleet.store.ledger import Ledger
+        from embedfleet.ledger import Ledger
 
         ledger = Ledger.connect(dsn)
         ledger.register_workers("early", [("e-w0", "cpu")])  # the launcher's go
@@ -276,9 +277,9 @@ def test_a_worker_started_before_its_job_starts_torch_then_waits_to_be_registere
 
 
 def test_an_early_worker_never_registered_exits_and_leaves_nothing(dsn, conn, tmp_path):
-    cmd = [sys.executable, "-m", "embedfleet.runtime.worker", "--job", "never", "--db", dsn, "--worker-id", "n-w0",
+    cmd = [sys.executable, "-m", "embedfleet.ingest.worker", "--job", "never", "--db", dsn, "--worker-id", "n-w0",
            "--device", "cpu", "--wait-registered", "1"]
-    from embedfleet.process import NOT_REGISTERED
+    from embedfleet.platform.processes import NOT_REGISTERED
 
     assert subprocess.run(cmd, timeout=120).returncode == NOT_REGISTERED  # the launcher's cue: not a finish
     assert conn.execute("SELECT count(*) FROM embedfleet.workers WHERE worker = 'n-w0'").fetchone()[0] == 0
@@ -288,9 +289,9 @@ def test_a_launcher_keeps_its_early_workers_when_the_job_needs_them_all_and_stop
     """prestart starts one worker a device before the job is planned. A job with a chunk for each runs on
     those very processes; a job with fewer chunks gets workers started afresh for it (their settings are
     for fewer workers), and the early ones are stopped unregistered. None is left running."""
-    from embedfleet.config import Settings
-    from embedfleet.runtime.local import LocalLauncher
-    from embedfleet.store.ledger import Ledger
+    from embedfleet.settings import Settings
+    from embedfleet.ingest.launch.local import LocalLauncher
+    from embedfleet.ledger import Ledger
 
     ledger = Ledger.connect(dsn)
     try:
@@ -325,7 +326,7 @@ def test_a_launcher_keeps_its_early_workers_when_the_job_needs_them_all_and_stop
 
 def test_a_registration_counts_only_when_fresh(dsn, conn, tmp_path):
     """A row an earlier run left under the same worker id (same host name, same launcher pid) is no go."""
-    from embedfleet.store.ledger import Ledger
+    from embedfleet.ledger import Ledger
 
     _plan(dsn, write_amazon_reviews(tmp_path / "fresh.jsonl", 5, seed=2), "fresh")
     ledger = Ledger.connect(dsn)
@@ -349,7 +350,7 @@ def test_ctrl_c_stops_a_worker_quietly_and_a_rerun_finishes_the_job(dsn, conn, t
     src = write_amazon_reviews(tmp_path / "intr.jsonl", 1500, seed=5)
     _plan(dsn, src, "intr", chunk_bytes=10000)
     def worker(name: str) -> list[str]:
-        return [sys.executable, "-m", "embedfleet.runtime.worker", "--job", "intr", "--db", dsn, "--worker-id", name,
+        return [sys.executable, "-m", "embedfleet.ingest.worker", "--job", "intr", "--db", dsn, "--worker-id", name,
                 "--device", "cpu", "--settings", orjson.dumps({"helpers": 0}).decode()]
 
     proc = subprocess.Popen(worker("i-w0"), stderr=subprocess.PIPE, text=True)
@@ -364,7 +365,7 @@ def test_ctrl_c_stops_a_worker_quietly_and_a_rerun_finishes_the_job(dsn, conn, t
             proc.kill()
     left = conn.execute("SELECT count(*) FROM embedfleet.chunks WHERE job = 'intr' AND state <> 'done'").fetchone()[0]
     assert left > 0  # stopped part way
-    from embedfleet.store.ledger import Ledger
+    from embedfleet.ledger import Ledger
 
     ledger = Ledger.connect(dsn)
     ledger.release_workers("intr", ["i-w0"])  # what the launcher does for the workers it stopped

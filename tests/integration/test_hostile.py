@@ -35,7 +35,7 @@ def _one_line_error(p, needle: str) -> str:
 
 
 def test_tables_whose_names_share_40_characters_each_get_their_own_index(cli, dsn, conn):
-    from embedfleet.store.schema import vector_index
+    from embedfleet.pg.ddl import vector_index
 
     names = [f"amazon_reviews_2023_cell_phones_accessories_part{i}" for i in (1, 2)]
     for name in names:

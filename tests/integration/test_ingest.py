@@ -250,7 +250,7 @@ def test_lease_of_a_worker_on_another_host_expires_and_is_reclaimed(cli, dsn, co
 def test_running_chunks_split_into_this_workers_and_everyone_elses(cli, dsn, conn):
     """What a worker with nothing left to claim looks at: its own running chunks only wait for its
     writer (poll again at once), other workers' may need a lease to expire."""
-    from embedfleet.store.ledger import Ledger
+    from embedfleet.ledger import Ledger
 
     cli("ingest", REVIEWS, "--preset", "amazon-reviews", "--db", dsn, "--quiet", "--table", "split", "--no-index",
         "--chunk-bytes", "4000", check=True)
@@ -374,16 +374,24 @@ def test_partitions_spread_the_table_and_it_is_analyzed_indexed_searched_and_ver
 
 
 def test_a_rerun_with_another_partition_count_than_planned_is_refused_before_the_table_exists(cli, dsn, conn, tmp_path):
-    empty = tmp_path / "blank.jsonl"  # no bytes, no chunk: a finished job whose table no worker made
-    empty.write_bytes(b"")
-    cli("ingest", empty, "--db", dsn, "--quiet", "--partitions", "4", check=True)
-    p = cli("ingest", empty, "--db", dsn, "--quiet", "--partitions", "3")
+    from embedfleet.ingest.job import check_job, plan_job
+    from embedfleet.ledger import Ledger
+    from embedfleet.settings import Settings, build_job
+
+    src = write_amazon_reviews(tmp_path / "blank.jsonl", 20, seed=8)
+    for job, parts in (("blank", 4), ("flat", None)):  # planned, and no worker has made the table yet
+        ledger = Ledger.connect(dsn)
+        spec = build_job(dict(inputs=[str(src)], preset="amazon-reviews", job=job, table="blank", partitions=parts))
+        plan_job(check_job(spec, ledger.conn, Settings.from_env()), ledger, "cpu")
+        ledger.close()
+    p = cli("ingest", src, "--preset", "amazon-reviews", "--db", dsn, "--quiet", "--partitions", "3")
     assert p.returncode != 0 and "job 'blank' was planned with --partitions 4, not --partitions 3" in p.stderr
-    assert cli("ingest", empty, "--db", dsn, "--quiet").returncode == 0  # as planned
-    cli("ingest", empty, "--db", dsn, "--quiet", "--job", "flat", check=True)
-    p = cli("ingest", empty, "--db", dsn, "--quiet", "--job", "flat", "--partitions", "2")
+    p = cli("ingest", src, "--preset", "amazon-reviews", "--db", dsn, "--quiet", "--job", "flat", "--table", "blank",
+            "--partitions", "2")
     assert p.returncode != 0 and "job 'flat' was planned as one relation, not --partitions 2" in p.stderr
     assert "Traceback" not in p.stderr and conn.execute("SELECT to_regclass('blank')").fetchone()[0] is None
+    cli("ingest", src, "--preset", "amazon-reviews", "--db", dsn, "--quiet", check=True)  # as planned: it runs
+    assert conn.execute("SELECT count(*) FROM pg_inherits WHERE inhparent = 'blank'::regclass").fetchone()[0] == 4
 
 
 def test_vectors_of_long_reviews_stay_inline_not_in_toast(cli, dsn, conn, tmp_path):
@@ -458,7 +466,7 @@ def _shared_buffers_mb(conn) -> int:
 def test_embedded_server_uri_start_stop(cli, tmp_path):
     import shutil
 
-    from embedfleet.store.embedded import max_wal_size_gb, memory_bytes, shared_buffers_mb
+    from embedfleet.pg.embedded import max_wal_size_gb, memory_bytes, shared_buffers_mb
 
     p = cli("db", "uri", check=True)
     dsn = p.stdout.strip()
@@ -549,21 +557,22 @@ def test_a_setting_the_server_does_not_have_is_left_out_and_restarts_nothing(tmp
     the rest, and is not restarted again at every start for the one it cannot take."""
     import psycopg
 
-    from embedfleet.store import embedded
+    from embedfleet.pg import embedded
+    from embedfleet.settings import Settings
 
     monkeypatch.setenv("EMBEDFLEET_HOME", str(tmp_path / "home"))
     monkeypatch.delenv("EMBEDFLEET_PG_TUNE", raising=False)
     monkeypatch.setattr(embedded, "BULK_SETTINGS", {**embedded.BULK_SETTINGS, "embedfleet_no_such_setting": "1"})
     try:
-        dsn = embedded.start()
+        dsn = embedded.start(Settings.from_env())
         with psycopg.connect(dsn) as c:
             assert c.execute("SHOW wal_buffers").fetchone()[0] == "256MB"
             started = c.execute("SELECT pg_postmaster_start_time()").fetchone()[0]
-        assert embedded.start() == dsn
+        assert embedded.start(Settings.from_env()) == dsn
         with psycopg.connect(dsn) as c:
             assert c.execute("SELECT pg_postmaster_start_time()").fetchone()[0] == started  # not restarted
     finally:
-        embedded.stop()
+        embedded.stop(Settings.from_env())
 
 
 def test_processes_starting_a_new_embedded_server_at_once_all_reach_it_tuned(cli):
@@ -593,12 +602,13 @@ def test_a_failed_wal_resize_leaves_the_server_running_as_before_and_the_next_st
 
     import psycopg
 
-    from embedfleet.store import embedded
+    from embedfleet.pg import embedded
+    from embedfleet.settings import Settings
 
     monkeypatch.setenv("EMBEDFLEET_HOME", str(tmp_path / "home"))
     monkeypatch.setenv("EMBEDFLEET_PG_TUNE", "0")
     pgserver = embedded._pgserver()
-    data = embedded.home() / "pgdata"
+    data = embedded.data_dir(Settings.from_env())
 
     def refuse(args, **kwargs):
         raise subprocess.CalledProcessError(1, ["pg_resetwal", *args])
@@ -606,7 +616,7 @@ def test_a_failed_wal_resize_leaves_the_server_running_as_before_and_the_next_st
     failing = types.SimpleNamespace(PostgresServer=pgserver.PostgresServer, pg_ctl=pgserver.pg_ctl,
                                     pg_resetwal=refuse)
     try:
-        dsn = embedded.start()  # stock: PostgreSQL's 16 MB WAL files
+        dsn = embedded.start(Settings.from_env())  # stock: PostgreSQL's 16 MB WAL files
         monkeypatch.delenv("EMBEDFLEET_PG_TUNE")
         with caplog.at_level(logging.WARNING, logger=embedded.__name__):
             embedded._tune(failing, data, dsn)
@@ -614,11 +624,11 @@ def test_a_failed_wal_resize_leaves_the_server_running_as_before_and_the_next_st
         with psycopg.connect(dsn) as c:  # started again: its settings tuned, its WAL files as they were
             assert [c.execute(f"SHOW {k}").fetchone()[0] for k in ("wal_buffers", "wal_segment_size")] == [
                 "256MB", "16MB"]
-        assert embedded.start() == dsn  # the next start tries again
+        assert embedded.start(Settings.from_env()) == dsn  # the next start tries again
         with psycopg.connect(dsn) as c:
             assert c.execute("SHOW wal_segment_size").fetchone()[0] == "256MB"
     finally:
-        embedded.stop()
+        embedded.stop(Settings.from_env())
 
 
 def test_alter_system_writes_a_setting_and_applies_it_only_when_asked_to_reload(tmp_path, monkeypatch):
@@ -627,11 +637,12 @@ def test_alter_system_writes_a_setting_and_applies_it_only_when_asked_to_reload(
 
     import psycopg
 
-    from embedfleet.store import embedded
+    from embedfleet.pg import embedded
+    from embedfleet.settings import Settings
 
     monkeypatch.setenv("EMBEDFLEET_HOME", str(tmp_path / "home"))
     try:
-        dsn = embedded.start()
+        dsn = embedded.start(Settings.from_env())
 
         def in_a_new_backend() -> str:  # a new backend takes the configuration the postmaster holds
             with psycopg.connect(dsn) as c:
@@ -654,7 +665,7 @@ def test_alter_system_writes_a_setting_and_applies_it_only_when_asked_to_reload(
             assert within(10.0, "123ms")
             assert c.execute("SELECT pg_postmaster_start_time()").fetchone()[0] == started  # no restart
     finally:
-        embedded.stop()
+        embedded.stop(Settings.from_env())
 
 
 def test_helper_processes_prepare_exactly_what_the_inline_path_does(cli, dsn, conn, tmp_path):

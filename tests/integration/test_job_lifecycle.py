@@ -54,7 +54,7 @@ def test_stopping_the_launcher_stops_its_workers_and_leaves_the_job_resumable(cl
     launcher = subprocess.Popen(args, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     wait_for(conn, "SELECT nullif(sum(rows_written), 0) FROM embedfleet.chunks WHERE job = 'stop'")
     children = psutil.Process(launcher.pid).children(recursive=True)
-    assert any("embedfleet.runtime.worker" in " ".join(c.cmdline()) for c in children)
+    assert any("embedfleet.ingest.worker" in " ".join(c.cmdline()) for c in children)
     launcher.send_signal(how)
     _, err = launcher.communicate(timeout=60)
     deadline = time.time() + 10
@@ -111,7 +111,7 @@ def test_a_rerun_after_the_table_was_dropped_embeds_every_row_again(cli, dsn, co
 
 
 def test_a_finish_the_server_refuses_ends_the_job_failed_with_its_reason(cli, dsn, conn, tmp_path):
-    from embedfleet.store.schema import ensure_ledger
+    from embedfleet.ledger import ensure_ledger
 
     ensure_ledger(conn)  # the ledger's own indexes exist before indexes are refused
     conn.execute("CREATE FUNCTION no_index() RETURNS event_trigger LANGUAGE plpgsql AS "

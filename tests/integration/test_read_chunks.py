@@ -12,7 +12,7 @@ import pytest
 
 from embedfleet.errors import DatabaseError
 from embedfleet.train import read as readmod
-from embedfleet.store.schema import heap_pages
+from embedfleet.pg.ddl import heap_pages
 from embedfleet.train.read import TableRead, describe
 
 DIM = 8

@@ -79,7 +79,7 @@ def test_one_query_on_the_cpu_compiles_nothing_and_starts_no_process(table_dsn, 
             cli.main()
         except SystemExit as e:
             code = e.code
-        from embedfleet.helper_pool import started_count
+        from embedfleet.platform.helpers import started_count
         graphs = None
         if "torch._dynamo" in sys.modules:
             from torch._dynamo.utils import counters

@@ -6,7 +6,7 @@ import psycopg
 import pytest
 
 from embedfleet.errors import DatabaseError, InputError
-from embedfleet.store.schema import check_partitions, ensure_table, ensure_vector, finish_table, partition_count
+from embedfleet.pg.ddl import check_partitions, ensure_table, ensure_vector, finish_table, partition_count
 
 
 def _loaded(conn, table: str, partitions: int | None, rows: int = 3000) -> None:
@@ -72,7 +72,7 @@ def test_hash_partitions_take_every_id_and_a_name_past_63_bytes_is_refused_first
 def test_where_partitions_cannot_be_sampled_side_by_side_the_whole_is_analyzed_on_the_connection(
         dsn, conn, monkeypatch):
     """Before PostgreSQL 18 (no ANALYZE ONLY), with no connection to spare, or when the server refuses one."""
-    from embedfleet.store import schema
+    from embedfleet.pg import ddl as schema
 
     opened, connect = [], psycopg.connect
     monkeypatch.setattr(psycopg, "connect", lambda *a, **kw: opened.append(a) or connect(*a, **kw))

@@ -1,4 +1,4 @@
-"""Bytecode kept under $EMBEDFLEET_HOME where the environment keeps none (embedfleet.bytecode).
+"""Bytecode kept under $EMBEDFLEET_HOME where the environment keeps none (embedfleet.platform.bytecode).
 
 Each case runs in a fresh interpreter: where Python keeps bytecode is process-wide state.
 """
@@ -36,7 +36,8 @@ def _run(tmp_path: Path, code: str, **env_over) -> list:
     return [json.loads(line) for line in p.stdout.splitlines()]
 
 
-_KEEP = ("from embedfleet.bytecode import keep_bytecode; print(__import__('json').dumps(keep_bytecode('probe_lib')))\n"
+_KEEP = ("from embedfleet.platform.bytecode import keep_bytecode; from embedfleet.settings import Settings\n"
+         "print(__import__('json').dumps(keep_bytecode(Settings.from_env(), 'probe_lib')))\n"
          "import probe_lib.part\n" + _REPORT + "\n"
          "import subprocess, sys; subprocess.run([sys.executable, '-c', " + repr(_REPORT) + "], check=True)")
 

@@ -7,7 +7,7 @@ import threading
 import numpy as np
 import torch
 
-from embedfleet.cache import compiled_before
+from embedfleet.platform.cache import compiled_before
 from embedfleet.encode.compile import BackgroundCompile, Fused
 from embedfleet.encode.encoder import Encoder
 from embedfleet.encode.shapes import build_random_model
@@ -30,7 +30,8 @@ def test_compiles_in_the_background_once_work_is_big_then_switches(tmp_path, mon
 
     part = Fused(enc.model._post)  # as on CUDA
     enc.model._post, enc.model.fused = part, [part]
-    enc._compile = BackgroundCompile(enc.model, torch.device("cpu"), 1000, 128, "test-shape", start_after=5000,
+    enc._compile = BackgroundCompile(enc.model, torch.device("cpu"), 1000, 128, "test-shape", tmp_path / "cache",
+                                     start_after=5000,
                                      compiler=lambda fn: torch.compile(fn, backend=backend))
     enc.encode(texts[:3])  # a few dozen tokens: small work stays eager
     assert enc.describe()["compile"] == "waiting" and not compiled_on
@@ -43,7 +44,7 @@ def test_compiles_in_the_background_once_work_is_big_then_switches(tmp_path, mon
     after = [enc.encode(texts[:k]) for k in (7, 50, 200)]  # other token counts: the same graph
     np.testing.assert_allclose(after[-1], ref, atol=1e-5)
     assert compiled_on and set(compiled_on) == {"embedfleet-compile"}, compiled_on
-    assert compiled_before("test-shape") is not None  # the next process knows the cache has it
+    assert compiled_before(tmp_path / "cache", "test-shape") is not None  # the next process knows the cache has it
     report = enc.compile_report()  # a tracing backend: no Inductor, so no cache lookups to count
     assert report["state"] == "compiled" and report["seconds"] > 0
     phases = report["phases_s"]
@@ -64,7 +65,8 @@ def test_a_function_that_fails_to_compile_stays_eager(tmp_path, monkeypatch):
 
     part = Fused(enc.model._post)
     enc.model._post, enc.model.fused = part, [part]
-    enc._compile = BackgroundCompile(enc.model, torch.device("cpu"), 1000, 128, "broken", start_after=0,
+    enc._compile = BackgroundCompile(enc.model, torch.device("cpu"), 1000, 128, "broken", tmp_path / "cache",
+                                     start_after=0,
                                      compiler=broken)
     enc.encode(texts[:5])
     assert enc.describe()["compile"] == "waiting"  # one call: a script that stops here never compiles
@@ -72,7 +74,7 @@ def test_a_function_that_fails_to_compile_stays_eager(tmp_path, monkeypatch):
     assert enc.wait_compiled(timeout=60)
     assert enc.describe()["compile"] == "failed" and not part.compiled
     np.testing.assert_allclose(enc.encode(texts), ref, atol=1e-6)
-    assert compiled_before("broken") is None
+    assert compiled_before(tmp_path / "cache", "broken") is None
 
 
 def test_pointing_the_compile_caches_here_imports_no_dynamo(tmp_path):
@@ -85,8 +87,9 @@ def test_pointing_the_compile_caches_here_imports_no_dynamo(tmp_path):
 
     code = """
 import json, os, sys
-from embedfleet.cache import use_compile_cache
-use_compile_cache()
+from embedfleet.platform.cache import cache_dir, use_compile_cache
+from embedfleet.settings import Settings
+use_compile_cache(cache_dir(Settings.from_env().home_path))
 print(json.dumps({"dir": os.environ["TORCHINDUCTOR_CACHE_DIR"], "inductor": "torch._inductor" in sys.modules}))
 """
     home = tmp_path / "home"

@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 from pgvector import HalfVector, Vector
 
-from embedfleet.store import copyrows
-from embedfleet.store.copyrows import SIGNATURE, TRAILER, RowEncoder, assemble, vector_fields
+from embedfleet.pg import copyin as copyrows
+from embedfleet.pg.copyin import SIGNATURE, TRAILER, RowEncoder, assemble, vector_fields
 
 
 def _fields(row: bytes) -> list[bytes | None]:

@@ -10,7 +10,7 @@ from concurrent.futures.process import BrokenProcessPool
 import psutil
 import pytest
 
-from embedfleet.helper_pool import HelperPool
+from embedfleet.platform.helpers import HelperPool
 
 
 def _torch_loaded(pid: int) -> bool:
@@ -96,7 +96,7 @@ def test_pools_work_where_main_has_no_file(how):
     """`spawn` could not re-run a `python -c` or stdin `__main__`; these helpers never run it."""
     code = textwrap.dedent("""
         import os
-        from embedfleet.helper_pool import HelperPool
+        from embedfleet.platform.helpers import HelperPool
         pool = HelperPool(2, os.getpid)
         pool.start(timeout=60)
         print(sum(pool.map(abs, [-1, -2, -3])))

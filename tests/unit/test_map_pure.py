@@ -7,7 +7,7 @@ from datetime import date
 
 import numpy as np
 
-from embedfleet.viz.map import GREY, MAX_CATEGORIES, NUMERIC_BINS, PALETTE, SEQUENTIAL, _hover_json, categories
+from embedfleet.map import GREY, MAX_CATEGORIES, NUMERIC_BINS, PALETTE, SEQUENTIAL, _hover_json, categories
 
 
 def test_few_values_one_entry_each_most_frequent_first():
@@ -56,7 +56,7 @@ def test_few_numbers_are_listed_in_their_own_order():
 
 
 def test_a_small_table_is_laid_out_by_t_sne_in_seconds():
-    from embedfleet.viz.map import SMALL_LAYOUT, layout
+    from embedfleet.map import SMALL_LAYOUT, layout
 
     rng = np.random.default_rng(1)
     centers = rng.normal(size=(2, 32))

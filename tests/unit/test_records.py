@@ -9,19 +9,7 @@ from decimal import Decimal
 import pytest
 
 from embedfleet.errors import InputError
-from embedfleet.records import (
-    CoerceError,
-    Record,
-    Reject,
-    PGTYPES,
-    coerce,
-    coercer,
-    jsonable,
-    render_template,
-    sanitize,
-    to_records,
-    validate_template,
-)
+from embedfleet.sources.records import (CoerceError, Record, Reject, PGTYPES, coerce, coercer, jsonable, render_template, sanitize, to_records, validate_template)
 from embedfleet.sources import RawRecord
 from embedfleet.sources.presets import get_preset
 

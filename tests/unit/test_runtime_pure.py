@@ -13,16 +13,16 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from embedfleet.config import JobConfig, build_config
+from embedfleet.settings import JobSpec, build_job
 from embedfleet.errors import InputError
-from embedfleet.runtime.job import apply_limit
-from embedfleet.runtime.local import parse_devices, worker_count, writers_each
-from embedfleet.runtime.monitor import rate_and_eta
+from embedfleet.ingest.job import apply_limit
+from embedfleet.platform.devices import parse_devices
+from embedfleet.ingest.launch import worker_count, writers_each
+from embedfleet.ingest.monitor import rate_and_eta
 from embedfleet.sources import read_chunk
 from embedfleet.sources.plan import ChunkSpec, plan_chunks
-from embedfleet.store.embedded import (_settings_in, _sigint_ignored, changed, max_wal_size_gb,
-                                       shared_buffers_mb, wal_segment_mb)
-from embedfleet.store.schema import check_identifier
+from embedfleet.pg.embedded import (_settings_in, _sigint_ignored, changed, max_wal_size_gb, shared_buffers_mb, wal_segment_mb)
+from embedfleet.pg.ddl import check_identifier
 from embedfleet.train.read import use_chunks
 
 
@@ -90,7 +90,7 @@ def test_limit_goes_on_past_a_damaged_stream(tmp_path):
 
 
 def test_devices_spread_workers_round_robin(monkeypatch):
-    import embedfleet.runtime.local as local
+    import embedfleet.platform.devices as local
 
     assert parse_devices("cpu", None) == ["cpu"]
     assert parse_devices("cpu", 2) == ["cpu", "cpu"]
@@ -128,12 +128,12 @@ def test_any_other_name_is_accepted_and_quoted_later(name):
 def test_config_flags_win_over_yaml_and_identity_ignores_runtime_knobs(tmp_path):
     y = tmp_path / "job.yaml"
     y.write_text("inputs: [a.jsonl]\nmodel: m1\nworkers: 4\nchunk-bytes: 4096\n")
-    cfg = build_config({"model": "m2", "inputs": None}, str(y))
-    assert (cfg.inputs, cfg.model, cfg.workers, cfg.chunk_bytes) == (["a.jsonl"], "m2", 4, 4096)
+    cfg = build_job({"model": "m2", "inputs": None}, str(y))
+    assert (cfg.inputs, cfg.model, cfg.workers, cfg.chunk_bytes) == (("a.jsonl",), "m2", 4, 4096)
     assert cfg.preset == "generic"
-    other = JobConfig(**{**cfg.__dict__, "workers": 1, "devices": "cpu", "quiet": True})
+    other = JobSpec(**{**cfg.__dict__, "workers": 1, "devices": "cpu", "quiet": True})
     assert other.fingerprint() == cfg.fingerprint()
-    assert JobConfig(**{**cfg.__dict__, "model": "m3"}).fingerprint() != cfg.fingerprint()
+    assert JobSpec(**{**cfg.__dict__, "model": "m3"}).fingerprint() != cfg.fingerprint()
 
 
 @pytest.mark.parametrize("flags, msg", [
@@ -146,14 +146,14 @@ def test_config_flags_win_over_yaml_and_identity_ignores_runtime_knobs(tmp_path)
 ])
 def test_bad_flags_are_refused_with_the_flag_named(flags, msg):
     with pytest.raises(InputError, match=msg):
-        build_config({"inputs": ["a.jsonl"], **flags})
+        build_job({"inputs": ["a.jsonl"], **flags})
 
 
 def test_yaml_with_unknown_key_is_refused(tmp_path):
     y = tmp_path / "job.yaml"
     y.write_text("inputs: [a]\nmodle: x\n")
     with pytest.raises(InputError, match="unknown key 'modle'"):
-        build_config({}, str(y))
+        build_job({}, str(y))
 
 
 @pytest.mark.parametrize("line, key, expected", [
@@ -168,15 +168,15 @@ def test_yaml_values_of_the_wrong_type_are_refused_naming_the_key(tmp_path, line
     y = tmp_path / "job.yaml"
     y.write_text(f"inputs: [a.jsonl]\n{line}\n")
     with pytest.raises(InputError) as err:
-        build_config({}, str(y))
+        build_job({}, str(y))
     assert str(err.value) == f"{y}: key '{key}' (--{key.replace('_', '-')}): {expected}"
 
 
 def test_yaml_values_of_the_right_type_pass(tmp_path):
     y = tmp_path / "job.yaml"
     y.write_text("inputs: a.jsonl\nlimit: 5\nno_index: true\nbatch-tokens: 4096\ntable: t\n")
-    cfg = build_config({}, str(y))
-    assert (cfg.inputs, cfg.limit, cfg.no_index, cfg.batch_tokens, cfg.table) == (["a.jsonl"], 5, True, 4096, "t")
+    cfg = build_job({}, str(y))
+    assert (cfg.inputs, cfg.limit, cfg.no_index, cfg.batch_tokens, cfg.table) == (("a.jsonl",), 5, True, 4096, "t")
 
 
 def test_writer_connections_fit_what_the_server_has_free():
@@ -188,7 +188,7 @@ def test_writer_connections_fit_what_the_server_has_free():
 
 
 def test_a_worker_compiles_first_only_for_work_that_pays_for_it():
-    from embedfleet.runtime.worker import COMPILE_MIN_BYTES, SMALL_COMPILE_MIN_BYTES, compile_pays
+    from embedfleet.ingest.embed import COMPILE_MIN_BYTES, SMALL_COMPILE_MIN_BYTES, compile_pays
 
     # a big model: a short job leaves it to the encoder's rule (None), a long one compiles at once
     assert compile_pays(0) is None and compile_pays(4000) is None and compile_pays(COMPILE_MIN_BYTES - 1) is None
@@ -246,7 +246,7 @@ def test_settings_written_by_alter_system_are_read_back():
     ((0, 8, 0), "half", None),
 ])
 def test_the_server_check_names_a_pgvector_that_cannot_serve_the_job(version, dtype, problem):
-    from embedfleet.store.schema import pgvector_problem
+    from embedfleet.pg.ddl import pgvector_problem
 
     got = pgvector_problem(version, dtype)
     assert (got is None) if problem is None else problem in got
@@ -255,7 +255,7 @@ def test_the_server_check_names_a_pgvector_that_cannot_serve_the_job(version, dt
 def test_the_final_progress_line_shows_rows_over_the_runs_own_time():
     import io
 
-    from embedfleet.runtime.monitor import Monitor
+    from embedfleet.ingest.monitor import Monitor
 
     clock = iter([0.0, 5.0, 60.0, 190.0, 195.0])  # start-up, then the rows arrive in bursts of commits
     rows = iter([0, 0, 5000, 19000, 20000])
@@ -272,7 +272,7 @@ def test_the_final_progress_line_shows_rows_over_the_runs_own_time():
 def test_status_fits_80_columns_without_cutting_names_or_dates():
     from rich.console import Console
 
-    from embedfleet.runtime.monitor import status_table
+    from embedfleet.ingest.monitor import status_table
 
     name = "amazon_reviews_2023_cell_phones_accessories_part1"
     jobs = [{"job": name, "table": name, "state": "failed", "chunks_done": 3, "chunks_total": 4,
@@ -284,19 +284,19 @@ def test_status_fits_80_columns_without_cutting_names_or_dates():
     text = console.export_text()
     assert max(map(len, text.splitlines())) <= 80
     assert name in "".join(line.split()[0] for line in text.splitlines()[1:4])  # wrapped, whole
-    assert "11-26 20:17" in text and "11-26 20:19" in text
+    assert "11-26 20:17–20:19" in text  # started, and finished the same day
     assert "chunk 3 (bad.jsonl.gz) failed: InputError: unreadable after line 9" in " ".join(text.split())
 
 
-def test_every_knob_is_read_once_and_listed_in_the_readme():
+def test_every_knob_is_read_once_and_listed_in_the_configuration_reference():
     import dataclasses
     from pathlib import Path
 
-    from embedfleet.config import Settings
+    from embedfleet.settings import Settings
 
-    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    reference = (Path(__file__).resolve().parents[2] / "docs" / "reference" / "configuration.md").read_text()
     for f in dataclasses.fields(Settings):
-        assert f"| `{f.metadata['env']}` |" in readme, f"README's settings table lacks {f.metadata['env']}"
+        assert f"| `{f.metadata['env']}` |" in reference, f"the configuration reference lacks {f.metadata['env']}"
     s = Settings.from_env({"EMBEDFLEET_LEASE_SECONDS": "3", "EMBEDFLEET_COMPILE": "0", "EMBEDFLEET_WRITERS": "2"},
                           writers=5)
     assert (s.lease_seconds, s.compile, s.writers) == (3.0, False, 5)  # a flag wins over the variable
@@ -308,7 +308,7 @@ def test_every_knob_is_read_once_and_listed_in_the_readme():
 
 
 def test_cuda_visible_devices_read_as_cuda_reads_them():
-    from embedfleet.runtime.gpu import cuda_visible_count
+    from embedfleet.platform.gpu import cuda_visible_count
 
     assert cuda_visible_count(None, 4) == 4
     assert cuda_visible_count("", 4) == 0 and cuda_visible_count("-1", 4) == 0
@@ -322,7 +322,7 @@ def test_counting_gpus_where_nvml_cannot_answer_falls_back_to_torch():
     """No NVIDIA driver here: NVML's init fails (nvidia-ml-py is installed) and torch's count is the answer."""
     import torch
 
-    from embedfleet.runtime.gpu import visible_gpu_count
+    from embedfleet.platform.gpu import visible_gpu_count
 
     if torch.cuda.is_available():
         pytest.skip("a GPU machine: NVML answers (tests/gpu checks that count)")
@@ -330,7 +330,7 @@ def test_counting_gpus_where_nvml_cannot_answer_falls_back_to_torch():
 
 
 def test_time_shares_count_a_loops_last_wait_as_the_databases_only_for_its_own_commits():
-    from embedfleet.runtime.bound import time_shares
+    from embedfleet.ingest.bound import time_shares
 
     # Two workers' loops: the last wait of each moves out of input — its own last commits to the database,
     # the rest (another worker's last chunk) to neither.
@@ -346,7 +346,7 @@ def test_time_shares_count_a_loops_last_wait_as_the_databases_only_for_its_own_c
 
 
 def test_the_bound_line_names_the_database_or_the_input_only_when_it_stands_out():
-    from embedfleet.runtime.bound import bound_line
+    from embedfleet.ingest.bound import bound_line
 
     db = bound_line({"embedding": 0.7, "input": 0.05, "database": 0.2})
     assert db.startswith("devices' time: 70% embedding, 5% waiting for input, 20% waiting for the database")
@@ -363,7 +363,7 @@ def test_the_bound_line_names_the_database_or_the_input_only_when_it_stands_out(
 
 
 def test_the_bound_line_says_when_the_hypervisor_took_the_hosts_cpu():
-    from embedfleet.runtime.bound import bound_line, host_shares, host_ticks
+    from embedfleet.ingest.bound import bound_line, host_shares, host_ticks
 
     # /proc/stat's first line: user nice system idle iowait irq softirq steal guest guest_nice
     before = host_ticks("cpu  1000 0 500 8000 100 0 0 400 300 0")
@@ -393,7 +393,7 @@ def test_run_queue_seconds_counts_time_ready_without_a_cpu():
     import threading
     import time
 
-    from embedfleet.runtime.bound import run_queue_seconds
+    from embedfleet.ingest.bound import run_queue_seconds
 
     me = threading.get_native_id()
     before, mine = run_queue_seconds(), run_queue_seconds(me)
@@ -417,7 +417,7 @@ def test_a_worker_process_reuses_the_pages_it_freed_for_its_next_units_buffers()
 
     script = (
         "import random, resource, sys, threading\n"
-        "from embedfleet.runtime.heap import keep_freed_memory\n"
+        "from embedfleet.platform.heap import keep_freed_memory\n"
         "kept = keep_freed_memory() if sys.argv[1] == 'keep' else None\n"
         "before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt\n"
         "def writer(seed):\n"

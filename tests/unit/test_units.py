@@ -10,12 +10,13 @@ import time
 import numpy as np
 
 from embedfleet.encode.tokenize import Tokenized
-from embedfleet.records import Reject
-from embedfleet.runtime.units import Prepared, helper_count, spool, stream_tasks, task_sizes, unspool
+from embedfleet.sources.records import Reject
+from embedfleet.ingest.prepare import Prepared, helper_count, spool, unspool
+from embedfleet.ingest.claim import stream_tasks, task_sizes
 from embedfleet.sources.jsonl import block_records
-from embedfleet.runtime.flow import Throttle
+from embedfleet.ingest.flow import Throttle
 from embedfleet.sources.plan import ChunkSpec
-from embedfleet.store.copyrows import EncodedRows
+from embedfleet.pg.copyin import EncodedRows
 
 
 def test_a_spooled_unit_reads_back_identical_and_its_file_is_gone(tmp_path):
@@ -103,7 +104,7 @@ def test_throttle_keeps_helpers_busy_when_they_are_the_bottleneck():
 def test_prefetch_backlog_counts_the_item_its_producer_holds():
     import threading
 
-    from embedfleet.runtime.flow import Prefetch
+    from embedfleet.ingest.flow import Prefetch
 
     release = threading.Event()
 
@@ -124,11 +125,11 @@ def test_prefetch_backlog_counts_the_item_its_producer_holds():
 
 def test_a_helper_spools_its_unit_and_falls_back_to_the_pipe_when_it_cannot(tmp_path, monkeypatch):
     from embedfleet.encode.encoder import Encoder
-    from embedfleet.runtime import units
+    from embedfleet.ingest import prepare as units
     from embedfleet.synth import write_amazon_reviews
 
     src = write_amazon_reviews(tmp_path / "r.jsonl", 50)
-    ctx = units.UnitContext("amazon-reviews", None, None, None, Encoder(device="cpu", tokenizer_workers=0).tokenizer_spec())
+    ctx = units.PrepareContext("amazon-reviews", None, None, None, Encoder(device="cpu", tokenizer_workers=0).tokenizer_spec())
     prepare = units.Preparer(ctx)
     task = units.Task(ChunkSpec(str(src), "jsonl", 0, src.stat().st_size, 1), 0, None)
     direct = prepare(task)
@@ -165,11 +166,11 @@ def test_helpers_leave_when_their_worker_is_killed(tmp_path):
     script.write_text(
         "import os, time, psutil\n"
         "from embedfleet.encode.tokenize import TokenizerSpec\n"
-        "from embedfleet.runtime.units import UnitContext, UnitPool\n"
+        "from embedfleet.ingest.prepare import PrepareContext, UnitPool\n"
         "from embedfleet.encode.models import resolve_model\n"
         "if __name__ == '__main__':\n"
         "    tok = (resolve_model(None) / 'tokenizer.json').read_text()\n"
-        "    pool = UnitPool(UnitContext('generic', None, 'text', None, TokenizerSpec(tok, 128)), 2)\n"
+        "    pool = UnitPool(PrepareContext('generic', None, 'text', None, TokenizerSpec(tok, 128)), 2)\n"
         "    pool.start()\n"
         "    print(*[c.pid for c in psutil.Process().children()], flush=True)\n"
         "    time.sleep(600)\n"
@@ -197,13 +198,13 @@ def test_helpers_start_in_the_background_with_the_encoders_own_tokenizer(tmp_pat
     the weights, which must be exactly the encoder's (prompt included), and the start reports its time."""
     from embedfleet.encode.encoder import Encoder
     from embedfleet.encode.tokenize import tokenizer_spec
-    from embedfleet.runtime import units
+    from embedfleet.ingest import prepare as units
     from embedfleet.synth import write_amazon_reviews
 
     spec = tokenizer_spec(None, "query: ")
     assert spec == Encoder(device="cpu", tokenizer_workers=0).tokenizer_spec("query: ")
     src = write_amazon_reviews(tmp_path / "r.jsonl", 30)
-    pool = units.UnitPool(units.UnitContext("amazon-reviews", None, None, None, spec), 2)
+    pool = units.UnitPool(units.PrepareContext("amazon-reviews", None, None, None, spec), 2)
     try:
         started = pool.start_in_background()
         assert started.result(timeout=120) > 0
@@ -219,23 +220,18 @@ def test_a_workers_helpers_run_at_the_priority_its_settings_give_them():
     short host the database's backends and the GPU's loop are served first; 0 keeps them level."""
     import psutil
 
-    from embedfleet.config import Settings, settings, use_settings
     from embedfleet.encode.tokenize import tokenizer_spec
-    from embedfleet.runtime import units
+    from embedfleet.ingest import prepare as units
 
-    ours, before = os.nice(0), settings()
-    ctx = units.UnitContext("generic", None, "text", None, tokenizer_spec(None))
-    try:
-        for nice in (7, 0):
-            use_settings(Settings.from_env({}, helper_nice=nice))
-            pool = units.UnitPool(ctx, 2)
-            try:
-                pool.start()
-                assert [psutil.Process(p).nice() for p in pool._pool.pids] == [min(19, ours + nice)] * 2
-            finally:
-                pool.close()
-    finally:
-        use_settings(before)
+    ours = os.nice(0)
+    ctx = units.PrepareContext("generic", None, "text", None, tokenizer_spec(None))
+    for nice in (7, 0):  # Settings.helper_nice, as the worker hands it to its pool
+        pool = units.UnitPool(ctx, 2, nice)
+        try:
+            pool.start()
+            assert [psutil.Process(p).nice() for p in pool._pool.pids] == [min(19, ours + nice)] * 2
+        finally:
+            pool.close()
 
 
 def test_a_tokenizer_spec_needs_no_torch():
@@ -295,7 +291,7 @@ def test_a_compressed_streams_first_blocks_start_small_also_on_resume(tmp_path):
 
 
 def test_by_tenth_says_where_in_the_loop_the_waits_were():
-    from embedfleet.runtime.flow import by_tenth
+    from embedfleet.ingest.flow import by_tenth
 
     waits = [(0.0, 0.5), (0.05, 0.1), (4.99, 0.2), (9.5, 0.3), (10.0, 0.05)]  # the last: at the very end
     assert by_tenth(waits, 10.0) == [0.6, 0.0, 0.0, 0.0, 0.2, 0.0, 0.0, 0.0, 0.0, 0.35]
@@ -306,7 +302,7 @@ def test_by_tenth_says_where_in_the_loop_the_waits_were():
 def test_task_sizes_grow_gently_from_a_small_first_task_to_a_full_unit():
     from itertools import islice
 
-    from embedfleet.runtime.units import FIRST_TASK_BYTES, RAMP
+    from embedfleet.ingest.claim import FIRST_TASK_BYTES, RAMP
 
     sizes = list(islice(task_sizes(2 << 20), 200))
     assert sizes[0] == FIRST_TASK_BYTES and sizes[-1] == 2 << 20
@@ -331,30 +327,30 @@ def test_a_workers_ramp_goes_on_across_its_chunks(tmp_path):
 
 
 def _csv_units(tmp_path, hungry):
-    """produce_units over one CSV chunk's 20 tasks, prepared inline: how many tasks had been read from the
-    claims when the first unit came out, and the units' rows in order."""
+    """The prepare stage over one CSV chunk's 20 tasks, prepared inline: how many tasks had been read from
+    the claim stage when the first unit came out, and the units' rows in order."""
     import uuid
 
     from embedfleet.encode.tokenize import tokenizer_spec
-    from embedfleet.runtime.units import UnitContext, UnitPool
-    from embedfleet.runtime.worker import Stats, produce_units
-    from embedfleet.store.ledger import Claim
+    from embedfleet.ingest.prepare import PrepareContext, PrepareStage, UnitPool
+    from embedfleet.ledger import Claim
 
     path = tmp_path / "r.csv"
     path.write_text("id,text\n" + "".join(f"{i},review number {i}\n" for i in range(1, 201)))
-    spec = ChunkSpec(str(path), "csv", 0, -1, 1)
-    claim = Claim("j", 1, str(path), "csv", 0, -1, 1, None, 0, uuid.uuid4())
+    spec = ChunkSpec(str(path), "csv", 0, -1, 2)
+    claim = Claim("j", 1, str(path), "csv", 0, -1, 2, None, 0, uuid.uuid4())
     pulled, started = [0], []
 
-    def claims():
+    def tasks():
         for task in stream_tasks(spec, 0, None, 200):
             pulled[0] += 1
-            yield claim, task
+            task.claim = claim
+            yield task
 
-    pool = UnitPool(UnitContext("generic", None, "text", "id", tokenizer_spec(None)), workers=0)
+    pool = UnitPool(PrepareContext("generic", None, "text", "id", tokenizer_spec(None)), workers=0)
     throttle = Throttle(8)  # room for 18 tasks ahead
     units, first_at = [], None
-    for unit in produce_units(claims(), pool, throttle, Stats(), started.append, hungry=hungry):
+    for unit in PrepareStage(pool, throttle, started.append, hungry=hungry)(tasks()):
         first_at = pulled[0] if first_at is None else first_at
         units.append(unit)
     return first_at, units, started
@@ -374,14 +370,14 @@ def test_a_preparer_builds_its_word_path_at_start_not_in_the_first_unit(tmp_path
     """A helper's first unit is one the GPU waits for: the word path (trie and tables, the costly part
     of that unit) is built when the helper starts; the unit then uses it and gives the library's ids."""
     from embedfleet.encode.tokenize import tokenizer_spec
-    from embedfleet.records import to_records
-    from embedfleet.runtime import units
+    from embedfleet.sources.records import to_records
+    from embedfleet.ingest import prepare as units
     from embedfleet.sources import read_chunk
     from embedfleet.sources.presets import get_preset
     from embedfleet.synth import write_amazon_reviews
 
     spec = tokenizer_spec(None)
-    prepare = units.Preparer(units.UnitContext("amazon-reviews", None, None, None, spec))
+    prepare = units.Preparer(units.PrepareContext("amazon-reviews", None, None, None, spec))
     local = prepare.tokenizer._local
     assert local.words is not None and local._word_args is None  # built in the constructor
     words, calls = local.words, []

@@ -17,8 +17,8 @@ import zstandard
 from fsspec.spec import AbstractBufferedFile, AbstractFileSystem
 
 from embedfleet.errors import InputError
-from embedfleet.records import to_records
-from embedfleet.runtime.preflight import first_records
+from embedfleet.sources.records import to_records
+from embedfleet.ingest.preflight import first_records
 from embedfleet.sources import ChunkSpec, expand_inputs, input_kind, plan_chunks, read_chunk, table_name_for
 from embedfleet.sources import files
 from embedfleet.sources.jsonl import block_records, stream_blocks

@@ -10,9 +10,10 @@ import uuid
 import numpy as np
 import pytest
 
-from embedfleet.store.copyrows import EncodedRows
-from embedfleet.store.ledger import Claim
-from embedfleet.store.writer import Unit, Writer
+from embedfleet.ingest.commit import Writer
+from embedfleet.ingest.stages import Embedded, Unit
+from embedfleet.ledger import Claim
+from embedfleet.pg.copyin import EncodedRows
 
 
 class RecordingSink:
@@ -25,7 +26,8 @@ class RecordingSink:
     def close(self) -> None:
         self.log.append(("closed", self))
 
-    def commit_once(self, unit: Unit) -> int:
+    def commit_once(self, item: Embedded) -> int:
+        unit = item.unit
         if unit.claim.chunk < 0:
             raise RuntimeError("this chunk fails")
         if unit.claim.chunk == 0:
@@ -57,9 +59,10 @@ def failures(writer: Writer) -> list:
     return out
 
 
-def unit(chunk: int, cursor: int, last: bool, token: uuid.UUID | None = None) -> Unit:
+def unit(chunk: int, cursor: int, last: bool, token: uuid.UUID | None = None) -> Embedded:
+    """An embedded unit of no rows, as the commit stage hands it to the writer."""
     claim = Claim("job", chunk, "f.jsonl", "jsonl", 0, 1, 1, None, 0, token or uuid.uuid4())
-    return Unit(claim, EncodedRows(b"", np.zeros(1, np.int64)), 0, [], cursor, last)
+    return Embedded(Unit(claim, EncodedRows(b"", np.zeros(1, np.int64)), 0, [], cursor, last), None)
 
 
 def test_units_avoid_a_busy_thread_and_a_chunks_units_stay_in_order():

@@ -183,7 +183,7 @@ def _bench_device(device: str) -> str:
     """"auto" as the children will take it, without touching the GPU here: NVML counts the GPUs."""
     if device != "auto":
         return device
-    from embedfleet.runtime.gpu import visible_gpu_count
+    from embedfleet.platform.gpu import visible_gpu_count
 
     return "cuda" if visible_gpu_count() else "cpu"
 

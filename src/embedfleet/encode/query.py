@@ -5,7 +5,7 @@ cold process that imports torch, starts CUDA, builds the packed model and compil
 before the first vector; one query needs none of it. For BERT-family models (MiniLM, BERT, RoBERTa,
 bge/e5-style: what the packed BERT path serves), `NumpyBert` runs the same forward pass in numpy,
 in float32, on the CPU: weights read straight from the safetensors file, the library's tokenizer, no
-torch import (on the 2-core VM `import torch` alone takes 0.8 s; one MiniLM query here takes ~5 ms).
+torch import (importing torch alone takes longer than a MiniLM query: docs/decisions/query-encoder-numpy.md).
 Anything else — another architecture, or a GPU asked for — goes through `Encoder`, eagerly.
 """
 
@@ -152,7 +152,7 @@ class NumpyBert:
     def forward(self, ids: np.ndarray, lengths: np.ndarray) -> np.ndarray:
         """ids [N, L] (right-padded), lengths [N] -> hidden states [N, L, H] (pads: anything)."""
         w, n, length, h = self.w, ids.shape[0], ids.shape[1], self.hidden
-        # Rows of tokens, [N·L, H]: numpy hands 2-D matmuls to BLAS (3-D ones ran 8x slower here).
+        # Rows of tokens, [N·L, H]: numpy hands 2-D matmuls to BLAS (3-D ones run far slower).
         x = (w["word"][ids] + w["pos"][self.pos_offset + np.arange(length)]).reshape(n * length, h)
         x = _layer_norm(x, w["ln_w"], w["ln_b"], self.eps)
         bias = np.where(np.arange(length)[None, :] < lengths[:, None], 0.0, -np.inf).astype(np.float32)
@@ -206,7 +206,7 @@ class QueryEncoder:
     "cuda"/"cuda:N"/"auto": `Encoder` there (eager for small work: no compile, no helper processes).
     """
 
-    def __init__(self, model=None, device: str = "cpu", dim: int | None = None):
+    def __init__(self, model=None, device: str = "cpu", dim: int | None = None, settings=None):
         spec = read_spec(resolve_model(model))
         self.spec, self.name = spec, model_name(model, spec.path)
         self._np = NumpyBert.load(spec) if device == "cpu" else None
@@ -220,7 +220,7 @@ class QueryEncoder:
         else:
             from embedfleet.encode.encoder import Encoder
 
-            self._enc = Encoder(model, device=device, dim=dim, tokenizer_workers=0)
+            self._enc = Encoder(model, device=device, dim=dim, tokenizer_workers=0, settings=settings)
             self.dim, self.path, self.device = self._enc.dim, self._enc.path, self._enc.device
 
     def encode(self, texts: list[str], prompt: str | None = "query") -> np.ndarray:

@@ -6,7 +6,7 @@ however many cores), so big inputs go to a pool of single-threaded processes ins
 `__main__`; forking after the tokenizers library has started its threads can deadlock). `Encoder.encode`
 uses the pool only when it is up as the call starts (`start()`, which an Encoder's warmup calls) or
 when the call is very long (it starts the pool, tokenizing here until it is up): helpers starting inside
-a first call slowed it several times over (bench/NOTES.md, runs 70-72). `tokenize(…, pool=True)` called
+a first call slowed it several times over (docs/decisions/helper-start-without-main.md). `tokenize(…, pool=True)` called
 directly starts the pool for 2,048 texts or more. This module imports no torch so that helpers start
 quickly.
 """
@@ -22,18 +22,18 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from embedfleet.config import settings
 from embedfleet.encode.batching import cumulative, length_order
 from embedfleet.encode.models import _read_json, read_spec, resolve_model
 from embedfleet.encode.wordpiece import LONGEST_TEXT, AsciiWordPiece
 from embedfleet.errors import ModelError
-from embedfleet.helper_pool import HelperPool
+from embedfleet.platform.helpers import HelperPool
 
 log = logging.getLogger(__name__)
 
+DEFAULT_WORD_CACHE = 1 << 18  # Settings.word_cache's default: distinct words a tokenizer remembers
 POOL_MIN_TEXTS = 2048  # below this the pool's pickling costs more than it saves
 # Characters of a text that can reach the model: past max_length tokens everything is cut anyway, and the
-# library tokenizes the whole text first (a huge line took gigabytes: bench/NOTES.md). 64 characters a token
+# library tokenizes the whole text first (a huge line took gigabytes). 64 characters a token
 # is far more than any prose needs; only runs of whitespace or of 100+-character words could lose tokens.
 CHARS_PER_TOKEN = 64
 WORD_PATH_MIN_TEXTS = 64  # a query or a few texts go through the library rather than build the word path
@@ -85,17 +85,16 @@ class _Tokenizer:
     normalizer only lowercases and the pre-tokenizer only splits words from punctuation, so:
 
     - `words`: such texts go to `wordpiece.AsciiWordPiece` (words found and hashed by numpy, a table
-      of their pieces, new words split by WordPiece's longest match over a trie of the vocabulary):
-      ~4.7 µs a review with every word known, ~12.6 while the table learns the long-tailed benchmark
-      texts, ~86 through the library (bench/tokenize_cpu.py, 2-core VM). Texts that could hold an
+      of their pieces, new words split by WordPiece's longest match over a trie of the vocabulary),
+      several times faster than the library (docs/decisions/wordpiece-tokenizer.md). Texts that could hold an
       added token ([MASK], …) skip this path: the library matches those before anything else.
-    - `twin`: the library with a normalizer that only lowercases, for those texts (70 → 48 µs).
+    - `twin`: the library with a normalizer that only lowercases, for those texts (its normalizer's work left out).
 
     Every other text takes the library's full path. The ids are the same (tests/unit/test_encode.py),
     and a self-check at load turns the word path off should a tokenizer disagree.
     """
 
-    def __init__(self, tokenizer_json: str, max_length: int, shortcuts: bool = True, word_cache: int = 1 << 18):
+    def __init__(self, tokenizer_json: str, max_length: int, shortcuts: bool = True, word_cache: int = DEFAULT_WORD_CACHE):
         from tokenizers import Tokenizer, models, normalizers, pre_tokenizers
 
         self.word_cache = word_cache
@@ -245,7 +244,7 @@ class TokenizerSpec:
     pad_id: int = 0
     lowercase: bool = False
     prefix: str = ""  # the prompt put before every text
-    word_cache: int = 1 << 18  # Settings.word_cache of the process that made the spec, carried to helpers
+    word_cache: int = DEFAULT_WORD_CACHE  # Settings.word_cache of the process that made the spec, carried to helpers
 
     def build(self, workers: int | None = 0, shortcuts: bool = True) -> "TextTokenizer":
         """The tokenizer, in this process (`workers` 0) or with a pool of processes (None: the default).
@@ -260,7 +259,7 @@ class TextTokenizer:
     def __init__(self, tokenizer_json: str, max_length: int, pad_id: int = 0, workers: int | None = None,
                  lowercase: bool = False, shortcuts: bool = True, word_cache: int | None = None):
         self._json, self.max_length, self.pad_id, self.lowercase = tokenizer_json, max_length, pad_id, lowercase
-        self.word_cache = word_cache or settings().word_cache
+        self.word_cache = word_cache or DEFAULT_WORD_CACHE
         self._local = _Tokenizer(tokenizer_json, max_length, shortcuts, self.word_cache)
         self.workers = default_workers() if workers is None else max(0, int(workers))
         self._pool: HelperPool | None = None
@@ -349,16 +348,17 @@ def _tokenizer_json(spec) -> str:
         raise ModelError(f"model {spec.path} has no usable tokenizer: {err}".splitlines()[0]) from None
 
 
-def model_tokenizer(spec, prompt: str | None = None) -> TokenizerSpec:
+def model_tokenizer(spec, prompt: str | None = None, word_cache: int | None = None) -> TokenizerSpec:
     """The tokenizer of a model directory (a `models.ModelSpec`) as the model's own config sets it up,
     with `prompt` (a name or literal text; None: the model's default) put before every text."""
     st = _read_json(spec.hf_dir / "sentence_bert_config.json") or {}
     pad = spec.config.get("pad_token_id")
     return TokenizerSpec(_tokenizer_json(spec), spec.max_seq_length, pad if isinstance(pad, int) else 0,
-                         bool(st.get("do_lower_case")), spec.prompt_text(prompt), settings().word_cache)
+                         bool(st.get("do_lower_case")), spec.prompt_text(prompt), word_cache or DEFAULT_WORD_CACHE)
 
 
-def tokenizer_spec(model=None, prompt: str | None = None) -> TokenizerSpec:
+def tokenizer_spec(model=None, prompt: str | None = None, word_cache: int | None = None,
+                   default_model: str | None = None) -> TokenizerSpec:
     """`Encoder(model).tokenizer_spec(prompt)` without torch or the weights: a worker's helpers start
-    with it while the model loads."""
-    return model_tokenizer(read_spec(resolve_model(model)), prompt)
+    with it while the model loads. `default_model`: the model when none is named (Settings.model)."""
+    return model_tokenizer(read_spec(resolve_model(model or default_model)), prompt, word_cache)

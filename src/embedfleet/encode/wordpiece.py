@@ -9,10 +9,8 @@ truncation and packing are array operations. Only words the table lacks become P
 all of a slice's new words are split into pieces at once, by WordPiece's own greedy longest match
 walked over a trie of the vocabulary (`PieceTrie`).
 
-`bench/tokenize_cpu.py` on the 2-core VM, 20,000 long-tailed review texts: 4.7 µs a text once every
-word is known (the dict-of-strings table before this, with `re.findall`: 11.5); 12.6 µs while a
-262,144-word table learns them, ~7 words a text (19.9 when each new word went to the library's
-WordPiece, ~1.3 µs a word); the library alone takes ~86.
+Several times faster than the library's own WordPiece, which builds a Python object per piece
+(docs/decisions/wordpiece-tokenizer.md; `bench/tokenize_cpu.py` measures it).
 
 `tokenize._Tokenizer` decides which texts come here and checks at load that the ids agree with the
 library's.
@@ -110,9 +108,8 @@ class PieceTrie:
     the first, pieces with the `##` prefix), and a word with a place where none does is the unknown
     token. Every word here walks the trie of the vocabulary's pieces a character per round, all words
     together in numpy, remembering the last piece it passed; where it can go no further that piece is
-    taken and the walk starts again after it. The library, asked word by word, costs ~1.3 µs a word
-    (its own Rust loop tries every shorter substring, and a Python object per piece comes back);
-    this ~0.6 over a slice's ~1,800 new words (`bench/tokenize_cpu.py`, 2-core VM). Only pieces of
+    taken and the walk starts again after it. The library, asked word by word, is slower (its own Rust
+    loop tries every shorter substring, and a Python object per piece comes back). Only pieces of
     letters and digits are in the trie: a word with any other character (a punctuation mark, once)
     goes to the library."""
 

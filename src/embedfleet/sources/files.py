@@ -151,5 +151,6 @@ def read_range(source: str, start: int, end: int | None = None, block: int | Non
 
 
 def _local(fs) -> bool:
-    """file:// has no round trips to save, and blocks past the CPU caches scan slower (bench/NOTES.md)."""
+    """file:// has no round trips to save, and blocks past the CPU caches scan slower
+    (docs/decisions/input-block-sizes.md)."""
     return "file" in ((fs.protocol,) if isinstance(fs.protocol, str) else fs.protocol)

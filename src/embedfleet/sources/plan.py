@@ -27,7 +27,7 @@ from embedfleet.sources.base import STREAM_ERRORS, open_binary
 _BLOCK = 4 << 20  # read size while counting lines: big blocks keep the count in C
 _CUT_READ = 64 << 10  # read size while looking for the newline after a cut's mark: a few lines
 # Threads counting a local file's chunks (numpy counts without the GIL): on one thread a big input's plan
-# kept every GPU waiting for seconds (bench/NOTES.md, runs 125-129).
+# kept every GPU waiting for seconds (docs/decisions/prestart-workers.md).
 _COUNTERS = min(8, os.cpu_count() or 1)
 _JSONL = (".jsonl", ".ndjson", ".jsonlines", ".json")
 _COMPRESSED = (".gz", ".zst")

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from functools import cached_property
 
 from embedfleet.errors import InputError
-from embedfleet.records import Column, RecordError, coerce, coercer, epoch_millis, jsonable, lookup, sanitize
+from embedfleet.sources.records import Column, RecordError, coerce, coercer, epoch_millis, jsonable, lookup, sanitize
 from embedfleet.sources import plan_chunks, read_chunk
 
 log = logging.getLogger(__name__)

@@ -26,6 +26,7 @@ import numpy as np
 import torch
 
 from embedfleet.errors import InputError
+from embedfleet.settings import Settings
 from embedfleet.train import order as ordering
 from embedfleet.train.read import Columns, Ids, Plan, Source, Split, TableRead, default_connections, describe
 
@@ -126,28 +127,25 @@ def _bits(t: torch.Tensor) -> np.ndarray:
     return t.view(torch.int16 if t.element_size() == 2 else torch.int32).numpy()
 
 
-def gather_threads() -> int:
-    """Threads gathering a batch on the host (EMBEDFLEET_TRAIN_GATHER_THREADS): one copies ~5 GB/s of
-    random rows, and the ram tier must keep up with the host-to-device copy."""
+def gather_threads(settings: Settings) -> int:
+    """Threads gathering a batch on the host (Settings.train_gather_threads): the ram tier's gather must keep
+    up with the host-to-device copy, and one thread does not."""
     import os
 
-    from embedfleet.config import Settings
-
-    return Settings.from_env().train_gather_threads or max(1, min(8, (os.cpu_count() or 2) // 2))
+    return settings.train_gather_threads or max(1, min(8, (os.cpu_count() or 2) // 2))
 
 
 _pool_lock = threading.Lock()
 _gather_pool: ThreadPoolExecutor | None = None
 
 
-def host_take(x: torch.Tensor, index: np.ndarray, out: torch.Tensor | None = None) -> torch.Tensor:
+def host_take(x: torch.Tensor, index: np.ndarray, out: torch.Tensor | None = None, threads: int = 1) -> torch.Tensor:
     """x[index] for a host tensor: np.take (it releases the GIL) over row slices on a few threads;
-    torch's index_select on the host was 10x slower on a busy 2-core machine (OpenMP contention)."""
+    torch's index_select on the host was far slower on a busy small machine (OpenMP contention)."""
     global _gather_pool
     if out is None:
         out = torch.empty((len(index), *x.shape[1:]), dtype=x.dtype)
     src, dst = _bits(x), _bits(out)
-    threads = gather_threads()
     if threads == 1 or len(index) * x[0].numel() * x.element_size() < (4 << 20):
         np.take(src, index, axis=0, out=dst)
         return out
@@ -177,8 +175,8 @@ class _Store:
 
     tier = ""
 
-    def __init__(self, x: torch.Tensor | None, device: torch.device):
-        self.x, self.device = x, device
+    def __init__(self, x: torch.Tensor | None, device: torch.device, threads: int = 1):
+        self.x, self.device, self.threads = x, device, threads  # threads: the host gather's
 
     def batches(self, under: np.ndarray, starts, ends, window_rows: int) -> Iterator[torch.Tensor]:
         raise NotImplementedError
@@ -197,17 +195,18 @@ class _HostStore(_Store):
     def batches(self, under, starts, ends, window_rows):
         if self.device.type != "cuda":
             for a, b in zip(starts.tolist(), ends.tolist()):
-                yield host_take(self.x, under[a:b])
+                yield host_take(self.x, under[a:b], threads=self.threads)
             return
-        yield from _ahead(lambda a, b, out: host_take(self.x, under[a:b], out),
+        yield from _ahead(lambda a, b, out: host_take(self.x, under[a:b], out, self.threads),
                           starts, ends, self.x.shape[1:], self.x.dtype, self.device)
 
 
 class _StreamStore(_Store):
     tier = "stream"
 
-    def __init__(self, reader: TableRead, tids: np.ndarray, dim: int, dtype: torch.dtype, device: torch.device):
-        super().__init__(None, device)
+    def __init__(self, reader: TableRead, tids: np.ndarray, dim: int, dtype: torch.dtype, device: torch.device,
+                 threads: int = 1):
+        super().__init__(None, device, threads)
         self.reader, self.tids, self.dim, self.dtype = reader, tids, dim, dtype
         self.lock = threading.Lock()  # one window read at a time on the snapshot's connection
 
@@ -257,7 +256,7 @@ class _StreamStore(_Store):
                     if hi <= lo:
                         continue
                     u, buf = resident[w]
-                    parts.append(host_take(buf, np.searchsorted(u, under[lo:hi])))
+                    parts.append(host_take(buf, np.searchsorted(u, under[lo:hi]), threads=self.threads))
                 x = parts[0] if len(parts) == 1 else (torch.cat(parts) if parts else
                                                       torch.empty((0, self.dim), dtype=self.dtype))
                 yield x.to(self.device, non_blocking=True)
@@ -341,7 +340,7 @@ class EmbeddingDataset:
     def from_table(cls, table: str, label: str | None = None, where: str | None = None, db: str | None = None,
                    cache: str = "auto", device: str | torch.device = "auto", split: str | Split | None = None,
                    dtype=None, *, task: str | None = None, seed: int = 0, window_rows: int | None = None,
-                   connections: int | None = None) -> EmbeddingDataset:
+                   connections: int | None = None, settings: Settings | None = None) -> EmbeddingDataset:
         """Read `table`'s vectors (and `label`) once. `where`: a SQL filter, run read-only. `db`: a DSN
         (default $EMBEDFLEET_DB, else the embedded server). `cache`: the tier; `device`: where batches
         go (auto: cuda if there is one). `split`: "train" / "val" (or a Split with its val_fraction)
@@ -349,9 +348,11 @@ class EmbeddingDataset:
         (float32, float16 or bfloat16; default float32, float16 for a halfvec column). `task`:
         classify (the default with a label; `classes` are the sorted label values) or regress.
         `window_rows` changes the order's windows (a multiple of 256 rows; default ~1 GB of float32
-        vectors); `connections` the read's connections (default EMBEDFLEET_TRAIN_READERS)."""
+        vectors); `connections` the read's connections (default EMBEDFLEET_TRAIN_READERS). `settings`: the
+        process's knobs, read from the environment when not given."""
         return load(table, label=label, where=where, db=db, cache=cache, device=device, split=split, dtype=dtype,
-                    task=task, seed=seed, window_rows=window_rows, connections=connections)
+                    task=task, seed=seed, window_rows=window_rows, connections=connections,
+                    settings=settings or Settings.from_env())
 
     def __len__(self) -> int:
         return self._n_all if self._rows is None else len(self._rows)
@@ -462,11 +463,11 @@ class EmbeddingDataset:
         if choose_tier(cache, dev, nbytes, rows=x.shape[0]) != cache:
             raise InputError(f"cache {cache!r} on {dev}")
         if cache == "gpu":
-            store: _Store = _DeviceStore(x.to(dev), dev)
+            store: _Store = _DeviceStore(x.to(dev), dev, self._store.threads)
         else:
             host = torch.empty(x.shape, dtype=x.dtype, pin_memory=dev.type == "cuda")
             host.copy_(x)
-            store = _HostStore(host, dev)
+            store = _HostStore(host, dev, self._store.threads)
         return EmbeddingDataset(store, self.source, self._n_all, self._rows, self.labels, self.classes, self.ids,
                                 self.keys, self.tids, dict(self.stats), self.seed, self.window_rows)
 
@@ -478,7 +479,7 @@ class EmbeddingDataset:
         if self._rows is None:
             return x
         if x.device.type == "cpu":
-            return host_take(x, self._rows)
+            return host_take(x, self._rows, threads=self._store.threads)
         return x.index_select(0, torch.from_numpy(self._rows).to(x.device))
 
     def close(self) -> None:
@@ -520,23 +521,26 @@ def _local_world() -> int:
 def load(table: str, label: str | None = None, where: str | None = None, db: str | None = None,
          cache: str = "auto", device: str | torch.device = "auto", split: str | Split | None = None, dtype=None,
          task: str | None = None, seed: int = 0, window_rows: int | None = None, connections: int | None = None,
-         keys: bool = False, null_labels: str = "skip", classes: Sequence | None = None) -> EmbeddingDataset:
+         keys: bool = False, null_labels: str = "skip", classes: Sequence | None = None,
+         settings: Settings | None = None) -> EmbeddingDataset:
     """EmbeddingDataset.from_table with the knobs the trainer and predict use: `keys` reads each
     row's split key (for `split_by_key`), `null_labels="keep"` keeps rows without a label (class
     -1, or NaN), `classes` fixes the class list (a saved head's)."""
-    from embedfleet.store.embedded import resolve_dsn
-    from embedfleet.store.ledger import connect
+    from embedfleet.pg.embedded import resolve_dsn
+    from embedfleet.pg.connect import connect
 
     if cache not in TIERS:
         raise InputError(f"cache {cache!r}: use {', '.join(TIERS)}")
     if isinstance(split, str):
         split = Split(split)
     dev = resolve_device(device)
-    dsn = resolve_dsn(db)
+    settings = settings or Settings.from_env()
+    dsn = resolve_dsn(db, settings)
+    threads = gather_threads(settings)
     with connect(dsn) as conn:
         source = describe(conn, table, label, where, task)
     torch_dtype = resolve_dtype(dtype, source.vtype)
-    connections = connections or default_connections()
+    connections = connections or default_connections(settings)
     dist = _dist()
     world = dist.get_world_size() if dist else 1
     rank = dist.get_rank() if dist else 0
@@ -593,10 +597,10 @@ def load(table: str, label: str | None = None, where: str | None = None, db: str
         _share(plan, cols, x, dev, world)
     if x is None:
         reader.keep_first()
-        store: _Store = _StreamStore(reader, cols.tids, source.dim, torch_dtype, dev)
+        store: _Store = _StreamStore(reader, cols.tids, source.dim, torch_dtype, dev, threads)
     else:
         reader.close()
-        store = _DeviceStore(x, dev) if tier == "gpu" else _HostStore(x, dev)
+        store = _DeviceStore(x, dev, threads) if tier == "gpu" else _HostStore(x, dev, threads)
     labels = None
     if cols.labels is not None:
         y = torch.from_numpy(cols.labels if source.task == "classify" else cols.labels.astype(np.float32))

@@ -2,9 +2,9 @@
 flat buffer (no DDP wrapper), and on CUDA the whole step — gather, forward, loss, backward,
 all-reduce, AdamW — replayed as one CUDA graph.
 
-Why a graph: a head's step is a few dozen small kernels. Launched one by one from Python it took
-~0.8 ms on an H100 whatever the batch, and DDP's per-step work doubled that: an epoch on two GPUs
-took as long as on one (bench/NOTES.md, run 58). Replayed, a step costs what its kernels cost.
+Why a graph: a head's step is a few dozen small kernels. Launched one by one from Python it cost the
+same launch time whatever the batch, and DDP's per-step work doubled that: an epoch on two GPUs
+took as long as on one (docs/decisions/train-cuda-graph-step.md). Replayed, a step costs what its kernels cost.
 
     TrainLoop(model, ds, …).epoch(e)   one epoch's steps on this rank; returns its summed training loss
                                        (a device tensor, no sync)
@@ -46,7 +46,7 @@ class TrainLoop:
 
     def __init__(self, model: torch.nn.Module, ds, per_rank: int, rank: int, world: int, task: str,
                  target: tuple[float, float], lrs: list[float], weight_decay: float, graph: bool = True,
-                 gather: bool | None = None, ahead: bool | None = None):
+                 gather: bool | None = None, ahead: bool | None = None, triton: bool = True):
         dev = ds.device
         self.model, self.ds, self.dev = model, ds, dev
         self.per_rank, self.rank, self.world, self.task = per_rank, rank, world, task
@@ -73,7 +73,7 @@ class TrainLoop:
         self.loss_sum = torch.zeros((), dtype=torch.float64, device=dev)
         self.sizes = ordering.step_sizes(len(ds), per_rank, world)
         self.stride = per_rank * world
-        self.kernel = kernel_available(dev)
+        self.kernel = kernel_available(dev, triton)
         self.src = self._source(ds, gather)
         # replayed: each step's rows are taken during the step before (a side stream, the other buffer),
         # off the step's critical path — in the ram tier they cross PCIe meanwhile

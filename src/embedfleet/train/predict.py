@@ -15,6 +15,7 @@ from pathlib import Path
 import numpy as np
 
 from embedfleet.errors import InputError
+from embedfleet.settings import Settings
 
 __all__ = ["load_head", "predict"]
 
@@ -41,19 +42,20 @@ def load_head(run: str | Path, device=None):
 
 
 def predict(run: str, table: str, where: str | None = None, out: str | None = None, db: str | None = None,
-            device: str = "auto", batch_size: int = 65_536) -> dict:
+            device: str = "auto", batch_size: int = 65_536, settings: Settings | None = None) -> dict:
     if out is not None and not out.lower().endswith((".parquet", ".pq")):
         raise InputError(f"--out {out}: predictions are written as Parquet; name the file FILE.parquet")
     import torch
 
-    from embedfleet.store.embedded import resolve_dsn
-    from embedfleet.store.ledger import connect
+    from embedfleet.pg.embedded import resolve_dsn
+    from embedfleet.pg.connect import connect
     from embedfleet.train.dataset import load, resolve_device
     from embedfleet.train.read import Split, describe
 
     dev = resolve_device(device)
     meta, model = load_head(run, dev)
-    dsn = resolve_dsn(db)
+    settings = settings or Settings.from_env()
+    dsn = resolve_dsn(db, settings)
     task = meta["task"]
     with connect(dsn) as conn:
         source = describe(conn, table, None, where)
@@ -66,7 +68,7 @@ def predict(run: str, table: str, where: str | None = None, out: str | None = No
                          f"takes {meta['dim']}")
     ds = load(table, label=meta["label"] if has_label else None, where=where, db=dsn, cache="auto", device=dev,
               task=task if has_label else None, keys=True, null_labels="keep",
-              classes=meta["classes"] if has_label and task == "classify" else None)
+              classes=meta["classes"] if has_label and task == "classify" else None, settings=settings)
     cuda = dev.type == "cuda"
     outs = []
     with torch.inference_mode():

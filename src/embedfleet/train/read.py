@@ -37,10 +37,10 @@ import numpy as np
 import psycopg
 from psycopg import pq, sql
 
+from embedfleet.pg.scan import begin_snapshot, export_snapshot, page_spans, span_sql, user_filter
 from embedfleet.errors import DatabaseError, InputError
-from embedfleet.store.schema import heap_pages, heaps as schema_heaps, split_table, table_exists, table_sql
-from embedfleet.train.copybin import (TRAILER, check_rows, chunk_count, chunk_rows, header_length, row_dtype,
-                                      scalar_field, vector_field)
+from embedfleet.pg.ddl import heap_pages, heaps as schema_heaps, split_table, table_exists, table_sql
+from embedfleet.pg.copybin import (TRAILER, check_rows, chunk_count, chunk_rows, header_length, row_dtype, scalar_field, vector_field)
 
 __all__ = ["Source", "Split", "Plan", "Ids", "Columns", "TableRead", "describe", "class_index", "default_connections",
            "MAX_CLASSES"]
@@ -48,7 +48,7 @@ __all__ = ["Source", "Split", "Plan", "Ids", "Columns", "TableRead", "describe",
 MAX_CLASSES = 10_000
 BLOCK_ROWS = 16_384  # rows parsed per np.frombuffer: ~25 MB of 384-dim float32 rows
 # Bytes a COPY message carries (a chunk of heap pages, see chunk_pages): one message a row left the
-# client a libpq call and slices of Python a row, its bound (bench/NOTES.md, runs 62, 67, 68).
+# client a libpq call and slices of Python a row, its bound (docs/decisions/train-bulk-read.md).
 CHUNK_BYTES = 1 << 19
 ROW_MESSAGE_CORES = 4  # from this many cores a one-connection read takes a message a row (use_chunks)
 PRECOUNT_WORKERS = 4  # the server's parallel workers a one-range plan's counts may use
@@ -209,20 +209,17 @@ def use_chunks(server_version: int, connections: int, cores: int | None = None) 
     """Whether a read takes chunks of rows a message (TID range scans: PostgreSQL 14+) or a message a row.
     One connection on a host with cores to spare takes a message a row: one sequential scan costs its
     server less, most of all on a table it has not cached, whose pages chunks place in shared buffers
-    one by one (EmbeddingDataset into an H100 right after a restart: 196.5k against 173.9k rows/s,
-    bench/NOTES.md run 102). Its client works over twice as hard, the bound on two cores or where several
+    one by one (docs/decisions/train-bulk-read.md). Its client works over twice as hard, the bound on two cores or where several
     connections' clients share one GIL."""
     if cores is None:  # the cores this process may run on, not the host's
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     return server_version >= 140000 and (connections > 1 or cores < ROW_MESSAGE_CORES)
 
 
-def default_connections() -> int:
-    """Connections for one read (EMBEDFLEET_TRAIN_READERS): each server backend produces rows on
-    one core and the client parses on one (the GIL), so a few pay and many only contend."""
-    from embedfleet.config import Settings
-
-    return Settings.from_env().train_readers or max(1, min(4, (os.cpu_count() or 2) // 4))
+def default_connections(settings) -> int:
+    """Connections for one read (Settings.train_readers): each server backend produces rows on one core and the
+    client parses on one (the GIL), so a few pay and many only contend."""
+    return settings.train_readers or max(1, min(4, (os.cpu_count() or 2) // 4))
 
 
 class Ids(Sequence):
@@ -346,7 +343,7 @@ class TableRead:
     def __init__(self, dsn: str, source: Source, split: Split | None = None, null_labels: str = "skip",
                  connections: int = 1, snapshot: str | None = None, classes: Sequence | None = None,
                  with_keys: bool = False):
-        from embedfleet.store.ledger import connect
+        from embedfleet.pg.connect import connect
 
         self.source, self.split, self.null_labels, self.with_keys = source, split, null_labels, with_keys
         self.fixed_classes = list(classes) if classes is not None else None
@@ -355,12 +352,12 @@ class TableRead:
             for _ in range(max(1, connections)):
                 self.conns.append(connect(dsn))
             lead = self.conns[0]
-            self._begin(lead, snapshot)
+            begin_snapshot(lead, snapshot, physical=True)
             self.snapshot = snapshot
             if snapshot is None and len(self.conns) > 1:
-                self.snapshot = lead.execute("SELECT pg_export_snapshot()").fetchone()[0]
+                self.snapshot = export_snapshot(lead)
             for c in self.conns[1:]:
-                self._begin(c, self.snapshot)
+                begin_snapshot(c, self.snapshot, physical=True)
             self.pages, per_page = heap_pages(lead, source.table)
             self.chunk_pages = chunk_pages(source, per_page)
             self.chunked = use_chunks(lead.info.server_version, len(self.conns))
@@ -373,18 +370,6 @@ class TableRead:
         except BaseException:
             self.close()
             raise
-
-    @staticmethod
-    def _begin(conn: psycopg.Connection, snapshot: str | None) -> None:
-        conn.execute("BEGIN ISOLATION LEVEL REPEATABLE READ READ ONLY")
-        if snapshot:
-            conn.execute(sql.SQL("SET TRANSACTION SNAPSHOT {}").format(sql.Literal(snapshot)))
-        # The physical order, the same on every connection and every rank: no index or bitmap scan a
-        # --where might invite, no parallel workers, no scan joining one already running elsewhere.
-        for setting in ("enable_indexscan", "enable_indexonlyscan", "enable_bitmapscan", "synchronize_seqscans", "jit"):
-            conn.execute(f"SET LOCAL {setting} = off")
-        conn.execute("SET LOCAL max_parallel_workers_per_gather = 0")
-        conn.execute("SET LOCAL statement_timeout = 0")
 
     def keep_first(self) -> None:
         """Close every connection but the first, which keeps the snapshot (the streaming tier's)."""
@@ -409,18 +394,11 @@ class TableRead:
     # ---- SQL ----------------------------------------------------------------------------------
 
     def _ranges(self, parts: int) -> list[tuple[int, int | None]]:
-        if parts <= 1 or self.pages < 2 * parts:
-            return [(0, None)]
-        cuts = [self.pages * i // parts for i in range(parts)]
-        return [(a, b) for a, b in zip(cuts, cuts[1:] + [None])]
+        return page_spans(self.pages, parts, min_pages=2)
 
     @staticmethod
     def _range_sql(rng: tuple[int, int | None]) -> sql.Composable:
-        start, end = rng
-        if start == 0 and end is None:
-            return sql.SQL("true")
-        lo = sql.SQL("ctid >= {}::tid").format(sql.Literal(f"({start},0)"))
-        return lo if end is None else sql.SQL("{} AND ctid < {}::tid").format(lo, sql.Literal(f"({end},0)"))
+        return span_sql(rng)
 
     def _filter(self, rng, with_label: bool, with_split: bool, pages: sql.Composable | None = None) -> sql.Composable:
         """The rows a read takes from range `rng` (or the pages `pages` says, a condition on ctid)."""
@@ -432,7 +410,7 @@ class TableRead:
             op = "<" if self.split.part == "val" else ">="
             parts.append(sql.SQL("{}::bigint " + op + " {}").format(s.key_sql(), sql.Literal(self.split.threshold)))
         if s.where:
-            parts.append(sql.SQL("({})").format(sql.SQL(s.where)))
+            parts.append(user_filter(s.where))
         return sql.SQL(" AND ").join(parts)
 
     def _precount_sql(self, rng) -> sql.Composable:
@@ -445,7 +423,7 @@ class TableRead:
             lab = s.label_sql()
         else:
             lab = sql.SQL("({} IS NULL)::int::text").format(sql.Identifier(s.label))
-        where = [self._range_sql(rng)] + ([sql.SQL("({})").format(sql.SQL(s.where))] if s.where else [])
+        where = [self._range_sql(rng)] + ([user_filter(s.where)] if s.where else [])
         return sql.SQL(
             "SELECT {lab} AS label, {side} AS val, {col} IS NULL AS no_vector, count(*) FROM {t} WHERE {w} "
             "GROUP BY 1, 2, 3 LIMIT {cap}"
@@ -496,8 +474,8 @@ class TableRead:
         chunks come in page order."""
         s = self.source
         aggs = [sql.SQL("array_agg({})").format(c) for c in self._columns_sql(classes, False)]
-        if with_vectors:  # the vectors' binary values end to end: ~10% of the server's time a row less than an
-            # array of them (bench/NOTES.md, runs 97–99)
+        if with_vectors:  # the vectors' binary values end to end: less of the server's time a row than an
+            # array of them (docs/decisions/train-bulk-read.md)
             aggs.append(sql.SQL("string_agg({}, ''::bytea)").format(s.send_sql()))
         aggs += [sql.SQL("array_agg(octet_length({}))::int4[]").format(s.id_sql()),
                  sql.SQL("coalesce(string_agg({}, ''), '')").format(s.id_sql())]
@@ -813,8 +791,7 @@ def copy_rows(conn: psycopg.Connection, query: sql.Composable, fixed: int,
 class Handoff:
     """Calls on_block(*block) for each block a COPY loop gives, in order: with `ahead`, on a thread of its
     own while the loop fills the next of two buffers, so the socket keeps being drained (a server whose
-    socket is full stops producing: putting a block in place stalled a one-connection read ~12%,
-    bench/NOTES.md runs 99 and 102); else inline in one buffer. A context manager: on leaving, the
+    socket is full stops producing, docs/decisions/train-bulk-read.md); else inline in one buffer. A context manager: on leaving, the
     blocks given are done; an error of on_block is raised in the loop (at its next slot) or on leaving."""
 
     def __init__(self, on_block: Callable, ahead: bool):

@@ -8,8 +8,8 @@ one-element int64 tensors there), so a replayed CUDA graph finds its next step's
 Positions at or past len(rows) are not read (the step after an epoch's last, taken ahead).
 
 Why a kernel: in torch ops the same work was six small kernels (the offset, two index gathers into
-the order, the rows', the labels', the offset's increment): 0.034 ms on a 0.075 ms step of a linear
-head on an H100, the gpu tier's whole distance from pure compute (bench/NOTES.md, run 62). The
+the order, the rows', the labels', the offset's increment), half of a linear head's step and the
+gpu tier's whole distance from pure compute (docs/decisions/train-tiers-and-take.md). The
 kernel also casts the rows to x_out's dtype (bf16: what autocast would cast a Linear's input to).
 
 `src` may be pinned host memory (the ram tier): the kernel then reads its rows across PCIe itself
@@ -23,13 +23,10 @@ import torch
 __all__ = ["take", "kernel_available"]
 
 
-def kernel_available(device: torch.device) -> bool:
-    """Whether `take` runs as one Triton kernel on `device` (else the torch ops, device storage only)."""
-    if device.type != "cuda":
-        return False
-    from embedfleet.config import Settings
-
-    if not Settings.from_env().triton:
+def kernel_available(device: torch.device, triton: bool = True) -> bool:
+    """Whether `take` runs as one Triton kernel on `device` (else the torch ops, device storage only);
+    `triton`: Settings.triton."""
+    if device.type != "cuda" or not triton:
         return False
     try:
         import embedfleet.train.take_kernel  # noqa: F401 - triton ships with CUDA builds of torch

@@ -10,7 +10,7 @@ import triton.language as tl
 # latency), its warps, and at most how many programs loop over the tiles (None: one program a tile),
 # by where the rows are. From pinned host memory the take runs beside the step's kernels (the ram
 # tier, one step ahead): 32 programs leave them SMs, where a program a tile made the two take turns
-# (bench/take_pcie.py; bench/NOTES.md, run 70).
+# (docs/decisions/train-tiers-and-take.md).
 SHAPES: dict[str, tuple[int, int, int | None]] = {"cuda": (8192, 4, None), "cpu": (8192, 4, 32)}
 
 

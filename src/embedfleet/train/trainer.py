@@ -1,10 +1,10 @@
 """`embedfleet train`: a head on a table's stored vectors, on one device or several (one process each).
 
-    train(settings)        what the command calls: one device runs here; several start one process
+    train(spec)        what the command calls: one device runs here; several start one process
                            each (`python -m embedfleet.train.trainer`, torchrun's environment:
                            RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT); under torchrun
                            itself (those variables already set) this process is one of the ranks.
-    run_rank(settings)     one rank: the shared bulk read (EmbeddingDataset), the split by row id,
+    run_rank(spec)     one rank: the shared bulk read (EmbeddingDataset), the split by row id,
                            the loop, validation sums reduced across ranks, and on rank 0 the run
                            directory (head.safetensors, head.json, metrics.json).
 
@@ -23,17 +23,17 @@ import logging
 import math
 import os
 import socket
-import subprocess
 import sys
 import time
-from dataclasses import asdict, dataclass, field
 from datetime import datetime
 from pathlib import Path
 
 from embedfleet.errors import EmbedfleetError, InputError
-from embedfleet.process import exit_now
+from embedfleet.logs import setup_logging
+from embedfleet.platform.processes import die_with_parent, exit_now, first_failure, spawn, stop
+from embedfleet.settings import Settings, TrainSpec
 
-__all__ = ["TrainSettings", "auto_batch", "train", "run_rank", "lr_factor", "default_out", "table_model"]
+__all__ = ["auto_batch", "train", "run_rank", "lr_factor", "default_out"]
 
 log = logging.getLogger("embedfleet")
 
@@ -48,47 +48,10 @@ def auto_batch(train_rows: int) -> int:
     return min(MAX_AUTO_BATCH, 1 << (eighth.bit_length() - 1))
 
 
-@dataclass
-class TrainSettings:
-    table: str
-    label: str
-    task: str = "classify"
-    head: str = "linear"
-    epochs: int = 10
-    batch_size: int | None = None  # global, across ranks (None: auto_batch of the train split)
-    lr: float = 1e-3
-    weight_decay: float = 0.01
-    where: str | None = None
-    val_fraction: float = 0.1
-    devices: str = "auto"
-    workers: int | None = None
-    cache: str = "auto"
-    out: str | None = None
-    db: str | None = None
-    seed: int = 0
-    json: bool = False
-    extra: dict = field(default_factory=dict)
-
-    def check(self) -> None:
-        from embedfleet.train.heads import HEADS
-
-        if self.task not in ("classify", "regress"):
-            raise InputError(f"--task {self.task!r}: use classify or regress")
-        if self.head not in HEADS:
-            raise InputError(f"--head {self.head!r}: use {' or '.join(HEADS)}")
-        if self.epochs < 1 or (self.batch_size is not None and self.batch_size < 1):
-            raise InputError("--epochs and --batch-size must be at least 1")
-        if not self.lr > 0:
-            raise InputError(f"--lr {self.lr}: use a positive learning rate")
-        if not 0.0 <= self.val_fraction < 1.0:
-            raise InputError(f"--val-fraction {self.val_fraction}: use a value in [0, 1)")
-
-
-def default_out(table: str, label: str) -> str:
-    from embedfleet.store.embedded import home
-
+def default_out(table: str, label: str, home: Path) -> str:
+    """A new run directory under `home` (Settings.home_path): runs/TABLE-LABEL-TIME."""
     stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
-    base = home() / "runs" / f"{table}-{label}-{stamp}"
+    base = home / "runs" / f"{table}-{label}-{stamp}"
     out, k = base, 1
     while out.exists():
         k += 1
@@ -96,37 +59,38 @@ def default_out(table: str, label: str) -> str:
     return str(out)
 
 
-def train(settings: TrainSettings) -> dict | None:
-    """Run `settings` here (one device, or as a rank started by torchrun) or start one process per
+def train(spec: TrainSpec, knobs: Settings) -> dict | None:
+    """Run `spec` here (one device, or as a rank started by torchrun) or start one process per
     device and wait for them. Returns the metrics document where this process made it."""
-    settings.check()
+    spec.checked()
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # started by torchrun (or by us)
-        return _as_rank(settings)
-    from embedfleet.runtime.local import parse_devices
+        return _as_rank(spec, knobs, None)
+    from embedfleet.platform.devices import parse_devices
 
-    devices = parse_devices(settings.devices, settings.workers)
+    devices = parse_devices(spec.devices, spec.workers)
     gpus = [d for d in devices if d != "cpu"]
     if len(set(gpus)) < len(gpus):
-        raise InputError(f"--workers {settings.workers}: training runs one process per GPU; "
-                         f"{len(set(gpus))} GPU(s) in --devices {settings.devices}")
-    settings.out = settings.out or default_out(settings.table, settings.label)
+        raise InputError(f"--workers {spec.workers}: training runs one process per GPU; "
+                         f"{len(set(gpus))} GPU(s) in --devices {spec.devices}")
+    spec = spec.replace(out=spec.out or default_out(spec.table, spec.label, knobs.home_path))
     if len(devices) == 1:
-        return run_rank(settings, devices[0])
-    _launch(settings, devices)
+        return run_rank(spec, devices[0], knobs)
+    _launch(spec, devices, knobs)
     return None
 
 
-def _as_rank(settings: TrainSettings) -> dict | None:
+def _as_rank(spec: TrainSpec, knobs: Settings, device: str | None) -> dict | None:
+    """This process as one rank of torch.distributed's environment (RANK, WORLD_SIZE…): started by `_launch`
+    with its `device`, or by torchrun (None: its local rank's GPU, or the CPU)."""
     rank = int(os.environ["RANK"])
-    settings.out = settings.out or default_out(settings.table, settings.label)  # rank 0's is the one used
-    device = os.environ.get("EMBEDFLEET_TRAIN_DEVICE")
+    spec = spec.replace(out=spec.out or default_out(spec.table, spec.label, knobs.home_path))  # rank 0's is used
     if device is None:  # torchrun: one process per local GPU, or CPU
         from embedfleet.train.dataset import resolve_device
 
-        base = resolve_device(settings.devices.split(":")[0] if settings.devices != "auto" else "auto")
+        base = resolve_device(spec.devices.split(":")[0] if spec.devices != "auto" else "auto")
         device = f"cuda:{os.environ.get('LOCAL_RANK', '0')}" if base.type == "cuda" else "cpu"
     try:
-        return run_rank(settings, device)
+        return run_rank(spec, device, knobs)
     except EmbedfleetError as e:
         if rank == 0:
             raise
@@ -139,58 +103,38 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _launch(settings: TrainSettings, devices: list[str]) -> None:
+def _launch(spec: TrainSpec, devices: list[str], knobs: Settings) -> None:
     """One process per device, torchrun's environment; the first failure stops the others."""
     world = len(devices)
     port = _free_port()
     cores = os.cpu_count() or 1
     procs = []
-    for rank, device in enumerate(devices):
-        env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
-                   LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
-                   EMBEDFLEET_TRAIN_DEVICE=device)
-        if device == "cpu":
-            env.setdefault("OMP_NUM_THREADS", str(max(1, cores // world)))
-        cmd = [sys.executable, "-m", "embedfleet.train.trainer", json.dumps(asdict(settings))]
-        procs.append(subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL))
-    code = 0
     try:
-        while procs and any(p.poll() is None for p in procs):
-            failed = [p.returncode for p in procs if p.returncode not in (None, 0)]
-            if failed:
-                code = failed[0]
-                break
-            time.sleep(0.2)
-        code = code or next((p.returncode for p in procs if p.returncode), 0)
+        for rank, device in enumerate(devices):
+            env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
+                       LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+            if device == "cpu":
+                env.setdefault("OMP_NUM_THREADS", str(max(1, cores // world)))
+            procs.append(spawn([sys.executable, "-m", "embedfleet.train.trainer", json.dumps(spec.to_json()),
+                                "--device", device, "--settings", json.dumps(knobs.to_json()),
+                                "--launcher-pid", str(os.getpid())], env))
+        code = first_failure(procs)
     finally:
-        for p in procs:
-            if p.poll() is None:
-                p.terminate()
-        for p in procs:
-            try:
-                p.wait(30)
-            except subprocess.TimeoutExpired:
-                p.kill()
+        stop(procs, grace=30)
     if code:
         raise SystemExit(code)
 
 
-def table_model(dsn: str, table: str) -> dict | None:
-    """The model the newest ingest job that wrote `table` used, from the ledger (None: no ledger
-    or no such job, e.g. a table written by something else)."""
-    from psycopg.rows import dict_row
-
-    from embedfleet.store.ledger import connect
+def _made_by(dsn: str, table: str) -> dict | None:
+    """The job that made `table` (model, prompt, template…), for head.json; None: not one of embedfleet's."""
+    from embedfleet.ledger import table_job
+    from embedfleet.pg.connect import connect
 
     with connect(dsn) as conn:
-        if not conn.execute("SELECT to_regclass('embedfleet.jobs') IS NOT NULL").fetchone()[0]:
-            return None
-        with conn.cursor(row_factory=dict_row) as cur:
-            row = cur.execute(
-                "SELECT job, model, dim, config->>'model' AS requested, config->>'prompt' AS prompt, "
-                "config->>'text_template' AS text_template, config->>'preset' AS preset "
-                "FROM embedfleet.jobs WHERE table_name = %s ORDER BY created DESC LIMIT 1", [table]).fetchone()
-    return dict(row) if row else None
+        made = table_job(conn, table)
+    if made is not None:
+        made.pop("requested_dim", None)
+    return made
 
 
 def lr_factor(step: int, total_steps: int) -> float:
@@ -245,11 +189,11 @@ def _evaluate(model, ds, task: str, classes: int, device, target, world: int) ->
     return out
 
 
-def run_rank(settings: TrainSettings, device: str) -> dict | None:
+def run_rank(spec: TrainSpec, device: str, knobs: Settings) -> dict | None:
     """Train on this process's device; under torch.distributed's environment, as one of its ranks."""
     import torch
 
-    from embedfleet.store.embedded import resolve_dsn
+    from embedfleet.pg.embedded import resolve_dsn
     from embedfleet.train.dataset import resolve_device
 
     dev = resolve_device(device)
@@ -262,46 +206,45 @@ def run_rank(settings: TrainSettings, device: str) -> dict | None:
         else:
             torch.distributed.init_process_group("gloo")
     try:
-        return _train(settings, dev, rank, world, resolve_dsn(settings.db))
+        return _train(spec, dev, rank, world, resolve_dsn(spec.db, knobs), knobs)
     finally:
         if world > 1 and torch.distributed.is_initialized():
             torch.distributed.destroy_process_group()
 
 
-def _train(settings: TrainSettings, dev, rank: int, world: int, dsn: str) -> dict | None:
+def _train(spec: TrainSpec, dev, rank: int, world: int, dsn: str, knobs: Settings) -> dict | None:
     import torch
 
-    from embedfleet.config import Settings
     from embedfleet.train import order as ordering
     from embedfleet.train.dataset import load
     from embedfleet.train.heads import build_head
     from embedfleet.train.loop import TrainLoop
 
-    ds = load(settings.table, label=settings.label, where=settings.where, db=dsn, cache=settings.cache,
-              device=dev, task=settings.task, seed=settings.seed, keys=True, dtype=storage_dtype(dev))
-    train_ds, val_ds = ds.split_by_key(settings.val_fraction)
+    ds = load(spec.table, label=spec.label, where=spec.where, db=dsn, cache=spec.cache,
+              device=dev, task=spec.task, seed=spec.seed, keys=True, dtype=storage_dtype(dev), settings=knobs)
+    train_ds, val_ds = ds.split_by_key(spec.val_fraction)
     if len(train_ds) == 0:
         raise InputError(f"no training rows: all {len(ds):,} selected rows fall in the validation split "
-                         f"(--val-fraction {settings.val_fraction})")
+                         f"(--val-fraction {spec.val_fraction})")
     task = ds.task
     classes = len(ds.classes) if task == "classify" else 0
     target = (0.0, 1.0)
     if task == "regress":
         y = train_ds.labels.double()
         target = (float(y.mean()), float(y.std()) if len(y) > 1 and float(y.std()) > 0 else 1.0)
-    torch.manual_seed(settings.seed)
-    model = build_head(settings.head, ds.dim, classes or 1).to(dev)
-    batch = settings.batch_size or auto_batch(len(train_ds))
-    if settings.batch_size is None and rank == 0:
+    torch.manual_seed(spec.seed)
+    model = build_head(spec.head, ds.dim, classes or 1).to(dev)
+    batch = spec.batch_size or auto_batch(len(train_ds))
+    if spec.batch_size is None and rank == 0:
         log.info("batch size %d (the default: an eighth of the %d train rows, as a power of two, at most %d)",
                  batch, len(train_ds), MAX_AUTO_BATCH)
     per_rank = -(-batch // world)
-    total_steps = settings.epochs * len(ordering.step_sizes(len(train_ds), per_rank, world))
-    lrs = [settings.lr * lr_factor(s, total_steps) for s in range(total_steps)]
-    loop = TrainLoop(model, train_ds, per_rank, rank, world, task, target, lrs, settings.weight_decay,
-                     graph=Settings.from_env().train_graph)
+    total_steps = spec.epochs * len(ordering.step_sizes(len(train_ds), per_rank, world))
+    lrs = [spec.lr * lr_factor(s, total_steps) for s in range(total_steps)]
+    loop = TrainLoop(model, train_ds, per_rank, rank, world, task, target, lrs, spec.weight_decay,
+                     graph=knobs.train_graph, triton=knobs.triton)
     epochs = []
-    for epoch in range(settings.epochs):
+    for epoch in range(spec.epochs):
         _sync(dev)
         t0 = time.perf_counter()
         loss = loop.epoch(epoch)
@@ -314,17 +257,17 @@ def _train(settings: TrainSettings, dev, rank: int, world: int, dsn: str) -> dic
         if len(val_ds):
             row.update(_evaluate(model, val_ds, task, classes, dev, target, world))
         epochs.append(row)
-        if rank == 0 and not settings.json:
-            log.info(_epoch_line(row, settings.epochs, task))
-    doc = _metrics(settings, ds, train_ds, val_ds, epochs, world, dev, per_rank)
+        if rank == 0 and not spec.json:
+            log.info(_epoch_line(row, spec.epochs, task))
+    doc = _metrics(spec, ds, train_ds, val_ds, epochs, world, dev, per_rank)
     doc["step"] = loop.mode
     if rank == 0:
-        _save(settings, dsn, ds, model, doc, target)
-        if settings.json:
+        _save(spec, dsn, ds, model, doc, target)
+        if spec.json:
             sys.stdout.write(json.dumps(doc, indent=2) + "\n")
             sys.stdout.flush()
         else:
-            log.info("saved %s", settings.out)
+            log.info("saved %s", spec.out)
     ds.close()
     return doc if rank == 0 else None
 
@@ -352,46 +295,46 @@ def _epoch_line(row: dict, epochs: int, task: str) -> str:
     return head + f" ({row['seconds']:.2f} s, {row['samples_per_s']:,.0f} samples/s)"
 
 
-def _metrics(settings, ds, train_ds, val_ds, epochs, world, dev, per_rank) -> dict:
+def _metrics(spec, ds, train_ds, val_ds, epochs, world, dev, per_rank) -> dict:
     last = epochs[-1]
     final = {k: v for k, v in last.items() if k not in ("epoch", "seconds", "samples_per_s")}
     return {
-        "table": settings.table, "label": settings.label, "task": ds.task, "head": settings.head,
-        "where": settings.where, "out": settings.out,
+        "table": spec.table, "label": spec.label, "task": ds.task, "head": spec.head,
+        "where": spec.where, "out": spec.out,
         "rows": {"train": len(train_ds), "val": len(val_ds), "skipped_null_label": ds.stats["skipped_null_label"],
                  "skipped_null_vector": ds.stats["skipped_null_vector"]},
         "classes": ds.classes,
         "cache": ds.cache, "dtype": str(ds.dtype).replace("torch.", ""), "device": str(dev), "world_size": world,
-        "batch_size": per_rank * world, "batch_size_per_rank": per_rank, "lr": settings.lr,
-        "epochs_run": len(epochs), "val_fraction": settings.val_fraction, "seed": settings.seed,
+        "batch_size": per_rank * world, "batch_size_per_rank": per_rank, "lr": spec.lr,
+        "epochs_run": len(epochs), "val_fraction": spec.val_fraction, "seed": spec.seed,
         "read": {k: ds.stats[k] for k in ("read_s", "plan_s", "rows_per_s", "connections", "bytes")},
         "epochs": epochs,
         "final": final,
     }
 
 
-def _save(settings, dsn, ds, model, doc, target) -> None:
+def _save(spec, dsn, ds, model, doc, target) -> None:
     from safetensors.torch import save_file
 
     from embedfleet.train.heads import hidden_size
     from embedfleet.train.read import Split
 
-    out = Path(settings.out)
+    out = Path(spec.out)
     out.mkdir(parents=True, exist_ok=True)
     state = {k: v.detach().float().cpu().contiguous() for k, v in model.state_dict().items()}
     save_file(state, str(out / "head.safetensors"))
     head = {
-        "format": 1, "task": ds.task, "head": settings.head, "dim": ds.dim,
+        "format": 1, "task": ds.task, "head": spec.head, "dim": ds.dim,
         "outputs": len(ds.classes) if ds.task == "classify" else 1,
-        "hidden": hidden_size(ds.dim) if settings.head == "mlp" else None,
-        "label": settings.label, "label_kind": ds.source.label_kind,
+        "hidden": hidden_size(ds.dim) if spec.head == "mlp" else None,
+        "label": spec.label, "label_kind": ds.source.label_kind,
         "classes": ds.classes,
         "label_map": {str(c): i for i, c in enumerate(ds.classes)} if ds.classes else None,
         "target": {"mean": target[0], "std": target[1]} if ds.task == "regress" else None,
-        "table": settings.table, "where": settings.where, "vector_column": ds.source.column,
+        "table": spec.table, "where": spec.where, "vector_column": ds.source.column,
         "vector_type": ds.source.vtype, "id_column": ds.source.id_column,
-        "model": table_model(dsn, settings.table),
-        "split": {"val_fraction": settings.val_fraction, "rule": Split("val", settings.val_fraction).rule()},
+        "model": _made_by(dsn, spec.table),
+        "split": {"val_fraction": spec.val_fraction, "rule": Split("val", spec.val_fraction).rule()},
         "created": datetime.now().astimezone().isoformat(timespec="seconds"),
     }
     (out / "head.json").write_text(json.dumps(head, indent=2) + "\n")
@@ -399,22 +342,29 @@ def _save(settings, dsn, ds, model, doc, target) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    """A rank started by `train` (settings as JSON in argv[1])."""
-    args = sys.argv[1:] if argv is None else argv
-    settings = TrainSettings(**json.loads(args[0]))
-    logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(levelname)s %(message)s",
-                        datefmt="%H:%M:%S")
-    logging.getLogger("pgserver").setLevel(logging.WARNING)
+    """A rank started by `train`: its spec as JSON, its device, the launcher's settings."""
+    import argparse
+
+    p = argparse.ArgumentParser(prog="embedfleet-train-rank")
+    p.add_argument("spec")
+    p.add_argument("--device", required=True)
+    p.add_argument("--settings", required=True)
+    p.add_argument("--launcher-pid", type=int, default=0)
+    a = p.parse_args(argv)
+    if a.launcher_pid:
+        die_with_parent(a.launcher_pid)
+    spec, knobs = TrainSpec.from_json(json.loads(a.spec)), Settings.from_json(json.loads(a.settings))
+    setup_logging()
     rank = int(os.environ.get("RANK", "0"))
     try:
-        _as_rank(settings)
+        _as_rank(spec, knobs, a.device)
     except EmbedfleetError as e:
         sys.stderr.write(f"error: {e}\n")
         sys.exit(e.exit_code)
     except KeyboardInterrupt:
         sys.exit(130)
     except Exception as e:  # noqa: BLE001 - one line per rank, like the CLI
-        if os.environ.get("EMBEDFLEET_DEBUG"):
+        if knobs.debug:
             raise
         sys.stderr.write(f"error (rank {rank}): {type(e).__name__}: {e}\n")
         sys.exit(1)

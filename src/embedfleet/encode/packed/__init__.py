@@ -35,7 +35,8 @@ def load_state(hf_dir: Path) -> dict[str, torch.Tensor] | None:
 class OnDevice(Mapping):
     """A state dict whose tensors move to `device` as each is read, so the model's concatenations and casts
     run there, one tensor at a time (no second copy of the whole model). On the CPU they ran on torch's
-    threads, one per core in every worker, and workers starting together slowed each other (bench/NOTES.md, run 129)."""
+    threads, one per core in every worker, and workers starting together slowed each other
+    (docs/decisions/model-build-on-device.md)."""
 
     def __init__(self, state: Mapping[str, torch.Tensor], device):
         self._state, self._device = state, device
@@ -58,9 +59,11 @@ def supports(spec) -> bool:
     return spec.model_type in BERT_TYPES + DECODER_TYPES
 
 
-def build(spec, device: torch.device, dtype: torch.dtype, state: dict[str, torch.Tensor] | None = None):
+def build(spec, device: torch.device, dtype: torch.dtype, state: dict[str, torch.Tensor] | None = None, *,
+          compile: bool = True, triton: bool = True):
     """The packed model on `device`, from `state` (the weights on the CPU; read here when None), or
-    None when this model needs the generic path."""
+    None when this model needs the generic path. `compile`: its glue may be compiled (Settings.compile);
+    `triton`: Triton kernels where written (Settings.triton)."""
     cfg, mtype = spec.config, spec.model_type
     if not supports(spec):
         return None
@@ -70,7 +73,7 @@ def build(spec, device: torch.device, dtype: torch.dtype, state: dict[str, torch
     if mtype in BERT_TYPES:
         from embedfleet.encode.packed.bert import PackedBert
 
-        return PackedBert.create(cfg, state, device, dtype)
+        return PackedBert.create(cfg, state, device, dtype, compile=compile)
     from embedfleet.encode.packed.qwen3 import PackedDecoder
 
-    return PackedDecoder.create(cfg, state, device, dtype, spec.max_seq_length)
+    return PackedDecoder.create(cfg, state, device, dtype, spec.max_seq_length, compile=compile, triton=triton)

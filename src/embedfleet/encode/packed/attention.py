@@ -23,7 +23,7 @@ _FLASH_ARGS = ["query", "key", "value", "cum_seq_q", "cum_seq_k", "max_q", "max_
 def _flash_op():
     """FlashAttention's varlen forward, torch's aten op called directly — as its public wrapper
     (torch.nn.attention.varlen, torch >= 2.10) calls it, without that module's import, which pulls
-    torch._dynamo in: ~4 s a first forward pass on a GPU host waited for (bench/NOTES.md, run 60).
+    torch._dynamo in, seconds a first forward pass on a GPU host waited for (docs/decisions/no-dynamo-first-call.md).
     None where torch has no such op, or one with other arguments."""
     try:
         op = torch.ops.aten._flash_attention_forward.default

@@ -24,15 +24,16 @@ _ACT = {
 class PackedBert:
     causal = False
 
-    def __init__(self, weights: dict, layers: list[dict], heads: int, eps: float, act, pos_offset: int):
+    def __init__(self, weights: dict, layers: list[dict], heads: int, eps: float, act, pos_offset: int,
+                 compile: bool = True):
         self.w, self.layers, self.heads, self.eps, self.act, self.pos_offset = (
             weights, layers, heads, eps, act, pos_offset)
         self.hidden = weights["word"].shape[1]
-        self._post = fused(_post_attention, weights["word"].device)
+        self._post = fused(_post_attention, weights["word"].device, compile)
         self.fused = [self._post]  # what a BackgroundCompile compiles
 
     @classmethod
-    def create(cls, cfg: dict, state: dict, device, dtype):
+    def create(cls, cfg: dict, state: dict, device, dtype, compile: bool = True):
         if cfg.get("position_embedding_type", "absolute") != "absolute" or cfg.get("hidden_act", "gelu") not in _ACT:
             return None
         sd = OnDevice({k.replace("LayerNorm.gamma", "LayerNorm.weight").replace("LayerNorm.beta", "LayerNorm.bias"): v
@@ -62,7 +63,7 @@ class PackedBert:
         roberta = cfg.get("model_type") in ("roberta", "xlm-roberta", "camembert")
         offset = int(cfg.get("pad_token_id", 1)) + 1 if roberta else 0
         return cls(weights, layers, cfg["num_attention_heads"], cfg.get("layer_norm_eps", 1e-12),
-                   _ACT[cfg.get("hidden_act", "gelu")], offset)
+                   _ACT[cfg.get("hidden_act", "gelu")], offset, compile=compile)
 
     def flops_per_token(self, mean_len: float) -> float:
         lin = sum(l[k].numel() for l in self.layers for k in ("qkv_w", "o_w", "i_w", "out_w"))

@@ -2,8 +2,8 @@
 
 `qk_norm_rope`: Qwen3's per-head RMSNorm of q and k and the rotary embedding, in one pass over the
 fused QKV matmul's output. torch.compile split it into a reduction and a second element-wise
-pass, which read the q/k heads twice and took 14.6% of the Qwen3-0.6B forward's GPU time on an H100
-(bench/profile_encoder.py, bench/NOTES-encoder.md); one program per token reads each head once,
+pass, which read the q/k heads twice and took a good share of the Qwen3 forward's GPU time
+(docs/decisions/qk-norm-rope-kernel.md); one program per token reads each head once,
 normalises and rotates it in registers and writes it once.
 """
 

@@ -12,7 +12,6 @@ import logging
 import torch
 import torch.nn.functional as F
 
-from embedfleet.config import settings
 from embedfleet.encode.compile import fused
 from embedfleet.encode.packed import OnDevice, strip_prefix
 from embedfleet.encode.packed.attention import Packing, attention
@@ -36,18 +35,20 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
 class PackedDecoder:
     causal = True
 
-    def __init__(self, weights, layers, heads, kv_heads, head_dim, eps, cos, sin):
+    def __init__(self, weights, layers, heads, kv_heads, head_dim, eps, cos, sin, compile: bool = True,
+                 triton: bool = True):
         self.w, self.layers, self.heads, self.kv_heads, self.head_dim, self.eps = (
             weights, layers, heads, kv_heads, head_dim, eps)
         self.cos, self.sin = cos, sin
         self.hidden = weights["embed"].shape[1]
         device = weights["embed"].device
-        self._qkv, self._qk, self._post = (fused(f, device) for f in (_qkv_proj, _qk_norm_rope, _post_attention))
+        self._qkv, self._qk, self._post = (fused(f, device, compile)
+                                           for f in (_qkv_proj, _qk_norm_rope, _post_attention))
         self.fused = [self._qkv, self._qk, self._post]  # what a BackgroundCompile compiles (those it runs)
-        self._kernel = _triton_qk_norm_rope(device, weights["embed"].dtype, head_dim)
+        self._kernel = _triton_qk_norm_rope(device, weights["embed"].dtype, head_dim) if triton else None
 
     @classmethod
-    def create(cls, cfg: dict, state: dict, device, dtype, max_len: int):
+    def create(cls, cfg: dict, state: dict, device, dtype, max_len: int, compile: bool = True, triton: bool = True):
         theta = _rope_theta(cfg)
         if theta is None or cfg.get("hidden_act", "silu") != "silu" or cfg.get("use_sliding_window"):
             return None
@@ -79,7 +80,7 @@ class PackedDecoder:
         inv = 1.0 / (theta ** (torch.arange(0, hd, 2, dtype=torch.float32) / hd))
         ang = torch.outer(torch.arange(max_len, dtype=torch.float32), inv)[:, None, :]
         weights = {"embed": t(sd["embed_tokens.weight"]), "norm": t(sd["norm.weight"])}
-        return cls(weights, layers, heads, kv, hd, cfg.get("rms_norm_eps", 1e-6), t(ang.cos()), t(ang.sin()))
+        return cls(weights, layers, heads, kv, hd, cfg.get("rms_norm_eps", 1e-6), t(ang.cos()), t(ang.sin()), compile=compile, triton=triton)
 
     def flops_per_token(self, mean_len: float) -> float:
         lin = sum(l[k].numel() for l in self.layers for k in ("qkv_w", "o_w", "gu_w", "down_w"))
@@ -120,8 +121,7 @@ def _triton_qk_norm_rope(device: torch.device, dtype: torch.dtype, head_dim: int
     """The Triton q/k norm + RoPE kernel where it applies (CUDA, half precision, a power-of-two
     half head), else None: then the torch path below, compiled, does the same."""
     half = head_dim // 2
-    if (device.type != "cuda" or dtype not in (torch.float16, torch.bfloat16) or half & (half - 1)
-            or not settings().triton):
+    if device.type != "cuda" or dtype not in (torch.float16, torch.bfloat16) or half & (half - 1):
         return None
     try:
         from embedfleet.encode.packed.kernels import qk_norm_rope

@@ -1,0 +1,3 @@
+from embedfleet.cli import main
+
+main()

@@ -1,0 +1,199 @@
+"""`ingest`, `worker`, `status`, `jobs rm`: a job's life from the command line."""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+import time
+from typing import List, Optional
+
+import typer
+
+from embedfleet.cli.app import DbOpt, app, emit, jobs_app, knobs, state, stopped_on_purpose, with_flags
+from embedfleet.errors import EmbedfleetError
+
+
+def shell_escapes(template: str | None) -> str | None:
+    """A template typed in a shell: its backslash-n and backslash-t as the newline and tab the user meant."""
+    return template.replace("\\n", "\n").replace("\\t", "\t") if template else template
+
+
+@app.command()
+def ingest(
+    inputs: List[str] = typer.Argument(None, help="JSONL(.gz/.zst), Parquet or CSV files or URLs (s3://, gs://, hf://, file://); globs allowed"),
+    meta: Optional[str] = typer.Option(None, "--meta", help="product metadata file joined by parent_asin"),
+    preset: Optional[str] = typer.Option(None, "--preset", help="amazon-reviews | generic | wikipedia | arxiv"),
+    text_template: Optional[str] = typer.Option(None, "--text-template", help='e.g. "{title}\\n\\n{text}" (\\n and \\t '
+                                                'as written in a shell are a newline and a tab)'),
+    text_field: Optional[str] = typer.Option(None, "--text-field", help="field holding the text to embed"),
+    id_field: Optional[str] = typer.Option(None, "--id-field", help="field holding a unique id"),
+    model: Optional[str] = typer.Option(None, "--model", help="local model directory or hub id (default: bundled all-MiniLM-L6-v2)"),
+    db: Optional[str] = DbOpt,
+    table: Optional[str] = typer.Option(None, "--table", help="target table (default: first input's file stem)"),
+    job: Optional[str] = typer.Option(None, "--job", help="job name (default: the table name)"),
+    devices: Optional[str] = typer.Option(None, "--devices", help="auto | cpu | cuda | cuda:0,1,…"),
+    workers: Optional[int] = typer.Option(None, "--workers", help="worker processes (default: one per device)"),
+    batch_tokens: Optional[str] = typer.Option(None, "--batch-tokens", help="auto | tokens per forward pass"),
+    chunk_bytes: Optional[int] = typer.Option(None, "--chunk-bytes", help="bytes of input per claimed chunk"),
+    limit: Optional[int] = typer.Option(None, "--limit", help="only the first N lines, counted over the inputs in order"),
+    no_index: bool = typer.Option(False, "--no-index", help="skip the HNSW index build"),
+    dtype: Optional[str] = typer.Option(None, "--dtype", help="float (vector) | half (halfvec, pgvector ≥ 0.7)"),
+    dim: Optional[int] = typer.Option(None, "--dim", help="Matryoshka: keep the first N dimensions"),
+    prompt: Optional[str] = typer.Option(None, "--prompt", help="prompt name or text prepended to documents"),
+    passages: Optional[str] = typer.Option(None, "--passages", help="TOKENS\\[:OVERLAP]: each record as passages "
+                                           "of at most TOKENS tokens, overlapping by OVERLAP (e.g. 256:32)"),
+    partitions: Optional[int] = typer.Option(None, "--partitions", help="a new table as N hash partitions of its id, "
+                                             "each growing under its own lock: for several GPUs (e.g. 8)"),
+    columns: Optional[str] = typer.Option(None, "--columns", help="NAME:TYPE,…: record fields as typed columns of "
+                                          "their own (e.g. stars:int,lang:text), for --where, train and map"),
+    config: Optional[str] = typer.Option(None, "--config", help="YAML file with any of these flags (flags win)"),
+    ray: Optional[str] = typer.Option(None, "--ray", help="run the workers as Ray actors: auto (RAY_ADDRESS or a "
+                                      "local cluster) or the cluster's ADDRESS; pip install embedfleet\\[ray]"),
+    metrics_port: Optional[int] = typer.Option(None, "--metrics-port", help="serve Prometheus metrics on this port"),
+    quiet: bool = typer.Option(False, "--quiet", help="no progress display"),
+    json_out: bool = typer.Option(False, "--json", help="print the final job summary as JSON"),
+) -> None:
+    """Embed INPUT files into a pgvector table. Re-running the same command resumes."""
+    state["resumes"] = True
+    from embedfleet.settings import build_job
+    from embedfleet.ingest.bound import bound_line, host_shares, host_ticks, time_shares
+    from embedfleet.ingest.job import run_job
+    from embedfleet.sources.plan import expand_inputs
+
+    cfg = build_job(dict(
+        inputs=inputs, meta=meta, preset=preset, text_template=shell_escapes(text_template), text_field=text_field,
+        id_field=id_field, model=model, db=db, table=table, job=job, devices=devices, workers=workers,
+        batch_tokens=batch_tokens, chunk_bytes=chunk_bytes, limit=limit, no_index=no_index, dtype=dtype,
+        dim=dim, prompt=prompt, passages=passages, partitions=partitions, quiet=quiet, columns=columns,
+    ), config)
+    settings = with_flags(knobs(), metrics_port=metrics_port)
+    cfg = cfg.replace(inputs=tuple(expand_inputs(list(cfg.inputs))))  # a missing file fails before any server starts
+    begun, ticks = time.time(), host_ticks()  # this run's workers start after it: an earlier run's summaries are not its
+    with contextlib.redirect_stdout(sys.stderr):  # stdout carries our one JSON document, whatever a library prints
+        if ray:
+            from embedfleet.ingest.launch.ray import RayLauncher
+
+            launcher = RayLauncher(ray, cfg.devices, cfg.workers, settings)
+        else:
+            from embedfleet.ingest.launch.local import LocalLauncher
+            from embedfleet.platform.devices import parse_devices
+
+            launcher = LocalLauncher(parse_devices(cfg.devices, cfg.workers), settings)
+        progress = run_job(cfg, settings, launcher)
+    cfg = progress["spec"]  # as checked and planned: the job's and table's names filled in
+    summary = {"job": cfg.job, "table": cfg.table, "chunks_total": progress["chunks_total"],
+               "chunks_done": progress["chunks_done"], "rows_written": progress["rows_written"],
+               "rejected": progress["rejected"], "workers": progress["summaries"],
+               "finalize": progress["finalize"],  # the table's statistics and index, after the workers
+               "time_shares": time_shares(progress["summaries"], begun),  # what held the devices (None: too short to say)
+               "host_cpu": host_shares(ticks, host_ticks())}  # this host's CPU: busy, and taken by a hypervisor
+    if json_out:
+        emit(summary)
+    elif not progress["table_exists"]:  # a worker creates the table with the model's dimension: none started
+        typer.echo(f"{cfg.job}: no records in the inputs; nothing embedded, no table {cfg.table!r} created", err=True)
+    else:
+        import shlex
+
+        merged = progress["rows_seen"] - progress["rows_written"] - progress["rows_before"]
+        same_id = f"; {merged:,} records shared an id with another, the table keeps the last" if merged > 0 else ""
+        typer.echo(f"{cfg.job}: {summary['rows_written']:,} rows in table {cfg.table!r} "
+                   f"({summary['rejected']} rejected{same_id}) — try: embedfleet search \"…\" --table "
+                   f"{shlex.quote(cfg.table)}", err=True)
+        if summary["time_shares"]:
+            ran = [s for s in progress["summaries"] if s.get("started_at", 0.0) >= begun]
+            several = len(ran) > 1 and not progress["table_partitions"]
+            typer.echo(bound_line(summary["time_shares"], summary["host_cpu"], several,
+                                  stores_half=cfg.dtype == "half"), err=True)
+
+
+@app.command()
+def worker(
+    job: str = typer.Option(..., "--job", help="the job to join"),
+    db: Optional[str] = DbOpt,
+    devices: str = typer.Option("auto", "--devices", "--device", help="auto | cpu | cuda | cuda:0,1,… (one worker each)"),
+    workers: Optional[int] = typer.Option(None, "--workers", help="worker processes (default: one per device)"),
+    worker_id: Optional[str] = typer.Option(None, "--worker-id", help="name prefix shown in status (default host-pid)"),
+    metrics_port: Optional[int] = typer.Option(None, "--metrics-port", help="serve Prometheus metrics on this port"),
+    quiet: bool = typer.Option(False, "--quiet", help="no progress display"),
+) -> None:
+    """Join a running job from this host, one worker per local device: claim chunks until none are left."""
+    state["resumes"] = True
+    from contextlib import nullcontext
+
+    from embedfleet.platform.devices import validate_devices
+    from embedfleet.ingest.launch.local import LocalLauncher
+    from embedfleet.platform.devices import parse_devices
+    from embedfleet.pg.embedded import resolve_dsn
+    from embedfleet.ledger import Ledger
+
+    settings = with_flags(knobs(), metrics_port=metrics_port)
+    launcher = LocalLauncher(parse_devices(validate_devices(devices), workers), settings, prefix=worker_id)
+    dsn = resolve_dsn(db, knobs())
+    ledger = Ledger.connect(dsn, settings.db_patience_seconds, host=settings.host_id)
+    try:
+        if ledger.job(job) is None:
+            raise EmbedfleetError(f"no job named {job!r} in this database; `embedfleet status` lists them")
+        if settings.metrics_port is not None:
+            from embedfleet.ingest.metrics import serve_metrics
+
+            serving = serve_metrics(settings.metrics_port, dsn, job)
+        else:
+            serving = nullcontext()
+        with serving:
+            launcher.run(ledger, job, dsn, quiet)
+    finally:
+        ledger.close()
+
+
+@app.command()
+def status(
+    job: Optional[str] = typer.Option(None, "--job"),
+    db: Optional[str] = DbOpt,
+    watch: bool = typer.Option(False, "--watch", help="redraw jobs and every worker (host, device, GPU) each second"),
+    json_out: bool = typer.Option(False, "--json", help="one JSON document on stdout"),
+) -> None:
+    """Jobs in the ledger: chunks, rows, rejects, state — and with --watch the fleet working on them."""
+    from embedfleet.pg.embedded import resolve_dsn
+    from embedfleet.pg.connect import connect
+    from embedfleet.ledger import jobs_overview
+
+    with connect(resolve_dsn(db, knobs())) as conn:
+        jobs = jobs_overview(conn, job)
+        if job and not jobs:
+            raise EmbedfleetError(f"no job named {job!r}; `embedfleet status` lists them")
+        if json_out:
+            emit({"jobs": jobs})
+            return
+        from rich.console import Console
+
+        from embedfleet.ingest.monitor import status_table, watch as watch_fleet
+
+        if watch:
+            watch_fleet(lambda: jobs_overview(conn, job))
+            stopped_on_purpose()
+            return
+        Console().print(status_table(jobs) if jobs else "no jobs yet: embedfleet ingest FILE")
+
+
+
+
+@jobs_app.command("rm")
+def jobs_rm(
+    job: str = typer.Argument(..., help="the job's name, as `embedfleet status` lists it"),
+    db: Optional[str] = DbOpt,
+    drop_table: bool = typer.Option(False, "--drop-table", help="drop the job's table too (default: keep it)"),
+    json_out: bool = typer.Option(False, "--json"),
+) -> None:
+    """Remove a job's ledger entries (chunks, rejects, workers); its table stays unless --drop-table."""
+    from embedfleet.pg.embedded import resolve_dsn
+    from embedfleet.pg.connect import connect
+    from embedfleet.ledger import remove_job
+
+    with connect(resolve_dsn(db, knobs())) as conn:
+        removed = remove_job(conn, job, drop_table=drop_table)
+    if json_out:
+        emit(removed)
+    else:
+        kept = "dropped" if removed["table_dropped"] else "kept"
+        typer.echo(f"removed job {job!r} ({removed['chunks']} chunks, {removed['rejects']} rejects); "
+                   f"table {removed['table']!r} {kept}", err=True)

@@ -1,0 +1,73 @@
+"""`train` and `predict`: heads on a table's stored vectors."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import orjson
+import typer
+
+from embedfleet.cli.app import DbOpt, app, emit, knobs
+
+
+@app.command()
+def train(
+    table: str = typer.Option(..., "--table", help="a table `embedfleet ingest` wrote (or any with a vector column)"),
+    label: str = typer.Option(..., "--label", help="the column to predict"),
+    task: str = typer.Option(..., "--task", help="classify | regress"),
+    head: str = typer.Option("linear", "--head", help="linear | mlp"),
+    epochs: int = typer.Option(10, "--epochs"),
+    batch_size: Optional[int] = typer.Option(None, "--batch-size", help="rows a step, across all devices (default: "
+                                             "an eighth of the train rows as a power of two, at most 4096)"),
+    lr: float = typer.Option(1e-3, "--lr", help="AdamW learning rate (warm-up, then cosine decay)"),
+    where: Optional[str] = typer.Option(None, "--where", help="SQL filter on the rows (read-only)"),
+    val_fraction: float = typer.Option(0.1, "--val-fraction", help="share of rows, by id hash, kept for validation"),
+    devices: str = typer.Option("auto", "--devices", help="auto | cpu | cuda | cuda:0,1,… (one process each)"),
+    workers: Optional[int] = typer.Option(None, "--workers", help="processes (default one per device; --devices cpu "
+                                          "--workers 2: two gloo processes)"),
+    cache: str = typer.Option("auto", "--cache", help="auto | gpu | ram | stream: where the vectors live"),
+    seed: int = typer.Option(0, "--seed"),
+    out: Optional[str] = typer.Option(None, "--out",
+                                      help="run directory (default $EMBEDFLEET_HOME/runs/TABLE-LABEL-TIME)"),
+    db: Optional[str] = DbOpt,
+    json_out: bool = typer.Option(False, "--json", help="print the final metrics document"),
+) -> None:
+    """Train a head (linear or MLP) on a table's stored vectors: one bulk read, batches on the device."""
+    from embedfleet.settings import TrainSpec
+    from embedfleet.train.trainer import train as run_train
+
+    run_train(TrainSpec(table=table, label=label, task=task, head=head, epochs=epochs, batch_size=batch_size,
+                            lr=lr, where=where, val_fraction=val_fraction, devices=devices, workers=workers,
+                            cache=cache, seed=seed, out=out, db=db, json=json_out), knobs())
+
+
+@app.command()
+def predict(
+    run: str = typer.Option(..., "--run", help="a run directory `embedfleet train` wrote"),
+    table: str = typer.Option(..., "--table"),
+    where: Optional[str] = typer.Option(None, "--where", help="SQL filter on the rows (read-only)"),
+    out: Optional[str] = typer.Option(None, "--out", help="FILE.parquet: id, prediction, probabilities"),
+    db: Optional[str] = DbOpt,
+    device: str = typer.Option("auto", "--device"),
+    json_out: bool = typer.Option(False, "--json", help="print the summary as JSON"),
+) -> None:
+    """Apply a trained head to a table's stored vectors and print a summary.
+
+    Where the table has a label column, the summary gives the head's agreement with it."""
+    from embedfleet.train.predict import predict as run_predict
+
+    summary = run_predict(run, table, where=where, out=out, db=db, device=device, settings=knobs())
+    if json_out:
+        emit(summary)
+        return
+    line = f"{summary['rows']:,} rows of {table!r} predicted"
+    if summary.get("accuracy") is not None:
+        line += f"; accuracy against {table}'s label {summary['accuracy']:.4f}"
+        if summary.get("val_accuracy") is not None:
+            line += f" (validation rows {summary['val_accuracy']:.4f})"
+    if summary.get("mae") is not None:
+        line += f"; MAE against {table}'s label {summary['mae']:.4f}"
+    typer.echo(line)
+    typer.echo(f"predicted: {orjson.dumps(summary['predicted']).decode()}")
+    if out:
+        typer.echo(f"wrote {out}", err=True)

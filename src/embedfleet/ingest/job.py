@@ -1,0 +1,297 @@
+"""A job's life, the same whatever runs its workers: check everything that can be checked before a job
+exists, plan it into the ledger (or find it planned: a rerun resumes), have a launcher run workers
+until no chunk is left, then finish it (statistics, the HNSW index, its final state).
+
+    run_job(spec, settings, LocalLauncher(...))   # cli/ingest.py; ingest/launch/local.py
+    run_job(spec, settings, RayLauncher(...))     # cli/ingest.py --ray; ingest/launch/ray.py
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import logging
+import time
+from contextlib import nullcontext
+from pathlib import Path
+from typing import Callable
+
+from embedfleet.errors import InputError, JobError, ModelError
+from embedfleet.ingest.launch import Launcher
+from embedfleet.ingest.preflight import check_inputs_have_text
+from embedfleet.ledger import Ledger, remove_job
+from embedfleet.pg.connect import Reconnect
+from embedfleet.pg.ddl import (check_embedding_column, check_identifier, check_partitions, check_server,
+                               check_table_columns, check_write_privileges, drop_table, ensure_vector, finish_table,
+                               partition_count, table_exists, table_rows)
+from embedfleet.pg.embedded import resolve_dsn
+from embedfleet.settings import JobSpec, Settings, default_chunk_bytes
+from embedfleet.sources.plan import ChunkSpec, chunk_lines, expand_inputs, plan_chunks, table_name_for
+from embedfleet.sources.presets import table_columns
+from embedfleet.sources.records import validate_template
+
+__all__ = ["run_job", "check_job", "plan_job", "finalize", "apply_limit"]
+
+log = logging.getLogger("embedfleet")
+
+
+def run_job(spec: JobSpec, settings: Settings, launcher: Launcher) -> dict:
+    """Run one ingest job to its end. Returns the job's final progress (each worker's summary under
+    "summaries", the checked spec under "spec"). A job that ends with failed chunks, stops with chunks left, embeds nothing, or whose
+    table cannot be finished is a JobError, and the ledger says the same (state and error). An interrupt
+    (Ctrl-C, SIGTERM) stops the workers, frees their chunks and leaves the job "interrupted"."""
+    dsn = resolve_dsn(spec.db, settings)
+    reconnect = Reconnect(dsn, settings.db_patience_seconds)
+    conn = reconnect.first()
+    try:
+        cfg = check_job(spec, conn, settings)  # before the ledger exists: a job that cannot run leaves nothing behind
+    except BaseException:
+        conn.close()
+        raise
+    ledger = Ledger(conn, reconnect, settings.host_id)
+    existed = table_exists(conn, cfg.table)  # a table made by this run and left empty is not kept
+    # GPU workers import torch and start their devices (seconds) while the job is planned
+    early = launcher.device_kind == "cuda"
+    job = None
+    try:
+        if early:
+            launcher.prestart(cfg.job, dsn, conn, bool(cfg.meta))
+        cfg = plan_job(cfg, ledger, launcher.device_kind)
+        job = cfg.job
+        counts = ledger.counts(job)
+        if counts["pending"] or counts["running"]:
+            ledger.set_job_state(job, "running")
+            with _metrics(settings.metrics_port, dsn, job):
+                launcher.run(ledger, job, dsn, cfg.quiet)
+        if early:
+            launcher.discard()  # those the job did not need (nothing left, or fewer chunks than devices)
+        t0, started_at, steps = time.perf_counter(), time.time(), {}
+        counts, loaded = finish(ledger, job, cfg, steps)
+        finalize_s = time.perf_counter() - t0
+        progress = ledger.progress(job)
+        progress["finalize"] = {"started_at": round(started_at, 3), "seconds": round(finalize_s, 3), **steps}
+        progress["summaries"] = ledger.summaries(job)
+        progress["table_exists"] = loaded  # none when no worker had a record
+        progress["table_partitions"] = partition_count(ledger.conn, cfg.table) if loaded else 0
+        progress["rows_before"] = (ledger.job(job) or {}).get("rows_before") or 0  # rows a rewrite may replace
+        progress["spec"] = cfg
+        errors = ledger.worker_errors(job)
+        if not (counts["failed"] or counts["pending"] or counts["running"]):
+            nothing_embedded(ledger, job, cfg, progress, existed)
+    except KeyboardInterrupt:
+        if job is not None:
+            interrupted(ledger, job, launcher)
+        raise
+    finally:
+        if early:
+            launcher.discard()  # also after an error planning the job, or Ctrl-C
+        ledger.close()
+    if counts["failed"]:
+        raise JobError(f"job {job!r} finished with {counts['failed']} failed chunks; "
+                       f"`embedfleet status --job {job}` shows why; rerun to retry them")
+    if counts["pending"] or counts["running"]:
+        if errors:
+            raise JobError(f"job {job!r} stopped: {errors[0][1]}")
+        raise JobError(f"job {job!r} stopped with {counts['pending'] + counts['running']} chunks left "
+                       "(all workers died); rerun the same command to resume")
+    return progress
+
+
+def interrupted(ledger: Ledger, job: str, launcher: Launcher) -> None:
+    """After an interrupt: the launcher's workers are stopped; their chunks go back to pending now, and the
+    job says it was interrupted (not "running" for ever)."""
+    try:
+        launcher.discard()  # whatever started early is stopped before its chunks are freed
+        ledger.release_dead_local(job)
+        ledger.set_job_state(job, "interrupted", "interrupted: rerun the same command to resume")
+    except Exception as e:  # noqa: BLE001 - the database may be what went away; the interrupt still ends the run
+        log.warning("could not mark job %s interrupted: %s", job, e)
+
+
+def nothing_embedded(ledger: Ledger, job: str, cfg: JobSpec, progress: dict, existed: bool) -> None:
+    """A job whose inputs gave no row fails with why, and leaves no empty table of its own making: with
+    rejects the job stays in the ledger (status lists them); with no record at all it is removed."""
+    if progress["rows_written"] or progress["rows_seen"]:
+        return
+    if not existed and table_exists(ledger.conn, cfg.table) and table_rows(ledger.conn, cfg.table) == 0:
+        drop_table(ledger.conn, cfg.table)
+    if progress["rejected"]:
+        first = ledger.first_reject(job)
+        why = (f"all {progress['rejected']:,} records were rejected (first: {Path(first[0]).name} line {first[1]}: "
+               f"{first[2]}); `embedfleet status --job {job}` counts them, and embedfleet.rejects holds each line")
+        ledger.set_job_state(job, "failed", f"nothing embedded: {why}")
+        raise JobError(f"nothing embedded: {why}")
+    remove_job(ledger.conn, job)
+    raise JobError("nothing embedded: the inputs hold no records (empty, or blank lines only); no table made")
+
+
+def _metrics(port: int | None, dsn: str, job: str):
+    if port is None:
+        return nullcontext()
+    from embedfleet.ingest.metrics import serve_metrics
+
+    return serve_metrics(port, dsn, job)
+
+
+def apply_limit(chunks: list[ChunkSpec], limit: int | None,
+                count: Callable[[ChunkSpec, int], int | None] = chunk_lines) -> list[tuple[ChunkSpec, int | None]]:
+    """Keep the chunks holding the first `limit` lines over all inputs in order, each capped (`last_line`).
+    A chunk's lines are known when the next chunk continues its file; a file's last chunk is counted
+    (`count`: its lines, or None when more than are left, so the cap falls inside it and planning stops)."""
+    if limit is None:
+        return [(c, None) for c in chunks]
+    out, remaining = [], limit
+    for i, c in enumerate(chunks):
+        if remaining <= 0:
+            break
+        out.append((c, c.first_line + remaining - 1))
+        if i + 1 == len(chunks):
+            break
+        nxt = chunks[i + 1]
+        lines = nxt.first_line - c.first_line if nxt.source == c.source else count(c, remaining)
+        if lines is None:
+            break
+        remaining -= lines
+    return out
+
+
+def meta_identity(path: str) -> str:
+    """Which meta file this is, contents included (a path or a URL): loaded once per identity."""
+    from embedfleet.sources import files
+
+    return hashlib.sha256(files.fingerprint(path).encode()).hexdigest()[:16]
+
+
+def check_job(spec: JobSpec, conn, settings: Settings) -> JobSpec:
+    """Everything that can be known wrong before a job exists: names, the server (PostgreSQL, pgvector,
+    privileges), the model and the inputs' text. Returns the spec with its inputs expanded and its table and
+    job named; an error here leaves no job behind."""
+    inputs = tuple(expand_inputs(list(spec.inputs)))
+    table = check_identifier(spec.table or table_name_for(inputs[0]))
+    cfg = spec.replace(inputs=inputs, table=table, job=spec.job or table, model=spec.model or settings.model)
+    check_server(conn, cfg.dtype)
+    from embedfleet.encode.models import check_model
+
+    model = check_model(cfg.model)  # an unusable model fails here, once, not in every worker after planning
+    hidden = model.hidden_size
+    if cfg.dim is not None and hidden is not None and not 0 < cfg.dim <= hidden:
+        raise ModelError(f"--dim {cfg.dim} is out of range: {model.path.name} makes {hidden}-dimensional vectors")
+    if cfg.passages:
+        check_passages(cfg, model)
+    if cfg.text_template:
+        validate_template(cfg.text_template)
+    check_write_privileges(conn, cfg.table, index=not cfg.no_index)
+    check_partitions(conn, cfg.table, cfg.partitions)
+    ensure_vector(conn)
+    if table_exists(conn, cfg.table):  # its vectors must be this job's size, and its columns this job's
+        if cfg.dim or hidden:
+            check_embedding_column(conn, cfg.table, cfg.dim or hidden, "halfvec" if cfg.dtype == "half" else "vector")
+        check_table_columns(conn, cfg.table, table_columns(cfg.preset, bool(cfg.passages), cfg.columns))
+    if not cfg.meta:  # with --meta the text may come from the product fields, joined later
+        check_inputs_have_text(cfg)
+    return cfg
+
+
+def check_passages(cfg: JobSpec, spec) -> None:
+    """A passage must fit what the model sees, special tokens and the prompt included."""
+    from embedfleet.encode.models import model_name
+    from embedfleet.encode.passages import parse_passages, room
+    from embedfleet.encode.tokenize import model_tokenizer
+
+    size, overlap = parse_passages(cfg.passages)
+    tok = model_tokenizer(spec, cfg.prompt)
+    fits = room(tok.tokenizer_json, tok.max_length, tok.prefix)
+    if size > fits:
+        raise InputError(f"--passages {cfg.passages}: {model_name(cfg.model, spec.path)} sees {tok.max_length} tokens, {fits} of them "
+                         f"a passage's once its special tokens{' and prompt' if tok.prefix else ''} are in; "
+                         f"use --passages {fits}{f':{overlap}' if overlap else ''} or less")
+
+
+def plan_job(cfg: JobSpec, ledger: Ledger, device: str) -> JobSpec:
+    """Load the meta file and plan the job (or find it planned: a rerun resumes). Returns the spec with its
+    meta file's path resolved."""
+    meta_id = None
+    if cfg.meta:
+        from embedfleet.sources.presets import get_preset, load_meta
+
+        (meta_path,) = expand_inputs([cfg.meta])
+        cfg = cfg.replace(meta=meta_path)
+        meta_id = meta_identity(meta_path)
+        if not ledger.meta_loaded(meta_id):
+            skipped = []
+            rows = load_meta(meta_path, get_preset(cfg.preset), on_skip=lambda line, why: skipped.append(line))
+            n = ledger.load_meta(meta_id, meta_path, rows, lambda: len(skipped))
+            log.info("loaded %d products from %s", n, meta_path)
+    chunk_bytes = cfg.chunk_bytes or default_chunk_bytes(device)
+    plan = [] if ledger.job(cfg.job) else apply_limit(plan_chunks(list(cfg.inputs), chunk_bytes), cfg.limit)
+    if not plan and not ledger.job(cfg.job):  # every input is empty: no job, no table, the same as blank lines
+        raise JobError("nothing embedded: the inputs hold no records (empty, or blank lines only); no table made")
+    if not ledger.create_job(cfg.job, cfg, plan, meta_id):  # it exists with the same settings: resume
+        released = ledger.release_dead_local(cfg.job)
+        if not table_exists(ledger.conn, cfg.table) and ledger.made_progress(cfg.job):
+            chunks = ledger.restart_job(cfg.job)
+            log.warning("table %s is gone: embedding job %s again from the start (%d chunks)", cfg.table, cfg.job,
+                        chunks)
+        retried = ledger.retry_failed(cfg.job)
+        if released or retried:
+            log.info("resuming %s: %d chunks of dead workers re-queued, %d failed chunks retried",
+                     cfg.job, released, retried)
+    return cfg
+
+
+def finalize(ledger: Ledger, job: str, cfg: JobSpec, timings: dict | None = None) -> tuple[dict, bool]:
+    """Mark the job done or failed; once everything landed, make the table searchable (statistics,
+    autovacuum back, the HNSW index) — safe when two runs of the job finish together. Returns the
+    chunks' counts and whether the table exists (a worker makes it); `timings` gets the table's steps."""
+    counts = ledger.counts(job)
+    loaded = table_exists(ledger.conn, cfg.table)
+    if counts["failed"]:
+        failed = ledger.failed_chunks(job)
+        msg = "; ".join(f"chunk {c} ({Path(s).name}): {e}" for c, s, e in failed[:5])
+        if loaded:
+            finish_table(ledger.conn, cfg.table, index=False, dsn=ledger.dsn)
+        ledger.set_job_state(job, "failed", f"{len(failed)} chunks failed: {msg}")
+        return counts, loaded
+    if counts["pending"] or counts["running"]:
+        errors = ledger.worker_errors(job)
+        if errors:  # every worker stopped on an error it cannot get past (a model or device it cannot use)
+            ledger.set_job_state(job, "failed", "; ".join(f"{w}: {e}" for w, e in errors[:3]))
+        return counts, loaded  # otherwise stopped early (interrupted): a rerun resumes
+    if loaded:
+        index = finish_table(ledger.conn, cfg.table, index=not cfg.no_index, timings=timings, dsn=ledger.dsn)
+        if index:
+            log.info("table %s is searchable (HNSW index %s)", cfg.table, index)
+    ledger.set_job_state(job, "done")
+    return counts, loaded
+
+
+def finish(ledger: Ledger, job: str, cfg: JobSpec, timings: dict) -> tuple[dict, bool]:
+    """`finalize`, with a statement the server refuses (an index it cannot build, a full disk) reported as
+    itself: the job is marked failed with the reason, and the error says what would work. A lost connection
+    is left to the caller's one line about it."""
+    import psycopg
+
+    from embedfleet.errors import connection_lost, first_line
+
+    try:
+        return finalize(ledger, job, cfg, timings)
+    except psycopg.Error as e:
+        if connection_lost(e):
+            raise
+        reason = first_line(e)
+        hint = finish_hint(reason)
+        with contextlib.suppress(psycopg.Error):
+            ledger.set_job_state(job, "failed", f"finishing table {cfg.table} failed: {reason}")
+        raise JobError(f"job {job!r}: every row is written, but finishing table {cfg.table!r} failed: {reason}"
+                       + (f"; {hint}" if hint else "")) from None
+
+
+def finish_hint(reason: str) -> str | None:
+    """What would work instead, for the failures a table's finish is known to meet."""
+    if "dimensions for hnsw index" in reason:
+        return ("pgvector's HNSW index takes vector up to 2,000 dimensions (halfvec up to 4,000): rerun the same "
+                "command with --no-index to finish without one (search then scans every row), or with --dim N "
+                "(N ≤ 2000) under a new --job and --table where the model was trained for shorter vectors")
+    if "could not extend file" in reason or "No space left" in reason:
+        return "the server's disk is full: free space, then rerun the same command to finish"
+    return None

@@ -1,0 +1,64 @@
+"""Checks on a job's inputs before it is planned: a job that cannot produce a row should stop with one
+line that says why, not embed nothing for a while and exit 0."""
+
+from __future__ import annotations
+
+import itertools
+import os
+
+from embedfleet.settings import JobSpec
+from embedfleet.errors import InputError
+from embedfleet.sources.records import has_field, template_fields, to_records
+from embedfleet.sources import ChunkSpec, input_kind, read_chunk
+from embedfleet.sources.files import size
+from embedfleet.sources.presets import job_preset
+
+SAMPLE = 200  # records read from the first input
+_HEAD_BYTES = 1 << 20  # of a plain JSONL file: enough for the sample
+
+
+def first_records(path: str, n: int = SAMPLE) -> list:
+    """Up to `n` records from the start of `path`, without planning the whole file."""
+    kind = input_kind(path)
+    if kind == "jsonl":
+        spec = ChunkSpec(path, kind, 0, min(size(path), _HEAD_BYTES), 1)
+    elif kind == "parquet":
+        spec = ChunkSpec(path, kind, 0, 1, 1)
+    else:
+        spec = ChunkSpec(path, kind, 0, -1, 1)
+    return list(itertools.islice(read_chunk(spec), n))
+
+
+def _shown(fields: list[str]) -> str:
+    return ", ".join(fields[:30]) + (", …" if len(fields) > 30 else "")
+
+
+def check_inputs_have_text(cfg: JobSpec) -> None:
+    """Stop now, naming the fields the records have, if the first input's first records show the job cannot
+    work: a template field none of them has (a misspelling would render empty in every record), or every
+    record rejected for one and the same reason (a text or id field the file does not have)."""
+    path = cfg.inputs[0]
+    try:
+        raws = [r for r in first_records(path) if r.error is None]
+    except Exception:  # an unreadable file is the planner's and the workers' to report
+        return
+    if not raws:
+        return
+    preset = job_preset(cfg.preset, cfg.columns)
+    fields = sorted({k for r in raws for k in r.data})
+    if cfg.text_template:
+        joined = {c.name for c in preset.meta_columns} if cfg.meta else set()  # product fields come with --meta
+        missing = [f for f in template_fields(cfg.text_template)
+                   if f not in joined and not any(has_field(r.data, f) for r in raws)]
+        if missing:
+            raise InputError(f"--text-template field {{{missing[0]}}}: none of the first {len(raws)} records of "
+                             f"{os.path.basename(path)} has it; the records have fields: {_shown(fields)}")
+    records, rejects = to_records(raws, preset, template=cfg.text_template,
+                                  text_field=cfg.text_field, id_field=cfg.id_field)
+    reasons = {r.reason for r in rejects}
+    if records or len(reasons) != 1:
+        return
+    shown = _shown(fields)
+    hint = "pass --text-field FIELD or --text-template" if "text" in next(iter(reasons)) else "pass --id-field FIELD"
+    raise InputError(f"{os.path.basename(path)}: all of the first {len(raws)} records are rejected "
+                     f"({next(iter(reasons))}); the records have fields: {shown}; {hint}")

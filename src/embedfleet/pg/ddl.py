@@ -1,0 +1,434 @@
+"""DDL: the ledger (schema `embedfleet`) and the target tables. Identifiers always go through
+psycopg's `sql.Identifier`; names we cannot use are refused with a clear message."""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Sequence
+
+import psycopg
+from psycopg import sql
+
+from embedfleet.errors import DatabaseError, InputError
+
+SCHEMA = "embedfleet"  # the ledger's schema
+PG_MIN = 130000  # PostgreSQL 13
+PGVECTOR_MIN, HALFVEC_MIN = (0, 5), (0, 7)  # HNSW came in pgvector 0.5, halfvec in 0.7
+
+def check_identifier(name: str, what: str = "table") -> str:
+    """PostgreSQL identifiers: 1–63 bytes, no NUL. Anything else is quoted, never spliced."""
+    if not name or not name.strip():
+        raise InputError(f"--{what} name is empty")
+    if "\x00" in name:
+        raise InputError(f"--{what} {name!r}: NUL characters cannot appear in a name")
+    if max(len(part.encode()) for part in name.split(".", 1)) > 63:
+        raise InputError(f"--{what} {name!r}: longer than PostgreSQL's 63-byte limit; pass a shorter --{what}")
+    if name.lower().startswith("pg_"):
+        raise InputError(f"--{what} {name!r}: names starting with pg_ are reserved by PostgreSQL")
+    return name
+
+
+def split_table(conn: psycopg.Connection, table: str) -> tuple[str | None, str]:
+    """(schema, name): `schema.name` where `schema` exists in the database, else the whole string is one
+    name in the search path (a file stem such as "reviews.v2" stays one table name)."""
+    schema, dot, name = table.partition(".")
+    if dot and name and conn.execute("SELECT 1 FROM pg_namespace WHERE nspname = %s", [schema]).fetchone():
+        return schema, name
+    return None, table
+
+
+def table_sql(conn: psycopg.Connection, table: str) -> sql.Identifier:
+    """The table's identifier, schema-qualified where `table` names an existing schema."""
+    return sql.Identifier(*(p for p in split_table(conn, table) if p is not None))
+
+
+def _regclass(conn: psycopg.Connection, table: str) -> str:
+    return table_sql(conn, table).as_string(conn)
+
+
+# `tree`: the table and, recursively, its partitions or children by inheritance; those of relkind 'p' hold no rows
+_TREE = ("WITH RECURSIVE tree AS (SELECT %s::regclass::oid AS oid "
+         "UNION SELECT i.inhrelid FROM pg_inherits i JOIN tree t ON i.inhparent = t.oid) ")
+
+
+def heaps(conn: psycopg.Connection, table: str) -> list[tuple[int, str]]:
+    """(oid, name) of each table a query of `table` reads rows from, in oid order: itself, or a partitioned
+    table's partitions, or a parent by inheritance and its children."""
+    return conn.execute(_TREE + "SELECT c.oid::int8, c.oid::regclass::text FROM tree JOIN pg_class c USING (oid) "
+                        "WHERE c.relkind <> 'p' ORDER BY c.oid", [_regclass(conn, table)]).fetchall()
+
+
+def heap_pages(conn: psycopg.Connection, table: str) -> tuple[int, float | None]:
+    """(pages, rows a page) of the heap pages a ctid range of `table` can name. A query of a partitioned
+    table, or of a parent by inheritance, reads its children's heaps too, and a ctid range those pages of
+    each: the pages are the largest heap's, the rows a page all the heaps' rows over them (from the
+    statistics: None before the first ANALYZE)."""
+    pages, per_page = conn.execute(
+        _TREE + "SELECT coalesce(max(pg_relation_size(c.oid)), 0) / current_setting('block_size')::int, "
+        "sum(c.reltuples) FILTER (WHERE c.reltuples > 0) / nullif(max(c.relpages), 0) "
+        "FROM tree JOIN pg_class c USING (oid) WHERE c.relkind <> 'p'", [_regclass(conn, table)]).fetchone()
+    return pages, per_page
+
+
+def schema_exists(conn: psycopg.Connection, schema: str) -> bool:
+    return conn.execute("SELECT 1 FROM pg_namespace WHERE nspname = %s", [schema]).fetchone() is not None
+
+
+def quote_ident(conn: psycopg.Connection, name: str) -> str:
+    """`name` as a user would type it in a GRANT: quoted only where PostgreSQL needs it."""
+    return conn.execute("SELECT quote_ident(%s)", [name]).fetchone()[0]
+
+
+def role_and_database(conn: psycopg.Connection) -> tuple[str, str]:
+    return conn.execute("SELECT current_user, current_database()").fetchone()
+
+
+def check_write_privileges(conn: psycopg.Connection, table: str, index: bool) -> None:
+    """Before any work: can this role write the ledger and `table` (and index it)? One line naming the
+    missing privilege, on what, and the GRANT that fixes it."""
+    from embedfleet.ledger import LEDGER_VERSION, check_ledger_privileges, ledger_version
+
+    role, _ = role_and_database(conn)
+    quote = lambda name: quote_ident(conn, name)  # noqa: E731
+    if ledger_version(conn) < LEDGER_VERSION:
+        check_ledger_privileges(conn)
+    else:
+        missing = [t for (t,) in conn.execute(
+            "SELECT t FROM unnest(ARRAY['jobs', 'chunks', 'rejects', 'workers', 'meta', 'meta_loaded']) t "
+            "WHERE NOT has_table_privilege('embedfleet.' || t, 'SELECT, INSERT, UPDATE')").fetchall()]
+        if missing:
+            raise DatabaseError(
+                f"role {role} cannot write the ledger (no SELECT, INSERT, UPDATE on embedfleet.{missing[0]}): "
+                f"GRANT SELECT, INSERT, UPDATE, DELETE ON ALL TABLES IN SCHEMA {SCHEMA} TO {quote(role)}")
+    schema, name = split_table(conn, table)
+    target = table_sql(conn, table).as_string(conn)
+    if table_exists(conn, table):
+        if not conn.execute("SELECT has_table_privilege(%s, 'SELECT, INSERT, UPDATE')", [target]).fetchone()[0]:
+            raise DatabaseError(f"role {role} cannot write table {target} (no INSERT, UPDATE on it): "
+                                f"GRANT SELECT, INSERT, UPDATE ON {target} TO {quote(role)}; or pass another --table")
+        owner = conn.execute("SELECT pg_has_role(relowner, 'USAGE') FROM pg_class WHERE oid = %s::regclass",
+                             [target]).fetchone()[0]
+        if index and not owner and vector_index(conn, table) is None:
+            raise DatabaseError(f"role {role} does not own table {target}, and only its owner can build the "
+                                f"search index at the end: ALTER TABLE {target} OWNER TO {quote(role)}; "
+                                "or pass --no-index")
+        return
+    schema = schema or conn.execute("SELECT current_schema()").fetchone()[0]
+    if schema is None:
+        raise DatabaseError(f"role {role} has no schema to create table {name!r} in (the search_path names none "
+                            "that exists): pass --table SCHEMA.NAME")
+    if not conn.execute("SELECT has_schema_privilege(%s, 'CREATE') AND has_schema_privilege(%s, 'USAGE')",
+                        [schema, schema]).fetchone()[0]:
+        raise DatabaseError(
+            f"role {role} cannot create table {name!r} in schema {schema} (no CREATE on schema {schema}): "
+            f"GRANT USAGE, CREATE ON SCHEMA {quote(schema)} TO {quote(role)}; or pass --table SCHEMA.{name} "
+            f"for a schema {role} can create tables in")
+
+
+def _version(text: str) -> tuple[int, ...]:
+    return tuple(int(x) for x in text.split(".")[:3] if x.isdigit())
+
+
+def pgvector_problem(version: tuple[int, ...], dtype: str) -> str | None:
+    """Why this pgvector cannot serve a job (None: it can)."""
+    shown = ".".join(map(str, version))
+    if version < PGVECTOR_MIN:
+        return (f"pgvector {shown} is too old: embedfleet's search index (HNSW) needs pgvector ≥ 0.5; "
+                "install a newer pgvector, then ALTER EXTENSION vector UPDATE")
+    if dtype == "half" and version < HALFVEC_MIN:
+        return (f"--dtype half needs pgvector ≥ 0.7 for halfvec; this server has {shown} "
+                "(ALTER EXTENSION vector UPDATE after installing a newer pgvector, or use --dtype float)")
+    return None
+
+
+def check_server(conn: psycopg.Connection, dtype: str) -> tuple[int, ...]:
+    """Before any work: PostgreSQL ≥ 13, and pgvector installed (or installable) at a version that has HNSW
+    (and halfvec for --dtype half). Returns pgvector's version."""
+    num, shown = conn.execute("SELECT current_setting('server_version_num')::int, "
+                              "current_setting('server_version')").fetchone()
+    if num < PG_MIN:
+        raise DatabaseError(f"PostgreSQL {shown.split()[0]} is too old: embedfleet needs PostgreSQL 13 or newer")
+    installed, available = conn.execute(
+        "SELECT (SELECT extversion FROM pg_extension WHERE extname = 'vector'), "
+        "(SELECT default_version FROM pg_available_extensions WHERE name = 'vector')").fetchone()
+    if installed is None and available is None:
+        raise DatabaseError("pgvector is not installed on this server: install it "
+                            "(https://github.com/pgvector/pgvector), or run without --db for the embedded server")
+    have = _version(installed or available)
+    problem = pgvector_problem(have, dtype)
+    if problem:
+        raise DatabaseError(problem)
+    return have
+
+
+def ensure_vector(conn: psycopg.Connection) -> tuple[int, ...]:
+    """Make sure pgvector is installed; return its version as a tuple."""
+    row = conn.execute("SELECT extversion FROM pg_extension WHERE extname = 'vector'").fetchone()
+    if row is None:
+        try:
+            with conn.transaction():
+                conn.execute("SELECT pg_advisory_xact_lock(hashtext('embedfleet.vector'))")
+                conn.execute("CREATE EXTENSION IF NOT EXISTS vector")
+        except psycopg.Error as e:
+            role, db = role_and_database(conn)
+            raise DatabaseError(
+                f"pgvector is not enabled in database {db} and role {role} cannot enable it "
+                f"({e.diag.message_primary}): have an admin run CREATE EXTENSION vector in {db}, "
+                "or run without --db for the embedded server"
+            ) from None
+        row = conn.execute("SELECT extversion FROM pg_extension WHERE extname = 'vector'").fetchone()
+    return _version(row[0])
+
+
+def vector_type(conn: psycopg.Connection, dtype: str) -> str:
+    problem = pgvector_problem(ensure_vector(conn), dtype)
+    if problem:
+        raise DatabaseError(problem)
+    return "halfvec" if dtype == "half" else "vector"
+
+
+def free_connections(conn: psycopg.Connection) -> int:
+    """Connections the server can still accept from an ordinary role: max_connections, less those
+    reserved (for superusers, and since PostgreSQL 16 for pg_use_reserved_connections) and those open."""
+    return conn.execute(
+        "SELECT current_setting('max_connections')::int - current_setting('superuser_reserved_connections')::int"
+        " - coalesce(current_setting('reserved_connections', true)::int, 0)"
+        " - (SELECT count(*) FROM pg_stat_activity WHERE backend_type = 'client backend')::int"
+    ).fetchone()[0]
+
+
+def table_exists(conn: psycopg.Connection, table: str) -> bool:
+    return conn.execute("SELECT to_regclass(%s) IS NOT NULL", [_regclass(conn, table)]).fetchone()[0]
+
+
+def drop_table(conn: psycopg.Connection, table: str) -> None:
+    """Drop `table` (and its partitions); one a job made and that holds nothing, or what `jobs rm --drop-table` asks."""
+    conn.execute(sql.SQL("DROP TABLE IF EXISTS {}").format(table_sql(conn, table)))
+
+
+def table_rows(conn: psycopg.Connection, table: str) -> int:
+    """The rows `table` holds (0: no such table)."""
+    if not table_exists(conn, table):
+        return 0
+    return conn.execute(sql.SQL("SELECT count(*) FROM {}").format(table_sql(conn, table))).fetchone()[0]
+
+
+# A review row with a 384-float vector passes the default 2 kB TOAST threshold, and the vector, its
+# largest value, is the one moved out of line: every insert would also write the TOAST table and its
+# index, and every read fetch the vector back. Toasting only rows that do not fit a page keeps vectors
+# inline (docs/decisions/toast-and-autovacuum.md).
+# No autovacuum while the job loads it (`finish_table` turns it back on): PostgreSQL would vacuum the
+# table again and again as rows arrive, and with data checksums (on by default since PostgreSQL 18)
+# marking a page visited logs a full copy of it, if it is the page's first change since a checkpoint,
+# into the WAL the writers share. PostgreSQL's own advice for bulk loads: no autovacuum during, ANALYZE after.
+HEAP_OPTIONS = sql.SQL("WITH (toast_tuple_target = 8160, autovacuum_enabled = off)")
+
+
+def check_embedding_column(conn: psycopg.Connection, table: str, dim: int, vtype: str) -> None:
+    """An existing `table` must hold `vtype(dim)` embeddings: a job never writes vectors of another size into it."""
+    row = conn.execute(
+        "SELECT format_type(atttypid, atttypmod) FROM pg_attribute "
+        "WHERE attrelid = %s::regclass AND attname = 'embedding' AND NOT attisdropped",
+        [table_sql(conn, table).as_string(conn)],
+    ).fetchone()
+    want = f"{vtype}({dim})"
+    if row is None or row[0] != want:
+        have = row[0] if row else "no embedding column"
+        raise DatabaseError(f"table {table!r} already exists with {have}, not {want}; pass another --table")
+
+
+def check_table_columns(conn: psycopg.Connection, table: str, columns: Sequence) -> None:
+    """An existing `table` must have every column the job writes (a --columns field it was made without)."""
+    have = {r[0] for r in conn.execute(
+        "SELECT attname FROM pg_attribute WHERE attrelid = %s::regclass AND attnum > 0 AND NOT attisdropped",
+        [table_sql(conn, table).as_string(conn)]).fetchall()}
+    missing = [c for c in columns if c.name not in have]
+    if missing:
+        c = missing[0]
+        target = table_sql(conn, table).as_string(conn)
+        raise DatabaseError(f"table {table!r} already exists without column {c.name!r}: pass another --table, or add "
+                            f"it first (ALTER TABLE {target} ADD COLUMN {sql.Identifier(c.name).as_string(conn)} "
+                            f"{c.pgtype})")
+
+
+def ensure_table(conn: psycopg.Connection, table: str, columns: Sequence, dim: int, vtype: str,
+                 partitions: int | None = None) -> None:
+    """Create the target table if needed, as `partitions` hash partitions of its id when given; refuse
+    one whose embedding has another dimension or type."""
+    check_identifier(table)
+    ident = table_sql(conn, table)
+    with conn.transaction():
+        conn.execute("SELECT pg_advisory_xact_lock(hashtext(%s))", [f"embedfleet.table.{table}"])
+        if table_exists(conn, table):
+            check_embedding_column(conn, table, dim, vtype)
+            return
+        cols = [
+            sql.SQL("id text PRIMARY KEY"),
+            sql.SQL("content text NOT NULL"),
+            sql.SQL("embedding {}({})").format(sql.SQL(vtype), sql.Literal(dim)),
+        ] + [sql.SQL("{} {}").format(sql.Identifier(c.name), sql.SQL(c.pgtype)) for c in columns]
+        if not partitions:
+            conn.execute(sql.SQL("CREATE TABLE {} ({}) {}").format(ident, sql.SQL(", ").join(cols), HEAP_OPTIONS))
+            return
+        # A table grows under one lock, 512 kB at a time, and behind several GPUs its writers queue there;
+        # each partition grows under its own (docs/decisions/partitions.md).
+        conn.execute(sql.SQL("CREATE TABLE {} ({}) PARTITION BY HASH (id)").format(ident, sql.SQL(", ").join(cols)))
+        for i, part in enumerate(partition_names(conn, table, partitions)):
+            conn.execute(sql.SQL("CREATE TABLE {} PARTITION OF {} FOR VALUES WITH (MODULUS {}, REMAINDER {}) {}").format(
+                sql.Identifier(*part), ident, sql.Literal(partitions), sql.Literal(i), HEAP_OPTIONS))
+
+
+def partition_names(conn: psycopg.Connection, table: str, partitions: int) -> list[tuple[str, ...]]:
+    """The names of `table`'s hash partitions, NAME_p0, NAME_p1…, each (schema, name) in the table's schema
+    (an unqualified one's: the first in the search path, where CREATE puts it)."""
+    schema, name = split_table(conn, table)
+    schema = schema or conn.execute("SELECT current_schema()").fetchone()[0]
+    last = f"{name}_p{partitions - 1}"
+    if len(last.encode()) > 63:
+        raise InputError(f"--table {table!r} with --partitions {partitions}: a partition's name ({last!r}) passes "
+                         "PostgreSQL's 63-byte limit; pass a shorter --table")
+    return [(*([schema] if schema else []), f"{name}_p{i}") for i in range(partitions)]
+
+
+def partition_count(conn: psycopg.Connection, table: str) -> int:
+    """How many partitions (or child tables) `table` has; 0: it is one relation."""
+    return conn.execute("SELECT count(*) FROM pg_inherits WHERE inhparent = %s::regclass",
+                        [_regclass(conn, table)]).fetchone()[0]
+
+
+def check_partitions(conn: psycopg.Connection, table: str, partitions: int | None) -> None:
+    """Before any work: `--partitions` can make `table`'s partitions, or `table` exists with that many."""
+    if not partitions:
+        return
+    names = partition_names(conn, table, partitions)
+    if table_exists(conn, table):
+        have = partition_count(conn, table)
+        if have != partitions:
+            raise DatabaseError(f"table {table!r} already exists {f'with {have} partitions' if have else 'as one relation'}, "
+                                f"not {partitions} partitions: pass another --table, or leave --partitions out to "
+                                "write into it as it is")
+        return
+    for part in names:
+        if conn.execute("SELECT to_regclass(%s) IS NOT NULL", [sql.Identifier(*part).as_string(conn)]).fetchone()[0]:
+            raise DatabaseError(f"--partitions {partitions}: table {'.'.join(part)!r} already exists, and table "
+                                f"{table!r} needs that name for a partition: pass another --table")
+
+
+def embedding_info(conn: psycopg.Connection, table: str) -> tuple[str, int]:
+    """(vector type, dimension) of a table's embedding column; DatabaseError if it has none."""
+    if not table_exists(conn, table):
+        raise DatabaseError(f"table {table!r} does not exist; `embedfleet status` lists the jobs and their tables")
+    row = conn.execute(
+        "SELECT t.typname, a.atttypmod FROM pg_attribute a JOIN pg_type t ON t.oid = a.atttypid "
+        "WHERE a.attrelid = %s::regclass AND a.attname = 'embedding' AND NOT a.attisdropped",
+        [_regclass(conn, table)],
+    ).fetchone()
+    if row is None:
+        raise DatabaseError(f"table {table!r} has no embedding column")
+    return row[0], row[1]
+
+
+def vector_index(conn: psycopg.Connection, table: str) -> str | None:
+    """The name of an HNSW index on `table`'s embedding column, or None: what a search can use."""
+    row = conn.execute(
+        "SELECT c.relname FROM pg_index i JOIN pg_class c ON c.oid = i.indexrelid JOIN pg_am am ON am.oid = c.relam "
+        "JOIN pg_attribute a ON a.attrelid = i.indrelid AND a.attnum = ANY(i.indkey) "
+        "WHERE i.indrelid = %s::regclass AND am.amname = 'hnsw' AND a.attname = 'embedding' ORDER BY 1 LIMIT 1",
+        [_regclass(conn, table)],
+    ).fetchone()
+    return row[0] if row else None
+
+
+def finish_table(conn: psycopg.Connection, table: str, index: bool, timings: dict | None = None,
+                 dsn: str | None = None) -> str | None:
+    """Once a job has loaded `table`: statistics for the planner (ANALYZE reads a fixed-size sample; a
+    partitioned table's partitions each on a connection of its own where `dsn` is given), autovacuum back
+    to the server's setting, and an HNSW (cosine) index on the embedding unless it has one.
+    Under a lock per table, so two runs finishing together do this one after the other: the second finds
+    the index built. Returns the index's name (None without `index`); `timings` gets each step's seconds."""
+    ident = table_sql(conn, table)
+    lock = [f"embedfleet.finish.{ident.as_string(conn)}"]
+    timings = {} if timings is None else timings
+    with conn.transaction():
+        t0 = time.perf_counter()
+        conn.execute("SELECT pg_advisory_xact_lock(hashtext(%s))", lock)
+        timings["lock_s"] = round(time.perf_counter() - t0, 3)
+        t0 = time.perf_counter()
+        analyze(conn, ident, dsn)
+        timings["analyze_s"] = round(time.perf_counter() - t0, 3)
+        t0 = time.perf_counter()
+        # after ANALYZE: resetting an option locks its table the way each partition's ANALYZE does
+        for (heap,) in conn.execute(
+                "SELECT c.oid::regclass::text FROM pg_class c WHERE 'autovacuum_enabled=off' = ANY(c.reloptions) "
+                "AND c.oid IN (SELECT %s::regclass UNION SELECT relid FROM pg_partition_tree(%s::regclass))",
+                [ident.as_string(conn)] * 2).fetchall():
+            # set by ensure_table: a table someone else made is left alone
+            conn.execute(sql.SQL("ALTER TABLE {} RESET (autovacuum_enabled)").format(sql.SQL(heap)))
+        timings["alter_s"] = round(time.perf_counter() - t0, 3)
+        t0 = time.perf_counter()
+    timings["commit_s"] = round(time.perf_counter() - t0, 3)
+    if not index:
+        return None
+    vtype = embedding_info(conn, table)[0]
+    for workers in (max(0, min(7, (os.cpu_count() or 2) - 1)), 0):
+        try:
+            with conn.transaction():
+                conn.execute("SELECT pg_advisory_xact_lock(hashtext(%s))", lock)
+                if (name := vector_index(conn, table)) is not None:
+                    return name
+                _create_index(conn, ident, vtype, workers)
+                name = vector_index(conn, table)
+            if name is None:  # cannot happen unless PostgreSQL changed what CREATE INDEX makes
+                raise DatabaseError(f"the HNSW index of {table!r} was created but cannot be found")
+            return name
+        except (psycopg.errors.OutOfMemory, psycopg.errors.DiskFull):
+            if workers == 0:
+                raise
+            # A small /dev/shm (containers) cannot hold a parallel build's shared memory: build serially.
+    return None
+
+
+ANALYZE_SIDE_BY_SIDE = 8  # partitions sampled at once
+
+
+def analyze(conn: psycopg.Connection, ident: sql.Identifier, dsn: str | None = None) -> None:
+    """ANALYZE the table. A partitioned one samples each partition, then the whole: where the server can
+    take the whole alone (ANALYZE ONLY, PostgreSQL 18) and spare the connections `dsn` opens, the partitions
+    are sampled side by side first (docs/decisions/partitions.md)."""
+    whole = sql.SQL("ANALYZE {}").format(ident)
+    leaves = [leaf for (leaf,) in conn.execute(
+        "SELECT relid::regclass::text FROM pg_partition_tree(%s::regclass) WHERE isleaf AND level > 0",
+        [ident.as_string(conn)])]
+    if dsn is None or len(leaves) < 2 or conn.info.server_version < 180000:
+        conn.execute(whole)
+        return
+    # a few connections, not one a core, and one left for anyone else
+    side_by_side = min(len(leaves), ANALYZE_SIDE_BY_SIDE, max(2, (os.cpu_count() or 2) - 1), free_connections(conn) - 1)
+    if side_by_side < 2:
+        conn.execute(whole)
+        return
+    from concurrent.futures import ThreadPoolExecutor
+
+    def sample(leaf: str) -> None:
+        with psycopg.connect(dsn, autocommit=True) as c:
+            c.execute(sql.SQL("ANALYZE {}").format(sql.SQL(leaf)))
+
+    if conn.info.transaction_status != psycopg.pq.TransactionStatus.IDLE:  # idle in it meanwhile: not timed out
+        conn.execute("SET LOCAL idle_in_transaction_session_timeout = 0")
+    try:
+        with ThreadPoolExecutor(side_by_side) as pool:
+            list(pool.map(sample, leaves))
+    except psycopg.OperationalError:  # the server refused a connection: all of it on this one
+        conn.execute(whole)
+        return
+    conn.execute(sql.SQL("ANALYZE ONLY {}").format(ident))
+
+
+def _create_index(conn: psycopg.Connection, ident: sql.Identifier, vtype: str, workers: int) -> None:
+    """HNSW (cosine), named by PostgreSQL (unique in the schema, so tables whose names share a long
+    prefix cannot collide), with a generous maintenance_work_mem and parallel maintenance workers."""
+    ops = sql.SQL("halfvec_cosine_ops" if vtype == "halfvec" else "vector_cosine_ops")
+    conn.execute("SET LOCAL maintenance_work_mem = '1GB'")
+    conn.execute(sql.SQL("SET LOCAL max_parallel_maintenance_workers = {}").format(sql.Literal(workers)))
+    conn.execute(sql.SQL("CREATE INDEX ON {} USING hnsw (embedding {})").format(ident, ops))

@@ -1,0 +1,58 @@
+"""Reading a whole table in parallel, the one way export, map and training do it: every connection in one
+snapshot (REPEATABLE READ, READ ONLY; the first exports it, the others join it), each reading its page span
+(a run of heap pages, by a TID range scan) with the user's filter, and binary COPY parsed in bulk (`pg.copybin`).
+"""
+
+from __future__ import annotations
+
+import psycopg
+from psycopg import sql
+
+__all__ = ["begin_snapshot", "export_snapshot", "page_spans", "span_sql", "user_filter"]
+
+# What a physical read sets: the heap's order, the same on every connection and every rank (no index or bitmap
+# scan a filter might invite, no parallel workers, no scan joining one already running elsewhere).
+_PHYSICAL = ("enable_indexscan", "enable_indexonlyscan", "enable_bitmapscan", "synchronize_seqscans", "jit")
+
+
+def begin_snapshot(conn: psycopg.Connection, snapshot: str | None = None, physical: bool = False) -> None:
+    """Begin a REPEATABLE READ, READ ONLY transaction on `conn` (in `snapshot`, another connection's, when
+    given), timestamps in UTC; `physical`: rows in the heap's order, no statement timeout."""
+    conn.execute("BEGIN ISOLATION LEVEL REPEATABLE READ READ ONLY")
+    if snapshot:
+        conn.execute(sql.SQL("SET TRANSACTION SNAPSHOT {}").format(sql.Literal(snapshot)))
+    conn.execute("SET LOCAL timezone = 'UTC'")
+    if physical:
+        for setting in _PHYSICAL:
+            conn.execute(sql.SQL("SET LOCAL {} = off").format(sql.Identifier(setting)))
+        conn.execute("SET LOCAL max_parallel_workers_per_gather = 0")
+        conn.execute("SET LOCAL statement_timeout = 0")
+
+
+def export_snapshot(conn: psycopg.Connection) -> str:
+    """The snapshot of `conn`'s transaction, for other connections to join (`begin_snapshot`)."""
+    return conn.execute("SELECT pg_export_snapshot()").fetchone()[0]
+
+
+def page_spans(pages: int, parts: int, min_pages: int = 1) -> list[tuple[int, int | None]]:
+    """`parts` runs of `pages` heap pages of about equal size, the last open-ended (pages added since are
+    its); one span of the whole table when fewer than `min_pages` a part would be left."""
+    if parts <= 1 or pages < min_pages * parts:
+        return [(0, None)]
+    cuts = [pages * i // parts for i in range(parts)]
+    return [(a, b) for a, b in zip(cuts, cuts[1:] + [None])]
+
+
+def span_sql(span: tuple[int, int | None]) -> sql.Composable:
+    """The condition on ctid that reads `span`'s pages (a TID range scan, PostgreSQL ≥ 14)."""
+    start, end = span
+    if start == 0 and end is None:
+        return sql.SQL("true")
+    lo = sql.SQL("ctid >= {}::tid").format(sql.Literal(f"({start},0)"))
+    return lo if end is None else sql.SQL("{} AND ctid < {}::tid").format(lo, sql.Literal(f"({end},0)"))
+
+
+def user_filter(where: str) -> sql.Composable:
+    """A user's `--where` as written, parenthesised (it runs in a READ ONLY transaction: it can only filter).
+    For a statement run without parameters: psycopg then reads no placeholders in it."""
+    return sql.SQL("({})").format(sql.SQL(where))

@@ -1,0 +1,219 @@
+"""Reading back what was stored: nearest-neighbour search and integrity checks.
+
+`search_queries` is what `embedfleet search` runs (one query, or a file of them) and `Searcher` what
+`embedfleet serve` keeps per table: the query's vector comes from `encode.query.QueryEncoder` (numpy on
+the CPU for BERT-family models: no torch, no CUDA, no compile, no helper processes).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable, Iterator
+
+import numpy as np
+import psycopg
+from psycopg import sql
+from psycopg.rows import dict_row
+
+from embedfleet.errors import DatabaseError, InputError
+from embedfleet.ledger import table_job
+from embedfleet.pg.ddl import embedding_info, table_sql, vector_index
+
+__all__ = ["Searcher", "query_encoder", "query_lines", "run_search", "search", "search_queries"]
+
+QUERY_BATCH = 256  # queries embedded together in a --queries run
+
+
+def query_encoder(conn: psycopg.Connection, table: str, model: str | None = None, device: str = "cpu",
+                  settings=None):
+    """A QueryEncoder for `table`: its own model (unless `model` is given) and --dim."""
+    from embedfleet.encode.query import QueryEncoder
+
+    embedding_info(conn, table)  # fail fast on a missing table, before loading a model
+    made = table_job(conn, table) or {}
+    dim = int(made["requested_dim"]) if made.get("requested_dim") else None
+    return QueryEncoder(model or made.get("requested"), device=device, dim=None if model else dim, settings=settings)
+
+
+DEFAULT_STATEMENT_TIMEOUT = 5.0  # seconds a search may run: a filter can make the server work for ever
+ITERATIVE_MIN = (0, 8)  # pgvector's iterative index scans: a filtered HNSW scan goes on until it has k rows
+# A filter the planner expects to keep at most this many rows is searched exactly: measuring them all is cheap,
+# and a graph walk from a far region finds such rows only where it happens to enter them.
+EXACT_MATCHES = 20_000
+
+
+class Searcher:
+    """Top-k by cosine distance in one table, its columns, vector type and index read once.
+
+    `scan` says how the last search found its rows: "index" (the HNSW index), "iterative" (the index, scanned
+    on until k rows passed the filter), or "exact" (every row the filter keeps, measured)."""
+
+    def __init__(self, conn: psycopg.Connection, table: str, statement_timeout: float = DEFAULT_STATEMENT_TIMEOUT):
+        from pgvector.psycopg import register_vector
+
+        self.conn, self.table, self.statement_timeout = conn, table, statement_timeout
+        self.vtype, self.dim = embedding_info(conn, table)
+        self.columns = [r[0] for r in conn.execute(
+            "SELECT attname FROM pg_attribute WHERE attrelid = %s::regclass AND attnum > 0 AND NOT attisdropped "
+            "AND attname <> 'embedding' ORDER BY attnum",
+            [table_sql(conn, table).as_string(conn)],
+        ).fetchall()]
+        self.indexed = vector_index(conn, table) is not None
+        version = conn.execute("SELECT extversion FROM pg_extension WHERE extname = 'vector'").fetchone()
+        self.iterative = bool(version) and tuple(int(x) for x in version[0].split(".")[:2]) >= ITERATIVE_MIN
+        self.scan: str | None = None
+        register_vector(conn)  # the query goes over in pgvector's binary format; the SQL casts it for halfvec
+        self._select = sql.SQL("SELECT {cols}, embedding <=> %(q)s::{vt} AS distance FROM {t} ").format(
+            cols=sql.SQL(", ").join(map(sql.Identifier, self.columns)), vt=sql.SQL(self.vtype),
+            t=table_sql(conn, table))
+        self._order = sql.SQL(" ORDER BY embedding <=> %(q)s::{vt} LIMIT %(k)s").format(vt=sql.SQL(self.vtype))
+        self._table = table_sql(conn, table)
+
+    def search(self, query_vec: np.ndarray, k: int = 10, where: str | None = None,
+               ef_search: int | None = None, group_by_parent: bool = False) -> list[dict]:
+        """`where` is the user's own SQL: it runs inside a READ ONLY transaction with a statement
+        timeout, so it can filter but never write. Whenever k rows pass it, k rows come back.
+        `group_by_parent`: the best passage of each of the k nearest records (a table ingested with --passages)."""
+        if not group_by_parent:
+            return self._nearest(query_vec, k, where, ef_search)
+        if "parent_id" not in self.columns:
+            raise InputError(f"--group-by-parent: table {self.table!r} has no passages (ingest it with --passages)")
+        limit = 8 * k
+        while True:  # the nearest passages, more of them until they hold k distinct records (or all there are)
+            rows = self._nearest(query_vec, limit, where, max(ef_search or 0, limit) if limit > 40 else ef_search)
+            best: dict = {}
+            for r in rows:
+                best.setdefault(r["parent_id"], r)
+            if len(best) >= k or len(rows) < limit:
+                return list(best.values())[:k]
+            limit *= 4
+
+    def _matching(self, cur, filt: sql.Composable) -> float:
+        """The planner's estimate of the rows a filter keeps (from the table's statistics; no row is read)."""
+        plan = cur.execute(sql.SQL("EXPLAIN (FORMAT JSON) SELECT 1 FROM {} ").format(self._table) + filt, {}).fetchone()
+        return float(next(iter(plan.values()))[0]["Plan"]["Plan Rows"])
+
+    def _nearest(self, query_vec: np.ndarray, k: int, where: str | None, ef_search: int | None) -> list[dict]:
+        from pgvector import Vector
+
+        if query_vec.shape[-1] != self.dim:
+            raise DatabaseError(f"table {self.table!r} holds {self.dim}-dimensional vectors but the query has "
+                                f"{query_vec.shape[-1]}: search with the model the table was built with (--model)")
+        if k < 1:
+            raise InputError(f"-k {k}: ask for at least one result")
+        vec = Vector(query_vec.reshape(-1).astype(np.float32))
+        # The user's SQL goes in as written: its % are escaped so that psycopg, which reads the statement for its
+        # own placeholders, gives them back to the server unchanged ("title ilike '%cable%'").
+        filt = sql.SQL("WHERE ({})").format(sql.SQL(where.replace("%", "%%"))) if where else sql.SQL("")
+        stmt = self._select + filt + self._order
+        conn = self.conn
+        with conn.cursor(row_factory=dict_row) as cur:
+            try:
+                with conn.transaction():
+                    cur.execute("SET TRANSACTION READ ONLY")
+                    cur.execute(sql.SQL("SET LOCAL statement_timeout = {}").format(
+                        sql.Literal(f"{max(1, round(self.statement_timeout * 1000))}ms")))
+                    if ef_search:
+                        cur.execute(sql.SQL("SET LOCAL hnsw.ef_search = {}").format(sql.Literal(int(ef_search))))
+                    scan = "exact" if not self.indexed else "index"
+                    if where and self.indexed and self._matching(cur, filt) <= EXACT_MATCHES:
+                        # few rows pass the filter: measure them all, rather than hunt them through the graph
+                        cur.execute("SET LOCAL enable_indexscan = off")
+                        scan = "exact"
+                    elif where and self.indexed and self.iterative:
+                        # a filter drops most of the index's candidates: scan the graph on until k rows pass it
+                        cur.execute("SET LOCAL hnsw.iterative_scan = strict_order")
+                        scan = "iterative"
+                    rows = cur.execute(stmt, {"q": vec, "k": k}).fetchall()
+                    if where and scan != "exact" and len(rows) < k:
+                        # the index gave up before k rows passed: measure every row the filter keeps
+                        cur.execute("SET LOCAL enable_indexscan = off")
+                        rows = cur.execute(stmt, {"q": vec, "k": k}).fetchall()
+                        scan = "exact"
+            except psycopg.errors.ReadOnlySqlTransaction as e:
+                raise InputError(f"--where {where!r} would write ({e.diag.message_primary}): it may only filter") from None
+            except psycopg.errors.QueryCanceled as e:
+                error = InputError if where else DatabaseError  # a filter's cost is the user's to change
+                what = f"--where {where!r}" if where else "the search"
+                raise error(f"{what}: stopped after the {self.statement_timeout:g} s statement timeout "
+                            f"({e.diag.message_primary}); pass a larger --statement-timeout to wait longer") from None
+            except (psycopg.errors.SyntaxError, psycopg.errors.UndefinedColumn, psycopg.errors.UndefinedFunction,
+                    psycopg.errors.UndefinedTable, psycopg.errors.DatatypeMismatch, psycopg.errors.DataError,
+                    psycopg.errors.FeatureNotSupported, psycopg.errors.InsufficientPrivilege,
+                    psycopg.errors.ProgrammingError) as e:
+                if not where:
+                    raise
+                raise InputError(f"--where {where!r}: {e.diag.message_primary or e}") from None
+        self.scan = scan
+        out = []
+        for r in rows:
+            d = {"id": r.pop("id"), "distance": float(r.pop("distance")), "content": r.pop("content")}
+            d.update(r)
+            out.append(d)
+        return out
+
+
+def search(conn: psycopg.Connection, table: str, query_vec: np.ndarray, k: int = 10,
+           where: str | None = None, ef_search: int | None = None, group_by_parent: bool = False) -> list[dict]:
+    """Top-k by cosine distance (see `Searcher.search`)."""
+    return Searcher(conn, table).search(query_vec, k, where, ef_search, group_by_parent)
+
+
+def search_queries(conn: psycopg.Connection, table: str, queries: Iterable[str], k: int = 10,
+                   where: str | None = None, model: str | None = None, device: str = "cpu",
+                   group_by_parent: bool = False, statement_timeout: float = DEFAULT_STATEMENT_TIMEOUT,
+                   settings=None) -> Iterator[tuple[str, list[dict], str]]:
+    """(query, its top-k, how they were found) for each query, in order: the model loaded once, queries
+    embedded QUERY_BATCH at a time (the same vectors as one at a time)."""
+    encoder = query_encoder(conn, table, model, device, settings)
+    try:
+        searcher = Searcher(conn, table, statement_timeout)
+
+        def each(batch: list[str]) -> Iterator[tuple[str, list[dict], str]]:
+            for text, vec in zip(batch, encoder.encode(batch)):
+                results = searcher.search(vec, k, where, None, group_by_parent)
+                yield text, results, searcher.scan
+
+        batch: list[str] = []
+        for q in queries:
+            batch.append(q)
+            if len(batch) == QUERY_BATCH:
+                yield from each(batch)
+                batch = []
+        if batch:
+            yield from each(batch)
+    finally:
+        encoder.close()
+
+
+def run_search(dsn: str, table: str, queries: Iterable[str], k: int = 10, where: str | None = None,
+               model: str | None = None, device: str = "cpu", group_by_parent: bool = False,
+               statement_timeout: float = DEFAULT_STATEMENT_TIMEOUT, settings=None) -> Iterator[tuple[str, list[dict], str]]:
+    """`embedfleet search`: (query, its top-k, the scan) for each query, on one connection."""
+    from embedfleet.pg.connect import connect
+
+    with connect(dsn) as conn:
+        yield from search_queries(conn, table, queries, k=k, where=where, model=model, device=device,
+                                  group_by_parent=group_by_parent, statement_timeout=statement_timeout,
+                                  settings=settings)
+
+
+def query_lines(path: str) -> Iterator[str]:
+    """The queries of a --queries file ('-': stdin), one a line, blank lines skipped; read as they go."""
+    if path != "-" and not os.path.isfile(path):
+        raise InputError(f"--queries {path}: no such file")
+    return _lines(path)
+
+
+def _lines(path: str) -> Iterator[str]:
+    import sys
+
+    f = sys.stdin if path == "-" else open(path, encoding="utf-8", errors="replace")
+    try:
+        for line in f:
+            line = line.rstrip("\r\n")
+            if line.strip():
+                yield line
+    finally:
+        if f is not sys.stdin:
+            f.close()

@@ -1,0 +1,78 @@
+"""Checking what was stored: a table's rows against the ledger, its vectors' dimension and norms."""
+
+from __future__ import annotations
+
+import math
+
+import psycopg
+from psycopg import sql
+
+from embedfleet.ledger import ledger_exists
+from embedfleet.pg.ddl import embedding_info, table_sql
+
+__all__ = ["verify", "verify_together"]
+
+
+def verify(conn: psycopg.Connection, table: str, tol: float = 1e-3, max_ids: int = 100) -> dict:
+    """Row count against the ledger, records written against rows stored (a record that replaced another's
+    row of the same id was overwritten), dimension, unit norms, NaN and zero vectors.
+    Returns a report with `ok` and, per problem, the offending ids (at most `max_ids` each)."""
+    vtype, dim = embedding_info(conn, table)
+    t = table_sql(conn, table)
+    norm = sql.SQL("l2_norm(embedding)" if vtype == "halfvec" else "vector_norm(embedding)")
+    rows = conn.execute(sql.SQL("SELECT count(*) FROM {}").format(t)).fetchone()[0]
+    per_job = conn.execute(
+        "SELECT j.rows_before, coalesce(sum(c.rows_written), 0), coalesce(sum(c.rows_seen), 0) "
+        "FROM embedfleet.jobs j LEFT JOIN embedfleet.chunks c ON c.job = j.job WHERE j.table_name = %s "
+        "GROUP BY j.job ORDER BY min(j.created)", [table]).fetchall() if ledger_exists(conn) else []
+    jobs = len(per_job)
+    ledger_rows, records = sum(int(w) for _, w, _ in per_job), sum(int(r) for _, _, r in per_job)
+    # A job's records that did not insert their id replaced a row: one the table held before the job (a later
+    # job rewriting rows), else one of the job's own records (an overwrite). A ledger from before rows_before
+    # was kept says so only for a table's first job.
+    overwritten = sum(max(0, int(seen) - int(written) - (before if before is not None else 0 if i == 0 else seen))
+                      for i, (before, written, seen) in enumerate(per_job))
+    # One scan computes every per-row check.
+    bad = conn.execute(
+        sql.SQL(
+            "SELECT id, embedding IS NULL, vector_dims(embedding), {norm} "
+            "FROM {t} WHERE embedding IS NULL OR vector_dims(embedding) <> %(dim)s "
+            "OR NOT ({norm} BETWEEN 1 - %(tol)s AND 1 + %(tol)s)"
+        ).format(norm=norm, t=t),
+        {"dim": dim, "tol": tol},
+    ).fetchall()
+    problems: dict[str, list[str]] = {"null": [], "wrong_dimension": [], "nan": [], "zero": [], "not_unit_norm": []}
+    for id_, is_null, dims, n in bad:
+        if is_null:
+            kind = "null"
+        elif dims != dim:
+            kind = "wrong_dimension"
+        elif n is None or math.isnan(n):
+            kind = "nan"
+        elif n == 0:
+            kind = "zero"
+        else:
+            kind = "not_unit_norm"
+        problems[kind].append(id_)
+    counts = {k: len(v) for k, v in problems.items()}
+    count_ok = jobs == 0 or int(ledger_rows) == rows
+    made = conn.execute(
+        "SELECT coalesce(model, config->>'model'), config->>'prompt', config->>'passages' FROM embedfleet.jobs "
+        "WHERE table_name = %s ORDER BY created DESC LIMIT 1", [table]).fetchone() if jobs else None
+    return {
+        "table": table, "rows": rows, "ledger_rows": int(ledger_rows) if jobs else None,
+        "count_matches_ledger": count_ok, "ledger_records": int(records) if jobs else None,
+        "overwritten": overwritten, "dim": dim, "vector_type": vtype,
+        "problems": counts, "offending_ids": {k: v[:max_ids] for k, v in problems.items() if v},
+        "model": made[0] if made else None, "prompt": made[1] if made else None,
+        "passages": made[2] if made else None,
+        "ok": count_ok and not overwritten and not any(counts.values()),
+    }
+
+
+def verify_together(conn: psycopg.Connection, tables: list[str]) -> dict:
+    """Several tables meant to be searched against each other (documents, and questions embedded with the
+    query prompt): each one's report, and whether they share a model and a dimension."""
+    reports = [verify(conn, t) for t in tables]
+    same = len({(r["model"], r["dim"]) for r in reports}) == 1
+    return {"tables": reports, "same_model": same, "ok": same and all(r["ok"] for r in reports)}

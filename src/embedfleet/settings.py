@@ -1,0 +1,352 @@
+"""Every setting, declared once: the knobs of a process (`Settings`, one field per EMBEDFLEET_* variable) and
+the specs of what a command makes (`JobSpec` for an ingest job, `TrainSpec` for a training run).
+
+- `Settings` is the only reader of EMBEDFLEET_* variables. An entry point resolves it once (`Settings.from_env`,
+  flags given winning over variables) and passes it down; a launcher hands its Settings to each worker it starts
+  as an argument, a Ray actor gets the object. Nothing below an entry point reads the environment for them.
+  docs/reference/configuration.md is generated from these declarations.
+- `JobSpec` is what a job makes (inputs, model, template, table…), from flags or a YAML file; it is stored in the
+  ledger, so a worker on any host needs only the job's name and the database. `TrainSpec` is a training run's.
+  Both are checked by msgspec against their annotations; checking returns a normalised copy, never mutates.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import os
+import socket
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import orjson
+
+from embedfleet.errors import InputError
+
+__all__ = ["JobSpec", "Settings", "TrainSpec", "build_job", "default_chunk_bytes", "load_yaml", "typed"]
+
+DEFAULT_CHUNK_BYTES = 2 << 20  # fine-grained claiming and a short pipeline fill on a GPU
+CPU_CHUNK_BYTES = 256 << 10  # a CPU embeds slowly: small chunks show progress and commit often
+MAX_PARTITIONS = 1024  # a query plans each partition: PostgreSQL's docs speak of up to a few thousand
+
+
+def default_chunk_bytes(device: str) -> int:
+    """Bytes of input per chunk (and per committed unit of a stream) when --chunk-bytes is not given."""
+    return CPU_CHUNK_BYTES if device == "cpu" else DEFAULT_CHUNK_BYTES
+
+
+# --- the knobs ------------------------------------------------------------------------------------------
+
+
+def _knob(default, env: str, doc: str, shown: str | None = None):
+    return dataclasses.field(default=default, metadata={"env": env, "doc": doc, "shown_default": shown})
+
+
+@dataclass(frozen=True)
+class Settings:
+    """Every EMBEDFLEET_* variable: its default, its name and what it does."""
+
+    home: str = _knob("~/.embedfleet", "EMBEDFLEET_HOME", "where the embedded server's data, runs and caches live")
+    db: str | None = _knob(None, "EMBEDFLEET_DB", "the database (a postgresql:// DSN) when --db is not given",
+                           "the embedded server")
+    model: str | None = _knob(None, "EMBEDFLEET_MODEL", "the model when --model is not given (a directory or hub id)",
+                              "the bundled all-MiniLM-L6-v2")
+    pg_tune: bool = _knob(True, "EMBEDFLEET_PG_TUNE", "tune the embedded server for bulk loads (0: leave it as it is)")
+    pycache: str = _knob("auto", "EMBEDFLEET_PYCACHE",
+                         "keep Python bytecode under $EMBEDFLEET_HOME/cache/pycache where the environment keeps none "
+                         "(auto; 1: whenever Python writes none; 0: never)")
+    debug: bool = _knob(False, "EMBEDFLEET_DEBUG", "show tracebacks (as --debug), in every process of a command")
+    lease_seconds: float = _knob(30.0, "EMBEDFLEET_LEASE_SECONDS",
+                                 "how long a claimed chunk stays a worker's without a heartbeat (renewed every third)")
+    db_patience_seconds: float = _knob(300.0, "EMBEDFLEET_DB_PATIENCE",
+                                       "how long a worker keeps reconnecting to a database that went away")
+    helpers: int | None = _knob(None, "EMBEDFLEET_PREP_WORKERS",
+                                "helper processes per worker (0: in-process)", "half its cores, at most 8, none under 4")
+    helper_nice: int = _knob(0, "EMBEDFLEET_HELPER_NICE",
+                             "how far below its worker a helper runs in the CPU's queue (0-19; 0: level with it)")
+    tasks_ahead: int | None = _knob(None, "EMBEDFLEET_TASKS_AHEAD", "most units in preparation at once",
+                                    "2 × helpers + 2")
+    writers: int | None = _knob(None, "EMBEDFLEET_WRITERS", "writer connections per worker",
+                                "6 on a GPU, 3 on a CPU, fewer on a full server")
+    writer_depth: int | None = _knob(None, "EMBEDFLEET_WRITER_DEPTH", "units queued per writer connection",
+                                     "8 on a GPU, 2 on a CPU")
+    switch_interval: float = _knob(0.0005, "EMBEDFLEET_SWITCH_INTERVAL",
+                                   "seconds a worker thread may hold the GIL before handing it over")
+    word_cache: int = _knob(1 << 18, "EMBEDFLEET_WORD_CACHE", "distinct words each tokenizer remembers")
+    compile: bool = _knob(True, "EMBEDFLEET_COMPILE", "torch.compile the forward pass on CUDA (0: eager)")
+    compile_wait: bool = _knob(False, "EMBEDFLEET_COMPILE_WAIT",
+                               "an ingest worker's loop waits for its compile (0: starts eager, switches when ready)")
+    compile_tokens: int | None = _knob(None, "EMBEDFLEET_COMPILE_TOKENS", "tokens of work before compiling starts",
+                                       "2^23, 2^18 once cached")
+    triton: bool = _knob(True, "EMBEDFLEET_TRITON",
+                         "Triton kernels on CUDA: Qwen3's fused q/k-norm + RoPE, the trainer's take of a step's rows "
+                         "(0: off)")
+    train_readers: int | None = _knob(None, "EMBEDFLEET_TRAIN_READERS", "connections one training read uses",
+                                      "a quarter of the cores, 1-4")
+    train_gather_threads: int | None = _knob(None, "EMBEDFLEET_TRAIN_GATHER_THREADS",
+                                             "threads gathering a batch on the host in the ram tier",
+                                             "half the cores, at most 8")
+    train_graph: bool = _knob(True, "EMBEDFLEET_TRAIN_GRAPH",
+                              "replay each training step on CUDA as one CUDA graph (0: every step eager)")
+    host_id: str = _knob(socket.gethostname(), "EMBEDFLEET_HOST_ID",
+                         "this host's name in the ledger: a dead worker's chunks are freed at once only on its own host",
+                         "the host's name")
+    metrics_port: int | None = _knob(None, "EMBEDFLEET_METRICS_PORT",
+                                     "serve the job's Prometheus metrics on this port (ingest, worker)", "off")
+
+    @classmethod
+    def from_env(cls, environ=None, **flags) -> "Settings":
+        """The knobs of this process: flags given (not None) win over EMBEDFLEET_* variables, which win over the
+        defaults. A value that does not parse is a one-line error naming the variable."""
+        environ = os.environ if environ is None else environ
+        values = {}
+        for f in dataclasses.fields(cls):
+            if flags.get(f.name) is not None:
+                values[f.name] = flags[f.name]
+            elif (raw := environ.get(f.metadata["env"], "").strip()):
+                values[f.name] = _parse_knob(f.metadata["env"], raw, f.type)
+        return _checked(cls(**values))
+
+    @property
+    def home_path(self) -> Path:
+        return Path(self.home).expanduser()
+
+    def to_json(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> "Settings":
+        names = {f.name for f in dataclasses.fields(cls)}
+        return typed(cls, {k: v for k, v in d.items() if k in names}, "settings")
+
+
+def _parse_knob(name: str, raw: str, kind: str):
+    """An environment variable's text as the knob's type ("int | None", "float", "bool", "str")."""
+    if kind.startswith("str"):
+        return raw
+    try:
+        if kind.startswith("bool"):
+            return {"1": True, "true": True, "yes": True, "0": False, "false": False, "no": False}[raw.lower()]
+        return float(raw) if kind.startswith("float") else int(raw)
+    except (KeyError, ValueError):
+        expected = "1 or 0" if kind.startswith("bool") else "a number" if kind.startswith("float") else "a whole number"
+        raise InputError(f"{name}={raw!r}: expected {expected}") from None
+
+
+def _env_of(name: str) -> str:
+    return next(f.metadata["env"] for f in dataclasses.fields(Settings) if f.name == name)
+
+
+def _checked(s: Settings) -> Settings:
+    for name, least in (("helpers", 0), ("tasks_ahead", 0), ("writers", 1), ("writer_depth", 1), ("word_cache", 2),
+                        ("metrics_port", 0), ("train_readers", 1), ("train_gather_threads", 1), ("compile_tokens", 0)):
+        value = getattr(s, name)
+        if value is not None and value < least:
+            raise InputError(f"{_env_of(name)}={value}: expected a whole number ≥ {least}")
+    if not 0 <= s.helper_nice <= 19:
+        raise InputError(f"EMBEDFLEET_HELPER_NICE={s.helper_nice}: expected a whole number from 0 to 19")
+    for name in ("lease_seconds", "db_patience_seconds", "switch_interval"):
+        if not 0 < getattr(s, name) < float("inf"):
+            raise InputError(f"{_env_of(name)}={getattr(s, name)}: expected a positive number")
+    if s.pycache not in ("auto", "1", "0"):
+        raise InputError(f"EMBEDFLEET_PYCACHE={s.pycache!r}: use auto, 1 or 0")
+    return s
+
+
+# --- what a command makes ----------------------------------------------------------------------------------
+
+
+def typed(cls, values: dict[str, Any], source: str):
+    """`cls(**values)` with every value's type checked against the field's annotation (strict: "5" is no int,
+    3.7 no int, "false" no bool); a wrong one is a one-line error naming the key and `source`."""
+    import msgspec
+
+    for key in ("inputs", "columns"):
+        if isinstance(values.get(key), str):  # one input; "stars:int,lang:text"
+            values = {**values, key: [values[key]] if key == "inputs" else values[key].split(",")}
+    try:
+        return msgspec.convert(values, cls, strict=True)
+    except msgspec.ValidationError as e:
+        msg, _, where = str(e).partition(" - at `$.")
+        key = where.split("`")[0].split(".")[0].split("[")[0]
+        flag = key.replace("_", "-")
+        raise InputError(f"{source}: key '{key}' (--{flag}): {msg[:1].lower()}{msg[1:].replace('`', '')}") from None
+
+
+@dataclass(frozen=True)
+class JobSpec:
+    """What an ingest job makes. Stored in the ledger (its DSN left out), so every worker runs the same job."""
+
+    inputs: tuple[str, ...] = ()
+    meta: str | None = None
+    preset: str | None = None  # None: amazon-reviews when --meta is given, else generic
+    text_template: str | None = None
+    text_field: str | None = None
+    id_field: str | None = None
+    model: str | None = None
+    db: str | None = None
+    table: str | None = None
+    job: str | None = None
+    devices: str = "auto"
+    workers: int | None = None
+    batch_tokens: int | str = "auto"
+    chunk_bytes: int | None = None  # None: default_chunk_bytes(device) of the planning launcher / the worker
+    limit: int | None = None
+    no_index: bool = False
+    quiet: bool = False
+    dtype: str = "float"  # stored vector type: float -> vector, half -> halfvec
+    dim: int | None = None  # Matryoshka truncation
+    prompt: str | None = None  # prompt name for documents (models with a "document" prompt use it by default)
+    passages: str | None = None  # "TOKENS[:OVERLAP]": each record as passages of at most TOKENS tokens
+    partitions: int | None = None  # a new table as this many hash partitions of its id (None: one relation)
+    columns: tuple[str, ...] | None = None  # "NAME:TYPE" fields promoted from the records into typed columns
+
+    # Fields that change what lands in the table. Two runs agreeing on these are the same job.
+    _IDENTITY = (
+        "inputs", "meta", "preset", "text_template", "text_field", "id_field", "model",
+        "table", "chunk_bytes", "limit", "dtype", "dim", "prompt", "passages", "columns",
+    )
+
+    def replace(self, **changes) -> "JobSpec":
+        return dataclasses.replace(self, **changes)
+
+    def fingerprint(self) -> str:
+        # A field at its default is left out: a job planned before the field existed keeps its fingerprint.
+        ident = {k: (list(v) if isinstance(v := getattr(self, k), tuple) else v) for k in self._IDENTITY
+                 if k not in ("passages", "columns") or getattr(self, k) is not None}
+        return hashlib.sha256(orjson.dumps(ident, option=orjson.OPT_SORT_KEYS)).hexdigest()[:16]
+
+    def to_json(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        d.pop("db")  # a DSN may hold a password; workers get it from their own flags/env
+        return d
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> "JobSpec":
+        names = {f.name for f in dataclasses.fields(cls)}
+        return typed(cls, {k: v for k, v in d.items() if k in names}, "the ledger's job")
+
+
+def load_yaml(path: str | None) -> dict[str, Any]:
+    """Flags from a YAML file (keys spelled like the flags, `-` or `_`)."""
+    if not path:
+        return {}
+    import yaml
+
+    p = Path(path)
+    if not p.is_file():
+        raise InputError(f"config file not found: {path}")
+    try:
+        data = yaml.safe_load(p.read_text()) or {}
+    except yaml.YAMLError as e:
+        raise InputError(f"{path}: not valid YAML ({str(e).splitlines()[0]})") from None
+    if not isinstance(data, dict):
+        raise InputError(f"{path}: expected a mapping of flag: value")
+    known = {f.name for f in dataclasses.fields(JobSpec)}
+    out = {}
+    for k, v in data.items():
+        key = str(k).replace("-", "_")
+        if key not in known:
+            raise InputError(f"{path}: unknown key '{k}'")
+        out[key] = v
+    return out
+
+
+def build_job(flags: dict[str, Any], yaml_path: str | None = None) -> JobSpec:
+    """Merge YAML and flags (flags win when given), check each value's type, then validate."""
+    merged = dataclasses.asdict(typed(JobSpec, load_yaml(yaml_path), yaml_path)) if yaml_path else {}
+    merged.update({k: v for k, v in flags.items() if v is not None and v != [] and v is not False})
+    if not merged.get("inputs"):
+        raise InputError("no input given: embedfleet ingest FILE... (or `inputs:` in --config)")
+    return validated(typed(JobSpec, merged, "flags"))
+
+
+def validated(spec: JobSpec) -> JobSpec:
+    """`spec` checked, as a normalised copy (the preset filled in)."""
+    from embedfleet.platform.devices import validate_devices
+
+    validate_devices(spec.devices)
+    if spec.workers is not None and spec.workers < 1:
+        raise InputError("--workers must be at least 1")
+    bt = str(spec.batch_tokens)
+    if bt != "auto" and not (bt.isdigit() and int(bt) >= 16):
+        raise InputError(f"--batch-tokens {bt!r}: use auto or a number of tokens ≥ 16")
+    if spec.chunk_bytes is not None and spec.chunk_bytes < 1024:
+        raise InputError("--chunk-bytes must be at least 1024")
+    if spec.limit is not None and spec.limit < 0:
+        raise InputError("--limit must be ≥ 0")
+    if spec.dtype not in ("float", "half"):
+        raise InputError(f"--dtype {spec.dtype!r}: use float (vector) or half (halfvec)")
+    if spec.partitions is not None and not 2 <= spec.partitions <= MAX_PARTITIONS:
+        raise InputError(f"--partitions {spec.partitions}: use 2 to {MAX_PARTITIONS}, or leave it out for one relation")
+    from embedfleet.encode.passages import parse_passages
+
+    parse_passages(spec.passages)
+    if spec.text_template and spec.text_field:
+        raise InputError("give --text-field or --text-template, not both")
+    preset = spec.preset or ("amazon-reviews" if spec.meta else "generic")
+    from embedfleet.sources.presets import PRESETS, job_preset  # here, not at the top: settings stay light
+
+    if preset not in PRESETS:
+        raise InputError(f"--preset {preset!r}: choose one of {', '.join(PRESETS)}")
+    if spec.meta and preset != "amazon-reviews":
+        raise InputError("--meta joins product metadata and needs --preset amazon-reviews")
+    job_preset(preset, list(spec.columns) if spec.columns else None)  # names and types that can be columns
+    return spec.replace(preset=preset)
+
+
+@dataclass(frozen=True)
+class TrainSpec:
+    """A training run: `embedfleet train`'s flags."""
+
+    table: str
+    label: str
+    task: str = "classify"
+    head: str = "linear"
+    epochs: int = 10
+    batch_size: int | None = None  # global, across ranks (None: an eighth of the train split, see trainer)
+    lr: float = 1e-3
+    weight_decay: float = 0.01
+    where: str | None = None
+    val_fraction: float = 0.1
+    devices: str = "auto"
+    workers: int | None = None
+    cache: str = "auto"
+    out: str | None = None
+    db: str | None = None
+    seed: int = 0
+    json: bool = False
+
+    def replace(self, **changes) -> "TrainSpec":
+        return dataclasses.replace(self, **changes)
+
+    def to_json(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> "TrainSpec":
+        return typed(cls, d, "train")
+
+    def checked(self) -> "TrainSpec":
+        """This spec's values checked (types by msgspec, ranges here); returns it."""
+        from embedfleet.platform.devices import validate_devices
+        from embedfleet.train.heads import HEADS
+
+        typed(TrainSpec, dataclasses.asdict(self), "flags")
+        if self.task not in ("classify", "regress"):
+            raise InputError(f"--task {self.task!r}: use classify or regress")
+        if self.head not in HEADS:
+            raise InputError(f"--head {self.head!r}: use {' or '.join(HEADS)}")
+        if self.epochs < 1 or (self.batch_size is not None and self.batch_size < 1):
+            raise InputError("--epochs and --batch-size must be at least 1")
+        if not self.lr > 0:
+            raise InputError(f"--lr {self.lr}: use a positive learning rate")
+        if not 0.0 <= self.val_fraction < 1.0:
+            raise InputError(f"--val-fraction {self.val_fraction}: use a value in [0, 1)")
+        if self.cache not in ("auto", "gpu", "ram", "stream"):
+            raise InputError(f"--cache {self.cache!r}: use auto, gpu, ram or stream")
+        validate_devices(self.devices)
+        if self.workers is not None and self.workers < 1:
+            raise InputError("--workers must be at least 1")
+        return self
