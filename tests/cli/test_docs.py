@@ -11,7 +11,6 @@ import subprocess
 import sys
 
 import pytest
-
 from conftest import EXAMPLES, ROOT
 
 DOCS = ROOT / "docs"

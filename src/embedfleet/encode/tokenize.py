@@ -90,7 +90,7 @@ class _Tokenizer:
       added token ([MASK], …) skip this path: the library matches those before anything else.
     - `twin`: the library with a normalizer that only lowercases, for those texts (its normalizer's work left out).
 
-    Every other text takes the library's full path. The ids are the same (tests/unit/test_encode.py),
+    Every other text takes the library's full path. The ids are the same (tests/encode/test_encode.py),
     and a self-check at load turns the word path off should a tokenizer disagree.
     """
 

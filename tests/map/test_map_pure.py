@@ -7,7 +7,15 @@ from datetime import date
 
 import numpy as np
 
-from embedfleet.map import GREY, MAX_CATEGORIES, NUMERIC_BINS, PALETTE, SEQUENTIAL, _hover_json, categories
+from embedfleet.map import (
+    GREY,
+    MAX_CATEGORIES,
+    NUMERIC_BINS,
+    PALETTE,
+    SEQUENTIAL,
+    _hover_json,
+    categories,
+)
 
 
 def test_few_values_one_entry_each_most_frequent_first():

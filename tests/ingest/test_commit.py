@@ -1,5 +1,5 @@
 """Writer's routing of units to its threads (the transaction itself is tested against PostgreSQL in
-tests/integration)."""
+tests/ingest/test_ingest.py)."""
 
 from __future__ import annotations
 

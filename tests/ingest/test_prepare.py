@@ -10,13 +10,13 @@ import time
 import numpy as np
 
 from embedfleet.encode.tokenize import Tokenized
-from embedfleet.sources.records import Reject
-from embedfleet.ingest.prepare import Prepared, helper_count, spool, unspool
 from embedfleet.ingest.claim import stream_tasks, task_sizes
-from embedfleet.sources.jsonl import block_records
 from embedfleet.ingest.flow import Throttle
-from embedfleet.sources.plan import ChunkSpec
+from embedfleet.ingest.prepare import Prepared, helper_count, spool, unspool
 from embedfleet.pg.copyin import EncodedRows
+from embedfleet.sources.jsonl import block_records
+from embedfleet.sources.plan import ChunkSpec
+from embedfleet.sources.records import Reject
 
 
 def test_a_spooled_unit_reads_back_identical_and_its_file_is_gone(tmp_path):
@@ -370,10 +370,10 @@ def test_a_preparer_builds_its_word_path_at_start_not_in_the_first_unit(tmp_path
     """A helper's first unit is one the GPU waits for: the word path (trie and tables, the costly part
     of that unit) is built when the helper starts; the unit then uses it and gives the library's ids."""
     from embedfleet.encode.tokenize import tokenizer_spec
-    from embedfleet.sources.records import to_records
     from embedfleet.ingest import prepare as units
     from embedfleet.sources import read_chunk
     from embedfleet.sources.presets import get_preset
+    from embedfleet.sources.records import to_records
     from embedfleet.synth import write_amazon_reviews
 
     spec = tokenizer_spec(None)

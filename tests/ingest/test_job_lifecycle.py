@@ -14,8 +14,8 @@ import time
 import orjson
 import psutil
 import pytest
-
 from conftest import wait_for
+
 from embedfleet.synth import write_amazon_reviews
 
 

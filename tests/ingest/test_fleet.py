@@ -16,16 +16,16 @@ import numpy as np
 import orjson
 import psycopg
 import pytest
-
 from conftest import wait_for
+
 from embedfleet.synth import write_amazon_reviews
 
 
 def _plan(dsn: str, src, job: str, **flags) -> None:
     """Plan a job into the ledger, as `ingest` does before it starts workers."""
     from embedfleet.ingest.job import check_job, plan_job
-    from embedfleet.settings import Settings, build_job
     from embedfleet.ledger import Ledger
+    from embedfleet.settings import Settings, build_job
 
     cfg = build_job(dict(inputs=[str(src)], preset="amazon-reviews", table=job, job=job, no_index=True, **flags))
     ledger = Ledger.connect(dsn)
@@ -35,10 +35,10 @@ def _plan(dsn: str, src, job: str, **flags) -> None:
 
 
 def test_the_whole_worker_loop_runs_in_process_with_a_hash_encoder(dsn, conn, tmp_path):
-    from embedfleet.settings import Settings
     from embedfleet.encode.fake import HashEncoder, hash_vectors
     from embedfleet.encode.tokenize import tokenizer_spec
     from embedfleet.ingest.worker import Worker
+    from embedfleet.settings import Settings
 
     src = write_amazon_reviews(tmp_path / "inproc.jsonl", 300, seed=6)
     _plan(dsn, src, "inproc", chunk_bytes=20000)
@@ -190,10 +190,10 @@ def test_a_workers_loop_starts_eager_beside_its_compile_unless_told_to_wait(dsn,
     """Settings.compile_wait: by default the loop starts at once, eager, while the compile runs; with it,
     the loop starts once the compile is done. Either way the worker says it is finished only once its
     compile has ended (nothing of the job's outlives the command)."""
-    from embedfleet.settings import Settings
     from embedfleet.encode.fake import HashEncoder
     from embedfleet.ingest import embed as embed_mod
     from embedfleet.ingest import worker as worker_mod
+    from embedfleet.settings import Settings
 
     monkeypatch.setattr(embed_mod, "COMPILE_MIN_BYTES", 0)  # this small job counts as one that pays for it
 
@@ -289,9 +289,9 @@ def test_a_launcher_keeps_its_early_workers_when_the_job_needs_them_all_and_stop
     """prestart starts one worker a device before the job is planned. A job with a chunk for each runs on
     those very processes; a job with fewer chunks gets workers started afresh for it (their settings are
     for fewer workers), and the early ones are stopped unregistered. None is left running."""
-    from embedfleet.settings import Settings
     from embedfleet.ingest.launch.local import LocalLauncher
     from embedfleet.ledger import Ledger
+    from embedfleet.settings import Settings
 
     ledger = Ledger.connect(dsn)
     try:

@@ -10,7 +10,14 @@ import pyarrow.parquet as pq
 import pytest
 
 from embedfleet.errors import InputError
-from embedfleet.sources import ChunkSpec, expand_inputs, input_kind, plan_chunks, read_chunk, table_name_for
+from embedfleet.sources import (
+    ChunkSpec,
+    expand_inputs,
+    input_kind,
+    plan_chunks,
+    read_chunk,
+    table_name_for,
+)
 from embedfleet.sources import plan as plan_mod
 
 

@@ -17,12 +17,19 @@ import zstandard
 from fsspec.spec import AbstractBufferedFile, AbstractFileSystem
 
 from embedfleet.errors import InputError
-from embedfleet.sources.records import to_records
 from embedfleet.ingest.preflight import first_records
-from embedfleet.sources import ChunkSpec, expand_inputs, input_kind, plan_chunks, read_chunk, table_name_for
-from embedfleet.sources import files
+from embedfleet.sources import (
+    ChunkSpec,
+    expand_inputs,
+    files,
+    input_kind,
+    plan_chunks,
+    read_chunk,
+    table_name_for,
+)
 from embedfleet.sources.jsonl import block_records, stream_blocks
 from embedfleet.sources.presets import get_preset
+from embedfleet.sources.records import to_records
 
 
 class RangeStore(AbstractFileSystem):

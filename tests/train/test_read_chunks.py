@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 
 from embedfleet.errors import DatabaseError
-from embedfleet.train import read as readmod
 from embedfleet.pg.ddl import heap_pages
+from embedfleet.train import read as readmod
 from embedfleet.train.read import TableRead, describe
 
 DIM = 8

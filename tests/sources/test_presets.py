@@ -12,9 +12,9 @@ import pyarrow.parquet as pq
 import pytest
 
 from embedfleet.errors import InputError
-from embedfleet.sources.records import PGTYPES, to_records
 from embedfleet.sources import RawRecord, plan_chunks, read_chunk
 from embedfleet.sources.presets import get_preset, load_meta, parse_price
+from embedfleet.sources.records import PGTYPES, to_records
 from embedfleet.synth import write_amazon_meta, write_amazon_reviews
 
 AMAZON = get_preset("amazon-reviews")

@@ -1,4 +1,4 @@
-"""Pure pieces of the runtime and store: no database, no model."""
+"""A job's pure pieces: --limit over the inputs, how many workers and writers, the progress and status lines, what bound a run."""
 
 from __future__ import annotations
 
@@ -13,21 +13,19 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from embedfleet.settings import JobSpec, build_job
-from embedfleet.errors import InputError
 from embedfleet.ingest.job import apply_limit
-from embedfleet.platform.devices import parse_devices
 from embedfleet.ingest.launch import worker_count, writers_each
 from embedfleet.ingest.monitor import rate_and_eta
 from embedfleet.sources import read_chunk
 from embedfleet.sources.plan import ChunkSpec, plan_chunks
-from embedfleet.pg.embedded import (_settings_in, _sigint_ignored, changed, max_wal_size_gb, shared_buffers_mb, wal_segment_mb)
-from embedfleet.pg.ddl import check_identifier
-from embedfleet.train.read import use_chunks
 
 
 def _c(src, first, kind="jsonl"):
     return ChunkSpec(src, kind, 0, 0, first)
+
+
+def _lines_of(path: Path, n: int, start: int) -> list[str]:
+    return [json.dumps({"id": f"{path.name}-{i}", "text": f"line {i}"}) for i in range(start, start + n)]
 
 
 def test_limit_caps_the_chunk_holding_the_nth_line():
@@ -43,10 +41,6 @@ def test_limit_caps_the_chunk_holding_the_nth_line():
     assert apply_limit(chunks, 250, count) == [(chunks[0], 250), (chunks[1], 250), (chunks[2], 250)]
     # a file with more lines than are left: the cap falls inside it and planning stops
     assert apply_limit(chunks, 500, lambda c, most: None) == [(chunks[0], 500), (chunks[1], 500), (chunks[2], 500)]
-
-
-def _lines_of(path: Path, n: int, start: int) -> list[str]:
-    return [json.dumps({"id": f"{path.name}-{i}", "text": f"line {i}"}) for i in range(start, start + n)]
 
 
 def test_limit_counts_lines_across_inputs_of_every_kind(tmp_path):
@@ -89,94 +83,11 @@ def test_limit_goes_on_past_a_damaged_stream(tmp_path):
         ("a.jsonl", 15), ("b.jsonl.gz", 5), ("c.jsonl", 5)]
 
 
-def test_devices_spread_workers_round_robin(monkeypatch):
-    import embedfleet.platform.devices as local
-
-    assert parse_devices("cpu", None) == ["cpu"]
-    assert parse_devices("cpu", 2) == ["cpu", "cpu"]
-    monkeypatch.setattr(local, "_cuda_count", lambda: 4)  # a 4-GPU host, without needing one
-    assert parse_devices("auto", None) == ["cuda:0", "cuda:1", "cuda:2", "cuda:3"]
-    assert parse_devices("cuda:0,1", None) == ["cuda:0", "cuda:1"]
-    assert parse_devices("cuda:2,3", 3) == ["cuda:2", "cuda:3", "cuda:2"]
-    assert parse_devices("cuda:0", 2) == ["cuda:0", "cuda:0"]  # two processes share one GPU
-    with pytest.raises(InputError, match="only 4 GPU"):
-        parse_devices("cuda:4", None)
-    monkeypatch.setattr(local, "_cuda_count", lambda: 0)
-    assert parse_devices("auto", None) == ["cpu"]
-    with pytest.raises(InputError, match="no CUDA GPU"):
-        parse_devices("cuda:1", None)
-
-
 def test_rate_and_eta_from_samples():
     h = deque([(0.0, 0, 0, 0), (10.0, 1000, 50000, 5)])
     rows, toks, eta = rate_and_eta(h, total_chunks=15)
     assert (rows, toks, eta) == (100.0, 5000.0, 20.0)
     assert rate_and_eta(deque([(0.0, 0, 0, 0)]), 3) == (0.0, 0.0, None)
-
-
-@pytest.mark.parametrize("name", ["", "   ", "x" * 64, "pg_thing", "a\x00b"])
-def test_unusable_table_names_are_refused(name):
-    with pytest.raises(InputError):
-        check_identifier(name)
-
-
-@pytest.mark.parametrize("name", ["reviews", "Cell_Phones_and_Accessories", 'we"ird; DROP TABLE x', "ünï"])
-def test_any_other_name_is_accepted_and_quoted_later(name):
-    assert check_identifier(name) == name
-
-
-def test_config_flags_win_over_yaml_and_identity_ignores_runtime_knobs(tmp_path):
-    y = tmp_path / "job.yaml"
-    y.write_text("inputs: [a.jsonl]\nmodel: m1\nworkers: 4\nchunk-bytes: 4096\n")
-    cfg = build_job({"model": "m2", "inputs": None}, str(y))
-    assert (cfg.inputs, cfg.model, cfg.workers, cfg.chunk_bytes) == (("a.jsonl",), "m2", 4, 4096)
-    assert cfg.preset == "generic"
-    other = JobSpec(**{**cfg.__dict__, "workers": 1, "devices": "cpu", "quiet": True})
-    assert other.fingerprint() == cfg.fingerprint()
-    assert JobSpec(**{**cfg.__dict__, "model": "m3"}).fingerprint() != cfg.fingerprint()
-
-
-@pytest.mark.parametrize("flags, msg", [
-    ({"devices": "gpu"}, "--devices"),
-    ({"batch_tokens": "lots"}, "--batch-tokens"),
-    ({"dtype": "int8"}, "--dtype"),
-    ({"preset": "nope"}, "--preset"),
-    ({"meta": "m.jsonl", "preset": "generic"}, "--meta"),
-    ({"text_field": "a", "text_template": "{b}"}, "not both"),
-])
-def test_bad_flags_are_refused_with_the_flag_named(flags, msg):
-    with pytest.raises(InputError, match=msg):
-        build_job({"inputs": ["a.jsonl"], **flags})
-
-
-def test_yaml_with_unknown_key_is_refused(tmp_path):
-    y = tmp_path / "job.yaml"
-    y.write_text("inputs: [a]\nmodle: x\n")
-    with pytest.raises(InputError, match="unknown key 'modle'"):
-        build_job({}, str(y))
-
-
-@pytest.mark.parametrize("line, key, expected", [
-    ('limit: "five"', "limit", "expected int | null, got str"),
-    ("table: [a, b]", "table", "expected str | null, got array"),
-    ("limit: 3.7", "limit", "expected int | null, got float"),
-    ('no_index: "false"', "no_index", "expected bool, got str"),
-    ("no-index: 1", "no_index", "expected bool, got int"),
-    ("workers: [2]", "workers", "expected int | null, got array"),
-])
-def test_yaml_values_of_the_wrong_type_are_refused_naming_the_key(tmp_path, line, key, expected):
-    y = tmp_path / "job.yaml"
-    y.write_text(f"inputs: [a.jsonl]\n{line}\n")
-    with pytest.raises(InputError) as err:
-        build_job({}, str(y))
-    assert str(err.value) == f"{y}: key '{key}' (--{key.replace('_', '-')}): {expected}"
-
-
-def test_yaml_values_of_the_right_type_pass(tmp_path):
-    y = tmp_path / "job.yaml"
-    y.write_text("inputs: a.jsonl\nlimit: 5\nno_index: true\nbatch-tokens: 4096\ntable: t\n")
-    cfg = build_job({}, str(y))
-    assert (cfg.inputs, cfg.limit, cfg.no_index, cfg.batch_tokens, cfg.table) == (("a.jsonl",), 5, True, 4096, "t")
 
 
 def test_writer_connections_fit_what_the_server_has_free():
@@ -188,7 +99,11 @@ def test_writer_connections_fit_what_the_server_has_free():
 
 
 def test_a_worker_compiles_first_only_for_work_that_pays_for_it():
-    from embedfleet.ingest.embed import COMPILE_MIN_BYTES, SMALL_COMPILE_MIN_BYTES, compile_pays
+    from embedfleet.ingest.embed import (
+        COMPILE_MIN_BYTES,
+        SMALL_COMPILE_MIN_BYTES,
+        compile_pays,
+    )
 
     # a big model: a short job leaves it to the encoder's rule (None), a long one compiles at once
     assert compile_pays(0) is None and compile_pays(4000) is None and compile_pays(COMPILE_MIN_BYTES - 1) is None
@@ -205,51 +120,6 @@ def test_no_more_workers_than_chunks_left_to_claim():
     assert worker_count(4, {"pending": 2, "running": 1, "done": 5, "failed": 1}) == 3
     assert worker_count(4, {"pending": 40, "running": 0, "done": 0, "failed": 0}) == 4
     assert worker_count(4, {"pending": 0, "running": 0, "done": 9, "failed": 0}) == 1  # one reports it done
-
-
-def test_the_embedded_server_buffers_a_quarter_of_memory_between_1_and_64_gb():
-    gib = 1 << 30
-    assert [shared_buffers_mb(m * gib) for m in (2, 8, 24, 64, 256, 512)] == [1024, 2048, 6144, 16384, 65536, 65536]
-    assert shared_buffers_mb(int(10.5 * gib)) == 2688
-
-
-def test_the_embedded_server_keeps_an_eighth_of_its_disk_of_wal_between_8_and_32_gb():
-    gib = 1 << 30
-    assert [max_wal_size_gb(d * gib) for d in (20, 64, 100, 235, 252, 2000)] == [8, 8, 12, 29, 31, 32]
-    # a disk whose size moves a little (ZFS, btrfs) restarts nothing; other values are set again
-    wanted = {"max_wal_size": "29GB", "wal_buffers": "256MB"}
-    assert changed({"max_wal_size": "31GB", "wal_buffers": "256MB"}, wanted) == {}
-    assert changed({"max_wal_size": "8GB", "wal_buffers": "256MB"}, wanted) == {"max_wal_size": "29GB"}
-    assert changed({"max_wal_size": "1024MB", "wal_buffers": "64MB"}, wanted) == wanted
-    assert changed({}, wanted) == wanted
-
-
-def test_one_connection_takes_a_message_a_row_where_the_client_has_cores_to_spare():
-    assert not use_chunks(180000, 1, cores=16) and not use_chunks(140000, 1, cores=4)
-    assert use_chunks(180000, 1, cores=2)  # client and server share two cores: chunks cost the client less
-    assert use_chunks(180000, 4, cores=64)  # several connections' clients share one GIL
-    assert not use_chunks(130000, 4, cores=2)  # PostgreSQL 13 has no TID range scan
-
-
-def test_settings_written_by_alter_system_are_read_back():
-    auto_conf = ("# Do not edit this file manually!\n# It will be overwritten by the ALTER SYSTEM command.\n"
-                 "shared_buffers = '16384MB'\nmax_connections = '300'\n")
-    assert _settings_in(auto_conf) == {"shared_buffers": "16384MB", "max_connections": "300"}
-    assert _settings_in("") == {}
-
-
-@pytest.mark.parametrize("version, dtype, problem", [
-    ((0, 4, 4), "float", "pgvector 0.4.4 is too old"),
-    ((0, 5, 0), "float", None),
-    ((0, 6, 2), "half", "--dtype half needs pgvector ≥ 0.7"),
-    ((0, 6, 2), "float", None),
-    ((0, 8, 0), "half", None),
-])
-def test_the_server_check_names_a_pgvector_that_cannot_serve_the_job(version, dtype, problem):
-    from embedfleet.pg.ddl import pgvector_problem
-
-    got = pgvector_problem(version, dtype)
-    assert (got is None) if problem is None else problem in got
 
 
 def test_the_final_progress_line_shows_rows_over_the_runs_own_time():
@@ -286,47 +156,6 @@ def test_status_fits_80_columns_without_cutting_names_or_dates():
     assert name in "".join(line.split()[0] for line in text.splitlines()[1:4])  # wrapped, whole
     assert "11-26 20:17–20:19" in text  # started, and finished the same day
     assert "chunk 3 (bad.jsonl.gz) failed: InputError: unreadable after line 9" in " ".join(text.split())
-
-
-def test_every_knob_is_read_once_and_listed_in_the_configuration_reference():
-    import dataclasses
-    from pathlib import Path
-
-    from embedfleet.settings import Settings
-
-    reference = (Path(__file__).resolve().parents[2] / "docs" / "reference" / "configuration.md").read_text()
-    for f in dataclasses.fields(Settings):
-        assert f"| `{f.metadata['env']}` |" in reference, f"the configuration reference lacks {f.metadata['env']}"
-    s = Settings.from_env({"EMBEDFLEET_LEASE_SECONDS": "3", "EMBEDFLEET_COMPILE": "0", "EMBEDFLEET_WRITERS": "2"},
-                          writers=5)
-    assert (s.lease_seconds, s.compile, s.writers) == (3.0, False, 5)  # a flag wins over the variable
-    assert Settings.from_json(s.to_json()) == s  # what a launcher hands its workers comes back whole
-    for env, bad in (("EMBEDFLEET_WRITERS", "two"), ("EMBEDFLEET_LEASE_SECONDS", "-1"), ("EMBEDFLEET_COMPILE", "maybe"),
-                     ("EMBEDFLEET_HELPER_NICE", "20"), ("EMBEDFLEET_HELPER_NICE", "-1")):
-        with pytest.raises(InputError, match=env):
-            Settings.from_env({env: bad})
-
-
-def test_cuda_visible_devices_read_as_cuda_reads_them():
-    from embedfleet.platform.gpu import cuda_visible_count
-
-    assert cuda_visible_count(None, 4) == 4
-    assert cuda_visible_count("", 4) == 0 and cuda_visible_count("-1", 4) == 0
-    assert cuda_visible_count("0,2", 4) == 2 and cuda_visible_count(" 3 ", 4) == 1
-    assert cuda_visible_count("1,7,2", 4) == 1  # CUDA stops at the first index it does not have
-    assert cuda_visible_count("0,0", 4) == 1  # a repeated device ends the list too
-    assert cuda_visible_count("GPU-8f0e-aa,GPU-77b1-cc", 2) == 2
-
-
-def test_counting_gpus_where_nvml_cannot_answer_falls_back_to_torch():
-    """No NVIDIA driver here: NVML's init fails (nvidia-ml-py is installed) and torch's count is the answer."""
-    import torch
-
-    from embedfleet.platform.gpu import visible_gpu_count
-
-    if torch.cuda.is_available():
-        pytest.skip("a GPU machine: NVML answers (tests/gpu checks that count)")
-    assert visible_gpu_count() == torch.cuda.device_count() == 0
 
 
 def test_time_shares_count_a_loops_last_wait_as_the_databases_only_for_its_own_commits():
@@ -407,57 +236,3 @@ def test_run_queue_seconds_counts_time_ready_without_a_cpu():
     assert run_queue_seconds(me) - mine > 0.1
     assert run_queue_seconds() - before >= run_queue_seconds(me) - mine - 0.01  # the process's has its threads'
     assert run_queue_seconds(2**31 - 1) is None  # no such thread
-
-
-def test_a_worker_process_reuses_the_pages_it_freed_for_its_next_units_buffers():
-    """A unit's buffers (MBs, freed once it is written, on several writer threads) come back from the
-    heap for the next unit instead of fresh pages: glibc's default maps many afresh each time."""
-    import subprocess
-    import sys
-
-    script = (
-        "import random, resource, sys, threading\n"
-        "from embedfleet.platform.heap import keep_freed_memory\n"
-        "kept = keep_freed_memory() if sys.argv[1] == 'keep' else None\n"
-        "before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt\n"
-        "def writer(seed):\n"
-        "    sizes = random.Random(seed)\n"
-        "    for _ in range(20):\n"
-        "        unit = bytearray(sizes.randrange(2 << 20, 12 << 20))\n"  # a unit's COPY stream, then freed
-        "        del unit\n"
-        "threads = [threading.Thread(target=writer, args=(k,)) for k in range(6)]\n"
-        "for t in threads: t.start()\n"
-        "for t in threads: t.join()\n"
-        "print(kept, resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)\n")
-    out = {mode: subprocess.run([sys.executable, "-c", script, mode], capture_output=True, text=True, check=True)
-           .stdout.split() for mode in ("default", "keep")}
-    if out["keep"][0] != "True":
-        pytest.skip("not glibc: its allocator is left as it is")
-    # 120 units of ~7 MB (~210k pages): by default 29-42k faults on the 2-core VM; kept, 6-12k (each thread's first)
-    assert int(out["default"][1]) > 2 * int(out["keep"][1]), out
-
-
-def test_the_wal_segment_size_is_read_from_a_segment_file(tmp_path):
-    wal = tmp_path / "pg_wal"
-    (wal / "archive_status").mkdir(parents=True)
-    (wal / "00000002.history").write_text("1\t0/3000000\tno recovery target specified\n")
-    assert wal_segment_mb(tmp_path) is None  # no segment
-    with open(wal / "000000010000000000000003", "wb") as f:
-        f.truncate(256 << 20)  # sparse, as with wal_init_zero off
-    assert wal_segment_mb(tmp_path) == 256
-
-
-def test_ctrl_c_does_not_reach_what_runs_with_sigint_ignored():
-    import os
-    import signal
-
-    got = []
-    before = signal.signal(signal.SIGINT, lambda *_: got.append(1))
-    try:
-        with _sigint_ignored():
-            os.kill(os.getpid(), signal.SIGINT)
-        assert got == []
-        os.kill(os.getpid(), signal.SIGINT)  # the handler is back
-        assert got == [1]
-    finally:
-        signal.signal(signal.SIGINT, before)

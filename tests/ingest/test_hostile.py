@@ -10,8 +10,8 @@ import sys
 
 import orjson
 import pytest
-
 from conftest import EXAMPLES, wait_for
+
 from embedfleet.synth import write_amazon_reviews
 
 REVIEWS = EXAMPLES / "Cell_Phones_and_Accessories.jsonl"

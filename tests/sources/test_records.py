@@ -9,9 +9,21 @@ from decimal import Decimal
 import pytest
 
 from embedfleet.errors import InputError
-from embedfleet.sources.records import (CoerceError, Record, Reject, PGTYPES, coerce, coercer, jsonable, render_template, sanitize, to_records, validate_template)
 from embedfleet.sources import RawRecord
 from embedfleet.sources.presets import get_preset
+from embedfleet.sources.records import (
+    PGTYPES,
+    CoerceError,
+    Record,
+    Reject,
+    coerce,
+    coercer,
+    jsonable,
+    render_template,
+    sanitize,
+    to_records,
+    validate_template,
+)
 
 AMAZON = get_preset("amazon-reviews")
 GENERIC = get_preset("generic")

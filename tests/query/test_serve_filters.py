@@ -15,7 +15,6 @@ import urllib.request
 
 import psycopg
 import pytest
-
 from conftest import wait_for
 
 

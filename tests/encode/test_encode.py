@@ -197,9 +197,9 @@ def test_bert_ascii_shortcuts_give_the_librarys_ids(lowercase, monkeypatch):
 
     from tokenizers import Tokenizer
 
+    from embedfleet.encode.models import read_spec, resolve_model
     from embedfleet.encode.tokenize import _tokenizer_json
     from embedfleet.encode.wordpiece import LONGEST_TEXT, WORDS
-    from embedfleet.encode.models import read_spec, resolve_model
     from embedfleet.synth import long_tail_texts, review_texts
 
     spec = json.loads(_tokenizer_json(read_spec(resolve_model(None))))

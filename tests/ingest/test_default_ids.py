@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import orjson
 
-from embedfleet.sources.records import to_records
 from embedfleet.sources import read_chunk
 from embedfleet.sources.plan import id_name, id_root, plan_chunks
 from embedfleet.sources.presets import get_preset
+from embedfleet.sources.records import to_records
 
 
 def _write(path, n, tag):

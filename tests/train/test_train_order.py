@@ -5,7 +5,13 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from embedfleet.train.order import default_window_rows, epoch_order, shard_bounds, step_bounds, step_sizes
+from embedfleet.train.order import (
+    default_window_rows,
+    epoch_order,
+    shard_bounds,
+    step_bounds,
+    step_sizes,
+)
 
 
 @pytest.mark.parametrize("n", [0, 1, 2, 255, 256, 257, 1000, 4099])

@@ -1,16 +1,16 @@
 """Compiling off the caller's thread: small work never compiles; big work compiles in the background,
 then switches to the compiled graph, and the caller's thread never compiles (CPU, a tracing-only
-backend standing in for Inductor; tests/gpu has the real thing)."""
+backend standing in for Inductor; tests/encode/test_compile_gpu.py has the real thing)."""
 
 import threading
 
 import numpy as np
 import torch
 
-from embedfleet.platform.cache import compiled_before
 from embedfleet.encode.compile import BackgroundCompile, Fused
 from embedfleet.encode.encoder import Encoder
 from embedfleet.encode.shapes import build_random_model
+from embedfleet.platform.cache import compiled_before
 from embedfleet.synth import review_texts
 
 

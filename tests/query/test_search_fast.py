@@ -18,7 +18,6 @@ import uuid
 
 import psutil
 import pytest
-
 from conftest import EXAMPLES
 
 TABLE = "phones"

@@ -5,7 +5,13 @@ import pytest
 import torch
 
 from embedfleet.encode.batching import cumulative, length_order, plan_batches
-from embedfleet.encode.budget import MAX_BATCH_TOKENS, TokenBudget, max_batch_tokens, probe_batch_tokens, run_with_backoff
+from embedfleet.encode.budget import (
+    MAX_BATCH_TOKENS,
+    TokenBudget,
+    max_batch_tokens,
+    probe_batch_tokens,
+    run_with_backoff,
+)
 from embedfleet.encode.packed.attention import token_layout
 from embedfleet.encode.tokenize import pack_sorted
 
@@ -84,7 +90,11 @@ def test_small_models_get_bigger_batches():
 def test_flash_attention_is_torchs_op_called_directly_and_only_with_the_arguments_it_takes():
     import sys
 
-    from embedfleet.encode.packed.attention import _FLASH_ARGS, _flash_op, takes_flash_args
+    from embedfleet.encode.packed.attention import (
+        _FLASH_ARGS,
+        _flash_op,
+        takes_flash_args,
+    )
 
     # this torch registers the op (CPU builds too): found without importing torch._dynamo
     dynamo_before = "torch._dynamo" in sys.modules

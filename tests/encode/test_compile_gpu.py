@@ -27,15 +27,14 @@ def _texts(n=3000):
 @pytest.mark.skipif(not MINILM.is_dir(), reason="fp16 MiniLM not prepared (.models/)")
 def test_small_work_stays_eager_and_big_work_switches_to_the_compiled_graph(tmp_path, monkeypatch):
     monkeypatch.setenv("EMBEDFLEET_HOME", str(tmp_path / "home"))
-    from embedfleet import settings as config
+    from embedfleet.settings import Settings
 
-    # only warmup() starts it here (the process's knobs are read once: set them, not the environment)
-    monkeypatch.setattr(config, "_ACTIVE", config.Settings.from_env(compile_tokens=1 << 40))
+    knobs = Settings.from_env(compile_tokens=1 << 40)  # only warmup() starts it here
     from torch._dynamo.utils import counters
 
     from embedfleet.encode.encoder import Encoder
 
-    enc = Encoder(str(MINILM))
+    enc = Encoder(str(MINILM), settings=knobs)
     graphs0 = counters["stats"]["unique_graphs"]
     texts = _texts()
     eager = enc.encode(texts)
@@ -58,14 +57,14 @@ def test_small_work_stays_eager_and_big_work_switches_to_the_compiled_graph(tmp_
 def test_warmup_without_compile_never_compiles_however_much_work_comes(tmp_path, monkeypatch):
     """What a worker asks for a small model's short job: eager to the end (the compile would not pay)."""
     monkeypatch.setenv("EMBEDFLEET_HOME", str(tmp_path / "home"))
-    from embedfleet import settings as config
+    from embedfleet.settings import Settings
 
-    monkeypatch.setattr(config, "_ACTIVE", config.Settings.from_env(compile_tokens=1))  # otherwise due at once
+    knobs = Settings.from_env(compile_tokens=1)  # otherwise due at once
     from torch._dynamo.utils import counters
 
     from embedfleet.encode.encoder import Encoder
 
-    enc = Encoder(str(MINILM))
+    enc = Encoder(str(MINILM), settings=knobs)
     graphs0 = counters["stats"]["unique_graphs"]
     enc.warmup(wait=False, compile=False)
     for _ in range(3):

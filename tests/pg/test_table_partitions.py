@@ -6,7 +6,13 @@ import psycopg
 import pytest
 
 from embedfleet.errors import DatabaseError, InputError
-from embedfleet.pg.ddl import check_partitions, ensure_table, ensure_vector, finish_table, partition_count
+from embedfleet.pg.ddl import (
+    check_partitions,
+    ensure_table,
+    ensure_vector,
+    finish_table,
+    partition_count,
+)
 
 
 def _loaded(conn, table: str, partitions: int | None, rows: int = 3000) -> None:

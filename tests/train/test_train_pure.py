@@ -9,7 +9,17 @@ import pytest
 import torch
 
 from embedfleet.errors import InputError
-from embedfleet.pg.copybin import (SIGNATURE, TRAILER, check_rows, chunk_count, chunk_rows, header_length, row_dtype, scalar_field, vector_field)
+from embedfleet.pg.copybin import (
+    SIGNATURE,
+    TRAILER,
+    check_rows,
+    chunk_count,
+    chunk_rows,
+    header_length,
+    row_dtype,
+    scalar_field,
+    vector_field,
+)
 from embedfleet.train.dataset import choose_tier, host_take, make_put, resolve_dtype
 from embedfleet.train.metrics import classify_metrics, regress_metrics
 from embedfleet.train.read import Ids, Split, class_index
