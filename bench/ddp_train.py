@@ -8,7 +8,7 @@ file locks under DDP beside ours.
         [--workers 8] [--skip train,sweep,loader] [--cpu] [--out FILE]
 
 Parts, each on every count of --gpus (one process a GPU, started the way `embedfleet train` starts them):
-  train   `embedfleet train --cache gpu` over the whole table (`bench_train_<rows>_384`, written like
+  train   `embedfleet train --tier gpu` over the whole table (`bench_train_<rows>_384`, written like
           bench/train_loader.py writes it, or --table) with the global batch --batch-per-gpu × GPUs, so
           that each GPU takes the same rows a step at every count: epoch seconds, samples/s, the read.
   sweep   each rank reads the table's first --sweep-rows rows once (EmbeddingDataset, gpu tier), then
@@ -324,7 +324,7 @@ def run_train(a, table: str, dsn: str, counts: list[int]) -> dict:
             ["--devices", "cuda:" + ",".join(map(str, range(n)))]
         cmd = [sys.executable, "-m", "embedfleet.cli", "train", "--table", table, "--label", "rating", "--task",
                "classify", "--epochs", str(a.epochs), "--batch-size", str(a.batch_per_gpu * n), *devices,
-               "--cache", "ram" if a.cpu else "gpu", "--db", dsn, "--json", "--out", tempfile.mkdtemp(prefix="ddp-")]
+               "--tier", "ram" if a.cpu else "gpu", "--db", dsn, "--json", "--out", tempfile.mkdtemp(prefix="ddp-")]
         say("running", " ".join(cmd[2:]))
         t0 = time.perf_counter()
         # a session of its own: past its time, the command and the rank processes it started go together

@@ -33,7 +33,7 @@ extrapolated (batches × time a batch); that is said in the output. Bulk read ra
 (over the first --read-rows rows, a TID range) and --readers connections (the whole table).
 On CUDA, `copies`: GB/s of a batch's bytes copied to the device from pinned and from pageable memory,
 and the ram tier's floor (an epoch's bytes over the pinned rate).
-`--ddp-devices cuda:0,1,…` also runs `embedfleet train --cache gpu` on 1 and on those devices and
+`--ddp-devices cuda:0,1,…` also runs `embedfleet train --tier gpu` on 1 and on those devices and
 reports their epoch seconds (issue 22's scaling).
 One JSON document on stdout; progress on stderr.
 """
@@ -465,7 +465,7 @@ def ddp_epochs(dsn: str, table: str, devices: str, batch: int, epochs: int) -> d
     out = {}
     for devs in (devices.split(",")[0], devices):
         cmd = [sys.executable, "-m", "embedfleet.cli", "train", "--table", table, "--label", "rating", "--task",
-               "classify", "--epochs", str(epochs), "--batch-size", str(batch), "--devices", devs, "--cache", "gpu",
+               "classify", "--epochs", str(epochs), "--batch-size", str(batch), "--devices", devs, "--tier", "gpu",
                "--db", dsn, "--json", "--out", tempfile.mkdtemp(prefix="bench-train-")]
         say("running", " ".join(cmd[2:]))
         p = subprocess.run(cmd, capture_output=True, text=True)

@@ -345,7 +345,7 @@ class TrainSpec:
         if not 0.0 <= self.val_fraction < 1.0:
             raise InputError(f"--val-fraction {self.val_fraction}: use a value in [0, 1)")
         if self.cache not in ("auto", "gpu", "ram", "stream"):
-            raise InputError(f"--cache {self.cache!r}: use auto, gpu, ram or stream")
+            raise InputError(f"--tier {self.cache!r}: use auto, gpu, ram or stream")
         validate_devices(self.devices)
         if self.workers is not None and self.workers < 1:
             raise InputError("--workers must be at least 1")

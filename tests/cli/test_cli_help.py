@@ -34,3 +34,17 @@ def test_help_shows_brackets_as_written():
     out = subprocess.run([sys.executable, "-m", "embedfleet.cli", "ingest", "--help"], env=env,
                          capture_output=True, text=True, timeout=60, check=True).stdout
     assert "pip install embedfleet[ray]" in out and "TOKENS[:OVERLAP]" in out
+
+
+def test_train_takes_its_clear_flag_names_and_still_the_old_hidden_ones():
+    from typer.testing import CliRunner
+
+    from embedfleet.cli import app
+
+    shown = CliRunner().invoke(app, ["train", "--help"], env={"COLUMNS": "200"}).output
+    assert "--ranks" in shown and "--tier" in shown
+    assert "--workers" not in shown and "--cache" not in shown
+    # the old names still parse: a disagreement between the two spellings is refused before any work
+    r = CliRunner().invoke(app, ["train", "--table", "t", "--label", "l", "--task", "classify",
+                                 "--ranks", "2", "--workers", "3"])
+    assert r.exit_code == 2 and "--ranks and its old name --workers disagree" in r.output

@@ -55,8 +55,8 @@ def _train(tmp_path, dsn, *args, **environ):
 
 def test_train_on_one_gpu_in_both_tiers(dsn, conn, tmp_path):
     _table(conn)
-    gpu = _train(tmp_path, dsn, "--devices", "cuda:0", "--cache", "gpu")
-    ram = _train(tmp_path, dsn, "--devices", "cuda:0", "--cache", "ram")
+    gpu = _train(tmp_path, dsn, "--devices", "cuda:0", "--tier", "gpu")
+    ram = _train(tmp_path, dsn, "--devices", "cuda:0", "--tier", "ram")
     assert gpu["cache"] == "gpu" and ram["cache"] == "ram" and gpu["device"] == "cuda:0"
     assert gpu["dtype"] == ram["dtype"] == "bfloat16"  # what autocast feeds the head: stored so on CUDA
     assert gpu["final"]["val_accuracy"] > 0.45  # chance is 0.2: the rating is a step function of one component
@@ -78,8 +78,8 @@ def test_two_gpus_train_like_one(dsn, conn, tmp_path):
 
 def test_steps_replayed_as_cuda_graphs_train_like_eager_steps(dsn, conn, tmp_path):
     _table(conn)
-    graphed = _train(tmp_path, dsn, "--devices", "cuda:0", "--cache", "gpu")
-    eager = _train(tmp_path, dsn, "--devices", "cuda:0", "--cache", "gpu", EMBEDFLEET_TRAIN_GRAPH="0")
+    graphed = _train(tmp_path, dsn, "--devices", "cuda:0", "--tier", "gpu")
+    eager = _train(tmp_path, dsn, "--devices", "cuda:0", "--tier", "gpu", EMBEDFLEET_TRAIN_GRAPH="0")
     assert graphed["step"] == "cuda-graph" and eager["step"] == "eager"
     for a, b in zip(graphed["epochs"], eager["epochs"]):
         assert a["train_loss"] == pytest.approx(b["train_loss"], rel=1e-3)

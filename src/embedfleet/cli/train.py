@@ -23,9 +23,12 @@ def train(
     where: Optional[str] = typer.Option(None, "--where", help="SQL filter on the rows (read-only)"),
     val_fraction: float = typer.Option(0.1, "--val-fraction", help="share of rows, by id hash, kept for validation"),
     devices: str = typer.Option("auto", "--devices", help="auto | cpu | cuda | cuda:0,1,… (one process each)"),
-    workers: Optional[int] = typer.Option(None, "--workers", help="processes (default one per device; --devices cpu "
-                                          "--workers 2: two gloo processes)"),
-    cache: str = typer.Option("auto", "--cache", help="auto | gpu | ram | stream: where the vectors live"),
+    ranks: Optional[int] = typer.Option(None, "--ranks", help="training processes (default one per device; "
+                                        "--devices cpu --ranks 2: two gloo processes)"),
+    tier: Optional[str] = typer.Option(None, "--tier", help="auto | gpu | ram | stream: where the vectors live "
+                                       "(default auto)"),
+    workers: Optional[int] = typer.Option(None, "--workers", hidden=True, help="old name of --ranks"),
+    cache: Optional[str] = typer.Option(None, "--cache", hidden=True, help="old name of --tier"),
     seed: int = typer.Option(0, "--seed"),
     out: Optional[str] = typer.Option(None, "--out",
                                       help="run directory (default $EMBEDFLEET_HOME/runs/TABLE-LABEL-TIME)"),
@@ -37,8 +40,17 @@ def train(
     from embedfleet.train.trainer import train as run_train
 
     run_train(TrainSpec(table=table, label=label, task=task, head=head, epochs=epochs, batch_size=batch_size,
-                            lr=lr, where=where, val_fraction=val_fraction, devices=devices, workers=workers,
-                            cache=cache, seed=seed, out=out, db=db, json=json_out), knobs())
+                        lr=lr, where=where, val_fraction=val_fraction, devices=devices,
+                        workers=_alias(ranks, workers, "--ranks", "--workers"),
+                        cache=_alias(tier, cache, "--tier", "--cache") or "auto", seed=seed, out=out, db=db,
+                        json=json_out), knobs())
+
+
+def _alias(new, old, new_name: str, old_name: str):
+    """A flag given by its clear name or its old one (kept hidden so that old commands still run), not both."""
+    if new is not None and old is not None and new != old:
+        raise typer.BadParameter(f"{new_name} and its old name {old_name} disagree; give one")
+    return new if new is not None else old
 
 
 @app.command()
