@@ -13,7 +13,7 @@ import os
 import socket
 import uuid
 from dataclasses import dataclass
-from typing import Iterable
+from typing import TYPE_CHECKING, Iterable
 
 import psycopg
 from psycopg.rows import dict_row
@@ -26,6 +26,10 @@ from embedfleet.pg.ddl import drop_table as drop_table_
 from embedfleet.platform.processes import alive, process_started
 from embedfleet.settings import JobSpec
 
+if TYPE_CHECKING:  # the ledger stays light: status and db never read input files
+    from embedfleet.sources.changes import PlannedFile
+    from embedfleet.sources.plan import ChunkSpec
+
 log = logging.getLogger("embedfleet.ledger")
 
 MAX_FAILURES = 3
@@ -34,7 +38,7 @@ STALE_SECONDS = 120  # a running job with no heartbeat for this long is reported
 ENDED_SECONDS = 5.0  # and one whose workers have all ended this long ago, with its launcher gone
 HOST = socket.gethostname()
 
-LEDGER_VERSION = 4  # bump with each change below; ensure_ledger brings an older ledger up to it
+LEDGER_VERSION = 5  # bump with each change below; ensure_ledger brings an older ledger up to it
 # Every statement is idempotent: it creates a new ledger and brings an older one up to date.
 LEDGER_DDL = """
 CREATE TABLE IF NOT EXISTS embedfleet.jobs (
@@ -129,6 +133,18 @@ ALTER TABLE embedfleet.workers ADD COLUMN IF NOT EXISTS gpu_temp real;
 ALTER TABLE embedfleet.workers ADD COLUMN IF NOT EXISTS gpu_power real;
 -- version 4: the rows the target table held when the job was planned (what its upserts may rightly replace)
 ALTER TABLE embedfleet.jobs ADD COLUMN IF NOT EXISTS rows_before bigint;
+-- version 5: each input file as far as its job planned it (a rerun plans what was appended, refuses what
+-- changed), and chunks that embed a file again in place of its earlier rows (--replace)
+CREATE TABLE IF NOT EXISTS embedfleet.sources (
+    job     text NOT NULL REFERENCES embedfleet.jobs ON DELETE CASCADE,
+    source  text NOT NULL,
+    kind    text NOT NULL,
+    size    bigint NOT NULL,                -- bytes planned
+    stamp   text,                           -- size and mtime (or a URL's key) when planned
+    digest  text NOT NULL,                  -- of the bytes planned (sampled past 16 MiB)
+    PRIMARY KEY (job, source)
+);
+ALTER TABLE embedfleet.chunks ADD COLUMN IF NOT EXISTS replace_to bigint;  -- the last line of earlier rows it replaces
 """
 
 
@@ -199,6 +215,7 @@ class Claim:
     last_line: int | None
     cursor_line: int
     token: uuid.UUID
+    replace_to: int | None = None  # a --replace chunk: its last unit clears earlier rows up to this line
 
 
 def _resilient(method):
@@ -245,21 +262,22 @@ class Ledger:
         with self.conn.cursor(row_factory=dict_row) as cur:
             return cur.execute("SELECT * FROM embedfleet.jobs WHERE job = %s", [name]).fetchone()
 
-    def create_job(self, name: str, cfg: JobSpec, chunks: Iterable, meta_id: str | None) -> bool:
-        """Insert the job and its plan in one transaction. Returns False if it already existed
-        with the same fingerprint (a resume); raises if it exists with different settings."""
+    def create_job(self, name: str, cfg: JobSpec, chunks: Iterable, meta_id: str | None,
+                   planned: Iterable[PlannedFile] = ()) -> bool:
+        """Insert the job, its plan and its files as planned in one transaction. Returns False if it already
+        existed with the same fingerprint (a resume); raises if it exists with different settings."""
         with self.conn.transaction():
             self.conn.execute("SELECT pg_advisory_xact_lock(hashtext(%s))", [f"embedfleet.job.{name}"])
             existing = self.job(name)
             if existing is not None:
-                if existing["fingerprint"] != cfg.fingerprint():
+                if existing["fingerprint"] not in (cfg.fingerprint(), cfg.fingerprint(legacy=True)):
                     raise JobError(
-                        f"job {name!r} already exists with other settings (inputs, model, table or template "
+                        f"job {name!r} already exists with other settings (model, table, template or fields "
                         f"differ); pass --job NEWNAME to start a new one"
                     )
-                planned = existing["config"].get("partitions")  # the layout its workers make the table with
-                if cfg.partitions is not None and cfg.partitions != planned:
-                    raise JobError(f"job {name!r} was planned {f'with --partitions {planned}' if planned else 'as one relation'}, "
+                planned_with = existing["config"].get("partitions")  # the layout its workers make the table with
+                if cfg.partitions is not None and cfg.partitions != planned_with:
+                    raise JobError(f"job {name!r} was planned {f'with --partitions {planned_with}' if planned_with else 'as one relation'}, "
                                    f"not --partitions {cfg.partitions}: rerun it without --partitions, or pass --job "
                                    "NEWNAME --table NEWTABLE")
                 return False
@@ -269,16 +287,87 @@ class Ledger:
                 [name, cfg.table, cfg.fingerprint(), Jsonb(cfg.to_json()), cfg.model, meta_id,
                  table_rows(self.conn, cfg.table)],
             )
-            with self.conn.cursor() as cur:
-                with cur.copy(
-                    "COPY embedfleet.chunks (job, chunk, source, kind, start_pos, end_pos, first_line, last_line) "
-                    "FROM STDIN"
-                ) as copy:
-                    for i, (spec, last_line) in enumerate(chunks):
-                        copy.write_row(
-                            (name, i, spec.source, spec.kind, spec.start, spec.end, spec.first_line, last_line)
-                        )
+            self._add_chunks(name, 0, chunks)
+            self._record_files(name, planned)
         return True
+
+    def extend_job(self, name: str, chunks: list, planned: Iterable[PlannedFile], replaced: Iterable[str] = ()) -> int:
+        """Add chunks to a planned job (parts appended to its files, new files, files embedded again in place
+        of their chunks before), with the files as now planned, in one transaction. Returns chunks added."""
+        with self.conn.transaction():
+            self.conn.execute("SELECT pg_advisory_xact_lock(hashtext(%s))", [f"embedfleet.job.{name}"])
+            for source in replaced:
+                self.conn.execute("DELETE FROM embedfleet.chunks WHERE job = %s AND source = %s", [name, source])
+                self.conn.execute("DELETE FROM embedfleet.rejects WHERE job = %s AND source = %s", [name, source])
+            first = self.conn.execute("SELECT coalesce(max(chunk) + 1, 0) FROM embedfleet.chunks WHERE job = %s",
+                                      [name]).fetchone()[0]
+            self._add_chunks(name, first, chunks)
+            self._record_files(name, planned)
+            if chunks:
+                self.conn.execute("UPDATE embedfleet.jobs SET state = 'planned', error = NULL, finished = NULL "
+                                  "WHERE job = %s", [name])
+        return len(chunks)
+
+    def _add_chunks(self, name: str, first: int, chunks: Iterable) -> None:
+        """(spec, last_line) or (spec, last_line, replace_to) each, numbered from `first`."""
+        with self.conn.cursor() as cur:
+            with cur.copy(
+                "COPY embedfleet.chunks (job, chunk, source, kind, start_pos, end_pos, first_line, last_line, "
+                "replace_to) FROM STDIN"
+            ) as copy:
+                for i, (spec, last_line, *replace_to) in enumerate(chunks, first):
+                    copy.write_row((name, i, spec.source, spec.kind, spec.start, spec.end, spec.first_line,
+                                    last_line, replace_to[0] if replace_to else None))
+
+    def _record_files(self, name: str, planned: Iterable[PlannedFile]) -> None:
+        with self.conn.cursor() as cur:
+            cur.executemany(
+                "INSERT INTO embedfleet.sources (job, source, kind, size, stamp, digest) VALUES (%s, %s, %s, %s, %s, %s) "
+                "ON CONFLICT (job, source) DO UPDATE SET kind = EXCLUDED.kind, size = EXCLUDED.size, "
+                "stamp = EXCLUDED.stamp, digest = EXCLUDED.digest",
+                [(name, p.source, p.kind, p.size, p.stamp, p.digest) for p in planned])
+
+    def planned_files(self, name: str) -> dict[str, PlannedFile]:
+        """The job's files as planned. A job planned before files were recorded has them recorded now, as
+        they are now (a byte span's end where its chunks say)."""
+        rows = self.conn.execute("SELECT source, kind, size, stamp, digest FROM embedfleet.sources WHERE job = %s",
+                                 [name]).fetchall()
+        from embedfleet.sources import files
+        from embedfleet.sources.changes import PlannedFile, digest
+
+        if rows:
+            return {r[0]: PlannedFile(*r) for r in rows}
+
+        found = []
+        for source, kind, end in self.conn.execute(
+                "SELECT source, min(kind), max(end_pos) FILTER (WHERE end_pos >= 0 AND kind = 'jsonl') "
+                "FROM embedfleet.chunks WHERE job = %s GROUP BY source", [name]).fetchall():
+            try:
+                size = end if end is not None else files.size(source)
+                found.append(PlannedFile(source, kind, size, files.fingerprint(source) if end is None else None,
+                                         digest(source, size)))
+            except FileNotFoundError:
+                continue
+        with self.conn.transaction():
+            # a whole stream's chunk read to the stream's end; from now on, to where it ended when recorded
+            for p in found:
+                self.conn.execute("UPDATE embedfleet.chunks SET end_pos = %s WHERE job = %s AND source = %s "
+                                  "AND end_pos < 0", [p.size, name, p.source])
+            self._record_files(name, found)
+        return {p.source: p for p in found}
+
+    def last_line_read(self, name: str, source: str) -> int:
+        """The last line of `source` whose rows the job committed."""
+        return self.conn.execute("SELECT coalesce(max(cursor_line), 0) FROM embedfleet.chunks WHERE job = %s "
+                                 "AND source = %s", [name, source]).fetchone()[0]
+
+    def last_chunks(self, name: str) -> dict[str, tuple[ChunkSpec, int | None]]:
+        """Each file's last chunk, with its --limit cap."""
+        from embedfleet.sources.plan import ChunkSpec
+
+        return {r[0]: (ChunkSpec(*r[:5]), r[5]) for r in self.conn.execute(
+            "SELECT DISTINCT ON (source) source, kind, start_pos, end_pos, first_line, last_line "
+            "FROM embedfleet.chunks WHERE job = %s ORDER BY source, chunk DESC", [name]).fetchall()}
 
     def set_job_state(self, name: str, state: str, error: str | None = None) -> None:
         self.conn.execute(
@@ -403,7 +492,7 @@ class Ledger:
                  WHERE c.job = next.job AND c.chunk = next.chunk
              RETURNING c.job, c.chunk)
             SELECT c.job, c.chunk, c.source, c.kind, c.start_pos, c.end_pos, c.first_line, c.last_line,
-                   c.cursor_line, %(token)s::uuid
+                   c.cursor_line, %(token)s::uuid, c.replace_to
               FROM embedfleet.chunks c JOIN (SELECT * FROM taken UNION ALL SELECT * FROM prior) t
                 ON c.job = t.job AND c.chunk = t.chunk
             """,

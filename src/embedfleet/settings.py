@@ -201,19 +201,23 @@ class JobSpec:
     passages: str | None = None  # "TOKENS[:OVERLAP]": each record as passages of at most TOKENS tokens
     partitions: int | None = None  # a new table as this many hash partitions of its id (None: one relation)
     columns: tuple[str, ...] | None = None  # "NAME:TYPE" fields promoted from the records into typed columns
+    replacing: tuple[str, ...] | None = None  # --replace: files to embed again in place of their earlier rows (not identity)
 
-    # Fields that change what lands in the table. Two runs agreeing on these are the same job.
+    # Fields that change how a record lands in the table. Two runs agreeing on these are the same job, whatever
+    # their inputs: a rerun adds the files (and appended bytes) it finds new.
     _IDENTITY = (
-        "inputs", "meta", "preset", "text_template", "text_field", "id_field", "model",
+        "meta", "preset", "text_template", "text_field", "id_field", "model",
         "table", "chunk_bytes", "limit", "dtype", "dim", "prompt", "passages", "columns",
     )
 
     def replace(self, **changes) -> "JobSpec":
         return dataclasses.replace(self, **changes)
 
-    def fingerprint(self) -> str:
+    def fingerprint(self, legacy: bool = False) -> str:
+        """The job's identity. `legacy`: as jobs planned before reruns added files had it (inputs included)."""
         # A field at its default is left out: a job planned before the field existed keeps its fingerprint.
-        ident = {k: (list(v) if isinstance(v := getattr(self, k), tuple) else v) for k in self._IDENTITY
+        keys = ("inputs",) + self._IDENTITY if legacy else self._IDENTITY
+        ident = {k: (list(v) if isinstance(v := getattr(self, k), tuple) else v) for k in keys
                  if k not in ("passages", "columns") or getattr(self, k) is not None}
         return hashlib.sha256(orjson.dumps(ident, option=orjson.OPT_SORT_KEYS)).hexdigest()[:16]
 

@@ -39,7 +39,7 @@ def test_a_compressed_stream_is_cut_into_blocks_of_whole_lines_the_last_marked(t
     lines = [b'{"text": "%s"}' % (b"x" * 40) for _ in range(10)]  # 53 bytes a line with its newline
     path = tmp_path / "s.jsonl.gz"
     path.write_bytes(gzip.compress(b"\n".join(lines) + b"\n"))
-    spec = ChunkSpec(str(path), "stream", 0, 0, 1)
+    spec = ChunkSpec(str(path), "stream", 0, -1, 1)
 
     def lines_of(task):
         return [r.line for r in block_records(spec.source, task.first_line, task.block, task.after_line)
@@ -282,7 +282,7 @@ def test_a_compressed_streams_first_blocks_start_small_also_on_resume(tmp_path):
     path = tmp_path / "r.jsonl.gz"
     with gzip.open(path, "wt") as f:
         f.writelines(f'{{"id": "{i}", "text": "review number {i:04d} {"x" * 30}"}}\n' for i in range(1, 401))
-    spec = ChunkSpec(str(path), "stream", 0, 0, 1)
+    spec = ChunkSpec(str(path), "stream", 0, -1, 1)
     for after in (0, 200):
         tasks = list(stream_tasks(spec, after_line=after, last_line=None, sizes=task_sizes(3200, 400, growth=2)))
         sizes = [len(t.block) for t in tasks]

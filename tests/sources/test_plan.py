@@ -89,12 +89,13 @@ def test_chunk_bytes_must_be_positive(tmp_path):
         plan_chunks([], 0)
 
 
-def test_stream_and_csv_are_one_chunk(tmp_path):
+def test_stream_and_csv_are_one_chunk_ending_where_the_file_ended(tmp_path):
     for name in ("a.jsonl.gz", "b.ndjson.zst", "c.csv"):
         (tmp_path / name).write_bytes(b"x")
     chunks = plan_chunks(sorted(str(p) for p in tmp_path.iterdir()), 1)
+    # a byte appended later is not this chunk's: a rerun plans it as a chunk of its own
     assert [(c.kind, c.start, c.end, c.first_line) for c in chunks] == [
-        ("stream", 0, -1, 1), ("stream", 0, -1, 1), ("csv", 0, -1, 2)  # a CSV's data start on line 2
+        ("stream", 0, 1, 1), ("stream", 0, 1, 1), ("csv", 0, 1, 2)  # a CSV's data start on line 2
     ]
     assert all(os.path.isabs(c.source) for c in chunks)
 

@@ -46,6 +46,9 @@ def ingest(
                                              "each growing under its own lock: for several GPUs (e.g. 8)"),
     columns: Optional[str] = typer.Option(None, "--columns", help="NAME:TYPE,…: record fields as typed columns of "
                                           "their own (e.g. stars:int,lang:text), for --where, train and map"),
+    replace: Optional[List[str]] = typer.Option(None, "--replace", help="PATH: embed this input file again, "
+                                                "its rows replaced chunk by chunk (a file that changed where it was "
+                                                "already embedded; repeatable)"),
     config: Optional[str] = typer.Option(None, "--config", help="YAML file with any of these flags (flags win)"),
     ray: Optional[str] = typer.Option(None, "--ray", help="run the workers as Ray actors: auto (RAY_ADDRESS or a "
                                       "local cluster) or the cluster's ADDRESS; pip install embedfleet\\[ray]"),
@@ -53,7 +56,10 @@ def ingest(
     quiet: bool = typer.Option(False, "--quiet", help="no progress display"),
     json_out: bool = typer.Option(False, "--json", help="print the final job summary as JSON"),
 ) -> None:
-    """Embed INPUT files into a pgvector table. Re-running the same command resumes."""
+    """Embed INPUT files into a pgvector table. Re-running the same command resumes and embeds what is new.
+
+    New: files the inputs match now, lines appended to planned files (a file changed where it was embedded is
+    refused: --replace it)."""
     state["resumes"] = True
     from embedfleet.settings import build_job
     from embedfleet.ingest.bound import bound_line, host_shares, host_ticks, time_shares
@@ -65,6 +71,7 @@ def ingest(
         id_field=id_field, model=model, db=db, table=table, job=job, devices=devices, workers=workers,
         batch_tokens=batch_tokens, chunk_bytes=chunk_bytes, limit=limit, no_index=no_index, dtype=dtype,
         dim=dim, prompt=prompt, passages=passages, partitions=partitions, quiet=quiet, columns=columns,
+        replacing=tuple(replace) if replace else None,
     ), config)
     settings = with_flags(knobs(), metrics_port=metrics_port)
     cfg = cfg.replace(inputs=tuple(expand_inputs(list(cfg.inputs))))  # a missing file fails before any server starts

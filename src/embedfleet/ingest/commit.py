@@ -50,7 +50,8 @@ class TableSink:
 
     def __init__(self, conn: psycopg.Connection, table: str, columns: Sequence, vtype: str, job: str):
         self.conn, self.table, self.vtype, self.job = conn, table, vtype, job
-        target = table_sql(conn, table)
+        self.target = target = table_sql(conn, table)
+        self.passages = any(c.name == "parent_id" for c in columns)  # rows are passages of a record's id
         # The embedding goes last: rows come encoded without it (copyrows.assemble appends it).
         names = ["id", "content"] + [c.name for c in columns] + ["embedding"]
         ident = sql.SQL(", ").join(map(sql.Identifier, names))
@@ -95,9 +96,13 @@ class TableSink:
         claim = unit.claim
         with conn.transaction():
             inserted = 0
+            if claim.replace_to is not None and unit.id_prefix is not None:
+                self._clear(unit)
             if unit.rows.n:
                 data = assemble(unit.rows, vector_fields(item.vectors, self.vtype))
                 inserted = self._insert(data, unit.rows.n)
+                if claim.replace_to is not None:  # a file embedded again: its rows are this chunk's own now
+                    inserted = unit.rows.n
             if unit.rejects:
                 with conn.cursor() as cur:
                     cur.executemany(
@@ -126,6 +131,22 @@ class TableSink:
                     raise _Committed
                 raise LeaseLost(f"chunk {claim.chunk} was taken over by another worker; its unit was not written")
         return inserted
+
+    def _clear(self, unit: Unit) -> None:
+        """A --replace unit's lines lose their earlier rows (a line now blank, rejected or gone too): from the
+        line after the chunk's cursor to the unit's, and at the chunk's end to `replace_to`."""
+        claim = unit.claim
+        row = self.conn.execute("SELECT cursor_line FROM embedfleet.chunks WHERE job = %s AND chunk = %s AND "
+                                "claim = %s", [claim.job, claim.chunk, claim.token]).fetchone()
+        if row is None:
+            raise LeaseLost(f"chunk {claim.chunk} was taken over by another worker; its unit was not written")
+        lo = max(row[0] + 1, claim.first_line)
+        hi = max(unit.cursor_line, claim.replace_to) if unit.last else unit.cursor_line
+        if hi >= lo:
+            ids = sql.SQL("ARRAY(SELECT %s || g FROM generate_series(%s::bigint, %s::bigint) g)")
+            self.conn.execute(sql.SQL("DELETE FROM {} WHERE {} = ANY(").format(
+                self.target, sql.Identifier("parent_id" if self.passages else "id")) + ids + sql.SQL(")"),
+                [unit.id_prefix, lo, hi])
 
     def commit_once(self, item: Embedded) -> int | None:
         """`commit_unit`, or None when the unit had been committed already (nothing written twice)."""

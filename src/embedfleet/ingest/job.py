@@ -26,7 +26,9 @@ from embedfleet.pg.ddl import (check_embedding_column, check_identifier, check_p
                                partition_count, table_exists, table_rows)
 from embedfleet.pg.embedded import resolve_dsn
 from embedfleet.settings import JobSpec, Settings, default_chunk_bytes
-from embedfleet.sources.plan import ChunkSpec, chunk_lines, expand_inputs, plan_chunks, table_name_for
+from embedfleet.sources import files
+from embedfleet.sources.plan import (CSV_FIRST_LINE, ChunkSpec, chunk_lines, expand_inputs, plan_chunks, plan_file,
+                                     table_name_for)
 from embedfleet.sources.presets import table_columns
 from embedfleet.sources.records import validate_template
 
@@ -223,10 +225,17 @@ def plan_job(cfg: JobSpec, ledger: Ledger, device: str) -> JobSpec:
             n = ledger.load_meta(meta_id, meta_path, rows, lambda: len(skipped))
             log.info("loaded %d products from %s", n, meta_path)
     chunk_bytes = cfg.chunk_bytes or default_chunk_bytes(device)
-    plan = [] if ledger.job(cfg.job) else apply_limit(plan_chunks(list(cfg.inputs), chunk_bytes), cfg.limit)
-    if not plan and not ledger.job(cfg.job):  # every input is empty: no job, no table, the same as blank lines
+    exists = ledger.job(cfg.job) is not None
+    plan, planned = [], []
+    if not exists:
+        if cfg.replacing:
+            raise InputError(f"--replace: job {cfg.job!r} has not embedded anything yet; run it without --replace")
+        chunks = plan_chunks(list(cfg.inputs), chunk_bytes)
+        plan = apply_limit(chunks, cfg.limit)
+        planned = files_planned(cfg.inputs, [c for c, _ in plan])
+    if not plan and not exists:  # every input is empty: no job, no table, the same as blank lines
         raise JobError("nothing embedded: the inputs hold no records (empty, or blank lines only); no table made")
-    if not ledger.create_job(cfg.job, cfg, plan, meta_id):  # it exists with the same settings: resume
+    if not ledger.create_job(cfg.job, cfg, plan, meta_id, planned):  # it exists with the same settings: resume
         released = ledger.release_dead_local(cfg.job)
         if not table_exists(ledger.conn, cfg.table) and ledger.made_progress(cfg.job):
             chunks = ledger.restart_job(cfg.job)
@@ -236,7 +245,77 @@ def plan_job(cfg: JobSpec, ledger: Ledger, device: str) -> JobSpec:
         if released or retried:
             log.info("resuming %s: %d chunks of dead workers re-queued, %d failed chunks retried",
                      cfg.job, released, retried)
+        added = plan_changes(cfg, ledger, chunk_bytes)
+        if added:
+            log.info("job %s: %d new chunks for what was added to its inputs", cfg.job, added)
     return cfg
+
+
+def files_planned(inputs, chunks: list[ChunkSpec]) -> list:
+    """Each input as planned into `chunks` (an empty one too, so that lines appended later are found)."""
+    from embedfleet.sources.changes import planned_file
+
+    by_source: dict[str, list[ChunkSpec]] = {}
+    for c in chunks:
+        by_source.setdefault(c.source, []).append(c)
+    out = []
+    for source in inputs:
+        if source in by_source:
+            out.append(planned_file(source, by_source[source]))
+        elif files.size(source) == 0:
+            out.append(planned_file(source, []))
+    return out
+
+
+def plan_changes(cfg: JobSpec, ledger: Ledger, chunk_bytes: int) -> int:
+    """A rerun of a planned job: chunks for bytes appended to its files and for files its inputs now match,
+    and (--replace) its files planned anew, their chunks before dropped; a file whose planned bytes changed is
+    refused before anything is added. Returns the chunks added."""
+    from embedfleet.sources.changes import next_line, survey
+
+    known = ledger.planned_files(cfg.job)
+    replace = frozenset(expand_inputs(list(cfg.replacing or ())))
+    for source in sorted(replace - set(known) - set(cfg.inputs)):
+        raise InputError(f"--replace {source}: not one of job {cfg.job!r}'s input files")
+    found = survey(known, list(cfg.inputs), replace)
+    if found.changed:
+        more = f" ({len(found.changed) - 1} more files changed too)" if len(found.changed) > 1 else ""
+        raise InputError(found.changed[0] + more)
+    last = ledger.last_chunks(cfg.job)
+    grown: list[ChunkSpec] = []
+    for p, _ in sorted(found.grown, key=lambda g: g[0].source):
+        grown += plan_file(p.source, chunk_bytes, start=p.size, first_line=next_line(last[p.source][0]))
+    grown += [c for source in found.new for c in plan_file(source, chunk_bytes)]
+    plan = apply_limit(grown, None if cfg.limit is None else max(0, cfg.limit - lines_planned(last)))
+    replaced = []
+    for source in sorted(replace):
+        chunks = plan_file(source, chunk_bytes)
+        ends = [c.first_line - 1 for c in chunks[1:]] + [ledger.last_line_read(cfg.job, source)]
+        replaced += [(c, None, end) for c, end in zip(chunks, ends)]
+    planned_now = {c.source: [] for c, *_ in plan + replaced}
+    for c, *_ in plan + replaced:
+        planned_now[c.source].append(c)
+    from embedfleet.sources.changes import planned_file
+
+    records = [planned_file(source, ([ChunkSpec(source, known[source].kind, 0, known[source].size, 1)]
+                                     if source in known and source not in replace else []) + chunks)
+               for source, chunks in planned_now.items()]
+    records += [planned_file(source, []) for source in found.new if source not in planned_now
+                and files.size(source) == 0]
+    return ledger.extend_job(cfg.job, plan + replaced, records, replace & set(known))
+
+
+def lines_planned(last: dict) -> int:
+    """The lines (data rows) a job planned, from each file's last chunk and its --limit cap."""
+    from embedfleet.sources.changes import next_line
+
+    total = 0
+    for spec, cap in last.values():
+        end = next_line(spec)
+        if cap is not None:
+            end = min(end, cap + 1)
+        total += end - (CSV_FIRST_LINE if spec.kind == "csv" else 1)
+    return total
 
 
 def finalize(ledger: Ledger, job: str, cfg: JobSpec, timings: dict | None = None) -> tuple[dict, bool]:

@@ -108,6 +108,19 @@ def unspool(s: Spooled) -> Prepared:
     return dataclasses.replace(s.rest, rows=EncodedRows(blob, offsets), tok=Tokenized(ids, lengths, order, inverse))
 
 
+def source_name(ctx: PrepareContext, source: str) -> str:
+    """How a default id names `source`."""
+    return os.path.basename(source) if ctx.id_root is None else id_name(source, ctx.id_root)
+
+
+def line_ids(ctx: PrepareContext, source: str) -> str | None:
+    """The prefix of `source`'s default ids ("NAME:" and the line), or None where ids come from the records."""
+    preset = job_preset(ctx.preset, ctx.columns)
+    if ctx.id_field or preset.id_field or preset.id_fields:
+        return None
+    return f"{source_name(ctx, source)}:"
+
+
 class Preparer:
     """Turns tasks into prepared units; one per process (or one inline when there is no pool)."""
 
@@ -124,7 +137,7 @@ class Preparer:
         self._ledger = None
 
     def _source_name(self, source: str) -> str:
-        return os.path.basename(source) if self.ctx.id_root is None else id_name(source, self.ctx.id_root)
+        return source_name(self.ctx, source)
 
     def _meta_lookup(self, keys: set[str]) -> dict[str, dict]:
         if self._ledger is None:
@@ -214,6 +227,7 @@ class UnitPool:
     """Prepares tasks on `workers` helper processes, or inline on the caller's thread with 0."""
 
     def __init__(self, ctx: PrepareContext, workers: int | None = None, nice: int = 0):
+        self.ctx = ctx
         self.workers = helper_count() if workers is None else workers
         self._inline = Preparer(ctx) if self.workers == 0 else None
         self._pool = self._spool_dir = None
@@ -336,7 +350,8 @@ class PrepareStage:
             if claim.token not in begun:
                 begun.add(claim.token)
                 self.started(claim)
-            yield Unit(claim, p.rows, p.seen, p.rejects, p.cursor_line, task.last, p.tok.num_tokens, p.tok)
+            yield Unit(claim, p.rows, p.seen, p.rejects, p.cursor_line, task.last, p.tok.num_tokens, p.tok,
+                       id_prefix=None if claim.replace_to is None else line_ids(pool.ctx, claim.source))
 
         for item in tasks:
             if isinstance(item, Failure):

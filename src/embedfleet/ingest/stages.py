@@ -91,6 +91,7 @@ class Unit:
     last: bool  # the chunk's final unit: commit marks the chunk done
     tokens: int = 0
     tok: object = None  # the encoder's Tokenized batch, in row order (dropped once embedded)
+    id_prefix: str | None = None  # a --replace unit whose ids name lines: its lines' earlier rows are cleared
 
 
 @dataclass

@@ -12,6 +12,7 @@ Fault semantics, the same for every reader:
 from __future__ import annotations
 
 import gzip
+import io
 import json
 import zlib
 from collections.abc import Iterable, Iterator
@@ -44,17 +45,46 @@ class RawRecord:
     error: str | None  # why this line is a reject, e.g. "malformed JSON: Unexpected character at column 12"
 
 
-def open_binary(source: str) -> IO[bytes]:
-    """The source's bytes, decompressed by suffix (.gz: gzip, multi-member; .zst: zstd, multi-frame)."""
+def open_binary(source: str, start: int = 0, end: int = -1) -> IO[bytes]:
+    """The source's bytes, decompressed by suffix (.gz: gzip, multi-member; .zst: zstd, multi-frame). Of its
+    stored bytes [start, end) (end -1: to its end): a part appended later is a member or frame of its own."""
     lower = source.lower()
     if lower.endswith(".zst") and zstandard is None:
         raise InputError(f"{source}: reading .zst needs the zstandard package (pip install zstandard)")
     raw = open_sequential(source)
+    if start:
+        raw.seek(start)
+    if end >= 0:  # a file that grew since it was planned is read only as far as the plan says
+        raw = io.BufferedReader(_Span(raw, end - start), _READ)
     if lower.endswith(".gz"):
         return _GzipReader(raw)
     if lower.endswith(".zst"):
         return zstandard.ZstdDecompressor().stream_reader(raw, read_across_frames=True, closefd=True)
     return raw
+
+
+class _Span(io.RawIOBase):
+    """The next `left` bytes of a raw stream, then its end."""
+
+    def __init__(self, raw: IO[bytes], left: int):
+        self._raw, self._left = raw, left
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, b) -> int:
+        if self._left <= 0:
+            return 0
+        data = self._raw.read(min(len(b), self._left))
+        b[:len(data)] = data
+        self._left -= len(data)
+        return len(data)
+
+    def close(self) -> None:
+        try:
+            self._raw.close()
+        finally:
+            super().close()
 
 
 class _GzipReader(gzip.GzipFile):

@@ -67,9 +67,18 @@ def _records(lines: _Lines) -> Iterator[tuple[int, list[str] | None, str, str | 
         yield start, row, "".join(lines.taken).rstrip("\r\n"), None
 
 
+def _text(stream: IO[bytes]) -> IO[str]:
+    return io.TextIOWrapper(stream, encoding="utf-8-sig", errors="replace", newline="")
+
+
+def _header(source: str) -> list[str] | None:
+    with open_binary(source) as f:
+        return _open(f)[1]
+
+
 def _open(stream: IO[bytes]) -> tuple[_Lines, list[str] | None]:
     """The stream's lines (a BOM dropped, bad UTF-8 replaced) and its header (None: an empty file)."""
-    lines = _Lines(io.TextIOWrapper(stream, encoding="utf-8-sig", errors="replace", newline=""))
+    lines = _Lines(_text(stream))
     records = _records(lines)
     for _, header, _, error in records:
         if error is not None:
@@ -82,10 +91,14 @@ def _open(stream: IO[bytes]) -> tuple[_Lines, list[str] | None]:
 def read_csv(spec: ChunkSpec, after_line: int = 0) -> Iterator[RawRecord]:
     """Records starting on lines > `after_line`."""
     line = 0
-    f = open_binary(spec.source)  # outside the try: a missing file is not a corrupt one
+    f = open_binary(spec.source, spec.start, spec.end)  # outside the try: a missing file is not a corrupt one
     try:
         with f:
-            lines, header = _open(f)
+            if spec.start == 0:
+                lines, header = _open(f)
+            else:  # a part appended later: the header is the file's, its lines are numbered on from the plan
+                header, lines = _header(spec.source), _Lines(_text(f))
+                lines.number = spec.first_line - 1
             if header is None:
                 return
             for line, row, text, error in _records(lines):

@@ -23,12 +23,12 @@ def read_jsonl(spec: ChunkSpec, after_line: int = 0) -> Iterator[RawRecord]:
 
 
 def read_stream(spec: ChunkSpec, after_line: int = 0) -> Iterator[RawRecord]:
-    """Records of lines numbered > `after_line` in a whole compressed file."""
+    """Records of lines numbered > `after_line` in a compressed chunk (a whole file, or a part appended later)."""
     number = after_line
-    f = open_binary(spec.source)  # outside the try: a missing file is not a corrupt one
+    f = open_binary(spec.source, spec.start, spec.end)  # outside the try: a missing file is not a corrupt one
     try:
         with f:
-            for rec in _records(spec.source, iter_lines(f), 1, after_line, True):
+            for rec in _records(spec.source, iter_lines(f), spec.first_line, after_line, spec.start == 0):
                 number = rec.line
                 yield rec
     except STREAM_ERRORS as e:
@@ -38,12 +38,12 @@ def read_stream(spec: ChunkSpec, after_line: int = 0) -> Iterator[RawRecord]:
 def stream_blocks(spec: ChunkSpec, after_line: int = 0,
                   block_bytes: int | Iterator[int] = 2 << 20) -> Iterator[tuple[int, bytes]]:
     """(first line number, block of whole lines) of about `block_bytes` each (or each the next of an
-    iterator of sizes) from a compressed file, skipping blocks whose lines are all <= `after_line`.
+    iterator of sizes) from a compressed chunk, skipping blocks whose lines are all <= `after_line`.
     The last block may lack a final newline."""
     sizes = itertools.repeat(block_bytes) if isinstance(block_bytes, int) else block_bytes
     size = next(sizes)  # the next size is drawn once a block is yielded: blocks skipped on resume take none
-    number = 1  # the first line of the next block
-    f = open_binary(spec.source)  # outside the try: a missing file is not a corrupt one
+    number = spec.first_line  # the first line of the next block
+    f = open_binary(spec.source, spec.start, spec.end)  # outside the try: a missing file is not a corrupt one
     try:
         with f:
             tail = b""

@@ -114,22 +114,33 @@ def plan_chunks(paths: list[str], chunk_bytes: int = 8 << 20) -> list[ChunkSpec]
     chunks: list[ChunkSpec] = []
     with ThreadPoolExecutor(_COUNTERS, thread_name_prefix="embedfleet-plan") as counters:
         for path in paths:
-            path = files.absolute(path)
-            kind = input_kind(path)
-            try:
-                if files.size(path) == 0:
-                    continue
-                if kind == "jsonl" and not files.is_url(path):
-                    chunks.extend(_local_jsonl_chunks(path, chunk_bytes, counters))
-                elif kind == "jsonl":
-                    chunks.extend(_jsonl_chunks(path, chunk_bytes))
-                elif kind == "parquet":
-                    chunks.extend(_parquet_chunks(path, chunk_bytes))
-                else:  # a CSV file's lines are numbered as an editor shows them: its data start after the header
-                    chunks.append(ChunkSpec(path, kind, 0, -1, CSV_FIRST_LINE if kind == "csv" else 1))
-            except OSError as e:
-                raise InputError(f"cannot read input {path}: {e.strerror or e}") from e
+            chunks.extend(plan_file(files.absolute(path), chunk_bytes, counters=counters))
     return chunks
+
+
+def plan_file(path: str, chunk_bytes: int, start: int = 0, first_line: int | None = None,
+              counters: ThreadPoolExecutor | None = None) -> list[ChunkSpec]:
+    """The chunks of `path`'s bytes from `start` on: the whole file, or (`start` > 0) a part appended since
+    it was planned, its lines numbered on from `first_line`. A compressed file's or a CSV file's part is
+    one chunk, which ends where the file ended when planned."""
+    kind = input_kind(path)
+    try:
+        size = files.size(path)
+        if size <= start:
+            return []
+        if kind == "jsonl" and not files.is_url(path):
+            if counters is None:
+                with ThreadPoolExecutor(_COUNTERS, thread_name_prefix="embedfleet-plan") as own:
+                    return _local_jsonl_chunks(path, chunk_bytes, own, start, first_line or 1)
+            return _local_jsonl_chunks(path, chunk_bytes, counters, start, first_line or 1)
+        if kind == "jsonl":
+            return _jsonl_chunks(path, chunk_bytes, start, first_line or 1)
+        if kind == "parquet":
+            return _parquet_chunks(path, chunk_bytes)
+        # a CSV file's lines are numbered as an editor shows them: its data start after the header
+        return [ChunkSpec(path, kind, start, size, first_line or (CSV_FIRST_LINE if kind == "csv" else 1))]
+    except OSError as e:
+        raise InputError(f"cannot read input {path}: {e.strerror or e}") from e
 
 
 def chunk_lines(spec: ChunkSpec, most: int) -> int | None:
@@ -145,8 +156,9 @@ def chunk_lines(spec: ChunkSpec, most: int) -> int | None:
         from embedfleet.sources.csv import data_rows  # here: that module reads ChunkSpec from this one
 
         try:
-            with open_binary(spec.source) as stream:
-                n = data_rows(stream, most) if spec.kind == "csv" else _lines(iter(lambda: stream.read(_BLOCK), b""), most)
+            with open_binary(spec.source, spec.start, spec.end) as stream:
+                n = (data_rows(stream, most) if spec.kind == "csv" and spec.start == 0
+                     else _lines(iter(lambda: stream.read(_BLOCK), b""), most))
         except (csv.Error, *STREAM_ERRORS):  # damaged: it fails whole, saying why; the next input counts instead
             n = 0
     return n if n <= most else None
@@ -163,18 +175,19 @@ def _lines(blocks, most: int) -> int:
     return n + (last != b"\n")
 
 
-def _local_jsonl_chunks(path: str, chunk_bytes: int, counters: ThreadPoolExecutor) -> list[ChunkSpec]:
+def _local_jsonl_chunks(path: str, chunk_bytes: int, counters: ThreadPoolExecutor, start: int = 0,
+                        first_line: int = 1) -> list[ChunkSpec]:
     """`_jsonl_chunks`' chunks for a local file: the cuts found by seeking to each mark (a few lines read
     for each), then every chunk's newlines but the last's counted on `counters`."""
     size = os.path.getsize(path)
-    cuts, start = [], 0
+    cuts = []
     with open(path, "rb") as f:
         while start < size:
             end = _line_end(f, start + chunk_bytes - 1, size)
             cuts.append((start, end))
             start = end
     counts = counters.map(lambda cut: _newlines(path, *cut), cuts[:-1])  # nothing is numbered after the last
-    out, first_line = [], 1
+    out = []
     for (start, end), n in zip(cuts, [*counts, 0]):
         out.append(ChunkSpec(path, "jsonl", start, end, first_line))
         first_line += n
@@ -201,17 +214,16 @@ def _newlines(path: str, start: int, end: int) -> int:
                for block in files.read_range(path, start, end, _BLOCK))
 
 
-def _jsonl_chunks(path: str, chunk_bytes: int) -> list[ChunkSpec]:
+def _jsonl_chunks(path: str, chunk_bytes: int, start: int = 0, first_line: int = 1) -> list[ChunkSpec]:
     """Cut after the first newline at or past each `chunk_bytes` mark, counting lines on the way.
 
     Memory stays at one block however long the lines are; a chunk is never shorter than
     `chunk_bytes` except the last, and a line longer than a chunk simply makes its chunk longer.
     """
     out: list[ChunkSpec] = []
-    start, first_line = 0, 1
-    newlines = 0  # newlines before `pos`
-    pos = 0  # file offset of block[0]
-    for block in files.read_range(path, 0, None, _BLOCK):
+    newlines = first_line - 1  # newlines before `pos`
+    pos = start  # file offset of block[0]
+    for block in files.read_range(path, start, None, _BLOCK):
         i = 0  # position in block up to which newlines are counted
         while True:
             j = block.find(b"\n", max(start + chunk_bytes - 1 - pos, i))

@@ -1,0 +1,196 @@
+"""A rerun of an ingest embeds what is new: lines appended to planned files (plain, compressed, CSV), files the
+inputs now match; a file changed where it was already embedded is refused, and `--replace` embeds it again in
+place of its rows. Each against the real command, the real MiniLM and a real PostgreSQL."""
+
+from __future__ import annotations
+
+import gzip
+import json
+
+import numpy as np
+import orjson
+
+from embedfleet.sources.changes import PlannedFile, digest, next_line, planned_file, survey
+from embedfleet.sources.plan import plan_chunks, plan_file
+
+
+def _lines(tag: str, first: int, n: int) -> str:
+    return "".join(orjson.dumps({"text": f"{tag} review {i} — café 🙂 " + "long " * (i % 7)}).decode() + "\n"
+                   for i in range(first, first + n))
+
+
+def _rows(conn, table: str) -> dict[str, str]:
+    return dict(conn.execute(f"SELECT id, content FROM {table}").fetchall())
+
+
+def _ingest(cli, dsn, *args):
+    return cli("ingest", *args, "--db", dsn, "--devices", "cpu", "--quiet", "--no-index")
+
+
+def _verify_ok(cli, dsn, table):
+    report = json.loads(cli("verify", "--table", table, "--db", dsn, "--json", check=True).stdout)
+    assert report["ok"] and report["count_matches_ledger"] and report["overwritten"] == 0, report
+    return report
+
+
+# ---- pure parts --------------------------------------------------------------------------------------------------
+
+
+def test_survey_sorts_inputs_into_new_grown_and_changed(tmp_path):
+    a, b, c = tmp_path / "a.jsonl", tmp_path / "b.jsonl", tmp_path / "c.jsonl"
+    a.write_text(_lines("a", 0, 5))
+    b.write_text(_lines("b", 0, 5))
+    planned = {str(p): planned_file(str(p), plan_file(str(p), 1 << 20)) for p in (a, b)}
+    assert survey(planned, [str(a), str(b)]).new == []
+    with a.open("a") as f:
+        f.write(_lines("a", 5, 3))
+    b.write_text(_lines("B", 0, 5))  # same length, other bytes
+    c.write_text(_lines("c", 0, 2))
+    found = survey(planned, [str(a), str(b), str(c)])
+    assert found.new == [str(c)]
+    assert [(p.source, size) for p, size in found.grown] == [(str(a), a.stat().st_size)]
+    assert len(found.changed) == 1 and found.changed[0].startswith(f"{b} changed where it was already embedded")
+    assert f"--replace {b}" in found.changed[0]
+    assert survey(planned, [str(a), str(b)], frozenset({str(b)})).changed == []  # replaced: planned anew
+
+
+def test_a_continued_last_line_and_a_shorter_file_are_changes(tmp_path):
+    a = tmp_path / "a.jsonl"
+    a.write_bytes(b'{"text": "one"}\n{"text": "tw')
+    p = planned_file(str(a), plan_file(str(a), 1 << 20))
+    with a.open("ab") as f:
+        f.write(b'o"}\n')
+    assert "its last planned line was continued" in survey({str(a): p}, [str(a)]).changed[0]
+    a.write_bytes(b'{"text": "one"}\n')
+    assert "were planned" in survey({str(a): p}, [str(a)]).changed[0]
+
+
+def test_digest_samples_a_large_file_and_sees_its_edges(tmp_path):
+    big = tmp_path / "big.jsonl"
+    data = bytearray(np.random.default_rng(0).integers(97, 123, 20 << 20, dtype=np.uint8).tobytes())
+    big.write_bytes(bytes(data))
+    before = digest(str(big), len(data))
+    data[-10] = ord("!")
+    big.write_bytes(bytes(data))
+    assert digest(str(big), len(data)) != before
+
+
+def test_appended_parts_are_numbered_on_from_the_planned_lines(tmp_path):
+    a = tmp_path / "a.jsonl"
+    a.write_text(_lines("a", 0, 10))
+    (last,) = plan_file(str(a), 1 << 20)
+    assert next_line(last) == 11
+    size = a.stat().st_size
+    with a.open("a") as f:
+        f.write(_lines("a", 10, 4))
+    (part,) = plan_file(str(a), 1 << 20, start=size, first_line=next_line(last))
+    assert (part.start, part.first_line) == (size, 11)
+    gz = tmp_path / "s.jsonl.gz"
+    gz.write_bytes(gzip.compress(_lines("g", 0, 6).encode()))
+    (first,) = plan_chunks([str(gz)])
+    assert next_line(first) == 7 and first.end == gz.stat().st_size
+    csv_path = tmp_path / "t.csv"
+    csv_path.write_text("id,text\n1,x\n2,y\n")
+    (c,) = plan_chunks([str(csv_path)])
+    assert next_line(c) == 4  # the header is line 1, two rows: the next is line 4
+    assert isinstance(planned_file(str(csv_path), [c]), PlannedFile)
+
+
+# ---- the command -------------------------------------------------------------------------------------------------
+
+
+def test_appended_lines_and_new_files_are_embedded_once_each(cli, dsn, conn, tmp_path):
+    a = tmp_path / "a.jsonl"
+    a.write_text(_lines("a", 0, 40))
+    assert _ingest(cli, dsn, a, "--table", "grow").returncode == 0
+    with a.open("a") as f:
+        f.write(_lines("a", 40, 25))
+    p = _ingest(cli, dsn, a, "--table", "grow")
+    assert p.returncode == 0, p.stderr
+    rows = _rows(conn, "grow")
+    assert len(rows) == 65 and rows["a.jsonl:65"].startswith("a review 64 ")
+    (tmp_path / "b.jsonl").write_text(_lines("b", 0, 12))
+    p = _ingest(cli, dsn, tmp_path / "*.jsonl", "--table", "grow")
+    assert p.returncode == 0, p.stderr
+    rows = _rows(conn, "grow")
+    assert len(rows) == 77 and rows["b.jsonl:12"].startswith("b review 11 ")
+    chunks = conn.execute("SELECT count(*) FROM embedfleet.chunks WHERE job = 'grow'").fetchone()[0]
+    p = _ingest(cli, dsn, tmp_path / "*.jsonl", "--table", "grow")  # nothing new: nothing planned, nothing written
+    assert p.returncode == 0 and "77 rows" in p.stderr
+    assert conn.execute("SELECT count(*) FROM embedfleet.chunks WHERE job = 'grow'").fetchone()[0] == chunks
+    _verify_ok(cli, dsn, "grow")
+
+
+def test_appended_gzip_members_and_csv_rows_are_embedded_with_their_line_numbers(cli, dsn, conn, tmp_path):
+    gz, csv_path = tmp_path / "s.jsonl.gz", tmp_path / "t.csv"
+    gz.write_bytes(gzip.compress(_lines("g", 0, 20).encode()))
+    csv_path.write_text("id,text\n" + "".join(f"r{i},csv row {i} — naïve\n" for i in range(15)))
+    assert _ingest(cli, dsn, gz, "--table", "gzgrow").returncode == 0
+    assert _ingest(cli, dsn, csv_path, "--table", "csvgrow", "--id-field", "id").returncode == 0
+    with gz.open("ab") as f:  # what `gzip -c more >> s.jsonl.gz` does: a member of its own
+        f.write(gzip.compress(_lines("g", 20, 7).encode()))
+    with csv_path.open("a") as f:
+        f.write("".join(f"r{i},csv row {i} — naïve\n" for i in range(15, 19)) + "short\n")
+    p = _ingest(cli, dsn, gz, "--table", "gzgrow")
+    assert p.returncode == 0, p.stderr
+    rows = _rows(conn, "gzgrow")
+    assert len(rows) == 27 and rows["s.jsonl.gz:21"].startswith("g review 20 ") and rows["s.jsonl.gz:27"]
+    p = _ingest(cli, dsn, csv_path, "--table", "csvgrow", "--id-field", "id")
+    assert p.returncode == 0, p.stderr
+    rows = _rows(conn, "csvgrow")
+    assert len(rows) == 19 and rows["r18"] == "csv row 18 — naïve"
+    rejects = conn.execute("SELECT line, reason FROM embedfleet.rejects WHERE job = 'csvgrow'").fetchall()
+    assert rejects == [(21, "CSV row has 1 fields, the header has 2")]  # line 21 as an editor numbers it
+    _verify_ok(cli, dsn, "gzgrow")
+
+
+def test_a_changed_file_is_refused_and_replace_embeds_it_again_in_place(cli, dsn, conn, tmp_path):
+    from embedfleet.encode.encoder import Encoder
+
+    a, b = tmp_path / "a.jsonl", tmp_path / "b.jsonl"
+    a.write_text(_lines("a", 0, 30))
+    b.write_text(_lines("b", 0, 10))
+    assert _ingest(cli, dsn, a, b, "--table", "rep").returncode == 0
+    before = _rows(conn, "rep")
+    a.write_text(_lines("a", 0, 4) + '{"text": "an edited review"}\n' + _lines("a", 5, 15))  # 20 lines now
+    p = _ingest(cli, dsn, a, b, "--table", "rep")
+    assert p.returncode != 0
+    (line,) = [x for x in p.stderr.strip().splitlines() if x.startswith("error:")]
+    assert f"{a} changed where it was already embedded" in line and f"--replace {a}" in line
+    assert _rows(conn, "rep") == before  # nothing written
+    p = _ingest(cli, dsn, a, b, "--table", "rep", "--replace", a)
+    assert p.returncode == 0, p.stderr
+    rows = _rows(conn, "rep")
+    mine = {k: v for k, v in rows.items() if k.startswith("a.jsonl:")}
+    assert len(mine) == 20 and mine["a.jsonl:5"] == "an edited review" and "a.jsonl:21" not in rows
+    assert {k: v for k, v in rows.items() if k.startswith("b.jsonl:")} == \
+        {k: v for k, v in before.items() if k.startswith("b.jsonl:")}
+    stored = conn.execute("SELECT embedding::text FROM rep WHERE id = 'a.jsonl:5'").fetchone()[0]
+    expected = Encoder(device="cpu").encode(["an edited review"])[0]
+    assert np.abs(np.array(json.loads(stored)) - expected).max() < 1e-5
+    _verify_ok(cli, dsn, "rep")
+    assert _ingest(cli, dsn, a, b, "--table", "rep").returncode == 0  # the replaced file is the planned one now
+
+
+def test_limit_counts_over_what_was_planned_before(cli, dsn, conn, tmp_path):
+    a = tmp_path / "a.jsonl"
+    a.write_text(_lines("a", 0, 10))
+    assert _ingest(cli, dsn, a, "--table", "lim", "--limit", "25").returncode == 0
+    with a.open("a") as f:
+        f.write(_lines("a", 10, 30))
+    assert _ingest(cli, dsn, a, "--table", "lim", "--limit", "25").returncode == 0
+    rows = _rows(conn, "lim")
+    assert len(rows) == 25 and "a.jsonl:25" in rows and "a.jsonl:26" not in rows
+    with a.open("a") as f:
+        f.write(_lines("a", 40, 5))
+    assert _ingest(cli, dsn, a, "--table", "lim", "--limit", "25").returncode == 0
+    assert len(_rows(conn, "lim")) == 25
+
+
+def test_replace_names_only_the_jobs_files(cli, dsn, tmp_path):
+    a, other = tmp_path / "a.jsonl", tmp_path / "other.jsonl"
+    a.write_text(_lines("a", 0, 3))
+    other.write_text(_lines("o", 0, 3))
+    assert _ingest(cli, dsn, a, "--table", "only").returncode == 0
+    p = _ingest(cli, dsn, a, "--table", "only", "--replace", other)
+    assert p.returncode != 0 and f"--replace {other}: not one of job 'only''s input files" in p.stderr
