@@ -38,7 +38,7 @@ STALE_SECONDS = 120  # a running job with no heartbeat for this long is reported
 ENDED_SECONDS = 5.0  # and one whose workers have all ended this long ago, with its launcher gone
 HOST = socket.gethostname()
 
-LEDGER_VERSION = 5  # bump with each change below; ensure_ledger brings an older ledger up to it
+LEDGER_VERSION = 6  # bump with each change below; ensure_ledger brings an older ledger up to it
 # Every statement is idempotent: it creates a new ledger and brings an older one up to date.
 LEDGER_DDL = """
 CREATE TABLE IF NOT EXISTS embedfleet.jobs (
@@ -145,6 +145,18 @@ CREATE TABLE IF NOT EXISTS embedfleet.sources (
     PRIMARY KEY (job, source)
 );
 ALTER TABLE embedfleet.chunks ADD COLUMN IF NOT EXISTS replace_to bigint;  -- the last line of earlier rows it replaces
+-- version 6: the snapshot a --from-table job's planner exported (its workers read in it while it is held), and
+-- sync: the job whose table follows a source through a queue, and when its queue was last drained
+ALTER TABLE embedfleet.jobs ADD COLUMN IF NOT EXISTS snapshot text;
+CREATE TABLE IF NOT EXISTS embedfleet.syncs (
+    job        text PRIMARY KEY,                -- recorded before its backfill job is planned
+    source     text NOT NULL,
+    key        text NOT NULL,
+    tag        text NOT NULL,                   -- names the queue, its trigger and channel in the source's database
+    same_db    boolean NOT NULL,                -- the queue is in the target's database
+    installed  timestamptz NOT NULL DEFAULT now(),
+    synced_at  timestamptz                      -- when a worker last found the queue empty
+);
 """
 
 
@@ -378,6 +390,21 @@ class Ledger:
             "ELSE now() END WHERE job = %s",
             [state, error, state, state, state, name],
         )
+
+    def record_sync(self, name: str, source: str, key: str, tag: str, same_db: bool) -> None:
+        self.conn.execute("INSERT INTO embedfleet.syncs (job, source, key, tag, same_db) VALUES (%s, %s, %s, %s, %s) "
+                          "ON CONFLICT (job) DO UPDATE SET source = EXCLUDED.source, key = EXCLUDED.key, "
+                          "tag = EXCLUDED.tag, same_db = EXCLUDED.same_db", [name, source, key, tag, same_db])
+
+    def synced(self, name: str) -> None:
+        self.conn.execute("UPDATE embedfleet.syncs SET synced_at = now() WHERE job = %s", [name])
+
+    def sync_of(self, name: str) -> dict | None:
+        with self.conn.cursor(row_factory=dict_row) as cur:
+            return cur.execute("SELECT * FROM embedfleet.syncs WHERE job = %s", [name]).fetchone()
+
+    def set_snapshot(self, name: str, snapshot: str | None) -> None:
+        self.conn.execute("UPDATE embedfleet.jobs SET snapshot = %s WHERE job = %s", [snapshot, name])
 
     def restart_job(self, name: str) -> int:
         """Every chunk back to pending from its first line, counts and rejects cleared: the job's table is
@@ -719,7 +746,7 @@ for _name, _method in list(vars(Ledger).items()):  # every query method; _claim 
         setattr(Ledger, _name, _resilient(_method))
 
 
-def jobs_overview(conn: psycopg.Connection, job: str | None = None) -> list[dict]:
+def jobs_overview(conn: psycopg.Connection, job: str | None = None, source_db: str | None = None) -> list[dict]:
     """What `embedfleet status` prints: one dict per job (contract fields first). Reads only: a role with
     SELECT on the ledger is enough, and a database without a ledger has no jobs."""
     if not ledger_exists(conn):
@@ -767,7 +794,36 @@ def jobs_overview(conn: psycopg.Connection, job: str | None = None) -> list[dict
             "chunks_failed": int(r["chunks_failed"]), "model": r["model"], "dim": r["dim"], "error": r["error"],
             "failures": r["failures"], "workers": r["workers"],
         })
+        sync = sync_overview(conn, r["job"], source_db)
+        if sync is not None:
+            out[-1].update(sync)
     return out
+
+
+def sync_overview(conn: psycopg.Connection, job: str, source_db: str | None = None) -> dict | None:
+    """A sync job's `source`, `pending` (keys queued), `lag_s` (age of the oldest) and `synced_at` (when a worker
+    last found its queue empty); None for other jobs. The queue is read where the ledger is, or at `source_db`;
+    elsewhere pending and lag_s are None."""
+    if conn.execute("SELECT to_regclass('embedfleet.syncs') IS NULL").fetchone()[0]:
+        return None
+    row = conn.execute("SELECT source, key, tag, same_db, synced_at FROM embedfleet.syncs WHERE job = %s",
+                       [job]).fetchone()
+    if row is None:
+        return None
+    from embedfleet.pg import queue
+
+    source, key, tag, same_db, synced_at = row
+    q, n, age = queue.Queue(source, key, tag), None, None
+    try:
+        if same_db:
+            n, age = queue.pending(conn, q)
+        elif source_db:
+            with psycopg.connect(source_db, autocommit=True) as src:
+                n, age = queue.pending(src, q)
+    except psycopg.Error:  # the source's server cannot be reached now: status still answers
+        pass
+    return {"source": source, "pending": n, "lag_s": None if age is None else round(age, 3),
+            "synced_at": synced_at.isoformat() if synced_at else None}
 
 
 def remove_job(conn: psycopg.Connection, job: str, drop_table: bool = False) -> dict:
@@ -785,6 +841,10 @@ def remove_job(conn: psycopg.Connection, job: str, drop_table: bool = False) -> 
         if beating:
             raise JobError(f"job {job!r} is running ({beating} workers beat within the last {STALE_SECONDS // 4} s): "
                            "stop it first (Ctrl-C its `embedfleet ingest`), then remove it")
+        sync = conn.execute("SELECT source FROM embedfleet.syncs WHERE job = %s", [job]).fetchone()
+        if sync is not None:
+            raise JobError(f"job {job!r} syncs {sync[0]}: its trigger would keep queueing changes; remove it with "
+                           f"`embedfleet sync --from-table {sync[0]} --job {job} --uninstall` (the table stays)")
         chunks, rejects = conn.execute(
             "SELECT (SELECT count(*) FROM embedfleet.chunks WHERE job = %s), "
             "(SELECT count(*) FROM embedfleet.rejects WHERE job = %s)", [job, job]).fetchone()

@@ -50,6 +50,9 @@ class Settings:
     home: str = _knob("~/.embedfleet", "EMBEDFLEET_HOME", "where the embedded server's data, runs and caches live")
     db: str | None = _knob(None, "EMBEDFLEET_DB", "the database (a postgresql:// DSN) when --db is not given",
                            "the embedded server")
+    source_db: str | None = _knob(None, "EMBEDFLEET_SOURCE_DB",
+                                  "the database a --from-table source lives in when --source-db is not given",
+                                  "the target's (--db)")
     model: str | None = _knob(None, "EMBEDFLEET_MODEL", "the model when --model is not given (a directory or hub id)",
                               "the bundled all-MiniLM-L6-v2")
     pg_tune: bool = _knob(True, "EMBEDFLEET_PG_TUNE", "tune the embedded server for bulk loads (0: leave it as it is)")
@@ -202,12 +205,14 @@ class JobSpec:
     partitions: int | None = None  # a new table as this many hash partitions of its id (None: one relation)
     columns: tuple[str, ...] | None = None  # "NAME:TYPE" fields promoted from the records into typed columns
     replacing: tuple[str, ...] | None = None  # --replace: files to embed again in place of their earlier rows (not identity)
+    source_table: str | None = None  # --from-table: a PostgreSQL table's rows are the records (inputs: its name)
+    where: str | None = None  # --where: which of the source table's rows (read-only SQL)
 
     # Fields that change how a record lands in the table. Two runs agreeing on these are the same job, whatever
     # their inputs: a rerun adds the files (and appended bytes) it finds new.
     _IDENTITY = (
         "meta", "preset", "text_template", "text_field", "id_field", "model",
-        "table", "chunk_bytes", "limit", "dtype", "dim", "prompt", "passages", "columns",
+        "table", "chunk_bytes", "limit", "dtype", "dim", "prompt", "passages", "columns", "source_table", "where",
     )
 
     def replace(self, **changes) -> "JobSpec":
@@ -218,7 +223,7 @@ class JobSpec:
         # A field at its default is left out: a job planned before the field existed keeps its fingerprint.
         keys = ("inputs",) + self._IDENTITY if legacy else self._IDENTITY
         ident = {k: (list(v) if isinstance(v := getattr(self, k), tuple) else v) for k in keys
-                 if k not in ("passages", "columns") or getattr(self, k) is not None}
+                 if k not in ("passages", "columns", "source_table", "where") or getattr(self, k) is not None}
         return hashlib.sha256(orjson.dumps(ident, option=orjson.OPT_SORT_KEYS)).hexdigest()[:16]
 
     def to_json(self) -> dict[str, Any]:
@@ -261,8 +266,14 @@ def build_job(flags: dict[str, Any], yaml_path: str | None = None) -> JobSpec:
     """Merge YAML and flags (flags win when given), check each value's type, then validate."""
     merged = dataclasses.asdict(typed(JobSpec, load_yaml(yaml_path), yaml_path)) if yaml_path else {}
     merged.update({k: v for k, v in flags.items() if v is not None and v != [] and v is not False})
+    if merged.get("source_table"):
+        if merged.get("inputs"):
+            raise InputError("give input files or --from-table, not both")
+        merged["inputs"] = (merged["source_table"],)  # checked and qualified against the source's catalog
+    elif merged.get("where"):
+        raise InputError("--where picks a --from-table source's rows; for files, filter them before ingesting")
     if not merged.get("inputs"):
-        raise InputError("no input given: embedfleet ingest FILE... (or `inputs:` in --config)")
+        raise InputError("no input given: embedfleet ingest FILE... or --from-table TABLE (or `inputs:` in --config)")
     return validated(typed(JobSpec, merged, "flags"))
 
 
@@ -289,11 +300,18 @@ def validated(spec: JobSpec) -> JobSpec:
     parse_passages(spec.passages)
     if spec.text_template and spec.text_field:
         raise InputError("give --text-field or --text-template, not both")
+    if spec.source_table:  # a table's columns are its fields: the preset of tables, columns typed from its catalog
+        for flag, given in (("--preset", spec.preset not in (None, "table")), ("--meta", spec.meta),
+                            ("--limit", spec.limit is not None), ("--passages", spec.passages),
+                            ("--replace", spec.replacing)):
+            if given:
+                raise InputError(f"{flag} is for input files, not --from-table")
+        return spec.replace(preset="table")
     preset = spec.preset or ("amazon-reviews" if spec.meta else "generic")
-    from embedfleet.sources.presets import PRESETS, job_preset  # here, not at the top: settings stay light
+    from embedfleet.sources.presets import FILE_PRESETS, job_preset  # here, not at the top: settings stay light
 
-    if preset not in PRESETS:
-        raise InputError(f"--preset {preset!r}: choose one of {', '.join(PRESETS)}")
+    if preset not in FILE_PRESETS:
+        raise InputError(f"--preset {preset!r}: choose one of {', '.join(FILE_PRESETS)}")
     if spec.meta and preset != "amazon-reviews":
         raise InputError("--meta joins product metadata and needs --preset amazon-reviews")
     job_preset(preset, list(spec.columns) if spec.columns else None)  # names and types that can be columns

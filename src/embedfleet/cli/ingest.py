@@ -46,6 +46,12 @@ def ingest(
                                              "each growing under its own lock: for several GPUs (e.g. 8)"),
     columns: Optional[str] = typer.Option(None, "--columns", help="NAME:TYPE,…: record fields as typed columns of "
                                           "their own (e.g. stars:int,lang:text), for --where, train and map"),
+    from_table: Optional[str] = typer.Option(None, "--from-table", help="[SCHEMA.]NAME: embed a PostgreSQL table's "
+                                             "rows instead of files (its columns are the fields; id: its key)"),
+    source_db: Optional[str] = typer.Option(None, "--source-db", help="the database --from-table reads "
+                                            "(default: --db)"),
+    where: Optional[str] = typer.Option(None, "--where", help="with --from-table: SQL filter on the source's rows "
+                                        "(read-only)"),
     replace: Optional[List[str]] = typer.Option(None, "--replace", help="PATH: embed this input file again, "
                                                 "its rows replaced chunk by chunk (a file that changed where it was "
                                                 "already embedded; repeatable)"),
@@ -71,10 +77,11 @@ def ingest(
         id_field=id_field, model=model, db=db, table=table, job=job, devices=devices, workers=workers,
         batch_tokens=batch_tokens, chunk_bytes=chunk_bytes, limit=limit, no_index=no_index, dtype=dtype,
         dim=dim, prompt=prompt, passages=passages, partitions=partitions, quiet=quiet, columns=columns,
-        replacing=tuple(replace) if replace else None,
+        replacing=tuple(replace) if replace else None, source_table=from_table, where=where,
     ), config)
-    settings = with_flags(knobs(), metrics_port=metrics_port)
-    cfg = cfg.replace(inputs=tuple(expand_inputs(list(cfg.inputs))))  # a missing file fails before any server starts
+    settings = with_flags(knobs(), metrics_port=metrics_port, source_db=source_db)
+    if not cfg.source_table:  # a missing file fails before any server starts
+        cfg = cfg.replace(inputs=tuple(expand_inputs(list(cfg.inputs))))
     begun, ticks = time.time(), host_ticks()  # this run's workers start after it: an earlier run's summaries are not its
     with contextlib.redirect_stdout(sys.stderr):  # stdout carries our one JSON document, whatever a library prints
         if ray:
@@ -114,6 +121,73 @@ def ingest(
 
 
 @app.command()
+def sync(
+    from_table: str = typer.Option(..., "--from-table", help="[SCHEMA.]NAME: the source table to follow"),
+    text_field: Optional[str] = typer.Option(None, "--text-field", help="the column holding the text to embed"),
+    text_template: Optional[str] = typer.Option(None, "--text-template", help='e.g. "{title}\n\n{abstract}"'),
+    id_field: Optional[str] = typer.Option(None, "--id-field", help="a unique column (default: the single-column "
+                                           "primary key)"),
+    where: Optional[str] = typer.Option(None, "--where", help="SQL filter on the source's rows (read-only)"),
+    columns: Optional[str] = typer.Option(None, "--columns", help="a,b: source columns copied into the target"),
+    source_db: Optional[str] = typer.Option(None, "--source-db", help="the database the source is in (default: --db)"),
+    db: Optional[str] = DbOpt,
+    table: Optional[str] = typer.Option(None, "--table", help="target table (default: NAME_embeddings beside the "
+                                        "source)"),
+    job: Optional[str] = typer.Option(None, "--job", help="job name (default: the table name)"),
+    model: Optional[str] = typer.Option(None, "--model", help="local model directory or hub id"),
+    devices: Optional[str] = typer.Option(None, "--devices", help="auto | cpu | cuda | cuda:0,1,… (the backfill's; "
+                                          "the queue is drained on the first)"),
+    workers: Optional[int] = typer.Option(None, "--workers", help="backfill worker processes"),
+    batch_tokens: Optional[str] = typer.Option(None, "--batch-tokens", help="auto | tokens per forward pass"),
+    chunk_bytes: Optional[int] = typer.Option(None, "--chunk-bytes", help="bytes of the source per backfill chunk"),
+    dtype: Optional[str] = typer.Option(None, "--dtype", help="float (vector) | half (halfvec)"),
+    dim: Optional[int] = typer.Option(None, "--dim", help="Matryoshka: keep the first N dimensions"),
+    prompt: Optional[str] = typer.Option(None, "--prompt", help="prompt name or text prepended to documents"),
+    no_index: bool = typer.Option(False, "--no-index", help="skip the HNSW index"),
+    batch: int = typer.Option(2048, "--batch", help="queued keys a drain batch takes"),
+    follow: bool = typer.Option(False, "--follow", help="keep following changes until SIGINT/SIGTERM"),
+    uninstall: bool = typer.Option(False, "--uninstall", help="remove the trigger and the queue (the vectors stay)"),
+    quiet: bool = typer.Option(False, "--quiet", help="no progress display"),
+    json_out: bool = typer.Option(False, "--json", help="print the summary as JSON"),
+) -> None:
+    """Make a table's embeddings equal to the table and keep them so: backfill, then apply queued changes.
+
+    The first run installs a trigger on the source and a queue in schema embedfleet; without --follow the queue
+    is drained and the command exits 0; with it, changes keep being applied until SIGINT/SIGTERM."""
+    state["resumes"] = True
+    from embedfleet.settings import build_job
+    from embedfleet.ingest.sync import run_sync, uninstall_sync
+
+    cfg = build_job(dict(
+        source_table=from_table, text_field=text_field, text_template=shell_escapes(text_template), id_field=id_field,
+        where=where, columns=columns, db=db, table=table, job=job, model=model, devices=devices, workers=workers,
+        batch_tokens=batch_tokens, chunk_bytes=chunk_bytes, dtype=dtype, dim=dim, prompt=prompt, no_index=no_index,
+        quiet=quiet))
+    settings = with_flags(knobs(), source_db=source_db)
+    if batch < 1:
+        raise typer.BadParameter("--batch must be at least 1")
+    with contextlib.redirect_stdout(sys.stderr):
+        if uninstall:
+            summary = uninstall_sync(cfg, settings)
+        else:
+            from embedfleet.ingest.launch.local import LocalLauncher
+            from embedfleet.platform.devices import parse_devices
+
+            devs = parse_devices(cfg.devices, cfg.workers)
+            summary = run_sync(cfg, settings, LocalLauncher(devs, settings), devs[0], follow, batch=batch)
+    if json_out:
+        emit(summary)
+    elif uninstall:
+        typer.echo(f"{summary['job']}: {'removed' if summary['uninstalled'] else 'there was no'} trigger and queue "
+                   f"on {summary['source']}; the table stays", err=True)
+    else:
+        typer.echo(f"{summary['job']}: {summary['table']} follows {summary['source']} — backfill "
+                   f"{summary['backfill_rows']:,} rows; {summary['keys']:,} queued changes: {summary['embedded']:,} "
+                   f"embedded, {summary['unchanged']:,} unchanged, {summary['deleted']:,} deleted; "
+                   f"{summary.get('pending') or 0:,} pending", err=True)
+
+
+@app.command()
 def worker(
     job: str = typer.Option(..., "--job", help="the job to join"),
     db: Optional[str] = DbOpt,
@@ -121,6 +195,8 @@ def worker(
     workers: Optional[int] = typer.Option(None, "--workers", help="worker processes (default: one per device)"),
     worker_id: Optional[str] = typer.Option(None, "--worker-id", help="name prefix shown in status (default host-pid)"),
     metrics_port: Optional[int] = typer.Option(None, "--metrics-port", help="serve Prometheus metrics on this port"),
+    source_db: Optional[str] = typer.Option(None, "--source-db", help="a --from-table job's source database "
+                                            "(default: --db)"),
     quiet: bool = typer.Option(False, "--quiet", help="no progress display"),
 ) -> None:
     """Join a running job from this host, one worker per local device: claim chunks until none are left."""
@@ -133,7 +209,7 @@ def worker(
     from embedfleet.pg.embedded import resolve_dsn
     from embedfleet.ledger import Ledger
 
-    settings = with_flags(knobs(), metrics_port=metrics_port)
+    settings = with_flags(knobs(), metrics_port=metrics_port, source_db=source_db)
     launcher = LocalLauncher(parse_devices(validate_devices(devices), workers), settings, prefix=worker_id)
     dsn = resolve_dsn(db, knobs())
     ledger = Ledger.connect(dsn, settings.db_patience_seconds, host=settings.host_id)
@@ -164,8 +240,9 @@ def status(
     from embedfleet.pg.connect import connect
     from embedfleet.ledger import jobs_overview
 
-    with connect(resolve_dsn(db, knobs())) as conn:
-        jobs = jobs_overview(conn, job)
+    settings = knobs()
+    with connect(resolve_dsn(db, settings)) as conn:
+        jobs = jobs_overview(conn, job, settings.source_db)
         if job and not jobs:
             raise EmbedfleetError(f"no job named {job!r}; `embedfleet status` lists them")
         if json_out:
@@ -176,7 +253,7 @@ def status(
         from embedfleet.ingest.monitor import status_table, watch as watch_fleet
 
         if watch:
-            watch_fleet(lambda: jobs_overview(conn, job))
+            watch_fleet(lambda: jobs_overview(conn, job, settings.source_db))
             stopped_on_purpose()
             return
         Console().print(status_table(jobs) if jobs else "no jobs yet: embedfleet ingest FILE")

@@ -64,7 +64,7 @@ class ClaimStage:
                 continue
             stats.tail_started = 0.0  # a chunk came back and is ours now: not the tail after all
             spec = ChunkSpec(claim.source, claim.kind, claim.start, claim.end, claim.first_line)
-            if claim.kind == "jsonl":  # a byte span of about unit_bytes: one unit, read by the helper
+            if claim.kind in ("jsonl", "table"):  # a byte or page span: one unit, read by the helper
                 sizes = itertools.repeat(unit_bytes)  # full units have gone out: no ramp after them
                 yield Task(spec, claim.cursor_line, claim.last_line, claim=claim)
                 continue

@@ -78,7 +78,7 @@ class TableSink:
         with self.conn.cursor() as cur, cur.copy(target) as copy:
             copy.write(data)
 
-    def _insert(self, data: bytes, n: int) -> int:
+    def insert(self, data: bytes, n: int) -> int:
         """COPY straight into the table when every id is new (the common case: one pass, no
         staging); if any id exists already, roll that back and upsert through the stage table."""
         try:
@@ -100,7 +100,7 @@ class TableSink:
                 self._clear(unit)
             if unit.rows.n:
                 data = assemble(unit.rows, vector_fields(item.vectors, self.vtype))
-                inserted = self._insert(data, unit.rows.n)
+                inserted = self.insert(data, unit.rows.n)
                 if claim.replace_to is not None:  # a file embedded again: its rows are this chunk's own now
                     inserted = unit.rows.n
             if unit.rejects:

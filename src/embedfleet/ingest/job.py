@@ -29,6 +29,7 @@ from embedfleet.settings import JobSpec, Settings, default_chunk_bytes
 from embedfleet.sources import files
 from embedfleet.sources.plan import (CSV_FIRST_LINE, ChunkSpec, chunk_lines, expand_inputs, plan_chunks, plan_file,
                                      table_name_for)
+from embedfleet.sources.table import describe, plan_table
 from embedfleet.sources.presets import table_columns
 from embedfleet.sources.records import validate_template
 
@@ -37,11 +38,12 @@ __all__ = ["run_job", "check_job", "plan_job", "finalize", "apply_limit"]
 log = logging.getLogger("embedfleet")
 
 
-def run_job(spec: JobSpec, settings: Settings, launcher: Launcher) -> dict:
+def run_job(spec: JobSpec, settings: Settings, launcher: Launcher, empty_ok: bool = False) -> dict:
     """Run one ingest job to its end. Returns the job's final progress (each worker's summary under
     "summaries", the checked spec under "spec"). A job that ends with failed chunks, stops with chunks left, embeds nothing, or whose
     table cannot be finished is a JobError, and the ledger says the same (state and error). An interrupt
-    (Ctrl-C, SIGTERM) stops the workers, frees their chunks and leaves the job "interrupted"."""
+    (Ctrl-C, SIGTERM) stops the workers, frees their chunks and leaves the job "interrupted". `empty_ok`: a
+    source with nothing in it is a job of no chunks (sync's backfill of an empty table), not an error."""
     dsn = resolve_dsn(spec.db, settings)
     reconnect = Reconnect(dsn, settings.db_patience_seconds)
     conn = reconnect.first()
@@ -54,17 +56,21 @@ def run_job(spec: JobSpec, settings: Settings, launcher: Launcher) -> dict:
     existed = table_exists(conn, cfg.table)  # a table made by this run and left empty is not kept
     # GPU workers import torch and start their devices (seconds) while the job is planned
     early = launcher.device_kind == "cuda"
-    job = None
+    job = source = None
     try:
         if early:
             launcher.prestart(cfg.job, dsn, conn, bool(cfg.meta))
-        cfg = plan_job(cfg, ledger, launcher.device_kind)
+        if cfg.source_table:  # planned and read in one snapshot of the source, held while the workers run
+            source = SourceSnapshot(source_dsn(cfg, settings), cfg.source_table)
+        cfg = plan_job(cfg, ledger, launcher.device_kind, source, empty_ok)
         job = cfg.job
         counts = ledger.counts(job)
         if counts["pending"] or counts["running"]:
             ledger.set_job_state(job, "running")
             with _metrics(settings.metrics_port, dsn, job):
                 launcher.run(ledger, job, dsn, cfg.quiet)
+        if source is not None:
+            source = source.close()
         if early:
             launcher.discard()  # those the job did not need (nothing left, or fewer chunks than devices)
         t0, started_at, steps = time.perf_counter(), time.time(), {}
@@ -78,7 +84,7 @@ def run_job(spec: JobSpec, settings: Settings, launcher: Launcher) -> dict:
         progress["rows_before"] = (ledger.job(job) or {}).get("rows_before") or 0  # rows a rewrite may replace
         progress["spec"] = cfg
         errors = ledger.worker_errors(job)
-        if not (counts["failed"] or counts["pending"] or counts["running"]):
+        if not (counts["failed"] or counts["pending"] or counts["running"] or empty_ok):
             nothing_embedded(ledger, job, cfg, progress, existed)
     except KeyboardInterrupt:
         if job is not None:
@@ -87,6 +93,8 @@ def run_job(spec: JobSpec, settings: Settings, launcher: Launcher) -> dict:
     finally:
         if early:
             launcher.discard()  # also after an error planning the job, or Ctrl-C
+        if source is not None:
+            source.close()
         ledger.close()
     if counts["failed"]:
         raise JobError(f"job {job!r} finished with {counts['failed']} failed chunks; "
@@ -97,6 +105,22 @@ def run_job(spec: JobSpec, settings: Settings, launcher: Launcher) -> dict:
         raise JobError(f"job {job!r} stopped with {counts['pending'] + counts['running']} chunks left "
                        "(all workers died); rerun the same command to resume")
     return progress
+
+
+class SourceSnapshot:
+    """A REPEATABLE READ transaction on a --from-table source, held open while its job runs: the plan counts the
+    source's pages in it, and the workers' reads join it (`pg_export_snapshot`), so each row is read once."""
+
+    def __init__(self, dsn: str, source: str):
+        from embedfleet.pg.connect import connect
+        from embedfleet.pg.scan import begin_snapshot, export_snapshot
+
+        self.source, self.conn = source, connect(dsn, what="--source-db")
+        begin_snapshot(self.conn)
+        self.snapshot = export_snapshot(self.conn)
+
+    def close(self) -> None:
+        self.conn.close()
 
 
 def interrupted(ledger: Ledger, job: str, launcher: Launcher) -> None:
@@ -168,7 +192,11 @@ def check_job(spec: JobSpec, conn, settings: Settings) -> JobSpec:
     """Everything that can be known wrong before a job exists: names, the server (PostgreSQL, pgvector,
     privileges), the model and the inputs' text. Returns the spec with its inputs expanded and its table and
     job named; an error here leaves no job behind."""
-    inputs = tuple(expand_inputs(list(spec.inputs)))
+    if spec.source_table:
+        spec = check_source(spec, source_dsn(spec, settings))
+        inputs = spec.inputs
+    else:
+        inputs = tuple(expand_inputs(list(spec.inputs)))
     table = check_identifier(spec.table or table_name_for(inputs[0]))
     cfg = spec.replace(inputs=inputs, table=table, job=spec.job or table, model=spec.model or settings.model)
     check_server(conn, cfg.dtype)
@@ -189,9 +217,57 @@ def check_job(spec: JobSpec, conn, settings: Settings) -> JobSpec:
         if cfg.dim or hidden:
             check_embedding_column(conn, cfg.table, cfg.dim or hidden, "halfvec" if cfg.dtype == "half" else "vector")
         check_table_columns(conn, cfg.table, table_columns(cfg.preset, bool(cfg.passages), cfg.columns))
-    if not cfg.meta:  # with --meta the text may come from the product fields, joined later
+    if not cfg.meta and not cfg.source_table:  # with --meta the text may come from the product fields, joined later
         check_inputs_have_text(cfg)
     return cfg
+
+
+def source_dsn(spec: JobSpec, settings: Settings) -> str:
+    """Where a --from-table source lives: --source-db, else the target's database."""
+    return settings.source_db or resolve_dsn(spec.db, settings)
+
+
+def check_source(spec: JobSpec, dsn: str) -> JobSpec:
+    """A --from-table job's source read from its catalog: the spec with its input the source's qualified name,
+    its id the key, its text field found where there is one text column, its --columns typed as the source's,
+    and its table (by default) NAME_embeddings beside the source. One line for each way it cannot work."""
+    from embedfleet.pg.connect import connect
+    from embedfleet.sources.records import template_fields
+    from embedfleet.sources.table import check_fields, describe, resolve_columns, text_columns
+
+    with connect(dsn, what="--source-db") as conn:
+        source = describe(conn, spec.source_table)
+        if spec.where:
+            check_where(conn, source.name, spec.where)
+    text_field = spec.text_field
+    if not text_field and not spec.text_template:
+        candidates = [c for c in text_columns(source) if c != (spec.id_field or source.key)]
+        if len(candidates) != 1:
+            raise InputError(f"--from-table {source.name}: pass --text-field COLUMN or --text-template "
+                             f"(text columns: {', '.join(candidates) or 'none'})")
+        text_field = candidates[0]
+    names = [c.split(":")[0].strip() for c in spec.columns or ()]
+    key = check_fields(source, spec.id_field, text_field,
+                       template_fields(spec.text_template) if spec.text_template else [], names)
+    return spec.replace(inputs=(source.name,), source_table=source.name, id_field=key, text_field=text_field,
+                        columns=resolve_columns(source, spec.columns),
+                        table=spec.table or f"{source.schema}.{source.table}_embeddings")
+
+
+def check_where(conn, source: str, where: str) -> None:
+    """A --where that cannot run on the source is one line now, not a failed chunk in every worker."""
+    import psycopg
+    from psycopg import sql
+
+    from embedfleet.errors import first_line
+    from embedfleet.pg.scan import user_filter
+
+    try:
+        with conn.transaction():
+            conn.execute("SET TRANSACTION READ ONLY")
+            conn.execute(sql.SQL("SELECT 1 FROM {} WHERE {} LIMIT 0").format(sql.SQL(source), user_filter(where)))
+    except psycopg.Error as e:
+        raise InputError(f"--where {where!r}: {first_line(e)}") from None
 
 
 def check_passages(cfg: JobSpec, spec) -> None:
@@ -209,9 +285,11 @@ def check_passages(cfg: JobSpec, spec) -> None:
                          f"use --passages {fits}{f':{overlap}' if overlap else ''} or less")
 
 
-def plan_job(cfg: JobSpec, ledger: Ledger, device: str) -> JobSpec:
+def plan_job(cfg: JobSpec, ledger: Ledger, device: str, source: "SourceSnapshot | None" = None,
+             empty_ok: bool = False) -> JobSpec:
     """Load the meta file and plan the job (or find it planned: a rerun resumes). Returns the spec with its
-    meta file's path resolved."""
+    meta file's path resolved. A --from-table job is planned in `source`'s snapshot, which its workers join
+    while it is held."""
     meta_id = None
     if cfg.meta:
         from embedfleet.sources.presets import get_preset, load_meta
@@ -227,13 +305,17 @@ def plan_job(cfg: JobSpec, ledger: Ledger, device: str) -> JobSpec:
     chunk_bytes = cfg.chunk_bytes or default_chunk_bytes(device)
     exists = ledger.job(cfg.job) is not None
     plan, planned = [], []
-    if not exists:
+    if not exists and cfg.source_table:
+        plan = [(c, None) for c in plan_table(source.conn, describe(source.conn, source.source), chunk_bytes)]
+        if not plan and not empty_ok:
+            raise JobError(f"nothing embedded: table {cfg.source_table} has no rows; no table made")
+    elif not exists:
         if cfg.replacing:
             raise InputError(f"--replace: job {cfg.job!r} has not embedded anything yet; run it without --replace")
         chunks = plan_chunks(list(cfg.inputs), chunk_bytes)
         plan = apply_limit(chunks, cfg.limit)
         planned = files_planned(cfg.inputs, [c for c, _ in plan])
-    if not plan and not exists:  # every input is empty: no job, no table, the same as blank lines
+    if not plan and not exists and not empty_ok:  # every input is empty: no job, no table, as blank lines
         raise JobError("nothing embedded: the inputs hold no records (empty, or blank lines only); no table made")
     if not ledger.create_job(cfg.job, cfg, plan, meta_id, planned):  # it exists with the same settings: resume
         released = ledger.release_dead_local(cfg.job)
@@ -245,9 +327,11 @@ def plan_job(cfg: JobSpec, ledger: Ledger, device: str) -> JobSpec:
         if released or retried:
             log.info("resuming %s: %d chunks of dead workers re-queued, %d failed chunks retried",
                      cfg.job, released, retried)
-        added = plan_changes(cfg, ledger, chunk_bytes)
+        added = 0 if cfg.source_table else plan_changes(cfg, ledger, chunk_bytes)
         if added:
             log.info("job %s: %d new chunks for what was added to its inputs", cfg.job, added)
+    if source is not None:
+        ledger.set_snapshot(cfg.job, source.snapshot)
     return cfg
 
 

@@ -59,6 +59,9 @@ class PrepareContext:
     passages: tuple[int, int] | None = None  # (tokens, overlap): each record as its passages
     id_root: str | None = None  # default ids name files below this (`sources.plan.id_root`); None: by base name
     columns: tuple[str, ...] | None = None  # --columns: record fields promoted into typed columns
+    source_dsn: str | None = None  # --from-table: where the source is (each helper reads its spans itself)
+    snapshot: str | None = None  # the snapshot the job's planner holds, to read the source in
+    where: str | None = None  # which of the source's rows
 
 
 @dataclass
@@ -135,6 +138,7 @@ class Preparer:
         self.splitter = (Splitter(ctx.tokenizer.tokenizer_json, *ctx.passages, words=self.tokenizer.word_tokens_many)
                          if ctx.passages else None)
         self._ledger = None
+        self._tables = None
 
     def _source_name(self, source: str) -> str:
         return source_name(self.ctx, source)
@@ -146,11 +150,17 @@ class Preparer:
             self._ledger = Ledger.connect(self.ctx.dsn, self.ctx.db_patience)
         return self._ledger.meta_lookup(self.ctx.meta_id, keys)
 
-    @staticmethod
-    def _read(task: Task) -> tuple[list[RawRecord], int]:
+    def _read(self, task: Task) -> tuple[list[RawRecord], int]:
         """The task's records (none past --limit) and the cursor to commit with them."""
         if task.raws is not None:
             return task.raws, task.cursor_line
+        if task.spec.kind == "table":  # a page span of a source table, read on this process's connection
+            if self._tables is None:
+                from embedfleet.sources.table import TableReader
+
+                self._tables = TableReader(self.ctx.source_dsn, self.ctx.snapshot, self.ctx.where)
+            raws = list(self._tables.read(task.spec, task.after_line))
+            return raws, max((r.line for r in raws), default=task.after_line)
         if task.block is not None:
             source = block_records(task.spec.source, task.first_line, task.block, task.after_line)
         else:
@@ -165,14 +175,23 @@ class Preparer:
         return raws, raws[-1].line if raws else task.after_line
 
     def __call__(self, task: Task) -> Prepared:
-        ctx = self.ctx
         raws, cursor = self._read(task)
+        return self.prepare(*self.records(raws), cursor)
+
+    def records(self, raws: list[RawRecord]) -> tuple[list, list[Reject]]:
+        """Raw records as the job's records (passages, with --passages) and rejects."""
+        ctx = self.ctx
         records, rejects = to_records(
             raws, self.preset, template=ctx.template, text_field=ctx.text_field, id_field=ctx.id_field,
             meta_lookup=self._meta_lookup if ctx.meta_id else None, source_name=self._source_name,
         )
         if self.splitter is not None:
             records = expand(records, self.splitter)
+        return records, rejects
+
+    def prepare(self, records: list, rejects: list[Reject], cursor: int) -> Prepared:
+        """Records as COPY-ready rows (one per id, the last winning) and their texts' tokens."""
+        ctx = self.ctx
         kept = [records[i] for i in {r.id: i for i, r in enumerate(records)}.values()]
         names = self._column_names
         rows = self.encoder.encode([(r.id, r.content, *map(r.values.get, names)) for r in kept])
@@ -182,6 +201,8 @@ class Preparer:
     def close(self) -> None:
         if self._ledger is not None:
             self._ledger.conn.close()
+        if self._tables is not None:
+            self._tables.close()
 
 
 _HELPER: tuple[Preparer, str] | None = None

@@ -147,7 +147,8 @@ class Worker:
                                  tokenizer_spec(spec.model, spec.prompt, word_cache=s.word_cache, default_model=s.model),
                                  self.dsn if spec.meta else None, row["meta_id"] if spec.meta else None,
                                  s.db_patience_seconds, parse_passages(spec.passages), id_root(spec.inputs),
-                                 spec.columns)
+                                 spec.columns, (s.source_db or self.dsn) if spec.source_table else None,
+                                 row.get("snapshot"), spec.where)
             pool = self._make_helpers(ctx, s.helpers, s.helper_nice)
             helpers_ready = pool.start_in_background()
             encoder = None

@@ -16,15 +16,17 @@ __all__ = ["Reconnect", "connect", "lost"]
 log = logging.getLogger("embedfleet.pg")
 
 
-def connect(dsn: str, **kw) -> psycopg.Connection:
+def connect(dsn: str, what: str = "--db / EMBEDFLEET_DB", **kw) -> psycopg.Connection:
+    """An autocommit connection, or one line naming the flag (`what`) whose database cannot be reached."""
     try:
         return psycopg.connect(dsn, autocommit=True, **kw)
     except psycopg.ProgrammingError as e:  # not a connection string at all (it may hold a password: not echoed)
-        raise DatabaseError(f"--db / EMBEDFLEET_DB is not a PostgreSQL connection string ({first_line(e)}); "
+        raise DatabaseError(f"{what} is not a PostgreSQL connection string ({first_line(e)}); "
                             "give postgresql://USER@HOST:PORT/DATABASE") from None
     except psycopg.OperationalError as e:
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise DatabaseError(f"cannot connect to the database ({first}); check --db / EMBEDFLEET_DB") from None
+        db = "the database" if what.startswith("--db") else f"the {what} database"
+        raise DatabaseError(f"cannot connect to {db} ({first}); check {what}") from None
 
 
 def lost(conn: psycopg.Connection, err: BaseException) -> bool:

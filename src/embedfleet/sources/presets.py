@@ -12,7 +12,9 @@
 - arxiv (arxiv-metadata-oai-snapshot JSON lines): id from `id`, every snapshot field typed
   (`categories` text[] from its space-separated string, `update_date` date, `versions` and
   `authors_parsed` jsonb); content "{title}\n\n{abstract}".
-Every preset but generic keeps fields it does not know in `extra` (jsonb).
+- table (`--from-table`): a PostgreSQL table's rows; id from the source's key, the text from
+  --text-field or --text-template, and only the --columns named copied (typed as in the source).
+Every preset but generic and table keeps fields it does not know in `extra` (jsonb).
 """
 
 from __future__ import annotations
@@ -203,6 +205,13 @@ PRESETS = {
         default_text_field="text",
         rest_column="record",
     ),
+    "table": Preset(  # --from-table: the text from --text-field or a template, --columns copied as typed columns
+        name="table",
+        columns=(),
+        meta_key=None,
+        meta_columns=(),
+        default_template=None,
+    ),
     "wikipedia": Preset(
         name="wikipedia",
         columns=tuple(c for _, c in _WIKIPEDIA) + (Column("extra", "jsonb"),),
@@ -226,6 +235,8 @@ PRESETS = {
     ),
 }
 
+
+FILE_PRESETS = tuple(p for p in PRESETS if p != "table")  # "table" is --from-table's own
 
 # `--columns NAME:TYPE,…`: the types a promoted field may take, by the names a user would write.
 COLUMN_TYPES = {
@@ -272,7 +283,7 @@ def get_preset(name: str) -> Preset:
     try:
         return PRESETS[name]
     except KeyError:
-        raise InputError(f"unknown preset {name!r}; choose one of: {', '.join(PRESETS)}") from None
+        raise InputError(f"unknown preset {name!r}; choose one of: {', '.join(FILE_PRESETS)}") from None
 
 
 def load_meta(path: str, preset: Preset, on_skip: Callable[[int, str], None] | None = None) -> Iterator[tuple[str, dict]]:

@@ -3,7 +3,6 @@ A head's shape is (kind, dim, outputs, hidden): enough to rebuild it from head.j
 
 from __future__ import annotations
 
-import torch
 from torch import nn
 
 from embedfleet.errors import InputError

@@ -1,0 +1,310 @@
+"""`embedfleet sync`: a target table made equal to its source table, and kept so.
+
+    install the queue (once) ─► backfill: an ingest job like any other ─► drain: batch after batch,
+    claim queued keys (SKIP LOCKED) → read their rows as they are now → embed the rows whose text changed →
+    upsert them, delete the rows that are gone → forget the claimed keys; with --follow, wait on the queue's
+    channel when it is empty
+
+The queue is installed before the backfill's snapshot is taken, so a change made while the backfill runs is
+queued: the drain finds it, and a row the backfill already embedded as it is now costs a comparison, not an
+embedding. Where the queue and the target share a database, a batch's rows and the deletion of its keys commit
+in one transaction; across databases the target commits first, and a batch repeated after a crash changes
+nothing (each write is the row as it is now).
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import threading
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass
+
+import psycopg
+from psycopg import sql
+
+from embedfleet.errors import InputError
+from embedfleet.ingest.commit import TableSink
+from embedfleet.ingest.prepare import PrepareContext, Preparer
+from embedfleet.ledger import Ledger, sync_overview
+from embedfleet.pg import queue
+from embedfleet.pg.connect import connect
+from embedfleet.pg.copyin import assemble, vector_fields
+from embedfleet.pg.ddl import embedding_info, table_exists, table_sql
+from embedfleet.settings import JobSpec, Settings
+from embedfleet.sources.base import RawRecord
+from embedfleet.sources.presets import table_columns
+from embedfleet.sources.table import describe
+
+__all__ = ["SyncStats", "Syncer", "watched_columns", "stop_on_signals"]
+
+log = logging.getLogger("embedfleet.sync")
+
+BATCH_KEYS = 2048  # keys a batch claims: one forward pass for short texts, a short transaction
+POLL_S = 0.2  # how often a follower looks at an empty queue: the trigger sends no NOTIFY (its cost)
+
+
+@dataclass
+class SyncStats:
+    batches: int = 0
+    keys: int = 0  # queued keys claimed (one key queued twice counts twice)
+    embedded: int = 0  # rows whose text changed, embedded and written
+    unchanged: int = 0  # rows whose text was the same: not embedded (their copied columns updated if changed)
+    deleted: int = 0  # target rows of keys whose source row is gone (or filtered out, or now rejected)
+    rejected: int = 0  # source rows that give no text (NULL, empty): their target rows are deleted
+    tokens: int = 0
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def watched_columns(spec: JobSpec) -> list[str]:
+    """The source columns whose UPDATE can change a target row: the text's and the copied ones."""
+    from embedfleet.sources.records import template_fields
+
+    text = template_fields(spec.text_template) if spec.text_template else [spec.text_field]
+    copied = [c.split(":")[0] for c in spec.columns or ()]
+    return [c.split(".")[0] for c in dict.fromkeys([*text, *copied]) if c]
+
+
+class Syncer:
+    """Drains one sync job's queue on one device: `step()` is one batch, `run(follow, stop)` batches until the
+    queue is empty (and, following, until `stop` is set)."""
+
+    def __init__(self, spec: JobSpec, settings: Settings, dsn: str, source_dsn: str, device: str,
+                 batch: int = BATCH_KEYS, encoder=None):
+        from embedfleet.encode.tokenize import tokenizer_spec
+        from embedfleet.ingest.worker import load_encoder
+
+        self.spec, self.settings, self.batch, self.source_dsn = spec, settings, batch, source_dsn
+        self.target = connect(dsn)
+        self.same_db = source_dsn == dsn
+        self.source = self.target if self.same_db else connect(source_dsn, what="--source-db")
+        source = describe(self.source, spec.source_table)
+        self.source_name, self.key_type = source.name, source.columns[spec.id_field]
+        self.queue = queue.queue_for(source.name, spec.id_field, spec.job)
+        self.encoder = encoder or load_encoder(spec, device, settings)
+        self.prep = Preparer(PrepareContext(
+            spec.preset, spec.text_template, spec.text_field, spec.id_field,
+            tokenizer_spec(spec.model, spec.prompt, word_cache=settings.word_cache, default_model=settings.model),
+            columns=spec.columns))
+        self.columns = [c.name for c in table_columns(spec.preset, False, spec.columns)]
+        self.vtype = embedding_info(self.target, spec.table)[0]
+        self.sink = TableSink(self.target, spec.table, table_columns(spec.preset, False, spec.columns), self.vtype,
+                              spec.job)
+        self.stats = SyncStats()
+
+    def close(self) -> None:
+        self.prep.close()
+        if not self.same_db:
+            self.source.close()
+        self.target.close()
+        close = getattr(self.encoder, "close", None)
+        if close is not None:
+            close()
+
+    # ---- one batch ------------------------------------------------------------------------------------------
+
+    def step(self) -> int:
+        """Claim a batch of queued keys and bring their target rows up to date. Returns the keys claimed."""
+        with self.source.transaction():
+            entries = queue.claim(self.source, self.queue, self.batch)
+            if not entries:
+                return 0
+            keys = list(dict.fromkeys(k for _, k in entries if k is not None))
+            truncated = any(k is None for _, k in entries)  # a NULL key: the source was truncated
+            raws = self._read(keys)
+            if self.same_db:
+                self._write(keys, raws, truncated)
+            else:
+                with self.target.transaction():
+                    self._write(keys, raws, truncated)
+            queue.forget(self.source, self.queue, [ctid for ctid, _ in entries])
+        self.stats.batches += 1
+        self.stats.keys += len(entries)
+        return len(entries)
+
+    def _read(self, keys: list[str]) -> list[RawRecord]:
+        """The keys' source rows as they are now (those --where leaves out are as good as gone)."""
+        if not keys:
+            return []
+        cond = sql.SQL("{} = ANY(%s::{}[])").format(sql.Identifier(self.spec.id_field), sql.SQL(self.key_type))
+        if self.spec.where:
+            cond = sql.SQL("{} AND ({})").format(cond, sql.SQL(self.spec.where))
+        try:
+            with self.source.cursor() as cur:
+                cur.execute(sql.SQL("SELECT * FROM {} WHERE {}").format(sql.SQL(self.source_name), cond), [keys])
+                names = [d.name for d in cur.description]
+                rows = cur.fetchall()
+        except (psycopg.errors.UndefinedTable, psycopg.errors.UndefinedColumn) as e:
+            raise InputError(f"sync: the source {self.source_name} was dropped or renamed while following "
+                             f"({str(e).splitlines()[0]}); its queue {self.queue.table_name} is kept: rerun sync "
+                             "with the table's name now, or `sync --uninstall`") from None
+        return [RawRecord(self.source_name, 0, dict(zip(names, row)), "", None) for row in rows]
+
+    def _write(self, keys: list[str], raws: list[RawRecord], truncated: bool) -> None:
+        conn, target = self.target, table_sql(self.target, self.spec.table)
+        records, rejects = self.prep.records(raws)
+        self.stats.rejected += len(rejects)
+        present = {r.id for r in records}
+        stored = {row[0]: row[1:] for row in conn.execute(
+            sql.SQL("SELECT id, content{} FROM {} WHERE id = ANY(%s)").format(
+                sql.SQL("").join(sql.SQL(", {}").format(sql.Identifier(c)) for c in self.columns), target),
+            [[r.id for r in records]]).fetchall()}
+        changed, recolumned = [], []
+        for r in records:
+            old = stored.get(r.id)
+            if old is None or old[0] != r.content:
+                changed.append(r)
+            else:
+                self.stats.unchanged += 1
+                values = tuple(r.values.get(c) for c in self.columns)
+                if values != tuple(old[1:]):
+                    recolumned.append((*values, r.id))
+        if changed:
+            p = self.prep.prepare(changed, [], 0)
+            vectors = self.encoder.embed(p.tok)
+            self.sink.insert(assemble(p.rows, vector_fields(vectors, self.vtype)), p.rows.n)
+            self.stats.embedded += p.rows.n
+            self.stats.tokens += int(p.tok.num_tokens)
+        if recolumned:
+            sets = sql.SQL(", ").join(sql.SQL("{} = %s").format(sql.Identifier(c)) for c in self.columns)
+            with conn.cursor() as cur:
+                cur.executemany(sql.SQL("UPDATE {} SET {} WHERE id = %s").format(target, sets), recolumned)
+        gone = [k for k in keys if k not in present]
+        if gone:
+            self.stats.deleted += conn.execute(sql.SQL("DELETE FROM {} WHERE id = ANY(%s)").format(target),
+                                               [gone]).rowcount
+        if truncated:
+            self.stats.deleted += self._delete_missing(target)
+
+    def _delete_missing(self, target: sql.Composable) -> int:
+        """After a TRUNCATE: every target row whose source row is not there now."""
+        key = sql.Identifier(self.spec.id_field)
+        where = sql.SQL(" AND ({})").format(sql.SQL(self.spec.where)) if self.spec.where else sql.SQL("")
+        if self.same_db:
+            return self.target.execute(sql.SQL(
+                "DELETE FROM {t} x WHERE NOT EXISTS (SELECT 1 FROM {s} WHERE {k}::text = x.id{w})").format(
+                    t=target, s=sql.SQL(self.source_name), k=key, w=where)).rowcount
+        alive = {k for (k,) in self.source.execute(sql.SQL("SELECT {}::text FROM {} WHERE true{}").format(
+            key, sql.SQL(self.source_name), where))}
+        ids = [i for (i,) in self.target.execute(sql.SQL("SELECT id FROM {}").format(target)) if i not in alive]
+        return self.target.execute(sql.SQL("DELETE FROM {} WHERE id = ANY(%s)").format(target), [ids]).rowcount
+
+    # ---- many batches ---------------------------------------------------------------------------------------
+
+    def run(self, ledger: Ledger, follow: bool = False, stop: threading.Event | None = None) -> SyncStats:
+        """Batches until the queue is empty; following, until `stop` is set, waiting on the queue's channel
+        between batches. What a batch holds is committed before it returns."""
+        stop = stop or threading.Event()
+        listener = None
+        if follow:
+            listener = connect(self.source_dsn, what="--source-db")
+            listener.execute(sql.SQL("LISTEN {}").format(sql.Identifier(self.queue.channel)))
+        try:
+            while not stop.is_set():
+                if self.step():
+                    continue
+                ledger.synced(self.spec.job)
+                if not follow:
+                    break
+                self._check_source()
+                for _ in listener.notifies(timeout=POLL_S, stop_after=1):  # a NOTIFY on the channel wakes it now
+                    pass
+        finally:
+            if listener is not None:
+                listener.close()
+        return self.stats
+
+    def _check_source(self) -> None:
+        """A source dropped or renamed while following ends the run with one line; its queue stays."""
+        if self.source.execute("SELECT to_regclass(%s) IS NULL", [self.source_name]).fetchone()[0]:
+            raise InputError(f"sync: the source {self.source_name} was dropped or renamed while following; its "
+                             f"queue {self.queue.table_name} is kept: rerun sync with the table's name now, or "
+                             "`sync --uninstall`")
+
+
+@contextmanager
+def stop_on_signals():
+    """An event SIGINT and SIGTERM set (instead of ending the process): the batch in hand commits first."""
+    stop = threading.Event()
+    previous = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+    for s in previous:
+        signal.signal(s, lambda signum, frame: stop.set())
+    try:
+        yield stop
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+
+
+def run_sync(spec: JobSpec, settings: Settings, launcher, device: str, follow: bool = False,
+             stop: threading.Event | None = None, batch: int = BATCH_KEYS) -> dict:
+    """The whole of `embedfleet sync`: check, install the queue (once), backfill (an ingest job: resumed, or
+    nothing left), then drain the queue (and follow it). Returns the summary: the job, its table, the backfill's
+    rows, the drain's counts, and the queue's state at the end."""
+    from embedfleet.ingest.job import check_job, run_job, source_dsn
+    from embedfleet.pg.ddl import ensure_table, finish_table, vector_type
+    from embedfleet.pg.embedded import resolve_dsn
+
+    dsn = resolve_dsn(spec.db, settings)
+    src_dsn = source_dsn(spec, settings)
+    with connect(dsn) as conn:
+        cfg = check_job(spec, conn, settings)
+    q = queue.queue_for(cfg.source_table, cfg.id_field, cfg.job)
+    with connect(src_dsn, what="--source-db") as src:
+        made = queue.install(src, q, watched_columns(cfg))
+    if made:
+        log.info("sync: changes to %s are queued in %s from now on", cfg.source_table, q.table_name)
+    ledger = Ledger.connect(dsn, settings.db_patience_seconds, host=settings.host_id)
+    try:
+        ledger.record_sync(cfg.job, q.source, q.key, q.tag, src_dsn == dsn)
+        progress = run_job(spec, settings, launcher, empty_ok=True)
+        cfg = progress["spec"]
+        syncer = Syncer(cfg, settings, dsn, src_dsn, device, batch, encoder=None) if table_exists(
+            ledger.conn, cfg.table) else None
+        if syncer is None:  # an empty source: the table is made now, for the rows that come
+            from embedfleet.ingest.worker import load_encoder
+
+            encoder = load_encoder(cfg, device, settings)
+            ensure_table(ledger.conn, cfg.table, table_columns(cfg.preset, False, cfg.columns), encoder.dim,
+                         vector_type(ledger.conn, cfg.dtype), cfg.partitions)
+            ledger.set_model(cfg.job, encoder.name, encoder.dim)
+            syncer = Syncer(cfg, settings, dsn, src_dsn, device, batch, encoder=encoder)
+        try:
+            if follow and stop is None:  # SIGINT/SIGTERM end the following once the batch in hand commits
+                with stop_on_signals() as stop:
+                    stats = syncer.run(ledger, follow, stop)
+            else:
+                stats = syncer.run(ledger, follow, stop)
+        finally:
+            syncer.close()
+        if not cfg.no_index:
+            finish_table(ledger.conn, cfg.table, index=True, dsn=dsn)
+        state = sync_overview(ledger.conn, cfg.job, settings.source_db)
+    finally:
+        ledger.close()
+    return {"job": cfg.job, "table": cfg.table, "source": cfg.source_table, "queue": q.table_name,
+            "installed": made, "backfill_rows": progress["rows_written"], **stats.as_dict(), **(state or {})}
+
+
+def uninstall_sync(spec: JobSpec, settings: Settings) -> dict:
+    """`sync --uninstall`: the source's trigger and the queue dropped, the sync's record gone; the target table
+    and its job stay."""
+    from embedfleet.ingest.job import source_dsn
+    from embedfleet.pg.embedded import resolve_dsn
+
+    dsn = resolve_dsn(spec.db, settings)
+    with connect(source_dsn(spec, settings), what="--source-db") as src:
+        source = describe(src, spec.source_table)
+        job = spec.job or spec.table or f"{source.schema}.{source.table}_embeddings"
+        ledger = Ledger.connect(dsn, settings.db_patience_seconds, host=settings.host_id)
+        try:
+            row = ledger.sync_of(job)
+            q = queue.Queue(row["source"], row["key"], row["tag"]) if row else queue.queue_for(
+                source.name, spec.id_field or source.key or "", job)
+            dropped = queue.uninstall(src, q)
+            ledger.conn.execute("DELETE FROM embedfleet.syncs WHERE job = %s", [job])
+        finally:
+            ledger.close()
+    return {"job": job, "source": source.name, "queue": q.table_name, "uninstalled": dropped}

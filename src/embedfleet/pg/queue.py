@@ -1,0 +1,170 @@
+"""A source table's changes, queued for `embedfleet sync`: a trigger on the source writes each changed key into a
+queue table in schema `embedfleet` of the source's database, and sync's workers claim them with SKIP LOCKED.
+
+The application's writes come first, always:
+- the trigger only ever INSERTs into the queue (no unique key, so no row a worker has locked is in its way), and
+  does nothing at all when the queue is gone (`to_regclass` first: no error, no subtransaction);
+- it runs as the role that installed it (SECURITY DEFINER, a fixed search_path): the application's role needs no
+  grant on the queue;
+- installing takes the source's trigger lock for a moment, under a lock timeout: one line if the table is busy,
+  instead of the application's writes queueing behind our DDL.
+
+A queued key says only "look at this row again": a worker reads the row as it is now, so a change queued twice,
+or queued and then undone, costs nothing wrong. TRUNCATE queues a NULL key: every row may be gone.
+
+The trigger's cost is one more row inserted per row changed, and no more: the queue has no index (a worker
+sorts what it claims and deletes by ctid), and the trigger sends no NOTIFY, which cost as much again
+(docs/decisions/sync-queue.md); a follower polls the queue between LISTENs on its channel instead.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+
+import psycopg
+from psycopg import sql
+
+from embedfleet.errors import DatabaseError, InputError
+
+__all__ = ["Queue", "queue_for", "install", "uninstall", "installed", "pending", "claim", "forget"]
+
+LOCK_TIMEOUT = "5s"
+
+
+@dataclass(frozen=True)
+class Queue:
+    source: str  # the source table, qualified as SQL reads it
+    key: str  # its key column
+    tag: str  # names the queue, its function, triggers and channel
+
+    @property
+    def table(self) -> sql.Composable:
+        return sql.Identifier("embedfleet", f"queue_{self.tag}")
+
+    @property
+    def table_name(self) -> str:
+        return f"embedfleet.queue_{self.tag}"
+
+    @property
+    def channel(self) -> str:
+        return f"embedfleet_{self.tag}"
+
+    def _function(self, kind: str) -> sql.Composable:
+        return sql.Identifier("embedfleet", f"{kind}_{self.tag}")
+
+    def _trigger(self, kind: str) -> sql.Composable:
+        return sql.Identifier(f"embedfleet_{kind}_{self.tag}")
+
+
+def queue_for(source: str, key: str, job: str) -> Queue:
+    return Queue(source, key, hashlib.sha1(job.encode()).hexdigest()[:12])
+
+
+def installed(conn: psycopg.Connection, q: Queue) -> bool:
+    return conn.execute("SELECT to_regclass(%s) IS NOT NULL", [q.table_name]).fetchone()[0] and bool(
+        conn.execute("SELECT 1 FROM pg_trigger WHERE tgrelid = %s::regclass AND tgname = %s",
+                     [q.source, f"embedfleet_row_{q.tag}"]).fetchone())
+
+
+def _check_privileges(conn: psycopg.Connection, q: Queue) -> None:
+    role, quoted = conn.execute("SELECT current_user, quote_ident(current_user)").fetchone()
+    if not conn.execute("SELECT has_table_privilege(%s::regclass, 'TRIGGER')", [q.source]).fetchone()[0]:
+        raise DatabaseError(f"sync needs a trigger on {q.source}, and role {role} may not create one: "
+                            f"GRANT TRIGGER ON {q.source} TO {quoted}")
+    schema = conn.execute("SELECT to_regnamespace('embedfleet') IS NOT NULL").fetchone()[0]
+    if not schema and not conn.execute("SELECT has_database_privilege(current_database(), 'CREATE')").fetchone()[0]:
+        db = conn.execute("SELECT quote_ident(current_database())").fetchone()[0]
+        raise DatabaseError(f"sync keeps its queue in schema embedfleet of the source's database, and role {role} "
+                            f"cannot create it: GRANT CREATE ON DATABASE {db} TO {quoted}")
+    if schema and not conn.execute("SELECT has_schema_privilege('embedfleet', 'CREATE')").fetchone()[0]:
+        raise DatabaseError(f"sync keeps its queue in schema embedfleet, and role {role} cannot create tables there: "
+                            f"GRANT USAGE, CREATE ON SCHEMA embedfleet TO {quoted}")
+
+
+def install(conn: psycopg.Connection, q: Queue, watched: list[str]) -> bool:
+    """The queue, the trigger function and the source's triggers, made once (an installed queue is left as it
+    is). `watched`: the columns whose UPDATE can change a target row. Returns whether anything was made."""
+    if installed(conn, q):
+        return False
+    _check_privileges(conn, q)
+    key = sql.Identifier(q.key)
+    body = sql.SQL("""
+        BEGIN
+            IF to_regclass({name}) IS NULL THEN
+                RETURN NULL;
+            END IF;
+            IF TG_OP = 'TRUNCATE' THEN
+                INSERT INTO {queue} (key) VALUES (NULL);
+            ELSIF TG_OP = 'DELETE' THEN
+                INSERT INTO {queue} (key) VALUES (OLD.{key}::text);
+            ELSE
+                INSERT INTO {queue} (key) VALUES (NEW.{key}::text);
+                IF TG_OP = 'UPDATE' AND OLD.{key} IS DISTINCT FROM NEW.{key} THEN
+                    INSERT INTO {queue} (key) VALUES (OLD.{key}::text);
+                END IF;
+            END IF;
+            RETURN NULL;
+        END""").format(name=sql.Literal(q.table_name), queue=q.table, key=key)
+    columns = sql.SQL(", ").join(sql.Identifier(c) for c in dict.fromkeys([q.key, *watched]))
+    try:
+        with conn.transaction():
+            conn.execute(sql.SQL("SET LOCAL lock_timeout = {}").format(sql.Literal(LOCK_TIMEOUT)))
+            conn.execute("SELECT pg_advisory_xact_lock(hashtext('embedfleet.ledger'))")  # the schema, made once
+            conn.execute("CREATE SCHEMA IF NOT EXISTS embedfleet")
+            conn.execute(sql.SQL("CREATE TABLE IF NOT EXISTS {} (seq bigserial, key text, "
+                                 "queued timestamptz NOT NULL DEFAULT clock_timestamp())").format(q.table))
+            conn.execute(sql.SQL(
+                "CREATE OR REPLACE FUNCTION {}() RETURNS trigger LANGUAGE plpgsql SECURITY DEFINER "
+                "SET search_path = pg_catalog, pg_temp AS {}").format(
+                    q._function("enqueue"), sql.Literal(body.as_string(conn))))
+            src = sql.SQL(q.source)
+            conn.execute(sql.SQL("CREATE TRIGGER {} AFTER INSERT OR UPDATE OF {} OR DELETE ON {} FOR EACH ROW "
+                                 "EXECUTE FUNCTION {}()").format(q._trigger("row"), columns, src, q._function("enqueue")))
+            conn.execute(sql.SQL("CREATE TRIGGER {} AFTER TRUNCATE ON {} FOR EACH STATEMENT EXECUTE FUNCTION {}()")
+                         .format(q._trigger("truncate"), src, q._function("enqueue")))
+    except psycopg.errors.LockNotAvailable:
+        raise DatabaseError(f"{q.source} is busy (its writers held it for {LOCK_TIMEOUT}): the trigger was not "
+                            "installed, and nothing was left half made; rerun sync") from None
+    except psycopg.errors.InsufficientPrivilege as e:
+        raise DatabaseError(f"installing sync on {q.source}: {str(e).splitlines()[0]}") from None
+    return True
+
+
+def uninstall(conn: psycopg.Connection, q: Queue) -> bool:
+    """The source's triggers, the functions and the queue, dropped (the target table stays). Returns whether
+    there was anything to drop."""
+    had = conn.execute("SELECT to_regclass(%s) IS NOT NULL", [q.table_name]).fetchone()[0]
+    with conn.transaction():
+        conn.execute(sql.SQL("SET LOCAL lock_timeout = {}").format(sql.Literal(LOCK_TIMEOUT)))
+        if conn.execute("SELECT to_regclass(%s) IS NOT NULL", [q.source]).fetchone()[0]:
+            for kind in ("row", "truncate"):
+                conn.execute(sql.SQL("DROP TRIGGER IF EXISTS {} ON {}").format(q._trigger(kind), sql.SQL(q.source)))
+        conn.execute(sql.SQL("DROP FUNCTION IF EXISTS {}()").format(q._function("enqueue")))
+        conn.execute(sql.SQL("DROP TABLE IF EXISTS {}").format(q.table))
+    return had
+
+
+def pending(conn: psycopg.Connection, q: Queue) -> tuple[int, float | None]:
+    """(keys queued, seconds since the oldest was queued; None when none is)."""
+    if not conn.execute("SELECT to_regclass(%s) IS NOT NULL", [q.table_name]).fetchone()[0]:
+        return 0, None
+    n, age = conn.execute(sql.SQL("SELECT count(*), extract(epoch FROM clock_timestamp() - min(queued)) FROM {}")
+                          .format(q.table)).fetchone()
+    return int(n), None if age is None else float(age)
+
+
+def claim(conn: psycopg.Connection, q: Queue, limit: int) -> list[tuple[str, str | None]]:
+    """Up to `limit` queued (ctid, key), oldest first, locked in the caller's transaction (where their ctids
+    hold); those another worker holds are skipped."""
+    try:
+        return conn.execute(sql.SQL("SELECT ctid::text, key FROM {} ORDER BY seq LIMIT %s FOR UPDATE SKIP LOCKED")
+                            .format(q.table), [limit]).fetchall()
+    except psycopg.errors.UndefinedTable:
+        raise InputError(f"sync's queue for {q.source} is gone ({q.table_name}); rerun sync to install it again "
+                         "(its backfill then catches up)") from None
+
+
+def forget(conn: psycopg.Connection, q: Queue, ctids: list[str]) -> None:
+    """The claimed entries, done: deleted in the transaction that claimed them."""
+    conn.execute(sql.SQL("DELETE FROM {} WHERE ctid = ANY(%s::tid[])").format(q.table), [ctids])

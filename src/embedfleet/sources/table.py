@@ -1,0 +1,176 @@
+"""PostgreSQL tables as inputs (`--from-table`): a table's rows are the records, its columns their fields.
+
+A source is planned as page spans (each read by a TID range scan, `pg.scan`), under the snapshot the job's
+planner exported while it still holds it (else each read's own: rows a sync's queue will bring anyway). A row's
+"line" is its ctid as one number, block × 65536 + item: a chunk's cursor is the last row committed, and a
+reject names the row.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import orjson
+import psycopg
+from psycopg import sql
+
+from embedfleet.errors import InputError
+from embedfleet.pg.scan import begin_snapshot, user_filter
+from embedfleet.sources.base import RawRecord
+from embedfleet.sources.plan import ChunkSpec
+
+__all__ = ["TableSource", "TableReader", "describe", "check_fields", "resolve_columns", "text_columns", "plan_table",
+           "LINE_ITEMS", "table_line"]
+
+log = logging.getLogger(__name__)
+
+LINE_ITEMS = 1 << 16  # items a heap page can hold, with room to spare: a line is block × this + item
+PAGE = 8192
+_LINE = sql.SQL("(((ctid::text::point)[0])::bigint * 65536 + ((ctid::text::point)[1])::bigint)")
+
+# A source column's type as the target table's column type (`--columns`), by PostgreSQL's own type names.
+_TARGET = {
+    "smallint": "integer", "integer": "integer", "bigint": "bigint", "real": "real", "double precision": "double",
+    "numeric": "double", "boolean": "bool", "date": "date", "timestamp with time zone": "timestamptz",
+    "timestamp without time zone": "timestamptz", "json": "jsonb", "jsonb": "jsonb", "text[]": "text[]",
+    "character varying[]": "text[]",
+}
+_TEXT = ("text", "character varying", "character", "citext", "name")
+
+
+@dataclass(frozen=True)
+class TableSource:
+    name: str  # schema-qualified, quoted where it must be: what the job names and its chunks read
+    schema: str
+    table: str
+    key: str | None  # the single-column primary key, if there is one
+    columns: dict[str, str]  # every column: its type as format_type writes it
+
+
+def table_line(block: int, item: int) -> int:
+    return block * LINE_ITEMS + item
+
+
+def describe(conn: psycopg.Connection, name: str) -> TableSource:
+    """The source table `name` ([SCHEMA.]NAME, as SQL reads it), or one line saying why it cannot be read."""
+    try:
+        with conn.transaction():
+            oid = conn.execute("SELECT to_regclass(%s)::oid", [name]).fetchone()[0]
+    except (psycopg.errors.InvalidName, psycopg.errors.InvalidSchemaName):
+        oid = None
+    if oid is None:
+        raise InputError(f"--from-table {name}: no such table (as `{name}` reads in SQL: quote mixed-case names)")
+    schema, table, kind, qualified = conn.execute(
+        "SELECT n.nspname, c.relname, c.relkind, format('%%I.%%I', n.nspname, c.relname) FROM pg_class c "
+        "JOIN pg_namespace n ON n.oid = c.relnamespace WHERE c.oid = %s", [oid]).fetchone()
+    if kind not in ("r", "p"):
+        raise InputError(f"--from-table {name}: is not a table (a view or foreign table has no pages to read)")
+    if not conn.execute("SELECT has_table_privilege(%s, 'SELECT')", [oid]).fetchone()[0]:
+        role = conn.execute("SELECT quote_ident(current_user)").fetchone()[0]
+        raise InputError(f"--from-table {name}: role {role} cannot read it: GRANT SELECT ON {qualified} TO {role}")
+    columns = dict(conn.execute(
+        "SELECT attname, format_type(atttypid, NULL) FROM pg_attribute WHERE attrelid = %s AND attnum > 0 "
+        "AND NOT attisdropped ORDER BY attnum", [oid]).fetchall())
+    keys = conn.execute(
+        "SELECT a.attname FROM pg_index i JOIN pg_attribute a ON a.attrelid = i.indrelid AND a.attnum = ANY(i.indkey) "
+        "WHERE i.indrelid = %s AND i.indisprimary", [oid]).fetchall()
+    return TableSource(qualified, schema, table, keys[0][0] if len(keys) == 1 else None, columns)
+
+
+def text_columns(source: TableSource) -> list[str]:
+    return [c for c, t in source.columns.items() if t in _TEXT]
+
+
+def check_fields(source: TableSource, key: str | None, text_field: str | None, template_fields: list[str],
+                 columns: list[str]) -> str:
+    """The id column, after checking every field the job names exists (and the text's is text): one line else."""
+    have = ", ".join(source.columns)
+    key = key or source.key
+    if key is None:
+        raise InputError(f"--from-table {source.name}: no usable key (it has no single-column primary key); "
+                         f"name a unique column with --id-field (columns: {have})")
+    for flag, names in (("--id-field", [key]), ("--text-field", [text_field] if text_field else []),
+                        ("--text-template", template_fields), ("--columns", columns)):
+        for n in names:
+            if n not in source.columns:
+                raise InputError(f"{flag} {n!r}: {source.name} has no such column (columns: {have})")
+    if text_field and source.columns[text_field] not in _TEXT:
+        raise InputError(f"--text-field {text_field!r}: {source.name}.{text_field} is {source.columns[text_field]}, "
+                         f"not text (text columns: {', '.join(text_columns(source)) or 'none'}); "
+                         "use --text-template to format other types")
+    return key
+
+
+def resolve_columns(source: TableSource, columns: tuple[str, ...] | None) -> tuple[str, ...] | None:
+    """`--columns a,b` as NAME:TYPE, each typed as the source column is (a type the target cannot hold: text)."""
+    if not columns:
+        return None
+    out = []
+    for spec in columns:
+        name, _, kind = spec.strip().partition(":")
+        out.append(f"{name}:{kind or _TARGET.get(source.columns.get(name, ''), 'text')}")
+    return tuple(out)
+
+
+def plan_table(conn: psycopg.Connection, source: TableSource, chunk_bytes: int) -> list[ChunkSpec]:
+    """Page spans of about `chunk_bytes` each, the last open-ended; a table of no pages gives none."""
+    pages = conn.execute("SELECT pg_relation_size(%s::regclass) / current_setting('block_size')::int",
+                         [source.name]).fetchone()[0]
+    if pages == 0:
+        return []
+    step = max(1, chunk_bytes // PAGE)
+    starts = list(range(0, pages, step))
+    return [ChunkSpec(source.name, "table", a, b, table_line(a, 0) + 1)
+            for a, b in zip(starts, starts[1:] + [-1])]
+
+
+class TableReader:
+    """Reads page spans of one job's source on one connection, in the job's snapshot while it is held."""
+
+    def __init__(self, dsn: str, snapshot: str | None = None, where: str | None = None):
+        self.dsn, self.snapshot, self.where = dsn, snapshot, where
+        self.conn: psycopg.Connection | None = None
+
+    def read(self, spec: ChunkSpec, after_line: int = 0) -> Iterator[RawRecord]:
+        """Rows of the span whose line is > `after_line`, in heap order."""
+        from embedfleet.pg.connect import connect
+
+        if self.conn is None or self.conn.closed:
+            self.conn = connect(self.dsn)
+        conn = self.conn
+        self._begin(conn)
+        try:
+            lo = max(after_line + 1, spec.first_line)
+            cond = [sql.SQL("ctid >= {}::tid").format(sql.Literal(f"({lo // LINE_ITEMS},{lo % LINE_ITEMS})"))]
+            if spec.end >= 0:
+                cond.append(sql.SQL("ctid < {}::tid").format(sql.Literal(f"({spec.end},0)")))
+            if self.where:
+                cond.append(user_filter(self.where))
+            query = sql.SQL("SELECT {line} AS line, * FROM {src} t WHERE {cond}").format(
+                line=_LINE, src=sql.SQL(spec.source), cond=sql.SQL(" AND ").join(cond))
+            with conn.cursor() as cur:
+                cur.execute(query)
+                names = [d.name for d in cur.description][1:]
+                rows = cur.fetchall()
+        finally:
+            conn.rollback()
+        for line, *values in rows:
+            data = dict(zip(names, values))
+            yield RawRecord(spec.source, line, data, orjson.dumps(data, default=str).decode(), None)
+
+    def _begin(self, conn: psycopg.Connection) -> None:
+        if self.snapshot:
+            try:
+                begin_snapshot(conn, self.snapshot)
+                return
+            except psycopg.Error:  # the planner's transaction has ended (a resumed job): this read's own snapshot
+                conn.rollback()
+                log.info("the job's snapshot is gone (its planner has ended): reading in snapshots of this process's own")
+                self.snapshot = None
+        begin_snapshot(conn)
+
+    def close(self) -> None:
+        if self.conn is not None:
+            self.conn.close()

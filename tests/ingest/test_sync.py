@@ -1,0 +1,216 @@
+"""Text that lives in PostgreSQL: `ingest --from-table` (a backfill on the ledger) and `sync` (a trigger, a queue,
+and a target kept equal to its source while another connection changes it). The real command, the real MiniLM,
+a real PostgreSQL with real triggers and roles."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import orjson
+import psycopg
+import pytest
+
+from tests.conftest import wait_for
+
+WORDS = "naïve café 🙂 Straße 東京 charger cable battery screen fits broke returned love hate".split()
+
+
+def _text(i: int, tag: str = "") -> str:
+    rng = np.random.default_rng(i)
+    return f"{tag}review {i}: " + " ".join(rng.choice(WORDS, size=3 + i % 40))
+
+
+def _source(conn, name: str, n: int) -> None:
+    conn.execute(f"CREATE TABLE {name} (review_id bigint PRIMARY KEY, title text, body text, stars int)")
+    with conn.cursor() as cur, cur.copy(f"COPY {name} FROM STDIN") as copy:
+        for i in range(n):
+            copy.write_row((i, f"title {i}", _text(i), i % 5 + 1))
+
+
+def _sync_args(dsn, source, *more):
+    return [sys.executable, "-m", "embedfleet.cli", "sync", "--from-table", source, "--text-field", "body",
+            "--db", dsn, "--devices", "cpu", "--quiet", *more]
+
+
+def _start(args, tmp_path):
+    env = dict(os.environ, EMBEDFLEET_HOME=str(tmp_path / "home"), PYTHONUNBUFFERED="1")
+    return subprocess.Popen(args, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def _status(cli, dsn, job):
+    return orjson.loads(cli("status", "--job", job, "--db", dsn, "--json", check=True).stdout)["jobs"][0]
+
+
+def _target(conn, table):
+    return {i: (c, e) for i, c, e in conn.execute(f"SELECT id, content, embedding::text FROM {table}").fetchall()}
+
+
+def _source_rows(conn, name):
+    return {str(i): b for i, b in conn.execute(f"SELECT review_id, body FROM {name}").fetchall()}
+
+
+def _assert_equal_to_source(conn, source, table, sample_ids=()):
+    from embedfleet.encode.encoder import Encoder
+
+    want, got = _source_rows(conn, source), _target(conn, table)
+    assert set(got) == set(want)
+    assert {i: c for i, (c, _) in got.items()} == want
+    ids = sorted(set(sample_ids) | set(list(want)[:50]))
+    vectors = Encoder(device="cpu").encode([want[i] for i in ids])
+    stored = np.array([json.loads(got[i][1]) for i in ids])
+    assert np.abs(stored - vectors).max() < 1e-5
+
+
+def test_ingest_from_a_table_is_a_backfill_on_the_ledger(cli, dsn, conn, tmp_path):
+    _source(conn, "papers", 700)
+    conn.execute("UPDATE papers SET body = NULL WHERE review_id = 3")
+    p = cli("ingest", "--from-table", "papers", "--text-template", "{title}\n\n{body}", "--columns", "stars",
+            "--db", dsn, "--devices", "cpu", "--workers", "2", "--chunk-bytes", "16384", "--quiet", "--json")
+    assert p.returncode == 0, p.stderr
+    summary = orjson.loads(p.stdout)
+    assert summary["table"] == "public.papers_embeddings" and summary["chunks_total"] > 4
+    rows = dict(conn.execute("SELECT id, content FROM papers_embeddings").fetchall())
+    assert len(rows) == 700 and rows["5"] == f"title 5\n\n{_text(5)}" and rows["3"] == "title 3"
+    kinds = dict(conn.execute("SELECT column_name, data_type FROM information_schema.columns "
+                              "WHERE table_name = 'papers_embeddings'").fetchall())
+    assert kinds["stars"] == "integer" and kinds["id"] == "text"
+    report = orjson.loads(cli("verify", "--table", "public.papers_embeddings", "--db", dsn, "--json").stdout)
+    assert report["ok"] and report["rows"] == 700
+    # a rerun resumes: nothing left, nothing written twice
+    again = cli("ingest", "--from-table", "papers", "--text-template", "{title}\n\n{body}", "--columns", "stars",
+                "--db", dsn, "--devices", "cpu", "--chunk-bytes", "16384", "--quiet", "--json", check=True)
+    assert orjson.loads(again.stdout)["rows_written"] == 700
+
+
+def test_bad_sources_get_one_line_each(cli, dsn, conn, tmp_path):
+    conn.execute("CREATE TABLE nokey (a text, b text)")
+    conn.execute("CREATE TABLE numbers (id int PRIMARY KEY, n int, note text)")
+    cases = [
+        (("--from-table", "missing"), "--from-table missing: no such table"),
+        (("--from-table", "nokey", "--text-field", "a"), "no usable key"),
+        (("--from-table", "numbers", "--text-field", "n"), "numbers.n is integer, not text"),
+        (("--from-table", "numbers", "--text-field", "body"), "--text-field 'body': public.numbers has no such column"),
+        (("--from-table", "numbers", "--text-field", "note", "--source-db", "postgresql://nobody@127.0.0.1:1/x"),
+         "cannot connect to the --source-db database"),
+    ]
+    for args, message in cases:
+        p = cli("ingest", *args, "--db", dsn, "--devices", "cpu", "--quiet")
+        lines = [x for x in p.stderr.strip().splitlines() if x.startswith("error:")]
+        assert p.returncode == 2 and len(lines) == 1 and message in lines[0], (args, p.stderr)
+
+
+def test_sync_follows_inserts_updates_deletes_and_truncate_then_stops_on_sigterm(cli, dsn, conn, tmp_path):
+    _source(conn, "reviews", 5000)
+    _source(conn, "notes", 40)
+    main = _start(_sync_args(dsn, "reviews", "--follow", "--json"), tmp_path)
+    second = _start(_sync_args(dsn, "notes", "--follow", "--json"), tmp_path)
+    try:
+        for job in ("public.reviews_embeddings", "public.notes_embeddings"):
+            wait_for(conn, "SELECT synced_at FROM embedfleet.syncs WHERE job = %s", [job], timeout=400)
+        assert _status(cli, dsn, "public.reviews_embeddings")["pending"] == 0
+        app = psycopg.connect(dsn, autocommit=True)  # the application, on a connection of its own
+        with app.cursor() as cur:
+            cur.executemany("INSERT INTO reviews VALUES (%s, %s, %s, %s)",
+                            [(10_000 + i, "new", _text(10_000 + i, "new "), 3) for i in range(500)])
+            cur.executemany("UPDATE reviews SET body = %s WHERE review_id = %s",
+                            [(_text(i, "edited "), i) for i in range(200)])
+            cur.executemany("UPDATE reviews SET body = body WHERE review_id = %s", [(i,) for i in range(200, 300)])
+            cur.executemany("DELETE FROM reviews WHERE review_id = %s", [(i,) for i in range(4000, 4200)])
+        app.execute("TRUNCATE notes")
+        app.execute("INSERT INTO notes VALUES (1, 'n', 'a note after the truncate', 1)")
+        wait_for(conn, "SELECT CASE WHEN count(*) = 5300 THEN 1 END FROM reviews_embeddings", timeout=400)
+        wait_for(conn, "SELECT CASE WHEN count(*) = 1 THEN 1 END FROM notes_embeddings", timeout=200)
+        state = wait_for(conn, "SELECT 1 FROM embedfleet.syncs WHERE job = 'public.reviews_embeddings' AND "
+                         "synced_at > now() - interval '1 minute'")
+        assert state == 1
+    finally:
+        for proc in (main, second):
+            proc.send_signal(signal.SIGTERM)
+    outs = [proc.communicate(timeout=120) for proc in (main, second)]
+    assert [proc.returncode for proc in (main, second)] == [0, 0], outs[0][1][-2000:] + outs[1][1][-2000:]
+    summary = orjson.loads(outs[0][0])
+    # every change once: 500 inserts and 200 edits embedded, the 100 rewrites of the same text not
+    assert (summary["embedded"], summary["unchanged"], summary["deleted"]) == (700, 100, 200)
+    _assert_equal_to_source(conn, "reviews", "reviews_embeddings", [str(i) for i in (0, 199, 10_000, 10_499)])
+    _assert_equal_to_source(conn, "notes", "notes_embeddings")
+    status = _status(cli, dsn, "public.reviews_embeddings")
+    assert status["pending"] == 0 and status["synced_at"] and "lag_s" in status
+
+
+def test_a_sync_killed_mid_batch_reruns_to_exactly_the_source(cli, dsn, conn, tmp_path):
+    _source(conn, "kill_src", 300)
+    cli(*_sync_args(dsn, "kill_src")[3:], check=True)
+    with conn.cursor() as cur:
+        cur.executemany("UPDATE kill_src SET body = %s WHERE review_id = %s", [(_text(i, "v2 "), i) for i in range(300)])
+        cur.executemany("INSERT INTO kill_src VALUES (%s, 't', %s, 1)", [(1000 + i, _text(1000 + i)) for i in range(900)])
+    queued = conn.execute("SELECT tag FROM embedfleet.syncs").fetchone()[0]
+    proc = _start(_sync_args(dsn, "kill_src", "--batch", "200"), tmp_path)
+    wait_for(conn, f"SELECT CASE WHEN count(*) < 1200 THEN 1 END FROM embedfleet.queue_{queued}", timeout=300)
+    proc.send_signal(signal.SIGKILL)
+    proc.communicate(timeout=60)
+    left = conn.execute(f"SELECT count(*) FROM embedfleet.queue_{queued}").fetchone()[0]
+    assert 0 < left < 1200  # killed with work left
+    cli(*_sync_args(dsn, "kill_src")[3:], check=True)
+    assert conn.execute(f"SELECT count(*) FROM embedfleet.queue_{queued}").fetchone()[0] == 0
+    _assert_equal_to_source(conn, "kill_src", "kill_src_embeddings", ["0", "299", "1000", "1899"])
+
+
+def test_the_applications_writes_never_wait_for_or_fail_because_of_sync(cli, dsn, conn, tmp_path):
+    _source(conn, "app_src", 20)
+    cli(*_sync_args(dsn, "app_src")[3:], check=True)
+    tag = conn.execute("SELECT tag FROM embedfleet.syncs").fetchone()[0]
+    worker = psycopg.connect(dsn)  # a sync worker holding claimed keys in an open transaction
+    worker.execute(f"SELECT seq FROM embedfleet.queue_{tag} FOR UPDATE")
+    conn.execute("UPDATE app_src SET body = 'x' WHERE review_id = 1")  # queues key 1
+    held = worker.execute(f"SELECT seq FROM embedfleet.queue_{tag} FOR UPDATE SKIP LOCKED").fetchall()
+    app = psycopg.connect(dsn, autocommit=True)
+    app.execute("SET statement_timeout = '2s'")
+    app.execute("UPDATE app_src SET body = 'y' WHERE review_id = 1")  # the same key, while a worker holds it
+    app.execute("INSERT INTO app_src VALUES (100, 't', 'while held', 1)")
+    worker.rollback()
+    assert held  # the worker did hold a queued key
+    conn.execute(f"DROP TABLE embedfleet.queue_{tag}")  # the queue gone: the application's writes still succeed
+    app.execute("INSERT INTO app_src VALUES (101, 't', 'after the queue went', 1)")
+    app.execute("UPDATE app_src SET body = 'z' WHERE review_id = 2")
+    app.execute("DELETE FROM app_src WHERE review_id = 3")
+    assert conn.execute("SELECT count(*) FROM app_src").fetchone()[0] == 21
+    p = cli("sync", "--from-table", "app_src", "--uninstall", "--db", dsn, "--json", check=True)
+    assert orjson.loads(p.stdout)["uninstalled"] is False  # the queue was already gone; the triggers go now
+    assert conn.execute("SELECT count(*) FROM pg_trigger WHERE tgrelid = 'app_src'::regclass AND NOT tgisinternal"
+                        ).fetchone()[0] == 0
+    assert conn.execute("SELECT count(*) FROM app_src_embeddings").fetchone()[0] == 20  # the vectors stay
+
+
+def test_a_role_without_trigger_privilege_is_told_the_grant(cli, dsn, conn, tmp_path):
+    _source(conn, "guarded", 5)
+    role = f"r_{os.getpid()}_{int(time.time())}"
+    conn.execute(f"CREATE ROLE {role} LOGIN")
+    conn.execute(f"GRANT SELECT ON guarded TO {role}")
+    source_dsn = psycopg.conninfo.make_conninfo(dsn, user=role)
+    p = cli("sync", "--from-table", "guarded", "--text-field", "body", "--source-db", source_dsn, "--db", dsn,
+            "--devices", "cpu", "--quiet")
+    lines = [x for x in p.stderr.strip().splitlines() if x.startswith("error:")]
+    assert p.returncode != 0 and len(lines) == 1
+    assert f"GRANT TRIGGER ON public.guarded TO {role}" in lines[0], p.stderr
+    assert conn.execute("SELECT to_regclass('public.guarded_embeddings')").fetchone()[0] is None  # nothing made
+
+
+@pytest.mark.parametrize("op", ["drop", "rename"])
+def test_a_source_dropped_or_renamed_while_following_stops_with_one_line_and_keeps_the_queue(cli, dsn, conn,
+                                                                                            tmp_path, op):
+    _source(conn, "going", 30)
+    proc = _start(_sync_args(dsn, "going", "--follow"), tmp_path)
+    wait_for(conn, "SELECT synced_at FROM embedfleet.syncs WHERE job = 'public.going_embeddings'", timeout=300)
+    tag = conn.execute("SELECT tag FROM embedfleet.syncs").fetchone()[0]
+    conn.execute("UPDATE going SET body = 'changed' WHERE review_id = 1")
+    conn.execute("DROP TABLE going" if op == "drop" else "ALTER TABLE going RENAME TO gone")
+    _, err = proc.communicate(timeout=120)
+    lines = [x for x in err.strip().splitlines() if x.startswith("error:")]
+    assert proc.returncode != 0 and len(lines) == 1 and "was dropped or renamed while following" in lines[0], err
+    assert conn.execute("SELECT to_regclass(%s)", [f"embedfleet.queue_{tag}"]).fetchone()[0] is not None
