@@ -136,7 +136,7 @@ def _writer(dsn: str, rate: float, seconds: float, first_id: int, stop: threadin
             carry += per_tick
             k, carry = int(carry), carry - int(carry)
             inserts = updates = deletes = 0
-            with app.transaction(), app.cursor() as cur:
+            with app.pipeline(), app.transaction(), app.cursor() as cur:  # one round trip a tick, as a busy app
                 for _ in range(k):
                     u = rng.random()
                     if u < 0.5 or not live:
@@ -238,6 +238,7 @@ def main() -> None:
         (["--devices", a.devices] if a.devices else [])
     parts = set(a.parts.split(","))
     work = Path(a.work or tempfile.mkdtemp(prefix="efsync-"))
+    work.mkdir(parents=True, exist_ok=True)
     doc: dict = {"command": sys.argv}
     with psycopg.connect(dsn, autocommit=True) as conn:
         if "trigger" in parts:

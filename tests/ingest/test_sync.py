@@ -214,3 +214,16 @@ def test_a_source_dropped_or_renamed_while_following_stops_with_one_line_and_kee
     lines = [x for x in err.strip().splitlines() if x.startswith("error:")]
     assert proc.returncode != 0 and len(lines) == 1 and "was dropped or renamed while following" in lines[0], err
     assert conn.execute("SELECT to_regclass(%s)", [f"embedfleet.queue_{tag}"]).fetchone()[0] is not None
+
+
+def test_lanes_side_by_side_write_a_key_changed_many_times_as_it_is_last(cli, dsn, conn, tmp_path):
+    _source(conn, "busy", 60)
+    cli(*_sync_args(dsn, "busy")[3:], check=True)
+    for version in range(6):  # every key queued six times, in six transactions, each with other text
+        with conn.transaction():
+            conn.execute("UPDATE busy SET body = %s || body", [f"v{version} "])
+    conn.execute("DELETE FROM busy WHERE review_id % 7 = 0")
+    p = cli(*_sync_args(dsn, "busy", "--lanes", "4", "--batch", "9", "--json")[3:], check=True)
+    summary = orjson.loads(p.stdout)
+    assert summary["keys"] == 60 * 6 + 9 and summary["batches"] >= 40
+    _assert_equal_to_source(conn, "busy", "busy_embeddings")

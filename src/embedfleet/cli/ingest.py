@@ -145,6 +145,8 @@ def sync(
     prompt: Optional[str] = typer.Option(None, "--prompt", help="prompt name or text prepended to documents"),
     no_index: bool = typer.Option(False, "--no-index", help="skip the HNSW index"),
     batch: int = typer.Option(2048, "--batch", help="queued keys a drain batch takes"),
+    lanes: Optional[int] = typer.Option(None, "--lanes", help="drain batches side by side on this many connections "
+                                        "(default: half the cores, at most 8)"),
     follow: bool = typer.Option(False, "--follow", help="keep following changes until SIGINT/SIGTERM"),
     uninstall: bool = typer.Option(False, "--uninstall", help="remove the trigger and the queue (the vectors stay)"),
     quiet: bool = typer.Option(False, "--quiet", help="no progress display"),
@@ -164,8 +166,8 @@ def sync(
         batch_tokens=batch_tokens, chunk_bytes=chunk_bytes, dtype=dtype, dim=dim, prompt=prompt, no_index=no_index,
         quiet=quiet))
     settings = with_flags(knobs(), source_db=source_db)
-    if batch < 1:
-        raise typer.BadParameter("--batch must be at least 1")
+    if batch < 1 or (lanes is not None and lanes < 1):
+        raise typer.BadParameter("--batch and --lanes must be at least 1")
     with contextlib.redirect_stdout(sys.stderr):
         if uninstall:
             summary = uninstall_sync(cfg, settings)
@@ -174,7 +176,7 @@ def sync(
             from embedfleet.platform.devices import parse_devices
 
             devs = parse_devices(cfg.devices, cfg.workers)
-            summary = run_sync(cfg, settings, LocalLauncher(devs, settings), devs[0], follow, batch=batch)
+            summary = run_sync(cfg, settings, LocalLauncher(devs, settings), devs[0], follow, batch=batch, lanes=lanes)
     if json_out:
         emit(summary)
     elif uninstall:

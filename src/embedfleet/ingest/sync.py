@@ -14,9 +14,11 @@ nothing (each write is the row as it is now).
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import signal
 import threading
+import time
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 
@@ -67,62 +69,70 @@ def watched_columns(spec: JobSpec) -> list[str]:
     return [c.split(".")[0] for c in dict.fromkeys([*text, *copied]) if c]
 
 
-class Syncer:
-    """Drains one sync job's queue on one device: `step()` is one batch, `run(follow, stop)` batches until the
-    queue is empty (and, following, until `stop` is set)."""
+class Lane:
+    """One connection's drain: a batch claimed, its keys locked against the other lanes, read, embedded (on the
+    shared encoder), written and forgotten, in one transaction. Lanes run side by side so the target's index
+    takes rows on several backends at once; the per-key locks keep a key changed twice from being written
+    out of order by two lanes."""
 
-    def __init__(self, spec: JobSpec, settings: Settings, dsn: str, source_dsn: str, device: str,
-                 batch: int = BATCH_KEYS, encoder=None):
+    def __init__(self, spec: JobSpec, settings: Settings, dsn: str, source_dsn: str, encoder, gpu: threading.Lock,
+                 stats: SyncStats, stats_lock: threading.Lock, batch: int):
         from embedfleet.encode.tokenize import tokenizer_spec
-        from embedfleet.ingest.worker import load_encoder
 
-        self.spec, self.settings, self.batch, self.source_dsn = spec, settings, batch, source_dsn
+        self.spec, self.encoder, self.gpu, self.batch = spec, encoder, gpu, batch
+        self.stats, self.stats_lock = stats, stats_lock
         self.target = connect(dsn)
         self.same_db = source_dsn == dsn
         self.source = self.target if self.same_db else connect(source_dsn, what="--source-db")
         source = describe(self.source, spec.source_table)
         self.source_name, self.key_type = source.name, source.columns[spec.id_field]
         self.queue = queue.queue_for(source.name, spec.id_field, spec.job)
-        self.encoder = encoder or load_encoder(spec, device, settings)
+        self.lock_space = int(self.queue.tag[:7], 16)  # the per-key advisory locks' first key: this job's
         self.prep = Preparer(PrepareContext(
             spec.preset, spec.text_template, spec.text_field, spec.id_field,
             tokenizer_spec(spec.model, spec.prompt, word_cache=settings.word_cache, default_model=settings.model),
             columns=spec.columns))
-        self.columns = [c.name for c in table_columns(spec.preset, False, spec.columns)]
+        columns = table_columns(spec.preset, False, spec.columns)
+        self.columns = [c.name for c in columns]
         self.vtype = embedding_info(self.target, spec.table)[0]
-        self.sink = TableSink(self.target, spec.table, table_columns(spec.preset, False, spec.columns), self.vtype,
-                              spec.job)
-        self.stats = SyncStats()
+        self.sink = TableSink(self.target, spec.table, columns, self.vtype, spec.job)
 
     def close(self) -> None:
         self.prep.close()
         if not self.same_db:
             self.source.close()
         self.target.close()
-        close = getattr(self.encoder, "close", None)
-        if close is not None:
-            close()
-
-    # ---- one batch ------------------------------------------------------------------------------------------
 
     def step(self) -> int:
         """Claim a batch of queued keys and bring their target rows up to date. Returns the keys claimed."""
+        local = SyncStats()
         with self.source.transaction():
             entries = queue.claim(self.source, self.queue, self.batch)
             if not entries:
                 return 0
             keys = list(dict.fromkeys(k for _, k in entries if k is not None))
             truncated = any(k is None for _, k in entries)  # a NULL key: the source was truncated
-            raws = self._read(keys)
             if self.same_db:
-                self._write(keys, raws, truncated)
+                self._lock(keys)
+                self._write(keys, self._read(keys), truncated, local)
             else:
                 with self.target.transaction():
-                    self._write(keys, raws, truncated)
+                    self._lock(keys)
+                    self._write(keys, self._read(keys), truncated, local)
             queue.forget(self.source, self.queue, [ctid for ctid, _ in entries])
-        self.stats.batches += 1
-        self.stats.keys += len(entries)
+        local.batches, local.keys = 1, len(entries)
+        with self.stats_lock:
+            for name, value in local.as_dict().items():
+                setattr(self.stats, name, getattr(self.stats, name) + value)
         return len(entries)
+
+    def _lock(self, keys: list[str]) -> None:
+        """Each key's advisory lock on the target's connection until its commit, taken in one order by every
+        lane (no deadlock): another lane holding one of them is waited for, then its rows are read as it left them."""
+        hashes = sorted({int.from_bytes(hashlib.blake2b(k.encode(), digest_size=4).digest(), "big", signed=True)
+                         for k in keys})
+        self.target.execute("SELECT count(pg_advisory_xact_lock(%s, h)) FROM unnest(%s::int[]) AS h",
+                            [self.lock_space, hashes])
 
     def _read(self, keys: list[str]) -> list[RawRecord]:
         """The keys' source rows as they are now (those --where leaves out are as good as gone)."""
@@ -142,10 +152,10 @@ class Syncer:
                              "with the table's name now, or `sync --uninstall`") from None
         return [RawRecord(self.source_name, 0, dict(zip(names, row)), "", None) for row in rows]
 
-    def _write(self, keys: list[str], raws: list[RawRecord], truncated: bool) -> None:
+    def _write(self, keys: list[str], raws: list[RawRecord], truncated: bool, stats: SyncStats) -> None:
         conn, target = self.target, table_sql(self.target, self.spec.table)
         records, rejects = self.prep.records(raws)
-        self.stats.rejected += len(rejects)
+        stats.rejected += len(rejects)
         present = {r.id for r in records}
         stored = {row[0]: row[1:] for row in conn.execute(
             sql.SQL("SELECT id, content{} FROM {} WHERE id = ANY(%s)").format(
@@ -157,26 +167,27 @@ class Syncer:
             if old is None or old[0] != r.content:
                 changed.append(r)
             else:
-                self.stats.unchanged += 1
+                stats.unchanged += 1
                 values = tuple(r.values.get(c) for c in self.columns)
                 if values != tuple(old[1:]):
                     recolumned.append((*values, r.id))
         if changed:
             p = self.prep.prepare(changed, [], 0)
-            vectors = self.encoder.embed(p.tok)
+            with self.gpu:
+                vectors = self.encoder.embed(p.tok)
             self.sink.insert(assemble(p.rows, vector_fields(vectors, self.vtype)), p.rows.n)
-            self.stats.embedded += p.rows.n
-            self.stats.tokens += int(p.tok.num_tokens)
+            stats.embedded += p.rows.n
+            stats.tokens += int(p.tok.num_tokens)
         if recolumned:
             sets = sql.SQL(", ").join(sql.SQL("{} = %s").format(sql.Identifier(c)) for c in self.columns)
             with conn.cursor() as cur:
                 cur.executemany(sql.SQL("UPDATE {} SET {} WHERE id = %s").format(target, sets), recolumned)
         gone = [k for k in keys if k not in present]
         if gone:
-            self.stats.deleted += conn.execute(sql.SQL("DELETE FROM {} WHERE id = ANY(%s)").format(target),
-                                               [gone]).rowcount
+            stats.deleted += conn.execute(sql.SQL("DELETE FROM {} WHERE id = ANY(%s)").format(target),
+                                          [gone]).rowcount
         if truncated:
-            self.stats.deleted += self._delete_missing(target)
+            stats.deleted += self._delete_missing(target)
 
     def _delete_missing(self, target: sql.Composable) -> int:
         """After a TRUNCATE: every target row whose source row is not there now."""
@@ -191,37 +202,102 @@ class Syncer:
         ids = [i for (i,) in self.target.execute(sql.SQL("SELECT id FROM {}").format(target)) if i not in alive]
         return self.target.execute(sql.SQL("DELETE FROM {} WHERE id = ANY(%s)").format(target), [ids]).rowcount
 
-    # ---- many batches ---------------------------------------------------------------------------------------
+    def source_gone(self) -> bool:
+        return self.source.execute("SELECT to_regclass(%s) IS NULL", [self.source_name]).fetchone()[0]
+
+
+class Syncer:
+    """Drains one sync job's queue on one device with `lanes` connections side by side: `step()` is one batch on
+    the first lane; `run(ledger, follow, stop)` batches until the queue is empty (following, until `stop`)."""
+
+    def __init__(self, spec: JobSpec, settings: Settings, dsn: str, source_dsn: str, device: str,
+                 batch: int = BATCH_KEYS, encoder=None, lanes: int = 1):
+        from embedfleet.ingest.worker import load_encoder
+
+        self.spec, self.source_dsn = spec, source_dsn
+        self.encoder = encoder or load_encoder(spec, device, settings)
+        self.stats, gpu, stats_lock = SyncStats(), threading.Lock(), threading.Lock()
+        self.lanes: list[Lane] = []
+        try:
+            for _ in range(max(1, lanes)):
+                self.lanes.append(Lane(spec, settings, dsn, source_dsn, self.encoder, gpu, self.stats, stats_lock,
+                                       batch))
+        except BaseException:
+            self.close()
+            raise
+        self.queue = self.lanes[0].queue
+        self._wake = threading.Condition()
+
+    def close(self) -> None:
+        for lane in self.lanes:
+            lane.close()
+        close = getattr(self.encoder, "close", None)
+        if close is not None:
+            close()
+
+    def step(self) -> int:
+        return self.lanes[0].step()
 
     def run(self, ledger: Ledger, follow: bool = False, stop: threading.Event | None = None) -> SyncStats:
-        """Batches until the queue is empty; following, until `stop` is set, waiting on the queue's channel
-        between batches. What a batch holds is committed before it returns."""
+        """Batches on every lane until the queue is empty; following, until `stop` is set, an idle lane looking
+        again every POLL_S (at once on a NOTIFY on the queue's channel). Each lane commits the batch in hand
+        before it stops; the first error stops them all and is raised here."""
         stop = stop or threading.Event()
+        idle = [False] * len(self.lanes)
+        errors: list[BaseException] = []
+
+        def drain(i: int, lane: Lane) -> None:
+            try:
+                while not stop.is_set():
+                    if lane.step():
+                        idle[i] = False
+                        continue
+                    idle[i] = True
+                    if not follow:
+                        return
+                    with self._wake:
+                        self._wake.wait(POLL_S)
+            except BaseException as e:  # noqa: BLE001 - handed to the caller's thread
+                errors.append(e)
+                stop.set()
+
+        threads = [threading.Thread(target=drain, args=(i, lane), name=f"embedfleet-sync-{i}", daemon=True)
+                   for i, lane in enumerate(self.lanes)]
         listener = None
         if follow:
             listener = connect(self.source_dsn, what="--source-db")
             listener.execute(sql.SQL("LISTEN {}").format(sql.Identifier(self.queue.channel)))
+        for t in threads:
+            t.start()
         try:
-            while not stop.is_set():
-                if self.step():
-                    continue
-                ledger.synced(self.spec.job)
-                if not follow:
-                    break
-                self._check_source()
-                for _ in listener.notifies(timeout=POLL_S, stop_after=1):  # a NOTIFY on the channel wakes it now
-                    pass
+            marked = 0.0
+            while any(t.is_alive() for t in threads):
+                if follow:
+                    for _ in listener.notifies(timeout=POLL_S, stop_after=1):
+                        with self._wake:
+                            self._wake.notify_all()
+                    if all(idle) and time.monotonic() - marked > 1.0:
+                        if self.lanes[0].source_gone():
+                            raise InputError(f"sync: the source {self.lanes[0].source_name} was dropped or renamed "
+                                             f"while following; its queue {self.queue.table_name} is kept: rerun "
+                                             "sync with the table's name now, or `sync --uninstall`")
+                        ledger.synced(self.spec.job)
+                        marked = time.monotonic()
+                else:
+                    for t in threads:
+                        t.join(0.5)
+        except BaseException:
+            stop.set()
+            raise
         finally:
+            for t in threads:
+                t.join()
             if listener is not None:
                 listener.close()
+        if errors:
+            raise errors[0]
+        ledger.synced(self.spec.job)
         return self.stats
-
-    def _check_source(self) -> None:
-        """A source dropped or renamed while following ends the run with one line; its queue stays."""
-        if self.source.execute("SELECT to_regclass(%s) IS NULL", [self.source_name]).fetchone()[0]:
-            raise InputError(f"sync: the source {self.source_name} was dropped or renamed while following; its "
-                             f"queue {self.queue.table_name} is kept: rerun sync with the table's name now, or "
-                             "`sync --uninstall`")
 
 
 @contextmanager
@@ -238,8 +314,15 @@ def stop_on_signals():
             signal.signal(s, handler)
 
 
+def default_lanes() -> int:
+    """Half the cores, at most 8: the target's index takes rows on that many backends at once."""
+    import os
+
+    return max(1, min(8, (os.cpu_count() or 2) // 2))
+
+
 def run_sync(spec: JobSpec, settings: Settings, launcher, device: str, follow: bool = False,
-             stop: threading.Event | None = None, batch: int = BATCH_KEYS) -> dict:
+             stop: threading.Event | None = None, batch: int = BATCH_KEYS, lanes: int | None = None) -> dict:
     """The whole of `embedfleet sync`: check, install the queue (once), backfill (an ingest job: resumed, or
     nothing left), then drain the queue (and follow it). Returns the summary: the job, its table, the backfill's
     rows, the drain's counts, and the queue's state at the end."""
@@ -261,7 +344,8 @@ def run_sync(spec: JobSpec, settings: Settings, launcher, device: str, follow: b
         ledger.record_sync(cfg.job, q.source, q.key, q.tag, src_dsn == dsn)
         progress = run_job(spec, settings, launcher, empty_ok=True)
         cfg = progress["spec"]
-        syncer = Syncer(cfg, settings, dsn, src_dsn, device, batch, encoder=None) if table_exists(
+        lanes = lanes or default_lanes()
+        syncer = Syncer(cfg, settings, dsn, src_dsn, device, batch, lanes=lanes) if table_exists(
             ledger.conn, cfg.table) else None
         if syncer is None:  # an empty source: the table is made now, for the rows that come
             from embedfleet.ingest.worker import load_encoder
@@ -270,7 +354,7 @@ def run_sync(spec: JobSpec, settings: Settings, launcher, device: str, follow: b
             ensure_table(ledger.conn, cfg.table, table_columns(cfg.preset, False, cfg.columns), encoder.dim,
                          vector_type(ledger.conn, cfg.dtype), cfg.partitions)
             ledger.set_model(cfg.job, encoder.name, encoder.dim)
-            syncer = Syncer(cfg, settings, dsn, src_dsn, device, batch, encoder=encoder)
+            syncer = Syncer(cfg, settings, dsn, src_dsn, device, batch, encoder=encoder, lanes=lanes)
         try:
             if follow and stop is None:  # SIGINT/SIGTERM end the following once the batch in hand commits
                 with stop_on_signals() as stop:
