@@ -38,7 +38,7 @@ STALE_SECONDS = 120  # a running job with no heartbeat for this long is reported
 ENDED_SECONDS = 5.0  # and one whose workers have all ended this long ago, with its launcher gone
 HOST = socket.gethostname()
 
-LEDGER_VERSION = 6  # bump with each change below; ensure_ledger brings an older ledger up to it
+LEDGER_VERSION = 7  # bump with each change below; ensure_ledger brings an older ledger up to it
 # Every statement is idempotent: it creates a new ledger and brings an older one up to date.
 LEDGER_DDL = """
 CREATE TABLE IF NOT EXISTS embedfleet.jobs (
@@ -157,6 +157,8 @@ CREATE TABLE IF NOT EXISTS embedfleet.syncs (
     installed  timestamptz NOT NULL DEFAULT now(),
     synced_at  timestamptz                      -- when a worker last found the queue empty
 );
+-- version 7: the source server's start time a sync's (unlogged) queue was last known under
+ALTER TABLE embedfleet.syncs ADD COLUMN IF NOT EXISTS source_started text;
 """
 
 
@@ -391,10 +393,21 @@ class Ledger:
             [state, error, state, state, state, name],
         )
 
-    def record_sync(self, name: str, source: str, key: str, tag: str, same_db: bool) -> None:
-        self.conn.execute("INSERT INTO embedfleet.syncs (job, source, key, tag, same_db) VALUES (%s, %s, %s, %s, %s) "
-                          "ON CONFLICT (job) DO UPDATE SET source = EXCLUDED.source, key = EXCLUDED.key, "
-                          "tag = EXCLUDED.tag, same_db = EXCLUDED.same_db", [name, source, key, tag, same_db])
+    def record_sync(self, name: str, source: str, key: str, tag: str, same_db: bool, started: str) -> None:
+        """A sync job, with the source server's start time when its queue was installed (kept if recorded)."""
+        self.conn.execute("INSERT INTO embedfleet.syncs (job, source, key, tag, same_db, source_started) "
+                          "VALUES (%s, %s, %s, %s, %s, %s) ON CONFLICT (job) DO UPDATE SET source = EXCLUDED.source, "
+                          "key = EXCLUDED.key, tag = EXCLUDED.tag, same_db = EXCLUDED.same_db, "
+                          "source_started = coalesce(embedfleet.syncs.source_started, EXCLUDED.source_started)",
+                          [name, source, key, tag, same_db, started])
+
+    def source_restarted(self, name: str, started: str) -> bool:
+        """Record the source server's start time for sync job `name`; whether it differs from the one recorded
+        (a first record is no restart: the backfill read everything)."""
+        row = self.conn.execute("UPDATE embedfleet.syncs s SET source_started = %s FROM (SELECT source_started "
+                                "FROM embedfleet.syncs WHERE job = %s FOR UPDATE) old WHERE s.job = %s "
+                                "RETURNING old.source_started", [started, name, name]).fetchone()
+        return row is not None and row[0] is not None and row[0] != started
 
     def synced(self, name: str) -> None:
         self.conn.execute("UPDATE embedfleet.syncs SET synced_at = now() WHERE job = %s", [name])

@@ -227,3 +227,23 @@ def test_lanes_side_by_side_write_a_key_changed_many_times_as_it_is_last(cli, ds
     summary = orjson.loads(p.stdout)
     assert summary["keys"] == 60 * 6 + 9 and summary["batches"] >= 40
     _assert_equal_to_source(conn, "busy", "busy_embeddings")
+
+
+def test_the_queue_is_unlogged_and_a_restarted_server_has_every_key_compared_once(cli, dsn, conn, tmp_path):
+    _source(conn, "crashy", 80)
+    cli(*_sync_args(dsn, "crashy")[3:], check=True)
+    tag = conn.execute("SELECT tag FROM embedfleet.syncs").fetchone()[0]
+    assert conn.execute("SELECT relpersistence FROM pg_class WHERE oid = %s::regclass",
+                        [f"embedfleet.queue_{tag}"]).fetchone()[0] == "u"  # no WAL for the application to pay
+    # what a crash leaves: changes made, the unlogged queue emptied, the server started anew
+    conn.execute("UPDATE crashy SET body = 'changed before the crash' WHERE review_id < 5")
+    conn.execute("DELETE FROM crashy WHERE review_id BETWEEN 10 AND 12")
+    conn.execute(f"TRUNCATE embedfleet.queue_{tag}")
+    conn.execute("UPDATE embedfleet.syncs SET source_started = '2000-01-01 00:00:00+00'")
+    p = cli(*_sync_args(dsn, "crashy", "--json")[3:], check=True)
+    summary = orjson.loads(p.stdout)
+    assert summary["keys"] == 77 + 1 and (summary["embedded"], summary["deleted"]) == (5, 3)
+    assert "started again since its queue was last seen" in p.stderr
+    _assert_equal_to_source(conn, "crashy", "crashy_embeddings")
+    again = orjson.loads(cli(*_sync_args(dsn, "crashy", "--json")[3:], check=True).stdout)
+    assert again["keys"] == 0  # the start time is the known one now: nothing queued again

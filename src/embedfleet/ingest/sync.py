@@ -238,6 +238,17 @@ class Syncer:
     def step(self) -> int:
         return self.lanes[0].step()
 
+    def requeue_after_restart(self, ledger: Ledger) -> int:
+        """The queue is unlogged: if the source's server started again since it was last known (it may have
+        crashed and emptied the queue), every key of the source is queued once. Returns the keys queued."""
+        lane = self.lanes[0]
+        if not ledger.source_restarted(self.spec.job, queue.server_started(lane.source)):
+            return 0
+        n = queue.requeue_all(lane.source, self.queue)
+        log.warning("sync: the server of %s started again since its queue was last seen (a crash empties it): "
+                    "all %d keys queued once, to compare", lane.source_name, n)
+        return n
+
     def run(self, ledger: Ledger, follow: bool = False, stop: threading.Event | None = None) -> SyncStats:
         """Batches on every lane until the queue is empty; following, until `stop` is set, an idle lane looking
         again every POLL_S (at once on a NOTIFY on the queue's channel). Each lane commits the batch in hand
@@ -261,6 +272,7 @@ class Syncer:
                 errors.append(e)
                 stop.set()
 
+        self.requeue_after_restart(ledger)
         threads = [threading.Thread(target=drain, args=(i, lane), name=f"embedfleet-sync-{i}", daemon=True)
                    for i, lane in enumerate(self.lanes)]
         listener = None
@@ -281,7 +293,8 @@ class Syncer:
                             raise InputError(f"sync: the source {self.lanes[0].source_name} was dropped or renamed "
                                              f"while following; its queue {self.queue.table_name} is kept: rerun "
                                              "sync with the table's name now, or `sync --uninstall`")
-                        ledger.synced(self.spec.job)
+                        if not self.requeue_after_restart(ledger):
+                            ledger.synced(self.spec.job)
                         marked = time.monotonic()
                 else:
                     for t in threads:
@@ -337,11 +350,12 @@ def run_sync(spec: JobSpec, settings: Settings, launcher, device: str, follow: b
     q = queue.queue_for(cfg.source_table, cfg.id_field, cfg.job)
     with connect(src_dsn, what="--source-db") as src:
         made = queue.install(src, q, watched_columns(cfg))
+        started = queue.server_started(src)
     if made:
         log.info("sync: changes to %s are queued in %s from now on", cfg.source_table, q.table_name)
     ledger = Ledger.connect(dsn, settings.db_patience_seconds, host=settings.host_id)
     try:
-        ledger.record_sync(cfg.job, q.source, q.key, q.tag, src_dsn == dsn)
+        ledger.record_sync(cfg.job, q.source, q.key, q.tag, src_dsn == dsn, started)
         progress = run_job(spec, settings, launcher, empty_ok=True)
         cfg = progress["spec"]
         lanes = lanes or default_lanes()

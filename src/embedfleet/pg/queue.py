@@ -12,9 +12,11 @@ The application's writes come first, always:
 A queued key says only "look at this row again": a worker reads the row as it is now, so a change queued twice,
 or queued and then undone, costs nothing wrong. TRUNCATE queues a NULL key: every row may be gone.
 
-The trigger's cost is one more row inserted per row changed, and no more: the queue has no index (a worker
-sorts what it claims and deletes by ctid), and the trigger sends no NOTIFY, which cost as much again
-(docs/decisions/sync-queue.md); a follower polls the queue between LISTENs on its channel instead.
+The trigger's cost is one more row inserted per row changed, and no more: the queue is UNLOGGED (no WAL: the
+write-ahead log was most of that cost), has no index (a worker sorts what it claims and deletes by ctid), and
+the trigger sends no NOTIFY, which cost as much again; a follower polls the queue between LISTENs instead
+(docs/decisions/sync-queue.md). A server that crashes empties an unlogged table: sync notices the server's new
+start time and queues every key of the source once (`requeue_all`), so nothing changed before the crash is lost.
 """
 
 from __future__ import annotations
@@ -27,7 +29,8 @@ from psycopg import sql
 
 from embedfleet.errors import DatabaseError, InputError
 
-__all__ = ["Queue", "queue_for", "install", "uninstall", "installed", "pending", "claim", "forget"]
+__all__ = ["Queue", "queue_for", "install", "uninstall", "installed", "pending", "claim", "forget", "requeue_all",
+           "server_started"]
 
 LOCK_TIMEOUT = "5s"
 
@@ -112,7 +115,7 @@ def install(conn: psycopg.Connection, q: Queue, watched: list[str]) -> bool:
             conn.execute(sql.SQL("SET LOCAL lock_timeout = {}").format(sql.Literal(LOCK_TIMEOUT)))
             conn.execute("SELECT pg_advisory_xact_lock(hashtext('embedfleet.ledger'))")  # the schema, made once
             conn.execute("CREATE SCHEMA IF NOT EXISTS embedfleet")
-            conn.execute(sql.SQL("CREATE TABLE IF NOT EXISTS {} (seq bigserial, key text, "
+            conn.execute(sql.SQL("CREATE UNLOGGED TABLE IF NOT EXISTS {} (seq bigserial, key text, "
                                  "queued timestamptz NOT NULL DEFAULT clock_timestamp())").format(q.table))
             conn.execute(sql.SQL(
                 "CREATE OR REPLACE FUNCTION {}() RETURNS trigger LANGUAGE plpgsql SECURITY DEFINER "
@@ -168,3 +171,18 @@ def claim(conn: psycopg.Connection, q: Queue, limit: int) -> list[tuple[str, str
 def forget(conn: psycopg.Connection, q: Queue, ctids: list[str]) -> None:
     """The claimed entries, done: deleted in the transaction that claimed them."""
     conn.execute(sql.SQL("DELETE FROM {} WHERE ctid = ANY(%s::tid[])").format(q.table), [ctids])
+
+
+def server_started(conn: psycopg.Connection) -> str:
+    """When the source's server started: a new value means the queue (unlogged) may have been emptied."""
+    return conn.execute("SELECT pg_postmaster_start_time()::text").fetchone()[0]
+
+
+def requeue_all(conn: psycopg.Connection, q: Queue) -> int:
+    """Every key of the source queued once, and a NULL key (rows gone since): after the server restarted, what
+    its queue held is no longer known. A key whose text is unchanged then costs a comparison. Returns keys queued."""
+    with conn.transaction():
+        n = conn.execute(sql.SQL("INSERT INTO {} (key) SELECT {}::text FROM {}").format(
+            q.table, sql.Identifier(q.key), sql.SQL(q.source))).rowcount
+        conn.execute(sql.SQL("INSERT INTO {} (key) VALUES (NULL)").format(q.table))
+    return n
