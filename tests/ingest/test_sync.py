@@ -141,6 +141,8 @@ def test_sync_follows_inserts_updates_deletes_and_truncate_then_stops_on_sigterm
     _assert_equal_to_source(conn, "notes", "notes_embeddings")
     status = _status(cli, dsn, "public.reviews_embeddings")
     assert status["pending"] == 0 and status["synced_at"] and "lag_s" in status
+    report = orjson.loads(cli("verify", "--table", "public.reviews_embeddings", "--db", dsn, "--json").stdout)
+    assert report["ok"] and report["rows"] == 5300 and report["sync"]["pending"] == 0
 
 
 def test_a_sync_killed_mid_batch_reruns_to_exactly_the_source(cli, dsn, conn, tmp_path):

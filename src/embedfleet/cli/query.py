@@ -140,7 +140,11 @@ def verify(
                        f"ledger {report['ledger_rows']}{made}")
             for kind, ids in report["offending_ids"].items():
                 typer.echo(f"  {kind}: {report['problems'][kind]} rows, e.g. {', '.join(ids[:10])}")
-            if not report["count_matches_ledger"]:
+            if report.get("sync"):
+                pending = report["sync"]["pending"]
+                typer.echo(f"  follows {report['sync']['source']} (sync): "
+                           f"{'?' if pending is None else f'{pending:,}'} changes pending")
+            elif not report["count_matches_ledger"]:
                 typer.echo(f"  row count {report['rows']} differs from the ledger's {report['ledger_rows']}")
             if report["overwritten"]:
                 typer.echo(f"  {report['overwritten']:,} of the {report['ledger_records']:,} records written replaced "

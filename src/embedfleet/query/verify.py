@@ -55,19 +55,33 @@ def verify(conn: psycopg.Connection, table: str, tol: float = 1e-3, max_ids: int
             kind = "not_unit_norm"
         problems[kind].append(id_)
     counts = {k: len(v) for k, v in problems.items()}
-    count_ok = jobs == 0 or int(ledger_rows) == rows
+    sync = _sync_of(conn, table) if jobs else None
+    # a synced table follows its source, not its backfill's count: the ledger's rows say nothing of it
+    count_ok = jobs == 0 or int(ledger_rows) == rows or sync is not None
     made = conn.execute(
         "SELECT coalesce(model, config->>'model'), config->>'prompt', config->>'passages' FROM embedfleet.jobs "
         "WHERE table_name = %s ORDER BY created DESC LIMIT 1", [table]).fetchone() if jobs else None
     return {
         "table": table, "rows": rows, "ledger_rows": int(ledger_rows) if jobs else None,
-        "count_matches_ledger": count_ok, "ledger_records": int(records) if jobs else None,
+        "count_matches_ledger": None if sync is not None else count_ok,
+        "ledger_records": int(records) if jobs else None, "sync": sync,
         "overwritten": overwritten, "dim": dim, "vector_type": vtype,
         "problems": counts, "offending_ids": {k: v[:max_ids] for k, v in problems.items() if v},
         "model": made[0] if made else None, "prompt": made[1] if made else None,
         "passages": made[2] if made else None,
         "ok": count_ok and not overwritten and not any(counts.values()),
     }
+
+
+def _sync_of(conn: psycopg.Connection, table: str) -> dict | None:
+    """The sync that keeps `table` (its source and what is queued), or None."""
+    from embedfleet.ledger import sync_overview
+
+    if conn.execute("SELECT to_regclass('embedfleet.syncs') IS NULL").fetchone()[0]:
+        return None
+    row = conn.execute("SELECT s.job FROM embedfleet.syncs s JOIN embedfleet.jobs j USING (job) "
+                       "WHERE j.table_name = %s", [table]).fetchone()
+    return sync_overview(conn, row[0]) if row else None
 
 
 def verify_together(conn: psycopg.Connection, tables: list[str]) -> dict:
