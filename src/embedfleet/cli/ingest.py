@@ -18,28 +18,47 @@ def shell_escapes(template: str | None) -> str | None:
     return template.replace("\\n", "\n").replace("\\t", "\t") if template else template
 
 
+# Flags `ingest` and `sync` share, declared once.
+TextTemplateOpt = typer.Option(None, "--text-template", help='e.g. "{title}\\n\\n{text}" (\\n and \\t as written '
+                               'in a shell are a newline and a tab)')
+TextFieldOpt = typer.Option(None, "--text-field", help="field (a table's column) holding the text to embed")
+IdFieldOpt = typer.Option(None, "--id-field", help="field holding a unique id (a table's default: its primary key)")
+ModelOpt = typer.Option(None, "--model", help="local model directory or hub id (default: bundled all-MiniLM-L6-v2)")
+JobOpt = typer.Option(None, "--job", help="job name (default: the table name)")
+DevicesOpt = typer.Option(None, "--devices", help="auto | cpu | cuda | cuda:0,1,…")
+WorkersOpt = typer.Option(None, "--workers", help="worker processes (default: one per device)")
+BatchTokensOpt = typer.Option(None, "--batch-tokens", help="auto | tokens per forward pass")
+ChunkBytesOpt = typer.Option(None, "--chunk-bytes", help="bytes of input per claimed chunk")
+NoIndexOpt = typer.Option(False, "--no-index", help="skip the HNSW index build")
+DtypeOpt = typer.Option(None, "--dtype", help="float (vector) | half (halfvec, pgvector ≥ 0.7)")
+DimOpt = typer.Option(None, "--dim", help="Matryoshka: keep the first N dimensions")
+PromptOpt = typer.Option(None, "--prompt", help="prompt name or text prepended to documents")
+SourceDbOpt = typer.Option(None, "--source-db", help="the database a --from-table source is in (default: --db)")
+WhereOpt = typer.Option(None, "--where", help="with --from-table: SQL filter on the source's rows (read-only)")
+QuietOpt = typer.Option(False, "--quiet", help="no progress display")
+
+
 @app.command()
 def ingest(
     inputs: List[str] = typer.Argument(None, help="JSONL(.gz/.zst), Parquet or CSV files or URLs (s3://, gs://, hf://, file://); globs allowed"),
     meta: Optional[str] = typer.Option(None, "--meta", help="product metadata file joined by parent_asin"),
     preset: Optional[str] = typer.Option(None, "--preset", help="amazon-reviews | generic | wikipedia | arxiv"),
-    text_template: Optional[str] = typer.Option(None, "--text-template", help='e.g. "{title}\\n\\n{text}" (\\n and \\t '
-                                                'as written in a shell are a newline and a tab)'),
-    text_field: Optional[str] = typer.Option(None, "--text-field", help="field holding the text to embed"),
-    id_field: Optional[str] = typer.Option(None, "--id-field", help="field holding a unique id"),
-    model: Optional[str] = typer.Option(None, "--model", help="local model directory or hub id (default: bundled all-MiniLM-L6-v2)"),
+    text_template: Optional[str] = TextTemplateOpt,
+    text_field: Optional[str] = TextFieldOpt,
+    id_field: Optional[str] = IdFieldOpt,
+    model: Optional[str] = ModelOpt,
     db: Optional[str] = DbOpt,
     table: Optional[str] = typer.Option(None, "--table", help="target table (default: first input's file stem)"),
-    job: Optional[str] = typer.Option(None, "--job", help="job name (default: the table name)"),
-    devices: Optional[str] = typer.Option(None, "--devices", help="auto | cpu | cuda | cuda:0,1,…"),
-    workers: Optional[int] = typer.Option(None, "--workers", help="worker processes (default: one per device)"),
-    batch_tokens: Optional[str] = typer.Option(None, "--batch-tokens", help="auto | tokens per forward pass"),
-    chunk_bytes: Optional[int] = typer.Option(None, "--chunk-bytes", help="bytes of input per claimed chunk"),
+    job: Optional[str] = JobOpt,
+    devices: Optional[str] = DevicesOpt,
+    workers: Optional[int] = WorkersOpt,
+    batch_tokens: Optional[str] = BatchTokensOpt,
+    chunk_bytes: Optional[int] = ChunkBytesOpt,
     limit: Optional[int] = typer.Option(None, "--limit", help="only the first N lines, counted over the inputs in order"),
-    no_index: bool = typer.Option(False, "--no-index", help="skip the HNSW index build"),
-    dtype: Optional[str] = typer.Option(None, "--dtype", help="float (vector) | half (halfvec, pgvector ≥ 0.7)"),
-    dim: Optional[int] = typer.Option(None, "--dim", help="Matryoshka: keep the first N dimensions"),
-    prompt: Optional[str] = typer.Option(None, "--prompt", help="prompt name or text prepended to documents"),
+    no_index: bool = NoIndexOpt,
+    dtype: Optional[str] = DtypeOpt,
+    dim: Optional[int] = DimOpt,
+    prompt: Optional[str] = PromptOpt,
     passages: Optional[str] = typer.Option(None, "--passages", help="TOKENS\\[:OVERLAP]: each record as passages "
                                            "of at most TOKENS tokens, overlapping by OVERLAP (e.g. 256:32)"),
     partitions: Optional[int] = typer.Option(None, "--partitions", help="a new table as N hash partitions of its id, "
@@ -48,10 +67,8 @@ def ingest(
                                           "their own (e.g. stars:int,lang:text), for --where, train and map"),
     from_table: Optional[str] = typer.Option(None, "--from-table", help="[SCHEMA.]NAME: embed a PostgreSQL table's "
                                              "rows instead of files (its columns are the fields; id: its key)"),
-    source_db: Optional[str] = typer.Option(None, "--source-db", help="the database --from-table reads "
-                                            "(default: --db)"),
-    where: Optional[str] = typer.Option(None, "--where", help="with --from-table: SQL filter on the source's rows "
-                                        "(read-only)"),
+    source_db: Optional[str] = SourceDbOpt,
+    where: Optional[str] = WhereOpt,
     replace: Optional[List[str]] = typer.Option(None, "--replace", help="PATH: embed this input file again, "
                                                 "its rows replaced chunk by chunk (a file that changed where it was "
                                                 "already embedded; repeatable)"),
@@ -59,7 +76,7 @@ def ingest(
     ray: Optional[str] = typer.Option(None, "--ray", help="run the workers as Ray actors: auto (RAY_ADDRESS or a "
                                       "local cluster) or the cluster's ADDRESS; pip install embedfleet\\[ray]"),
     metrics_port: Optional[int] = typer.Option(None, "--metrics-port", help="serve Prometheus metrics on this port"),
-    quiet: bool = typer.Option(False, "--quiet", help="no progress display"),
+    quiet: bool = QuietOpt,
     json_out: bool = typer.Option(False, "--json", help="print the final job summary as JSON"),
 ) -> None:
     """Embed INPUT files into a pgvector table. Re-running the same command resumes and embeds what is new.
@@ -123,33 +140,31 @@ def ingest(
 @app.command()
 def sync(
     from_table: str = typer.Option(..., "--from-table", help="[SCHEMA.]NAME: the source table to follow"),
-    text_field: Optional[str] = typer.Option(None, "--text-field", help="the column holding the text to embed"),
-    text_template: Optional[str] = typer.Option(None, "--text-template", help='e.g. "{title}\n\n{abstract}"'),
-    id_field: Optional[str] = typer.Option(None, "--id-field", help="a unique column (default: the single-column "
-                                           "primary key)"),
-    where: Optional[str] = typer.Option(None, "--where", help="SQL filter on the source's rows (read-only)"),
+    text_field: Optional[str] = TextFieldOpt,
+    text_template: Optional[str] = TextTemplateOpt,
+    id_field: Optional[str] = IdFieldOpt,
+    where: Optional[str] = WhereOpt,
     columns: Optional[str] = typer.Option(None, "--columns", help="a,b: source columns copied into the target"),
-    source_db: Optional[str] = typer.Option(None, "--source-db", help="the database the source is in (default: --db)"),
+    source_db: Optional[str] = SourceDbOpt,
     db: Optional[str] = DbOpt,
     table: Optional[str] = typer.Option(None, "--table", help="target table (default: NAME_embeddings beside the "
                                         "source)"),
-    job: Optional[str] = typer.Option(None, "--job", help="job name (default: the table name)"),
-    model: Optional[str] = typer.Option(None, "--model", help="local model directory or hub id"),
-    devices: Optional[str] = typer.Option(None, "--devices", help="auto | cpu | cuda | cuda:0,1,… (the backfill's; "
-                                          "the queue is drained on the first)"),
-    workers: Optional[int] = typer.Option(None, "--workers", help="backfill worker processes"),
-    batch_tokens: Optional[str] = typer.Option(None, "--batch-tokens", help="auto | tokens per forward pass"),
-    chunk_bytes: Optional[int] = typer.Option(None, "--chunk-bytes", help="bytes of the source per backfill chunk"),
-    dtype: Optional[str] = typer.Option(None, "--dtype", help="float (vector) | half (halfvec)"),
-    dim: Optional[int] = typer.Option(None, "--dim", help="Matryoshka: keep the first N dimensions"),
-    prompt: Optional[str] = typer.Option(None, "--prompt", help="prompt name or text prepended to documents"),
-    no_index: bool = typer.Option(False, "--no-index", help="skip the HNSW index"),
+    job: Optional[str] = JobOpt,
+    model: Optional[str] = ModelOpt,
+    devices: Optional[str] = DevicesOpt,
+    workers: Optional[int] = WorkersOpt,
+    batch_tokens: Optional[str] = BatchTokensOpt,
+    chunk_bytes: Optional[int] = ChunkBytesOpt,
+    dtype: Optional[str] = DtypeOpt,
+    dim: Optional[int] = DimOpt,
+    prompt: Optional[str] = PromptOpt,
+    no_index: bool = NoIndexOpt,
     batch: int = typer.Option(2048, "--batch", help="queued keys a drain batch takes"),
     lanes: Optional[int] = typer.Option(None, "--lanes", help="drain batches side by side on this many connections "
                                         "(default: half the cores, at most 8)"),
     follow: bool = typer.Option(False, "--follow", help="keep following changes until SIGINT/SIGTERM"),
     uninstall: bool = typer.Option(False, "--uninstall", help="remove the trigger and the queue (the vectors stay)"),
-    quiet: bool = typer.Option(False, "--quiet", help="no progress display"),
+    quiet: bool = QuietOpt,
     json_out: bool = typer.Option(False, "--json", help="print the summary as JSON"),
 ) -> None:
     """Make a table's embeddings equal to the table and keep them so: backfill, then apply queued changes.

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -63,6 +64,18 @@ def safetensors_files(hf_dir: Path) -> list[Path] | None:
     if index.exists():
         return [hf_dir / f for f in sorted(set(json.loads(index.read_text())["weight_map"].values()))]
     return [hf_dir / "model.safetensors"] if (hf_dir / "model.safetensors").exists() else None
+
+
+def read_weights(hf_dir: Path, read_file: Callable[[Path], dict]) -> dict | None:
+    """Every tensor of the model's safetensors files, each file read by `read_file` (torch's loader, or the
+    query path's numpy one); None if it has none."""
+    files = safetensors_files(hf_dir)
+    if files is None:
+        return None
+    state = {}
+    for f in files:
+        state.update(read_file(f))
+    return state
 
 
 def check_model(model) -> ModelSpec:

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import numpy as np
 
-from embedfleet.encode.models import ModelSpec, model_name, read_spec, resolve_model, safetensors_files, strip_prefix
+from embedfleet.encode.models import ModelSpec, model_name, read_spec, read_weights, resolve_model, strip_prefix
 from embedfleet.encode.tokenize import model_tokenizer
 from embedfleet.errors import ModelError
 
@@ -53,13 +53,7 @@ def read_safetensors(path: Path) -> dict[str, np.ndarray]:
 
 
 def _load_state(hf_dir: Path) -> dict[str, np.ndarray] | None:
-    files = safetensors_files(hf_dir)
-    if files is None:
-        return None
-    state = {}
-    for f in files:
-        state.update(read_safetensors(f))
-    return state
+    return read_weights(hf_dir, read_safetensors)
 
 
 def _erf(x: np.ndarray) -> np.ndarray:

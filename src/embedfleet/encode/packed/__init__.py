@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from embedfleet.encode.models import safetensors_files, strip_prefix
+from embedfleet.encode.models import read_weights, strip_prefix
 
 __all__ = ["BERT_TYPES", "DECODER_TYPES", "OnDevice", "build", "load_state", "strip_prefix", "supports"]
 
@@ -23,13 +23,7 @@ def load_state(hf_dir: Path) -> dict[str, torch.Tensor] | None:
     """All tensors of model.safetensors (or its shards) on the CPU, or None if there are none."""
     from safetensors.torch import load_file
 
-    files = safetensors_files(hf_dir)
-    if files is None:
-        return None
-    state = {}
-    for f in files:
-        state.update(load_file(str(f)))
-    return state
+    return read_weights(hf_dir, lambda f: load_file(str(f)))
 
 
 class OnDevice(Mapping):
