@@ -103,3 +103,13 @@ def wait_for(conn, query: str, args=(), timeout: float = 240):
             return row if len(row) > 1 else row[0]
         time.sleep(0.2)
     raise AssertionError(f"timed out waiting for: {query}")
+
+
+def one_line_error(p, needle: str) -> str:
+    """The one `error:` line a failed command printed (no traceback), which must contain `needle`."""
+    assert p.returncode != 0
+    assert "Traceback" not in p.stderr, p.stderr[-3000:]
+    lines = [line for line in p.stderr.splitlines() if line.startswith("error: ")]
+    assert len(lines) == 1, p.stderr[-3000:]
+    assert needle in lines[0], lines[0]
+    return lines[0]

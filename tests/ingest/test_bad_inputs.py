@@ -7,14 +7,7 @@ import json
 
 import orjson
 
-
-def _one_line_error(p, needle: str) -> str:
-    assert p.returncode != 0
-    assert "Traceback" not in p.stderr, p.stderr[-3000:]
-    lines = [line for line in p.stderr.splitlines() if line.startswith("error: ")]
-    assert len(lines) == 1, p.stderr[-3000:]
-    assert needle in lines[0], lines[0]
-    return lines[0]
+from conftest import one_line_error
 
 
 def test_a_misspelled_template_field_is_refused_before_planning(cli, dsn, conn, tmp_path):
@@ -22,7 +15,7 @@ def test_a_misspelled_template_field_is_refused_before_planning(cli, dsn, conn, 
     src.write_text("".join(json.dumps({"title": f"title {i}", "details": {"author": f"a{i}"}}) + "\n"
                            for i in range(30)))
     p = cli("ingest", src, "--text-template", "{title} {nonexistent}", "--db", dsn, "--devices", "cpu", "--quiet")
-    line = _one_line_error(p, "{nonexistent}")
+    line = one_line_error(p, "{nonexistent}")
     assert p.returncode == 2 and "fields: details, title" in line
     assert conn.execute("SELECT to_regclass('embedfleet.jobs')").fetchone()[0] is None  # nothing planned
     # a dotted path that exists is fine, and a field only some records lack renders empty (documented)
@@ -50,10 +43,10 @@ def test_a_csv_with_a_stray_quote_lands_every_other_record(cli, dsn, conn, tmp_p
 
 def test_cosmetic_refusals_are_one_line(cli, dsn, tmp_path):
     p = cli("status", "--db", "notadsn")
-    assert p.returncode == 2 and "not a PostgreSQL connection string" in _one_line_error(p, "--db")
+    assert p.returncode == 2 and "not a PostgreSQL connection string" in one_line_error(p, "--db")
     p = cli("search", "", "--table", "t", "--db", dsn)
-    assert p.returncode == 2 and "empty" in _one_line_error(p, "query")
+    assert p.returncode == 2 and "empty" in one_line_error(p, "query")
     p = cli("predict", "--run", tmp_path, "--table", "t", "--out", tmp_path / "p.csv", "--db", dsn)
-    assert p.returncode == 2 and "Parquet" in _one_line_error(p, "--out")
+    assert p.returncode == 2 and "Parquet" in one_line_error(p, "--out")
     p = cli("cache", "path", "--json")
     assert p.returncode == 0 and orjson.loads(p.stdout)["path"].endswith("cache")

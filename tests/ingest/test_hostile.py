@@ -10,7 +10,7 @@ import sys
 
 import orjson
 import pytest
-from conftest import EXAMPLES, wait_for
+from conftest import EXAMPLES, one_line_error, wait_for
 
 from embedfleet.synth import write_amazon_reviews
 
@@ -23,15 +23,6 @@ def _ingest_cmd(*args) -> list[str]:
 
 def _as_role(dsn: str, role: str) -> str:
     return dsn.replace("postgres:@", f"{role}:@", 1)
-
-
-def _one_line_error(p, needle: str) -> str:
-    assert p.returncode != 0
-    assert "Traceback" not in p.stderr, p.stderr[-3000:]
-    lines = [line for line in p.stderr.splitlines() if line.startswith("error: ")]
-    assert len(lines) == 1, p.stderr[-3000:]
-    assert needle in lines[0], lines[0]
-    return lines[0]
 
 
 def test_tables_whose_names_share_40_characters_each_get_their_own_index(cli, dsn, conn):
@@ -108,12 +99,12 @@ def test_a_restricted_role_gets_one_line_naming_the_privilege_and_a_reader_can_r
     base = ("ingest", REVIEWS, "--preset", "amazon-reviews", "--db", loader, "--limit", "30", "--quiet")
 
     # No CREATE on the database and no ledger schema yet.
-    line = _one_line_error(cli(*base), "GRANT CREATE ON DATABASE")
+    line = one_line_error(cli(*base), "GRANT CREATE ON DATABASE")
     assert "loader" in line and "schema embedfleet" in line
 
     # The admin creates the ledger's schema for the role; it still cannot CREATE in public (PostgreSQL ≥ 15).
     conn.execute("CREATE SCHEMA embedfleet AUTHORIZATION loader")
-    line = _one_line_error(cli(*base), "GRANT USAGE, CREATE ON SCHEMA public TO loader")
+    line = one_line_error(cli(*base), "GRANT USAGE, CREATE ON SCHEMA public TO loader")
     assert "--table SCHEMA." in line
     # Nothing was planned: no job left behind, running or otherwise.
     assert conn.execute("SELECT to_regclass('embedfleet.jobs')").fetchone()[0] is None
@@ -137,7 +128,7 @@ def test_a_restricted_role_gets_one_line_naming_the_privilege_and_a_reader_can_r
     assert len(hits) == 3
     assert orjson.loads(cli("verify", "--table", "data.reviews", "--db", reader, "--json", check=True).stdout)["ok"]
     # …and cannot write: an ingest says which privilege is missing, no traceback.
-    _one_line_error(cli("ingest", REVIEWS, "--db", reader, "--table", "data.more", "--limit", "5", "--quiet"),
+    one_line_error(cli("ingest", REVIEWS, "--db", reader, "--table", "data.more", "--limit", "5", "--quiet"),
                     "reader")
 
 
@@ -145,7 +136,7 @@ def test_a_model_that_cannot_load_stops_before_planning(cli, dsn, conn, tmp_path
     model = tmp_path / "half-a-model"
     model.mkdir()
     (model / "config.json").write_text('{"model_type": "bert", "architectures": ["BertModel"]}')
-    _one_line_error(cli("ingest", REVIEWS, "--db", dsn, "--model", model, "--quiet"), "model")
+    one_line_error(cli("ingest", REVIEWS, "--db", dsn, "--model", model, "--quiet"), "model")
     jobs = conn.execute("SELECT count(*) FROM embedfleet.jobs").fetchone()[0] if conn.execute(
         "SELECT to_regclass('embedfleet.jobs')").fetchone()[0] else 0
     assert jobs == 0
@@ -162,5 +153,5 @@ def test_a_file_without_the_text_field_stops_with_one_line_naming_it(cli, dsn, t
         import pyarrow.parquet as pq
 
         pq.write_table(pa.Table.from_pylist(rows), path)
-    line = _one_line_error(cli("ingest", path, "--db", dsn, "--quiet"), "field 'text'")
+    line = one_line_error(cli("ingest", path, "--db", dsn, "--quiet"), "field 'text'")
     assert "fields: body, doc;" in line and "--text-field" in line

@@ -14,18 +14,9 @@ import time
 import orjson
 import psutil
 import pytest
-from conftest import wait_for
+from conftest import one_line_error, wait_for
 
 from embedfleet.synth import write_amazon_reviews
-
-
-def _one_line_error(p, needle: str) -> str:
-    assert p.returncode != 0
-    assert "Traceback" not in p.stderr, p.stderr[-3000:]
-    lines = [line for line in p.stderr.splitlines() if line.startswith("error: ")]
-    assert len(lines) == 1, p.stderr[-3000:]
-    assert needle in lines[0], lines[0]
-    return lines[0]
 
 
 def _job(cli, dsn, job):
@@ -82,7 +73,7 @@ def test_nothing_embedded_exits_non_zero_with_one_line_the_same_for_empty_and_bl
     for name in ("blank", "empty"):
         p = cli("ingest", tmp_path / f"{name}.jsonl", "--db", dsn, "--devices", "cpu", "--quiet")
         assert p.returncode == 1
-        _one_line_error(p, "nothing embedded: the inputs hold no records")
+        one_line_error(p, "nothing embedded: the inputs hold no records")
         assert conn.execute("SELECT to_regclass(%s)", [name]).fetchone()[0] is None
     assert conn.execute("SELECT to_regclass('embedfleet.jobs') IS NULL OR "
                         "NOT EXISTS (SELECT 1 FROM embedfleet.jobs WHERE job IN ('blank', 'empty'))").fetchone()[0]
@@ -90,7 +81,7 @@ def test_nothing_embedded_exits_non_zero_with_one_line_the_same_for_empty_and_bl
     noise.write_bytes(os.urandom(200_000))
     p = cli("ingest", noise, "--db", dsn, "--devices", "cpu", "--quiet")
     assert p.returncode == 1
-    line = _one_line_error(p, "nothing embedded: all")
+    line = one_line_error(p, "nothing embedded: all")
     assert "records were rejected" in line and "noise.jsonl line" in line
     assert conn.execute("SELECT to_regclass('noise')").fetchone()[0] is None
     job = _job(cli, dsn, "noise")
@@ -121,13 +112,13 @@ def test_a_finish_the_server_refuses_ends_the_job_failed_with_its_reason(cli, ds
     src = write_amazon_reviews(tmp_path / "frozen.jsonl", 50, seed=4)
     args = ("ingest", src, "--preset", "amazon-reviews", "--db", dsn, "--devices", "cpu", "--quiet")
     p = cli(*args)
-    line = _one_line_error(p, "indexes are frozen on this server")
+    line = one_line_error(p, "indexes are frozen on this server")
     assert p.returncode == 1 and "connection was lost" not in line and "every row is written" in line
     job = _job(cli, dsn, "frozen")
     assert job["state"] == "failed" and "indexes are frozen" in job["error"]
     assert conn.execute("SELECT count(*) FROM frozen").fetchone()[0] == 50
     again = cli(*args)  # a rerun meets the same refusal and says so again
-    _one_line_error(again, "indexes are frozen")
+    one_line_error(again, "indexes are frozen")
     done = cli(*args, "--no-index", check=True)  # and one that asks for no index finishes the job
     assert "50 rows" in done.stderr and _job(cli, dsn, "frozen")["state"] == "done"
 
@@ -136,10 +127,10 @@ def test_checks_come_before_planning_and_jobs_rm_clears_the_ledger(cli, dsn, con
     src = write_amazon_reviews(tmp_path / "dims.jsonl", 40, seed=6)
     cli("ingest", src, "--preset", "amazon-reviews", "--db", dsn, "--devices", "cpu", "--quiet", check=True)
     p = cli("ingest", src, "--preset", "amazon-reviews", "--db", dsn, "--dim", "128", "--job", "narrow", "--quiet")
-    line = _one_line_error(p, "already exists with vector(384), not vector(128)")
+    line = one_line_error(p, "already exists with vector(384), not vector(128)")
     assert p.returncode == 2 and "--table" in line
     assert conn.execute("SELECT count(*) FROM embedfleet.jobs WHERE job = 'narrow'").fetchone()[0] == 0
-    _one_line_error(cli("ingest", src, "--db", dsn, "--dim", "999", "--table", "wide", "--quiet"), "--dim 999")
+    one_line_error(cli("ingest", src, "--db", dsn, "--dim", "999", "--table", "wide", "--quiet"), "--dim 999")
     p = cli("jobs", "rm", "dims", "--db", dsn, "--json", check=True)
     assert orjson.loads(p.stdout) == {"job": "dims", "table": "dims", "chunks": 1, "rejects": 0,
                                       "table_dropped": False}
@@ -148,4 +139,4 @@ def test_checks_come_before_planning_and_jobs_rm_clears_the_ledger(cli, dsn, con
     cli("ingest", src, "--preset", "amazon-reviews", "--db", dsn, "--devices", "cpu", "--quiet", check=True)
     cli("jobs", "rm", "dims", "--db", dsn, "--drop-table", check=True)
     assert conn.execute("SELECT to_regclass('dims')").fetchone()[0] is None
-    _one_line_error(cli("jobs", "rm", "dims", "--db", dsn), "no job named 'dims'")
+    one_line_error(cli("jobs", "rm", "dims", "--db", dsn), "no job named 'dims'")

@@ -16,7 +16,7 @@ import orjson
 import psycopg
 import pytest
 
-from tests.conftest import wait_for
+from conftest import one_line_error, wait_for
 
 WORDS = "naïve café 🙂 Straße 東京 charger cable battery screen fits broke returned love hate".split()
 
@@ -101,8 +101,8 @@ def test_bad_sources_get_one_line_each(cli, dsn, conn, tmp_path):
     ]
     for args, message in cases:
         p = cli("ingest", *args, "--db", dsn, "--devices", "cpu", "--quiet")
-        lines = [x for x in p.stderr.strip().splitlines() if x.startswith("error:")]
-        assert p.returncode == 2 and len(lines) == 1 and message in lines[0], (args, p.stderr)
+        one_line_error(p, message)
+        assert p.returncode == 2, args
 
 
 def test_sync_follows_inserts_updates_deletes_and_truncate_then_stops_on_sigterm(cli, dsn, conn, tmp_path):
