@@ -74,3 +74,22 @@ def test_removing_a_node_mid_run_still_lands_every_row_once(cluster, dsn, conn, 
     assert orjson.loads(out)["rows_written"] == 1200
     assert conn.execute("SELECT count(*), count(DISTINCT id) FROM shrunk").fetchone() == (1200, 1200)
     assert conn.execute("SELECT sum(rows_written) FROM embedfleet.chunks WHERE job = 'shrunk'").fetchone()[0] == 1200
+
+
+def test_a_table_backfill_with_ray_lands_every_row_once(cluster, dsn, conn, tmp_path):
+    c, _ = cluster
+    conn.execute("CREATE TABLE rayed_src (id int PRIMARY KEY, body text)")
+    conn.execute("INSERT INTO rayed_src SELECT g, 'a ray review ' || g || ' — café ' || repeat('word ', g % 30) "
+                 "FROM generate_series(1, 400) g")
+    run = subprocess.Popen(
+        [sys.executable, "-m", "embedfleet.cli", "ingest", "--from-table", "rayed_src", "--text-field", "body",
+         "--db", dsn, "--ray", c.address, "--chunk-bytes", "8192", "--no-index", "--json"],
+        env=dict(os.environ, EMBEDFLEET_HOME=str(tmp_path / "home")), stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE, text=True)
+    out, err = run.communicate(timeout=900)
+    assert run.returncode == 0, err[-3000:]
+    doc = orjson.loads(out)
+    assert doc["rows_written"] == 400 and doc["chunks_done"] == doc["chunks_total"] > 2
+    workers = conn.execute("SELECT worker FROM embedfleet.workers WHERE job = 'public.rayed_src_embeddings'").fetchall()
+    assert len(workers) == 2 and all("-ray" in w for (w,) in workers)
+    assert conn.execute("SELECT count(*), count(DISTINCT id) FROM rayed_src_embeddings").fetchone() == (400, 400)

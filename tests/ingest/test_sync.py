@@ -249,3 +249,20 @@ def test_the_queue_is_unlogged_and_a_restarted_server_has_every_key_compared_onc
     _assert_equal_to_source(conn, "crashy", "crashy_embeddings")
     again = orjson.loads(cli(*_sync_args(dsn, "crashy", "--json")[3:], check=True).stdout)
     assert again["keys"] == 0  # the start time is the known one now: nothing queued again
+
+
+def test_a_worker_from_another_host_joins_a_table_backfill(cli, dsn, conn, tmp_path):
+    _source(conn, "joined", 2500)
+    job = "public.joined_embeddings"
+    first = _start([sys.executable, "-m", "embedfleet.cli", "ingest", "--from-table", "joined", "--text-field", "body",
+                    "--db", dsn, "--devices", "cpu", "--workers", "1", "--chunk-bytes", "16384", "--quiet",
+                    "--no-index"], tmp_path)
+    wait_for(conn, "SELECT nullif(sum(rows_written), 0) FROM embedfleet.chunks WHERE job = %s", [job], timeout=300)
+    p = cli("worker", "--job", job, "--db", dsn, "--devices", "cpu", "--worker-id", "otherhost", "--quiet",
+            extra_env={"EMBEDFLEET_HOST_ID": "otherhost"})
+    assert p.returncode == 0, p.stderr[-3000:]
+    _, err = first.communicate(timeout=600)
+    assert first.returncode == 0, err[-3000:]
+    rows = dict(conn.execute("SELECT worker, rows FROM embedfleet.workers WHERE job = %s", [job]).fetchall())
+    assert len(rows) == 2 and all(n > 0 for n in rows.values()), rows
+    assert conn.execute("SELECT count(*), count(DISTINCT id) FROM joined_embeddings").fetchone() == (2500, 2500)
