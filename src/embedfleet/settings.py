@@ -339,6 +339,8 @@ class TrainSpec:
     db: str | None = None
     seed: int = 0
     json: bool = False
+    features: list[str] | None = None  # columns making x (None: the table's vector column)
+    fill_null: float | None = None  # stands in for a feature's NULLs
 
     def replace(self, **changes) -> "TrainSpec":
         return dataclasses.replace(self, **changes)

@@ -12,8 +12,13 @@ from embedfleet.cli.app import DbOpt, app, emit, knobs
 
 @app.command()
 def train(
-    table: str = typer.Option(..., "--table", help="a table `embedfleet ingest` wrote (or any with a vector column)"),
+    table: str = typer.Option(..., "--table", help="a table `embedfleet ingest` wrote, or any table"),
     label: str = typer.Option(..., "--label", help="the column to predict"),
+    features: Optional[str] = typer.Option(None, "--features", help="columns making the input, comma-separated: "
+                                           "numbers, booleans, fixed-length arrays, vectors, bytea of float32 "
+                                           "(default: the table's vector column)"),
+    fill_null: Optional[float] = typer.Option(None, "--fill-null", help="the value standing in for a feature's "
+                                              "NULL (default: a NULL is refused)"),
     task: str = typer.Option(..., "--task", help="classify | regress"),
     head: str = typer.Option("linear", "--head", help="linear | mlp"),
     epochs: int = typer.Option(10, "--epochs"),
@@ -35,7 +40,8 @@ def train(
     db: Optional[str] = DbOpt,
     json_out: bool = typer.Option(False, "--json", help="print the final metrics document"),
 ) -> None:
-    """Train a head (linear or MLP) on a table's stored vectors: one bulk read, batches on the device."""
+    """Train a head (linear or MLP) on a table's stored vectors or named feature columns: one bulk read,
+    batches on the device."""
     from embedfleet.settings import TrainSpec
     from embedfleet.train.trainer import train as run_train
 
@@ -43,7 +49,16 @@ def train(
                         lr=lr, where=where, val_fraction=val_fraction, devices=devices,
                         workers=_alias(ranks, workers, "--ranks", "--workers"),
                         cache=_alias(tier, cache, "--tier", "--cache") or "auto", seed=seed, out=out, db=db,
-                        json=json_out), knobs())
+                        json=json_out, features=_columns(features), fill_null=fill_null), knobs())
+
+
+def _columns(value: str | None) -> list[str] | None:
+    if value is None:
+        return None
+    names = [c.strip() for c in value.split(",") if c.strip()]
+    if not names:
+        raise typer.BadParameter("--features: name at least one column")
+    return names
 
 
 def _alias(new, old, new_name: str, old_name: str):

@@ -22,7 +22,7 @@ from __future__ import annotations
 import numpy as np
 
 __all__ = ["SIGNATURE", "TRAILER", "Field", "header_length", "row_dtype", "check_rows", "scalar_field", "vector_field",
-           "chunk_count", "chunk_rows"]
+           "raw_field", "array_field", "array_values", "chunk_count", "chunk_rows"]
 
 SIGNATURE = b"PGCOPY\n\xff\r\n\x00"
 TRAILER = b"\xff\xff"
@@ -43,6 +43,25 @@ def vector_field(name: str, vtype: str, dim: int) -> Field:
     """pgvector's binary `vector` / `halfvec`: int16 dim, int16 unused, dim big-endian floats."""
     elem = ">f4" if vtype == "vector" else ">f2"
     dt = np.dtype([("dim", ">i2"), ("unused", ">i2"), ("values", elem, (dim,))])
+    return name, dt, dt.itemsize
+
+
+def array_field(name: str, width: int) -> Field:
+    """PostgreSQL's binary float4[] of `width` values, none NULL: int32 ndim, int32 flags, uint32 element type,
+    int32 size and lower bound, then (int32 length, float32) per value."""
+    dt = np.dtype([("a_ndim", ">i4"), ("a_flags", ">i4"), ("a_elem", ">u4"), ("a_size", ">i4"), ("a_lbound", ">i4"),
+                   ("values", [("len", ">i4"), ("v", ">f4")], (width,))])
+    return name, dt, dt.itemsize
+
+
+def array_values(rows: np.ndarray, name: str) -> np.ndarray:
+    """An array_field's values, [k, width] big-endian float32."""
+    return rows[name]["values"]["v"]
+
+
+def raw_field(name: str, width: int) -> Field:
+    """A bytea of `width` little-endian float32 values (a chunk's: theirs end to end)."""
+    dt = np.dtype(("<f4", (width,)))
     return name, dt, dt.itemsize
 
 
@@ -90,6 +109,11 @@ def check_rows(rows: np.ndarray, fields: list[Field], trailing_text: bool,
             dims = rows[name]["dim"]
             if not np.all(dims == want):
                 return f"{name}: vectors of dimension {int(dims[dims != want][0])} among dimension {want}"
+        if dt.names and "a_ndim" in dt.names:
+            a = rows[name]
+            want = dt["values"].shape[0]
+            if not (np.all(a["a_ndim"] == 1) and np.all(a["a_size"] == want) and np.all(a["values"]["len"] == 4)):
+                return f"{name}: an array that is not {want} non-NULL float4 values"
     if trailing_text and text_lengths is not None and not np.array_equal(rows["text_len"], text_lengths):
         return "the id field's length disagrees with its row"
     return None
@@ -156,6 +180,16 @@ def chunk_rows(msg: bytes | memoryview, fields: list[Field], dtype: np.dtype,
         if dt.names and "dim" in dt.names:
             rows[f"{name}_len"] = size
             rows[name] = _packed(data, name, dt, size, k)
+        elif dt.names and "a_ndim" in dt.names:  # arrays' binary values end to end (array_send)
+            if len(data) != k * size:
+                raise ValueError(f"{name}: {len(data)} bytes for {k} arrays of {size} bytes (of another length?)")
+            rows[f"{name}_len"] = size
+            rows[name] = np.frombuffer(data, dt, count=k)
+        elif dt.subdtype is not None:
+            if len(data) != k * size:
+                raise ValueError(f"{name}: {len(data)} bytes for {k} values of {size} bytes")
+            rows[f"{name}_len"] = size
+            rows[name] = np.frombuffer(data, dt.base, count=k * dt.shape[0]).reshape(k, dt.shape[0])
         else:
             pairs = _array(data, name, dt, size, k)
             rows[f"{name}_len"] = pairs["len"]

@@ -1,4 +1,5 @@
-"""EmbeddingDataset: a table's vectors, read once, iterated as device-side batches.
+"""TableDataset: a table's columns (its vector column, or any numeric features), read once, iterated as
+device-side batches; a torch Dataset too. EmbeddingDataset is the same class with its default features.
 
 Glossary (see order.py for order, block, window and step):
     tier      where the vectors live: "gpu" (device memory: a batch is one index_select there),
@@ -19,6 +20,7 @@ import logging
 import queue
 import threading
 import time
+from collections import abc
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Iterator, Sequence
 
@@ -30,7 +32,7 @@ from embedfleet.settings import Settings
 from embedfleet.train import order as ordering
 from embedfleet.train.read import Columns, Ids, Plan, Source, Split, TableRead, default_connections, describe
 
-__all__ = ["EmbeddingDataset", "Split", "TIERS", "load"]
+__all__ = ["TableDataset", "EmbeddingDataset", "Split", "TIERS", "load"]
 
 log = logging.getLogger(__name__)
 
@@ -313,8 +315,9 @@ def _ahead(gather, starts, ends, row_shape, dtype, device) -> Iterator[torch.Ten
         thread.join(timeout=60)
 
 
-class EmbeddingDataset:
-    """A table's vectors (and labels) read in one bulk read; `batches` yields device tensors."""
+class TableDataset:
+    """A table's features (and labels) read in one bulk read; `batches` yields device tensors. As a torch
+    Dataset, `ds[i]` is (x_i, y_i) — (x_i,) without a label, as a TensorDataset's — on the dataset's device."""
 
     def __init__(self, store: _Store, source: Source, n_all: int, rows: np.ndarray | None, labels: torch.Tensor | None,
                  classes: list | None, ids: Ids, keys: np.ndarray, tids: np.ndarray, stats: dict, seed: int,
@@ -333,26 +336,50 @@ class EmbeddingDataset:
         self._orders: dict[tuple[int, bool], Future] = {}
         self._rows_on_device: torch.Tensor | None = None
         self._pool: ThreadPoolExecutor | None = None
+        self._at: dict | None = None  # where the last `batches` got to (state_dict)
+        self._resume: dict | None = None  # a loaded state, for the next `batches` of its epoch
 
     # ---- the contract ----------------------------------------------------------------------------
 
     @classmethod
-    def from_table(cls, table: str, label: str | None = None, where: str | None = None, db: str | None = None,
-                   cache: str = "auto", device: str | torch.device = "auto", split: str | Split | None = None,
-                   dtype=None, *, task: str | None = None, seed: int = 0, window_rows: int | None = None,
-                   connections: int | None = None, settings: Settings | None = None) -> EmbeddingDataset:
-        """Read `table`'s vectors (and `label`) once. `where`: a SQL filter, run read-only. `db`: a DSN
-        (default $EMBEDFLEET_DB, else the embedded server). `cache`: the tier; `device`: where batches
-        go (auto: cuda if there is one). `split`: "train" / "val" (or a Split with its val_fraction)
-        keeps that side of the deterministic split by row id. `dtype`: how the vectors are kept
-        (float32, float16 or bfloat16; default float32, float16 for a halfvec column). `task`:
-        classify (the default with a label; `classes` are the sorted label values) or regress.
-        `window_rows` changes the order's windows (a multiple of 256 rows; default ~1 GB of float32
-        vectors); `connections` the read's connections (default EMBEDFLEET_TRAIN_READERS). `settings`: the
-        process's knobs, read from the environment when not given."""
+    def from_table(cls, table: str, features: Sequence[str] | None = None, label: str | None = None,
+                   where: str | None = None, db: str | None = None, cache: str = "auto",
+                   device: str | torch.device = "auto", split: str | Split | None = None, dtype=None,
+                   id_field: str | None = None, fill_null=None, *, task: str | None = None, seed: int = 0,
+                   window_rows: int | None = None, connections: int | None = None,
+                   settings: Settings | None = None) -> TableDataset:
+        """Read `table`'s `features` (and `label`) once. `features`: column names whose values, concatenated
+        in that order, make x — numbers and booleans one value each, fixed-length arrays their length,
+        vector/halfvec their dimension, bytea of little-endian float32 its length (default: the table's
+        vector column, whose NULL rows are skipped; a named feature's NULL is refused unless `fill_null`, a
+        number or {column: number}, stands in for it). `where`: a SQL filter, run read-only. `db`: a DSN
+        (default $EMBEDFLEET_DB, else the embedded server). `cache`: the tier; `device`: where batches go
+        (auto: cuda if there is one). `split`: "train" / "val" (or a Split with its val_fraction) keeps that
+        side of the deterministic split by row id. `dtype`: how x is kept (float32, float16 or bfloat16;
+        default float32, float16 for a halfvec column alone). `id_field`: the column `ids` holds (default
+        the primary key). `task`: classify (the default with a label; `classes` are the sorted label
+        values) or regress. `window_rows` changes the order's windows (a multiple of 256 rows; default ~1 GB
+        of float32 rows); `connections` the read's connections (default EMBEDFLEET_TRAIN_READERS).
+        `settings`: the process's knobs, read from the environment when not given."""
         return load(table, label=label, where=where, db=db, cache=cache, device=device, split=split, dtype=dtype,
                     task=task, seed=seed, window_rows=window_rows, connections=connections,
-                    settings=settings or Settings.from_env())
+                    settings=settings or Settings.from_env(), features=features, fill_null=fill_null,
+                    id_field=id_field, cls=cls)
+
+    @classmethod
+    def from_parquet(cls, path: str, features: Sequence[str], label: str | None = None, cache: str = "auto",
+                     device: str | torch.device = "auto", split: str | Split | None = None, dtype=None,
+                     id_field: str | None = None, fill_null=None, *, task: str | None = None, seed: int = 0,
+                     window_rows: int | None = None) -> TableDataset:
+        """The same dataset from the columns of Parquet files (a file, a folder, a glob; local or any fsspec
+        URL), read whole into the gpu or ram tier: rows in file order (files sorted by name), the same
+        feature types and refusals as a table's (a list column is an array, a binary one raw float32), the
+        same batches, sharding and resume."""
+        from embedfleet.train.parquet import load_parquet
+
+        return load_parquet(path, features, label=label, cache=cache, device=device, split=split, dtype=dtype,
+                            id_field=id_field, fill_null=fill_null, task=task, seed=seed, window_rows=window_rows,
+                            cls=cls)
 
     def __len__(self) -> int:
         return self._n_all if self._rows is None else len(self._rows)
@@ -360,6 +387,11 @@ class EmbeddingDataset:
     @property
     def dim(self) -> int:
         return self.source.dim
+
+    @property
+    def feature_slices(self) -> dict[str, slice]:
+        """Each feature column's slice of x."""
+        return self.source.feature_slices
 
     @property
     def cache(self) -> str:
@@ -378,11 +410,12 @@ class EmbeddingDataset:
         return self.source.task
 
     def batches(self, batch_size: int, shuffle: bool = True, epoch: int = 0, rank: int | None = None,
-                world_size: int | None = None,
-                drop_last: bool = False) -> Iterator[tuple[torch.Tensor, torch.Tensor | None]]:
+                world_size: int | None = None, drop_last: bool = False,
+                start_step: int | None = None) -> Iterator[tuple[torch.Tensor, torch.Tensor | None]]:
         """This rank's (x, y) batches of one epoch, on the dataset's device (y None without a label).
         `batch_size` is per rank. Every rank gets the same number of batches; all ranks together see
-        each row once (drop_last=False); the order depends only on (seed, epoch)."""
+        each row once (drop_last=False); the order depends only on (seed, epoch). `start_step`: skip the
+        epoch's first steps (a loaded state_dict sets it for its epoch)."""
         if batch_size < 1:
             raise InputError(f"batch size {batch_size}: use at least 1")
         dist = _dist()
@@ -390,7 +423,23 @@ class EmbeddingDataset:
             world_size = dist.get_world_size() if dist else 1
         if rank is None:
             rank = dist.get_rank() if dist and world_size == dist.get_world_size() else 0
+        if start_step is None:
+            start_step = self._resumed_step(batch_size, world_size, epoch, shuffle, drop_last)
         starts, ends = ordering.step_bounds(len(self), batch_size, rank, world_size, drop_last)
+        total = len(starts)
+        if not 0 <= start_step <= total:
+            raise InputError(f"start_step {start_step}: an epoch of this dataset has {total} steps "
+                             f"at batch size {batch_size} on {world_size} ranks")
+        starts, ends = starts[start_step:], ends[start_step:]
+        at = {"epoch": epoch, "step": start_step, "steps": total, "batch_size": batch_size * world_size,
+              "world_size": world_size, "shuffle": shuffle, "drop_last": drop_last}
+        self._mark(at)
+        for k, batch in enumerate(self._epoch_batches(starts, ends, epoch, shuffle), start_step + 1):
+            at["step"] = k  # consumed: a state taken now resumes at the next one
+            self._mark(at)
+            yield batch
+
+    def _epoch_batches(self, starts: np.ndarray, ends: np.ndarray, epoch: int, shuffle: bool):
         if isinstance(self._store, _DeviceStore):  # the order made on the device, sliced there
             rows, pos = self.epoch_rows_on_device(epoch, shuffle)
             for a, b in zip(starts.tolist(), ends.tolist()):
@@ -406,6 +455,87 @@ class EmbeddingDataset:
         pos = torch.from_numpy(positions).to(self.labels.device, non_blocking=True)
         for (a, b), x in zip(zip(starts.tolist(), ends.tolist()), xs):
             yield x, self.labels.index_select(0, pos[a:b])
+
+    # ---- resume ----------------------------------------------------------------------------------
+
+    def _mark(self, at: dict) -> None:
+        """Record where an epoch's batches got to; a finished epoch is the next epoch's start."""
+        self._at = dict(at, epoch=at["epoch"] + 1, step=0) if at["step"] >= at["steps"] else dict(at)
+
+    def state_dict(self) -> dict:
+        """Where the last `batches` got to: seed, epoch, step (batches consumed), world size, global batch,
+        shuffle, drop_last and rows. `load_state_dict` of it, in a new process, makes the next `batches` of
+        that epoch yield exactly the remaining batches; later epochs are the same as the uninterrupted run's."""
+        at = self._at or {"epoch": 0, "step": 0, "batch_size": None, "world_size": None, "shuffle": True,
+                          "drop_last": False}
+        return {"seed": self.seed, "epoch": at["epoch"], "step": at["step"], "world_size": at["world_size"],
+                "batch_size": at["batch_size"], "shuffle": at["shuffle"], "drop_last": at["drop_last"],
+                "rows": len(self)}
+
+    def load_state_dict(self, state: dict) -> None:
+        try:
+            rows, seed, epoch, step = int(state["rows"]), int(state["seed"]), int(state["epoch"]), int(state["step"])
+        except (KeyError, TypeError, ValueError):
+            raise InputError("load_state_dict: not a TableDataset state (state_dict() makes one)") from None
+        if rows != len(self):
+            raise InputError(f"load_state_dict: the state was taken over {rows:,} rows; this dataset has "
+                             f"{len(self):,} (the same table, filter and split resume)")
+        self.seed, self._orders = seed, {}
+        self._resume = dict(state, epoch=epoch, step=step)
+        self._at = {k: state[k] for k in ("epoch", "step", "batch_size", "world_size", "shuffle", "drop_last")}
+        self._at["steps"] = None
+
+    def _resumed_step(self, batch_size: int, world_size: int, epoch: int, shuffle: bool, drop_last: bool) -> int:
+        """The first step of this epoch's batches: a loaded state's, once, for its epoch (0 otherwise)."""
+        r = self._resume
+        if r is None or epoch != r["epoch"]:
+            return 0
+        self._resume = None
+        if r["step"] and r["batch_size"]:
+            g = r["batch_size"]
+            if g % world_size:
+                raise InputError(f"resume: {world_size} ranks do not divide the saved global batch of {g} rows "
+                                 f"({r['world_size']} ranks); resume on a world size that divides it")
+            if batch_size * world_size != g:
+                raise InputError(f"resume: the saved global batch is {g} rows; on {world_size} ranks use "
+                                 f"batch_size {g // world_size} (asked {batch_size})")
+            if bool(shuffle) != bool(r["shuffle"]) or bool(drop_last) != bool(r["drop_last"]):
+                raise InputError("resume: shuffle and drop_last must be the saved state's "
+                                 f"(shuffle={r['shuffle']}, drop_last={r['drop_last']})")
+        return r["step"]
+
+    # ---- torch Dataset ---------------------------------------------------------------------------
+
+    def __getitem__(self, i: int):
+        if not isinstance(i, (int, np.integer)):
+            raise TypeError(f"{type(self).__name__} indices are integers (a batch: __getitems__)")
+        n = len(self)
+        if not -n <= i < n:
+            raise IndexError(f"index {i} is out of range for {n} rows")
+        return tuple(t[0] for t in self._gather(np.asarray([i % n], np.int64)))
+
+    def __getitems__(self, indices) -> _Batch:
+        """The rows at `indices` in one gather, as a batch DataLoader's default collate takes as it is."""
+        idx = np.asarray(indices, np.int64).reshape(-1)
+        n = len(self)
+        if len(idx) and (idx.min() < -n or idx.max() >= n):
+            raise IndexError(f"an index is out of range for {n} rows")
+        return _Batch(self._gather(idx % n if len(idx) else idx))
+
+    def _gather(self, idx: np.ndarray) -> tuple[torch.Tensor, ...]:
+        """(x, y) — (x,) without a label — of the dataset's positions `idx`, on its device."""
+        rows = idx if self._rows is None else self._rows[idx]
+        store, dev = self._store, self.device
+        if isinstance(store, _DeviceStore):
+            x = store.x.index_select(0, torch.from_numpy(rows).to(dev, non_blocking=True))
+        elif isinstance(store, _HostStore):
+            x = host_take(store.x, rows, threads=store.threads).to(dev)
+        else:
+            u, buf = store._window(rows)
+            x = host_take(buf, np.searchsorted(u, rows), threads=store.threads).to(dev)
+        if self.labels is None:
+            return (x,)
+        return x, self.labels.index_select(0, torch.from_numpy(idx).to(self.labels.device, non_blocking=True))
 
     # ---- beyond the contract ---------------------------------------------------------------------
 
@@ -441,7 +571,7 @@ class EmbeddingDataset:
         labels = None
         if self.labels is not None:
             labels = self.labels.index_select(0, torch.from_numpy(index).to(self.labels.device))
-        view = EmbeddingDataset(self._store, self.source, self._n_all, rows, labels, self.classes, self.ids.take(index),
+        view = type(self)(self._store, self.source, self._n_all, rows, labels, self.classes, self.ids.take(index),
                                 self.keys[index] if len(self.keys) else self.keys, self.tids[index],
                                 dict(self.stats, rows=len(index)), self.seed, self.window_rows)
         return view
@@ -468,7 +598,7 @@ class EmbeddingDataset:
             host = torch.empty(x.shape, dtype=x.dtype, pin_memory=dev.type == "cuda")
             host.copy_(x)
             store = _HostStore(host, dev, self._store.threads)
-        return EmbeddingDataset(store, self.source, self._n_all, self._rows, self.labels, self.classes, self.ids,
+        return type(self)(store, self.source, self._n_all, self._rows, self.labels, self.classes, self.ids,
                                 self.keys, self.tids, dict(self.stats), self.seed, self.window_rows)
 
     def vectors(self) -> torch.Tensor:
@@ -488,7 +618,7 @@ class EmbeddingDataset:
             self._pool.shutdown(wait=False)
 
     def __repr__(self) -> str:
-        return (f"EmbeddingDataset({self.source.table!r}, rows={len(self)}, dim={self.dim}, cache={self.cache!r}, "
+        return (f"{type(self).__name__}({self.source.table!r}, rows={len(self)}, dim={self.dim}, cache={self.cache!r}, "
                 f"device={str(self.device)!r}, label={self.source.label!r})")
 
     def _order(self, epoch: int, shuffle: bool) -> np.ndarray:
@@ -512,6 +642,56 @@ class EmbeddingDataset:
         return fut.result()
 
 
+class EmbeddingDataset(TableDataset):
+    """A table's vector column and label: TableDataset with its default features (the signature it has
+    always had)."""
+
+    @classmethod
+    def from_table(cls, table: str, label: str | None = None, where: str | None = None, db: str | None = None,
+                   cache: str = "auto", device: str | torch.device = "auto", split: str | Split | None = None,
+                   dtype=None, *, task: str | None = None, seed: int = 0, window_rows: int | None = None,
+                   connections: int | None = None, settings: Settings | None = None) -> EmbeddingDataset:
+        return load(table, label=label, where=where, db=db, cache=cache, device=device, split=split, dtype=dtype,
+                    task=task, seed=seed, window_rows=window_rows, connections=connections,
+                    settings=settings or Settings.from_env(), cls=cls)
+
+
+class _Sample(tuple):
+    """One row of a `_Batch`, as a TensorDataset's row is: (x_i, y_i) or (x_i,)."""
+
+
+class _Batch(abc.Sequence):
+    """Rows gathered at once by `__getitems__`: a sequence of samples to whoever iterates it, and to
+    DataLoader's default collate the batch tensors themselves (no per-row stack)."""
+
+    def __init__(self, tensors: tuple[torch.Tensor, ...]):
+        self.tensors = tensors
+
+    def __len__(self) -> int:
+        return self.tensors[0].shape[0]
+
+    def __getitem__(self, i):
+        if isinstance(i, slice):
+            return _Batch(tuple(t[i] for t in self.tensors))
+        return _Sample(t[i] for t in self.tensors)
+
+
+def _collate(batch, *, collate_fn_map=None):
+    """default_collate of `_Sample`s: a whole `_Batch` as its tensors; other lists of them stacked."""
+    if isinstance(batch, _Batch):
+        return list(batch.tensors)
+    return [torch.stack(list(col)) for col in zip(*batch)]
+
+
+def _register_collate() -> None:
+    from torch.utils.data._utils.collate import default_collate_fn_map  # torch's documented extension point
+
+    default_collate_fn_map[_Sample] = _collate
+
+
+_register_collate()
+
+
 def _local_world() -> int:
     import os
 
@@ -522,8 +702,9 @@ def load(table: str, label: str | None = None, where: str | None = None, db: str
          cache: str = "auto", device: str | torch.device = "auto", split: str | Split | None = None, dtype=None,
          task: str | None = None, seed: int = 0, window_rows: int | None = None, connections: int | None = None,
          keys: bool = False, null_labels: str = "skip", classes: Sequence | None = None,
-         settings: Settings | None = None) -> EmbeddingDataset:
-    """EmbeddingDataset.from_table with the knobs the trainer and predict use: `keys` reads each
+         settings: Settings | None = None, features: Sequence[str] | None = None, fill_null=None,
+         id_field: str | None = None, cls: type = TableDataset) -> TableDataset:
+    """TableDataset.from_table with the knobs the trainer and predict use: `keys` reads each
     row's split key (for `split_by_key`), `null_labels="keep"` keeps rows without a label (class
     -1, or NaN), `classes` fixes the class list (a saved head's)."""
     from embedfleet.pg.embedded import resolve_dsn
@@ -538,7 +719,7 @@ def load(table: str, label: str | None = None, where: str | None = None, db: str
     dsn = resolve_dsn(db, settings)
     threads = gather_threads(settings)
     with connect(dsn) as conn:
-        source = describe(conn, table, label, where, task)
+        source = describe(conn, table, label, where, task, features, fill_null, id_field)
     torch_dtype = resolve_dtype(dtype, source.vtype)
     connections = connections or default_connections(settings)
     dist = _dist()
@@ -614,8 +795,7 @@ def load(table: str, label: str | None = None, where: str | None = None, db: str
     if window % ordering.BLOCK_ROWS:
         raise InputError(f"window_rows {window}: use a multiple of {ordering.BLOCK_ROWS}")
     log.debug("read %s: %s", table, stats)
-    return EmbeddingDataset(store, source, n, None, labels, plan.classes, cols.ids, cols.keys, cols.tids, stats, seed,
-                            window)
+    return cls(store, source, n, None, labels, plan.classes, cols.ids, cols.keys, cols.tids, stats, seed, window)
 
 
 def _agree(error: BaseException | None) -> BaseException | None:

@@ -79,8 +79,9 @@ class TrainLoop:
         # off the step's critical path — in the ram tier they cross PCIe meanwhile
         self.ahead = int(self.src is not None and self.capture and ahead is not False)
         slots = 2 if self.ahead else 1
-        # bf16 on CUDA: the dtype autocast casts a head's first Linear's input to, cast once in the take
-        x_dtype = torch.bfloat16 if self.cuda else ds.dtype
+        # bf16 on CUDA: the dtype autocast casts a head's first Linear's input to, cast once in the take;
+        # named features keep theirs (raw columns are standardized first, and bf16 would round them before)
+        x_dtype = torch.bfloat16 if self.cuda and not getattr(ds.source, "features", ()) else ds.dtype
         self.x_bufs = [torch.empty((per_rank, ds.dim), dtype=x_dtype, device=dev) for _ in range(slots)]
         self.y_bufs = [torch.empty(per_rank, dtype=ds.labels.dtype, device=dev) for _ in range(slots)]
         if self.src is not None:

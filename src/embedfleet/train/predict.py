@@ -34,7 +34,8 @@ def load_head(run: str | Path, device=None):
                          "train` wrote: its --out)")
     try:
         meta = json.loads(meta_path.read_text())
-        model = build_head(meta["head"], meta["dim"], meta["outputs"], meta.get("hidden"))
+        model = build_head(meta["head"], meta["dim"], meta["outputs"], meta.get("hidden"),
+                           standardize=bool(meta.get("standardize")))
         model.load_state_dict(load_file(str(weights)))
     except (ValueError, KeyError, RuntimeError) as e:
         raise InputError(f"--run {str(run)!r}: unreadable head ({type(e).__name__}: {e})") from None
@@ -57,17 +58,20 @@ def predict(run: str, table: str, where: str | None = None, out: str | None = No
     settings = settings or Settings.from_env()
     dsn = resolve_dsn(db, settings)
     task = meta["task"]
+    features, fill_null = meta.get("features"), meta.get("fill_null")
     with connect(dsn) as conn:
-        source = describe(conn, table, None, where)
+        source = describe(conn, table, None, where, None, features, fill_null)
         try:
-            has_label = describe(conn, table, meta["label"], where, task).label_kind == meta["label_kind"]
+            has_label = describe(conn, table, meta["label"], where, task, features,
+                                 fill_null).label_kind == meta["label_kind"]
         except InputError:
             has_label = False  # the table lacks the head's label: predictions only
     if source.dim != meta["dim"]:
-        raise InputError(f"table {table!r} holds {source.dim}-dimensional vectors; the head in {run!r} "
+        what = f"features {', '.join(features)} make" if features else "holds"
+        raise InputError(f"table {table!r} {what} {source.dim}-dimensional vectors; the head in {run!r} "
                          f"takes {meta['dim']}")
     ds = load(table, label=meta["label"] if has_label else None, where=where, db=dsn, cache="auto", device=dev,
-              task=task if has_label else None, keys=True, null_labels="keep",
+              task=task if has_label else None, keys=True, null_labels="keep", features=features, fill_null=fill_null,
               classes=meta["classes"] if has_label and task == "classify" else None, settings=settings)
     cuda = dev.type == "cuda"
     outs = []

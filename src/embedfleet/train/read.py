@@ -40,7 +40,8 @@ from psycopg import pq, sql
 from embedfleet.pg.scan import begin_snapshot, export_snapshot, page_spans, span_sql, user_filter
 from embedfleet.errors import DatabaseError, InputError
 from embedfleet.pg.ddl import heap_pages, heaps as schema_heaps, split_table, table_exists, table_sql
-from embedfleet.pg.copybin import (TRAILER, check_rows, chunk_count, chunk_rows, header_length, row_dtype, scalar_field, vector_field)
+from embedfleet.pg.copybin import (TRAILER, check_rows, chunk_count, chunk_rows, header_length, raw_field, row_dtype, scalar_field,
+                                    vector_field, array_field, array_values)
 
 __all__ = ["Source", "Split", "Plan", "Ids", "Columns", "TableRead", "describe", "class_index", "default_connections",
            "MAX_CLASSES"]
@@ -91,9 +92,32 @@ class Split:
 
 
 @dataclass(frozen=True)
+class Feature:
+    """One column of a dataset's `x`: `width` values from a `kind` of column (see FEATURE_TYPES)."""
+
+    name: str
+    kind: str  # "scalar" | "array" | "vector" | "bytea"
+    width: int
+    type: str  # the column's type, for messages
+    bool_type: bool = False  # a boolean scalar: cast through int
+
+    @property
+    def raw(self) -> bool:
+        """Read as its bytes (little-endian float32) and placed on the client: SQL cannot cast a bytea."""
+        return self.kind == "bytea"
+
+
+# A feature's column types: one value each, a fixed-length array of numbers, a pgvector vector, raw float32.
+SCALAR_TYPES = ("int2", "int4", "int8", "float4", "float8", "numeric", "bool")
+ARRAY_TYPES = ("_float4", "_float8", "_int2", "_int4", "_int8", "_numeric")
+FEATURE_TYPES = ("integer, bigint, smallint, real, double precision, numeric, boolean, an array of numbers, "
+                 "vector, halfvec or bytea of float32")
+
+
+@dataclass(frozen=True)
 class Source:
     table: str
-    column: str  # the vector column
+    column: str | None  # the vector column (the default feature); None where features are given
     vtype: str  # "vector" | "halfvec"
     dim: int
     id_column: str | None  # None: the row's ctid stands in for an id
@@ -105,10 +129,101 @@ class Source:
     send: tuple[str, ...] = ()  # the vector type's binary send function (schema, name), from the catalog
     # partitioned, or a parent by inheritance: (oid, name) of each of its tables that holds rows (they share ctids)
     heaps: tuple[tuple[int, str], ...] = ()
+    features: tuple[Feature, ...] = ()  # empty: the vector column, whose NULL rows are skipped
+    fill: tuple[tuple[str, float], ...] = ()  # (column, value) standing in for its NULLs
+    vector_dims: tuple[str, ...] = ("vector_dims",)  # pgvector's function, schema-qualified
+    transport: str = "vector"  # how sent features travel: one pgvector `vector`, or a float4[] without pgvector
 
     @property
     def several_heaps(self) -> bool:
         return bool(self.heaps)
+
+    @property
+    def sent(self) -> tuple[Feature, ...]:
+        """The features the server casts into one `vector` (all but the raw ones), in order."""
+        return tuple(f for f in self.features if not f.raw)
+
+    @property
+    def vec_dim(self) -> int:
+        """Values of the one vector a row sends (0: only raw features)."""
+        return sum(f.width for f in self.sent) if self.features else self.dim
+
+    @property
+    def feature_slices(self) -> dict[str, slice]:
+        if not self.features:
+            return {self.column: slice(0, self.dim)}
+        out, at = {}, 0
+        for f in self.features:
+            out[f.name] = slice(at, at + f.width)
+            at += f.width
+        return out
+
+    def fill_for(self, name: str) -> float | None:
+        return dict(self.fill).get(name)
+
+    def _value_sql(self, f: Feature) -> sql.Composable:
+        """A sent feature as float4[] (NULLs filled where asked)."""
+        c, fill = sql.Identifier(f.name), self.fill_for(f.name)
+        if f.kind == "scalar":
+            v = sql.SQL("{}::int::float4" if f.bool_type else "{}::float4").format(c)
+            if fill is not None:
+                v = sql.SQL("coalesce({}, {}::float4)").format(v, sql.Literal(fill))
+            return sql.SQL("ARRAY[{}]").format(v)
+        v = sql.SQL("{}::float4[]").format(c)
+        if fill is None:
+            return v
+        v = sql.SQL("array_replace({}, NULL, {}::float4)").format(v, sql.Literal(fill))
+        return sql.SQL("coalesce({}, array_fill({}::float4, ARRAY[{}]))").format(v, sql.Literal(fill),
+                                                                                  sql.Literal(f.width))
+
+    def vec_sql(self) -> sql.Composable:
+        """What a row sends as its one vector: the vector column, or the sent features as one `vector`."""
+        if not self.features:
+            return sql.Identifier(self.column)
+        sent = self.sent
+        if len(sent) == 1 and sent[0].kind == "vector" and sent[0].type == "vector" and self.fill_for(sent[0].name) is None:
+            return sql.Identifier(sent[0].name)
+        joined = sql.SQL(" || ").join(self._value_sql(f) for f in sent)
+        if self.transport == "array":
+            return sql.SQL("({})::float4[]").format(joined)
+        vector = sql.Identifier(*((self.send[0], "vector") if self.send and self.send[0] else ("vector",)))
+        return sql.SQL("({})::{}").format(joined, vector)
+
+    def raw_sql(self, f: Feature) -> sql.Composable:
+        """A raw feature's bytes (NULLs filled where asked)."""
+        fill = self.fill_for(f.name)
+        if fill is None:
+            return sql.Identifier(f.name)
+        return sql.SQL("coalesce({}, {}::bytea)").format(
+            sql.Identifier(f.name), sql.Literal(np.full(f.width, fill, "<f4").tobytes()))
+
+    def checks(self) -> list[tuple[Feature, str, sql.Composable]]:
+        """(feature, what is wrong, the SQL condition true for a row where it is) for every feature."""
+        out = []
+        for f in self.features:
+            c = sql.Identifier(f.name)
+            filled = self.fill_for(f.name) is not None
+            if not filled:
+                out.append((f, "null", sql.SQL("{} IS NULL").format(c)))
+            if f.kind == "array":
+                out.append((f, "length", sql.SQL("({c} IS NOT NULL AND (array_ndims({c}) IS DISTINCT FROM 1 OR "
+                                                 "cardinality({c}) <> {n}))").format(c=c, n=sql.Literal(f.width))))
+                if not filled:
+                    out.append((f, "element", sql.SQL("array_position({}, NULL) IS NOT NULL").format(c)))
+            elif f.kind == "vector":
+                out.append((f, "length", sql.SQL("{d}({c}) <> {n}").format(
+                    d=sql.Identifier(*self.vector_dims), c=c, n=sql.Literal(f.width))))
+            elif f.kind == "bytea":
+                out.append((f, "length", sql.SQL("octet_length({}) <> {}").format(c, sql.Literal(4 * f.width))))
+        return out
+
+    def bad_sql(self) -> sql.Composable:
+        """The first failing check's number (1-based), 0 for a row every feature can take."""
+        checks = self.checks()
+        if not checks:
+            return sql.SQL("0")
+        whens = [sql.SQL("WHEN {} THEN {}").format(cond, sql.Literal(i + 1)) for i, (_, _, cond) in enumerate(checks)]
+        return sql.SQL("CASE {} ELSE 0 END").format(sql.SQL(" ").join(whens))
 
     def table_sql(self) -> sql.Identifier:
         return sql.Identifier(*(self.ident or (self.table,)))
@@ -132,8 +247,41 @@ class Source:
 
     def send_sql(self) -> sql.Composable:
         """The vector's binary value as bytea: its type's send function, wherever pgvector is installed."""
-        return sql.SQL("{}({})").format(sql.Identifier(*(self.send or (f"{self.vtype}_send",))),
-                                        sql.Identifier(self.column))
+        if self.transport == "array":
+            return sql.SQL("pg_catalog.array_send({})").format(self.vec_sql())
+        return sql.SQL("{}({})").format(sql.Identifier(*(self.send or (f"{self.vtype}_send",))), self.vec_sql())
+
+    def fields(self) -> list:
+        """The COPY fields of a row's values: the one vector (unless only raw features), then each raw feature."""
+        if not self.vec_dim:
+            out = []
+        elif self.transport == "array":
+            out = [array_field("vec", self.vec_dim)]
+        else:
+            out = [vector_field("vec", self.vtype, self.vec_dim)]
+        return out + [raw_field(f"raw_{f.name}", f.width) for f in self.features if f.raw]
+
+    def value_sql(self) -> list[sql.Composable]:
+        """What a row sends for `fields()`, in order."""
+        out = [self.vec_sql()] if self.vec_dim else []
+        return out + [self.raw_sql(f) for f in self.features if f.raw]
+
+    def values(self, rows: np.ndarray) -> np.ndarray:
+        """The rows' x ([k, dim]) from their parsed fields: the vector's big-endian values as they are when
+        it is all of x; else placed column by column as float32."""
+        if not any(f.raw for f in self.features):
+            return array_values(rows, "vec") if self.transport == "array" else rows["vec"]["values"]
+        sent = (array_values(rows, "vec") if self.transport == "array" else rows["vec"]["values"]) if self.vec_dim else None
+        out = np.empty((len(rows), self.dim), np.float32)
+        slices = self.feature_slices
+        at = 0
+        for f in self.features:
+            if f.raw:
+                out[:, slices[f.name]] = rows[f"raw_{f.name}"]
+            else:
+                out[:, slices[f.name]] = sent[:, at:at + f.width]
+                at += f.width
+        return out
 
 
 def _columns(conn: psycopg.Connection, table: str) -> dict[str, tuple[str, str, int, tuple[str, str]]]:
@@ -149,25 +297,53 @@ def _columns(conn: psycopg.Connection, table: str) -> dict[str, tuple[str, str, 
 
 
 def describe(conn: psycopg.Connection, table: str, label: str | None = None, where: str | None = None,
-             task: str | None = None) -> Source:
-    """Resolve what to read against the database; one-line errors for what cannot be used."""
+             task: str | None = None, features: Sequence[str] | None = None, fill_null=None,
+             id_field: str | None = None) -> Source:
+    """Resolve what to read against the database; one-line errors for what cannot be used. `features`:
+    columns whose values, concatenated, make each row's x (default: the table's vector column)."""
     if not table_exists(conn, table):
         raise DatabaseError(f"table {table!r} does not exist; `embedfleet status` lists the jobs and their tables")
     cols = _columns(conn, table)
     vectors = [c for c, (typ, *_) in cols.items() if typ in ("vector", "halfvec")]
-    if not vectors:
-        raise DatabaseError(f"table {table!r} has no vector or halfvec column to train on")
-    column = "embedding" if "embedding" in vectors else vectors[0]
-    if len(vectors) > 1 and column != "embedding":
-        raise DatabaseError(f"table {table!r} has several vector columns ({', '.join(vectors)}) and none is "
-                            "named embedding")
-    vtype, _, dim, send = cols[column]
-    if dim <= 0:  # a column declared without a dimension: take the first row's
-        dims = sql.Identifier(*((send[0], "vector_dims") if send[0] else ("vector_dims",)))  # pgvector's schema
-        row = conn.execute(sql.SQL("SELECT {d}({c}) FROM {t} WHERE {c} IS NOT NULL LIMIT 1").format(
-            d=dims, c=sql.Identifier(column), t=table_sql(conn, table))).fetchone()
-        dim = row[0] if row else 0
-    id_column = "id" if "id" in cols else _primary_key(conn, table)
+    pgvector = next((send[0] for typ, _, _, send in cols.values() if typ in ("vector", "halfvec") and send[0]), None)
+    vector_dims = (pgvector, "vector_dims") if pgvector else ("vector_dims",)
+    feats: tuple[Feature, ...] = ()
+    fill: tuple = ()
+    transport = "vector"
+    if features is not None:
+        feats = tuple(_feature(conn, table, cols, name, vector_dims) for name in _feature_names(features, cols, table))
+        fill = _fill(fill_null, [f.name for f in feats])
+        column, vtype, dim = None, "vector", sum(f.width for f in feats)
+        send = next(((cols[f.name][3][0], "vector_send") for f in feats if f.kind == "vector" and cols[f.name][3][0]),
+                    (pgvector, "vector_send") if pgvector else ("vector_send",))
+        if pgvector is None:
+            ns = conn.execute("SELECT n.nspname FROM pg_extension e JOIN pg_namespace n ON n.oid = e.extnamespace "
+                              "WHERE e.extname = 'vector'").fetchone()
+            if ns is not None:
+                send, vector_dims = (ns[0], "vector_send"), (ns[0], "vector_dims")
+            else:  # a database without pgvector: the features travel as one float4[] a row
+                transport = "array"
+    else:
+        if fill_null is not None:
+            raise InputError("fill_null applies to features: name them (features=[...], --features)")
+        if not vectors:
+            raise DatabaseError(f"table {table!r} has no vector or halfvec column to train on; name the columns "
+                                "to train on with features=[...] (--features a,b,c)")
+        column = "embedding" if "embedding" in vectors else vectors[0]
+        if len(vectors) > 1 and column != "embedding":
+            raise DatabaseError(f"table {table!r} has several vector columns ({', '.join(vectors)}) and none is "
+                                "named embedding; name one with features=[...] (--features)")
+        vtype, _, dim, send = cols[column]
+        if dim <= 0:  # a column declared without a dimension: take the first row's
+            row = conn.execute(sql.SQL("SELECT {d}({c}) FROM {t} WHERE {c} IS NOT NULL LIMIT 1").format(
+                d=sql.Identifier(*vector_dims), c=sql.Identifier(column), t=table_sql(conn, table))).fetchone()
+            dim = row[0] if row else 0
+    if id_field is not None:
+        if id_field not in cols:
+            raise InputError(f"id_field {id_field!r}: table {table!r} has no such column")
+        id_column = id_field
+    else:
+        id_column = _primary_key(conn, table) or ("id" if "id" in cols else None)
     kind = None
     if task is not None and task not in ("classify", "regress"):
         raise InputError(f"--task {task!r}: use classify or regress")
@@ -176,8 +352,8 @@ def describe(conn: psycopg.Connection, table: str, label: str | None = None, whe
             raise InputError(f"--label {label!r}: table {table!r} has no such column "
                              f"(it has {', '.join(c for c in cols if c != column)})")
         typ, cat, *_ = cols[label]
-        if label == column:
-            raise InputError(f"--label {label!r} is the vector column itself")
+        if label == column or label in [f.name for f in feats]:
+            raise InputError(f"--label {label!r} is also a feature: the label cannot be an input")
         kind = {"N": "numeric", "S": "text", "B": "text"}.get(cat)
         if kind is None:
             raise InputError(f"--label {label!r} is of type {typ}: use a numeric or text column")
@@ -194,7 +370,69 @@ def describe(conn: psycopg.Connection, table: str, label: str | None = None, whe
         if len(heaps) > 1 << 16:  # a tid's top 16 bits name its heap
             raise InputError(f"table {table!r} has {len(heaps):,} tables with rows under it; read at most 65,536")
     return Source(table, column, vtype, dim, id_column, label, kind, task if label else None, where or None,
-                  ident, send, heaps)
+                  ident, send, heaps, feats, fill, vector_dims, transport)
+
+
+def _feature_names(features: Sequence[str], cols: dict, table: str) -> list[str]:
+    if isinstance(features, str):
+        features = [f.strip() for f in features.split(",") if f.strip()]
+    names = list(features)
+    if not names:
+        raise InputError("features: name at least one column")
+    for name in names:
+        if not isinstance(name, str) or name not in cols:
+            raise InputError(f"feature {name!r}: table {table!r} has no such column (it has {', '.join(cols)})")
+    dup = next((n for i, n in enumerate(names) if n in names[:i]), None)
+    if dup:
+        raise InputError(f"feature {dup!r} is named twice")
+    return names
+
+
+def _feature(conn: psycopg.Connection, table: str, cols: dict, name: str, vector_dims: tuple) -> Feature:
+    """A column as a feature: its kind and width (a vector's declared dimension; else the first row's)."""
+    typ, _, mod, _ = cols[name]
+    pretty = typ.lstrip("_") + "[]" if typ.startswith("_") else typ
+    if typ in SCALAR_TYPES:
+        return Feature(name, "scalar", 1, pretty, typ == "bool")
+    c, t = sql.Identifier(name), table_sql(conn, table)
+    if typ in ARRAY_TYPES:
+        width = sql.SQL("cardinality({})").format(c)
+        kind = "array"
+    elif typ in ("vector", "halfvec"):
+        if mod > 0:
+            return Feature(name, "vector", mod, pretty)
+        width, kind = sql.SQL("{}({})").format(sql.Identifier(*vector_dims), c), "vector"
+    elif typ == "bytea":
+        width, kind = sql.SQL("octet_length({})").format(c), "bytea"
+    else:
+        raise InputError(f"feature {name!r} is of type {pretty}: a feature is {FEATURE_TYPES}")
+    row = conn.execute(sql.SQL("SELECT {w} FROM {t} WHERE {c} IS NOT NULL LIMIT 1").format(w=width, t=t, c=c)).fetchone()
+    if row is None or not row[0]:
+        raise InputError(f"feature {name!r} ({pretty}) has no non-empty value to take its width from")
+    n = int(row[0])
+    if kind == "bytea":
+        if n % 4:
+            raise InputError(f"feature {name!r} (bytea) holds {n} bytes, not whole float32 values (little-endian, "
+                             "4 bytes each)")
+        n //= 4
+    return Feature(name, kind, n, pretty)
+
+
+def _fill(fill_null, names: list[str]) -> tuple[tuple[str, float], ...]:
+    """fill_null as (column, value) pairs: one number for every feature, or a {column: number} mapping."""
+    if fill_null is None:
+        return ()
+    if isinstance(fill_null, dict):
+        unknown = [k for k in fill_null if k not in names]
+        if unknown:
+            raise InputError(f"fill_null names {unknown[0]!r}, which is not a feature ({', '.join(names)})")
+        items = list(fill_null.items())
+    else:
+        items = [(n, fill_null) for n in names]
+    try:
+        return tuple((k, float(v)) for k, v in items)
+    except (TypeError, ValueError):
+        raise InputError(f"fill_null {fill_null!r}: use a number, or a mapping of column to number") from None
 
 
 def _primary_key(conn: psycopg.Connection, table: str) -> str | None:
@@ -403,7 +641,9 @@ class TableRead:
     def _filter(self, rng, with_label: bool, with_split: bool, pages: sql.Composable | None = None) -> sql.Composable:
         """The rows a read takes from range `rng` (or the pages `pages` says, a condition on ctid)."""
         s = self.source
-        parts = [pages or self._range_sql(rng), sql.SQL("{} IS NOT NULL").format(sql.Identifier(s.column))]
+        parts = [pages or self._range_sql(rng)]
+        if not s.features:  # the vector column's NULL rows are skipped; a feature's are refused (plan)
+            parts.append(sql.SQL("{} IS NOT NULL").format(sql.Identifier(s.column)))
         if with_label and s.label and self.null_labels == "skip":
             parts.append(sql.SQL("{} IS NOT NULL").format(sql.Identifier(s.label)))
         if with_split and self.split is not None:
@@ -425,9 +665,10 @@ class TableRead:
             lab = sql.SQL("({} IS NULL)::int::text").format(sql.Identifier(s.label))
         where = [self._range_sql(rng)] + ([user_filter(s.where)] if s.where else [])
         return sql.SQL(
-            "SELECT {lab} AS label, {side} AS val, {col} IS NULL AS no_vector, count(*) FROM {t} WHERE {w} "
-            "GROUP BY 1, 2, 3 LIMIT {cap}"
-        ).format(lab=lab, side=side, col=sql.Identifier(s.column), t=s.table_sql(),
+            "SELECT {lab} AS label, {side} AS val, {nv} AS no_vector, {bad} AS bad, count(*) FROM {t} WHERE {w} "
+            "GROUP BY 1, 2, 3, 4 LIMIT {cap}"
+        ).format(lab=lab, side=side, t=s.table_sql(), bad=s.bad_sql(),
+                 nv=sql.SQL("false") if s.features else sql.SQL("{} IS NULL").format(sql.Identifier(s.column)),
                  w=sql.SQL(" AND ").join(where), cap=sql.Literal(4 * MAX_CLASSES + 16))
 
     def fields(self, with_vectors: bool = True) -> list:
@@ -440,7 +681,7 @@ class TableRead:
         if self.with_keys:
             out.append(scalar_field("key", "int4"))
         if with_vectors:
-            out.append(vector_field("vec", s.vtype, s.dim))
+            out += s.fields()
         return out
 
     def _columns_sql(self, classes: list | None, with_vectors: bool) -> list[sql.Composable]:
@@ -456,7 +697,7 @@ class TableRead:
         if self.with_keys:
             cols.append(sql.SQL("{}::int4").format(s.key_sql()))
         if with_vectors:
-            cols.append(sql.Identifier(s.column))
+            cols += s.value_sql()
         return cols
 
     def _rows_sql(self, rng, classes: list | None, with_vectors: bool) -> sql.Composable:
@@ -475,8 +716,10 @@ class TableRead:
         s = self.source
         aggs = [sql.SQL("array_agg({})").format(c) for c in self._columns_sql(classes, False)]
         if with_vectors:  # the vectors' binary values end to end: less of the server's time a row than an
-            # array of them (docs/decisions/train-bulk-read.md)
-            aggs.append(sql.SQL("string_agg({}, ''::bytea)").format(s.send_sql()))
+            # array of them (docs/decisions/train-bulk-read.md); raw features' bytes the same way
+            if s.vec_dim:
+                aggs.append(sql.SQL("string_agg({}, ''::bytea)").format(s.send_sql()))
+            aggs += [sql.SQL("string_agg({}, ''::bytea)").format(s.raw_sql(f)) for f in s.features if f.raw]
         aggs += [sql.SQL("array_agg(octet_length({}))::int4[]").format(s.id_sql()),
                  sql.SQL("coalesce(string_agg({}, ''), '')").format(s.id_sql())]
         start, end = rng
@@ -548,6 +791,12 @@ class TableRead:
         def null_label(lab) -> bool:
             return s.label is not None and (lab is None if s.task == "classify" else lab == "1")
 
+        bad = sorted({b for lab, val, nv, b, c in groups if b and not nv and on_side(val)
+                      and (keep_null or not null_label(lab))})
+        if bad:
+            raise self._refusal(bad[0])
+        groups = [(lab, val, nv, c) for lab, val, nv, _, c in groups]
+        per_range = [[(lab, val, nv, c) for lab, val, nv, _, c in res] for res in per_range]
         has = [(lab, val, c) for lab, val, nv, c in groups if not nv]
         labelled = [(lab, val, c) for lab, val, c in has if not null_label(lab)]
         if not has:
@@ -571,6 +820,37 @@ class TableRead:
         skipped_vector = sum(c for lab, val, nv, c in groups if nv and on_side(val))
         both = sum(c for _, _, c in labelled)
         return Plan(ranges, counts, classes, skipped_label, skipped_vector, both, time.perf_counter() - t0)
+
+    def _refusal(self, check: int) -> InputError:
+        """The one-line error for a row that fails feature check `check` (1-based), naming the column and the
+        first such row's id (in id order, in this read's snapshot)."""
+        s = self.source
+        f, what, cond = s.checks()[check - 1]
+        where = [cond] + ([user_filter(s.where)] if s.where else [])
+        if self.split is not None:
+            op = "<" if self.split.part == "val" else ">="
+            where.append(sql.SQL("{}::bigint " + op + " {}").format(s.key_sql(), sql.Literal(self.split.threshold)))
+        if s.label is not None and self.null_labels == "skip":
+            where.append(sql.SQL("{} IS NOT NULL").format(sql.Identifier(s.label)))
+        c = sql.Identifier(f.name)
+        size = {"scalar": sql.SQL("NULL::int"), "array": sql.SQL("cardinality({})").format(c),
+                "vector": sql.SQL("{}({})").format(sql.Identifier(*s.vector_dims), c),
+                "bytea": sql.SQL("octet_length({})").format(c)}[f.kind]
+        order = sql.Identifier(s.id_column) if s.id_column else sql.SQL("ctid")
+        row = self.conns[0].execute(sql.SQL("SELECT {id}, {size} FROM {t} WHERE {w} ORDER BY {o} LIMIT 1").format(
+            id=s.id_sql(), size=size, t=s.table_sql(), w=sql.SQL(" AND ").join(where), o=order)).fetchone()
+        at = f"row {s.id_column or 'ctid'} {row[0]}" if row else "a row"
+        col = f"feature column {f.name!r} ({f.type})"
+        if what == "null":
+            return InputError(f"{col} is NULL in {at}: pass fill_null (--fill-null) to use a value instead, "
+                              "or filter such rows out with where")
+        if what == "element":
+            return InputError(f"{col} has a NULL element in {at}: pass fill_null (--fill-null) or filter such rows out")
+        got = row[1] if row else None
+        unit = {"array": "values", "vector": "dimensions", "bytea": "bytes"}[f.kind]
+        want = 4 * f.width if f.kind == "bytea" else f.width
+        return InputError(f"{col} has {got} {unit} in {at} where the first row has {want}: a feature's width is "
+                          "fixed; filter such rows out with where")
 
     # ---- read ---------------------------------------------------------------------------------
 
@@ -621,7 +901,7 @@ class TableRead:
                 if s.several_heaps:
                     tids[o:o + k] |= rows["heap"].astype(np.uint64) << HEAP_SHIFT
                 if put_vectors is not None:
-                    put_vectors(o, rows["vec"]["values"])
+                    put_vectors(o, s.values(rows))
                 id_parts.append(Ids(idbuf, np.cumsum(idlens)))
                 pos[0] = o + k
 
@@ -659,7 +939,8 @@ class TableRead:
             order = np.argsort(part, kind="stable")
             ordered = part[order]
             heap = ordered >> HEAP_SHIFT
-            back = np.empty((len(part), s.dim), vector_field("vec", s.vtype, s.dim)[1]["values"].base)
+            back = np.empty((len(part), s.dim), np.float32 if s.features else
+                            vector_field("vec", s.vtype, s.dim)[1]["values"].base)
             for h in np.unique(heap).tolist():
                 lo, hi = np.searchsorted(heap, h), np.searchsorted(heap, h, "right")
                 table = sql.SQL("ONLY {}").format(sql.SQL(s.heaps[h][1]))  # regclass text: quoted already
@@ -674,12 +955,12 @@ class TableRead:
     def _vectors(self, table: sql.Composable, tids: np.ndarray, put: Callable[[int, np.ndarray], None]) -> None:
         """The vectors of one heap's rows `tids` (sorted ascending), put in that order from offset 0."""
         s = self.source
-        fields = [vector_field("vec", s.vtype, s.dim)]
+        fields = s.fields()
         dtype = row_dtype(fields, trailing_text=False)
         lit = "{" + ",".join(f'"({b},{o})"' for b, o in zip((tids >> np.uint64(16)).tolist(),
                                                              (tids & np.uint64(0xFFFF)).tolist())) + "}"
         query = sql.SQL("COPY (SELECT {c} FROM {t} WHERE ctid = ANY({l}::tid[])) TO STDOUT (FORMAT BINARY)").format(
-            c=sql.Identifier(s.column), t=table, l=sql.Literal(lit))
+            c=sql.SQL(", ").join(s.value_sql()), t=table, l=sql.Literal(lit))
         got = [0]
 
         def on_block(raw, _ids, _lens):
@@ -688,7 +969,7 @@ class TableRead:
             problem = check_rows(rows, fields, False)
             if problem:
                 raise DatabaseError(f"table {s.table!r}: {problem}")
-            put(got[0], rows["vec"]["values"])
+            put(got[0], s.values(rows))
             got[0] += k
 
         try:
@@ -851,7 +1132,8 @@ def chunk_pages(source: Source, rows_per_page: float | None) -> int:
     """Heap pages a chunk spans for about CHUNK_BYTES of rows: from the table's statistics, and never
     fewer rows a page than inline vectors would fill (vectors stored out of line leave many rows on a
     page, which only the statistics tell)."""
-    row = (2 if source.vtype == "halfvec" else 4) * source.dim + 48  # the vector, ctid, label, key and id
+    per_value = 8 if source.transport == "array" else 2 if source.vtype == "halfvec" else 4
+    row = per_value * source.dim + 48  # the vector, ctid, label, key and id
     per_page = max(rows_per_page or 0.0, 8192 / row)
     return max(1, min(1024, int(CHUNK_BYTES / (per_page * row))))
 

@@ -220,8 +220,9 @@ def _train(spec: TrainSpec, dev, rank: int, world: int, dsn: str, knobs: Setting
     from embedfleet.train.heads import build_head
     from embedfleet.train.loop import TrainLoop
 
-    ds = load(spec.table, label=spec.label, where=spec.where, db=dsn, cache=spec.cache,
-              device=dev, task=spec.task, seed=spec.seed, keys=True, dtype=storage_dtype(dev), settings=knobs)
+    ds = load(spec.table, label=spec.label, where=spec.where, db=dsn, cache=spec.cache, device=dev, task=spec.task,
+              seed=spec.seed, keys=True, dtype=None if spec.features else storage_dtype(dev), settings=knobs,
+              features=spec.features, fill_null=spec.fill_null)
     train_ds, val_ds = ds.split_by_key(spec.val_fraction)
     if len(train_ds) == 0:
         raise InputError(f"no training rows: all {len(ds):,} selected rows fall in the validation split "
@@ -233,7 +234,9 @@ def _train(spec: TrainSpec, dev, rank: int, world: int, dsn: str, knobs: Setting
         y = train_ds.labels.double()
         target = (float(y.mean()), float(y.std()) if len(y) > 1 and float(y.std()) > 0 else 1.0)
     torch.manual_seed(spec.seed)
-    model = build_head(spec.head, ds.dim, classes or 1).to(dev)
+    model = build_head(spec.head, ds.dim, classes or 1, standardize=bool(spec.features)).to(dev)
+    if spec.features:
+        model[0].fit(_sample(train_ds).to(dev))
     batch = spec.batch_size or auto_batch(len(train_ds))
     if spec.batch_size is None and rank == 0:
         log.info("batch size %d (the default: an eighth of the %d train rows, as a power of two, at most %d)",
@@ -270,6 +273,15 @@ def _train(spec: TrainSpec, dev, rank: int, world: int, dsn: str, knobs: Setting
             log.info("saved %s", spec.out)
     ds.close()
     return doc if rank == 0 else None
+
+
+def _sample(ds, rows: int = 1 << 18):
+    """Up to `rows` of the dataset's rows, evenly spaced: what the features' standardization is fitted on."""
+    import numpy as np
+
+    n = len(ds)
+    index = np.unique(np.linspace(0, n - 1, min(n, rows)).astype(np.int64)) if n else np.zeros(0, np.int64)
+    return ds.subset(index).vectors() if len(index) != n else ds.vectors()
 
 
 def storage_dtype(dev) -> str | None:
@@ -327,6 +339,8 @@ def _save(spec, dsn, ds, model, doc, target) -> None:
         "format": 1, "task": ds.task, "head": spec.head, "dim": ds.dim,
         "outputs": len(ds.classes) if ds.task == "classify" else 1,
         "hidden": hidden_size(ds.dim) if spec.head == "mlp" else None,
+        "features": spec.features, "fill_null": spec.fill_null, "standardize": bool(spec.features),
+        "feature_slices": {k: [v.start, v.stop] for k, v in ds.feature_slices.items()},
         "label": spec.label, "label_kind": ds.source.label_kind,
         "classes": ds.classes,
         "label_map": {str(c): i for i, c in enumerate(ds.classes)} if ds.classes else None,
