@@ -156,10 +156,11 @@ def _writer(dsn: str, rate: float, seconds: float, first_id: int, stop: threadin
             time.sleep(max(0.0, t_next - time.perf_counter()))
 
 
-def lag(conn, dsn: str, n: int, rates: list[float], seconds: float, common: list[str], writers: int) -> dict:
+def lag(conn, dsn: str, n: int, rates: list[float], seconds: float, common: list[str], writers: int,
+        extra: list[str] = ()) -> dict:
     _write_source(conn, "bench_lag", n, seed=1)
     args = [sys.executable, "-m", "embedfleet.cli", "sync", "--from-table", "bench_lag", "--text-field", "body",
-            "--follow", "--quiet", "--json", *common]
+            "--follow", "--quiet", "--json", *common, *extra]
     t0 = time.perf_counter()
     proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     job = "public.bench_lag_embeddings"
@@ -225,6 +226,8 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3, help="alternations of the trigger and backfill parts")
     ap.add_argument("--parts", default="trigger,backfill,lag")
     ap.add_argument("--model", default=None)
+    ap.add_argument("--lanes", type=int, default=None, help="sync --lanes for the lag part (default: sync's)")
+    ap.add_argument("--batch", type=int, default=None, help="sync --batch for the lag part (default: sync's)")
     ap.add_argument("--devices", default=None)
     ap.add_argument("--db", default=None)
     ap.add_argument("--work", default=None, help="folder for the JSONL file (default: a temporary one)")
@@ -246,7 +249,9 @@ def main() -> None:
         if "backfill" in parts:
             doc["backfill"] = backfill(conn, a.rows, common, work, min(a.rounds, 2))
         if "lag" in parts:
-            doc["lag"] = lag(conn, dsn, a.rows, [float(r) for r in a.rates.split(",")], a.seconds, common, a.writers)
+            extra = (["--lanes", str(a.lanes)] if a.lanes else []) + (["--batch", str(a.batch)] if a.batch else [])
+            doc["lag"] = lag(conn, dsn, a.rows, [float(r) for r in a.rates.split(",")], a.seconds, common, a.writers,
+                             extra)
     print(harness.record(doc, a.out, dsn))
 
 

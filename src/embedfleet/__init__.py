@@ -3,7 +3,8 @@
 Public names, imported lazily (`import embedfleet` pulls no torch in: `status` and `db` never need it):
 
     Encoder            texts to L2-normalised vectors, on the packed forward pass (embedfleet.encode)
-    EmbeddingDataset   a table's vectors read once, iterated as device-side batches (embedfleet.train)
+    TableDataset       a table's columns read once, iterated as device-side batches; a torch Dataset (embedfleet.train)
+    EmbeddingDataset   TableDataset over the table's vector column
     Settings           every EMBEDFLEET_* knob, declared once (embedfleet.settings)
     EmbedfleetError…   the errors a user can act on (embedfleet.errors)
 """
@@ -12,9 +13,10 @@ from __future__ import annotations
 
 __version__ = "0.1.0"
 __all__ = ["DatabaseError", "EmbedfleetError", "EmbeddingDataset", "Encoder", "InputError", "JobError", "ModelError",
-           "Settings", "__version__"]
+           "Settings", "TableDataset", "__version__"]
 
 _WHERE = {"Encoder": "embedfleet.encode.encoder", "EmbeddingDataset": "embedfleet.train.dataset",
+          "TableDataset": "embedfleet.train.dataset",
           "Settings": "embedfleet.settings", "EmbedfleetError": "embedfleet.errors", "InputError": "embedfleet.errors",
           "ModelError": "embedfleet.errors", "DatabaseError": "embedfleet.errors", "JobError": "embedfleet.errors"}
 

@@ -78,15 +78,17 @@ class TableSink:
         with self.conn.cursor() as cur, cur.copy(target) as copy:
             copy.write(data)
 
-    def insert(self, data: bytes, n: int) -> int:
+    def insert(self, data: bytes, n: int, direct: bool = True) -> int:
         """COPY straight into the table when every id is new (the common case: one pass, no
-        staging); if any id exists already, roll that back and upsert through the stage table."""
-        try:
-            with self.conn.transaction():  # a savepoint
-                self._copy(self.copy_direct_sql, data)
-            return n
-        except psycopg.errors.UniqueViolation:
-            pass
+        staging); if any id exists already, roll that back and upsert through the stage table.
+        `direct=False`: some ids are known to exist; upsert at once."""
+        if direct:
+            try:
+                with self.conn.transaction():  # a savepoint
+                    self._copy(self.copy_direct_sql, data)
+                return n
+            except psycopg.errors.UniqueViolation:
+                pass
         self._copy(self.copy_sql, data)
         return self.conn.execute(self.upsert_sql).fetchone()[0]
 

@@ -55,9 +55,16 @@ class SyncStats:
     deleted: int = 0  # target rows of keys whose source row is gone (or filtered out, or now rejected)
     rejected: int = 0  # source rows that give no text (NULL, empty): their target rows are deleted
     tokens: int = 0
+    # seconds the lanes spent, summed: where a drain's time goes (claim + lock + read + embed + write + commit)
+    claim_s: float = 0.0  # claiming queued keys
+    lock_s: float = 0.0  # waiting for another lane's keys
+    read_s: float = 0.0  # the source rows, and the target's stored content
+    embed_s: float = 0.0  # preparing and embedding the changed rows (the device shared by the lanes)
+    write_s: float = 0.0  # upserts, updates and deletes in the target (its index)
+    commit_s: float = 0.0  # forgetting the keys and committing
 
     def as_dict(self) -> dict:
-        return asdict(self)
+        return {k: round(v, 3) if isinstance(v, float) else v for k, v in asdict(self).items()}
 
 
 def watched_columns(spec: JobSpec) -> list[str]:
@@ -106,25 +113,35 @@ class Lane:
     def step(self) -> int:
         """Claim a batch of queued keys and bring their target rows up to date. Returns the keys claimed."""
         local = SyncStats()
+        t0 = time.perf_counter()
         with self.source.transaction():
             entries = queue.claim(self.source, self.queue, self.batch)
             if not entries:
                 return 0
+            local.claim_s = time.perf_counter() - t0
             keys = list(dict.fromkeys(k for _, k in entries if k is not None))
             truncated = any(k is None for _, k in entries)  # a NULL key: the source was truncated
             if self.same_db:
-                self._lock(keys)
-                self._write(keys, self._read(keys), truncated, local)
+                self._locked_write(keys, truncated, local)
             else:
                 with self.target.transaction():
-                    self._lock(keys)
-                    self._write(keys, self._read(keys), truncated, local)
+                    self._locked_write(keys, truncated, local)
+            t1 = time.perf_counter()
             queue.forget(self.source, self.queue, [ctid for ctid, _ in entries])
+        local.commit_s += time.perf_counter() - t1
         local.batches, local.keys = 1, len(entries)
         with self.stats_lock:
-            for name, value in local.as_dict().items():
+            for name, value in asdict(local).items():
                 setattr(self.stats, name, getattr(self.stats, name) + value)
         return len(entries)
+
+    def _locked_write(self, keys: list[str], truncated: bool, stats: SyncStats) -> None:
+        t0 = time.perf_counter()
+        self._lock(keys)
+        t1 = time.perf_counter()
+        raws = self._read(keys)
+        stats.lock_s, stats.read_s = t1 - t0, time.perf_counter() - t1
+        self._write(keys, raws, truncated, stats)
 
     def _lock(self, keys: list[str]) -> None:
         """Each key's advisory lock on the target's connection until its commit, taken in one order by every
@@ -154,6 +171,7 @@ class Lane:
 
     def _write(self, keys: list[str], raws: list[RawRecord], truncated: bool, stats: SyncStats) -> None:
         conn, target = self.target, table_sql(self.target, self.spec.table)
+        t0 = time.perf_counter()
         records, rejects = self.prep.records(raws)
         stats.rejected += len(rejects)
         present = {r.id for r in records}
@@ -161,6 +179,7 @@ class Lane:
             sql.SQL("SELECT id, content{} FROM {} WHERE id = ANY(%s)").format(
                 sql.SQL("").join(sql.SQL(", {}").format(sql.Identifier(c)) for c in self.columns), target),
             [[r.id for r in records]]).fetchall()}
+        stats.read_s += time.perf_counter() - t0
         changed, recolumned = [], []
         for r in records:
             old = stored.get(r.id)
@@ -171,11 +190,18 @@ class Lane:
                 values = tuple(r.values.get(c) for c in self.columns)
                 if values != tuple(old[1:]):
                     recolumned.append((*values, r.id))
+        t1 = time.perf_counter()
         if changed:
             p = self.prep.prepare(changed, [], 0)
             with self.gpu:
                 vectors = self.encoder.embed(p.tok)
-            self.sink.insert(assemble(p.rows, vector_fields(vectors, self.vtype)), p.rows.n)
+            data = assemble(p.rows, vector_fields(vectors, self.vtype))
+            t2 = time.perf_counter()
+            stats.embed_s += t2 - t1
+            t1 = t2
+            # rows that exist go through the upsert at once: a direct COPY would insert (and index) rows
+            # before failing on the first of them
+            self.sink.insert(data, p.rows.n, direct=not any(r.id in stored for r in changed))
             stats.embedded += p.rows.n
             stats.tokens += int(p.tok.num_tokens)
         if recolumned:
@@ -188,6 +214,7 @@ class Lane:
                                           [gone]).rowcount
         if truncated:
             stats.deleted += self._delete_missing(target)
+        stats.write_s += time.perf_counter() - t1
 
     def _delete_missing(self, target: sql.Composable) -> int:
         """After a TRUNCATE: every target row whose source row is not there now."""

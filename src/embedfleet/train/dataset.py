@@ -527,15 +527,29 @@ class TableDataset:
         rows = idx if self._rows is None else self._rows[idx]
         store, dev = self._store, self.device
         if isinstance(store, _DeviceStore):
-            x = store.x.index_select(0, torch.from_numpy(rows).to(dev, non_blocking=True))
-        elif isinstance(store, _HostStore):
-            x = host_take(store.x, rows, threads=store.threads).to(dev)
+            both = rows if self._rows is None or self.labels is None else np.stack([rows, idx])
+            on_dev = self._index_to(both, dev)
+            x = store.x.index_select(0, on_dev if on_dev.dim() == 1 else on_dev[0])
+            pos = on_dev if on_dev.dim() == 1 else on_dev[1]
         else:
-            u, buf = store._window(rows)
-            x = host_take(buf, np.searchsorted(u, rows), threads=store.threads).to(dev)
+            if isinstance(store, _HostStore):
+                host = host_take(store.x, rows, threads=store.threads)
+            else:
+                u, buf = store._window(rows)
+                host = host_take(buf, np.searchsorted(u, rows), threads=store.threads)
+            x = (host.pin_memory() if dev.type == "cuda" else host).to(dev, non_blocking=True)
+            pos = None
         if self.labels is None:
             return (x,)
-        return x, self.labels.index_select(0, torch.from_numpy(idx).to(self.labels.device, non_blocking=True))
+        if pos is None or pos.device != self.labels.device:
+            pos = self._index_to(idx, self.labels.device)
+        return x, self.labels.index_select(0, pos)
+
+    @staticmethod
+    def _index_to(index: np.ndarray, device: torch.device) -> torch.Tensor:
+        """Host indices on `device`; through pinned memory on CUDA, so the copy does not wait for the queued work."""
+        t = torch.from_numpy(np.ascontiguousarray(index))
+        return t.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else t
 
     # ---- beyond the contract ---------------------------------------------------------------------
 
