@@ -215,6 +215,19 @@ def test_refusals_are_one_line_naming_the_column_and_row(db, kwargs, needle):
     assert needle in message and "\n" not in message, message
 
 
+@pytest.mark.parametrize("cache", ["ram", "stream"])
+def test_a_refusal_comes_before_any_batch_in_every_tier(db, cache):
+    """The stream tier reads features only in its windows: its rows are checked before from_table returns."""
+    from embedfleet.errors import InputError
+    from embedfleet.train import TableDataset
+
+    with pytest.raises(InputError, match=r"feature column 'rx' \(float4\[\]\) has 3 values in row id 17"):
+        TableDataset.from_table("ragged", features=["rssi", "rx"], db=db, device="cpu", cache=cache)
+    ok = TableDataset.from_table("ragged", features=["rssi", "rx"], db=db, device="cpu", cache=cache,
+                                 where="id <> 17 AND id <> 21")
+    assert len(ok) == 28
+
+
 def test_cli_refusal_is_one_line_without_traceback(db, cli):
     p = cli("train", "--table", "holes", "--features", "rssi,rx", "--label", "cls", "--task", "classify",
             "--devices", "cpu", "--db", db)
@@ -344,6 +357,12 @@ def test_train_features_learns_and_predict_reproduces(db, cli, tmp_path):
     summary = json.loads(p.stdout)
     assert summary["rows"] == 3000
     assert summary["val_accuracy"] == pytest.approx(doc["final"]["val_accuracy"], abs=1e-9)
+    # two gloo ranks: the same features read once for both, the same head
+    p = cli("train", "--table", "sep", "--features", "rssi,snr,receivers,ok", "--label", "zone", "--task", "classify",
+            "--epochs", "20", "--lr", "0.01", "--head", "mlp", "--devices", "cpu", "--ranks", "2", "--out",
+            tmp_path / "run2", "--db", db, "--json", check=True)
+    doc2 = json.loads((tmp_path / "run2" / "metrics.json").read_text())
+    assert doc2["world_size"] == 2 and doc2["final"]["val_accuracy"] > 0.9
 
 
 def test_parquet_gives_the_same_batches_as_the_table(db, tmp_path):

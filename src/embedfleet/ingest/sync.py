@@ -77,16 +77,18 @@ def watched_columns(spec: JobSpec) -> list[str]:
 
 
 class Lane:
-    """One connection's drain: a batch claimed, its keys locked against the other lanes, read, embedded (on the
-    shared encoder), written and forgotten, in one transaction. Lanes run side by side so the target's index
-    takes rows on several backends at once; the per-key locks keep a key changed twice from being written
-    out of order by two lanes."""
+    """One connection's drain: a batch claimed, its keys locked, read, embedded (on the shared encoder), written
+    and forgotten, in one transaction. Lanes run side by side so the target's index takes rows on several
+    backends at once. Each lane claims only its share of the keys (by hash): a key changed twice is written in
+    order by one lane, and no lane waits for another's batch; the per-key locks still order a key between two
+    sync processes."""
 
     def __init__(self, spec: JobSpec, settings: Settings, dsn: str, source_dsn: str, encoder, gpu: threading.Lock,
-                 stats: SyncStats, stats_lock: threading.Lock, batch: int):
+                 stats: SyncStats, stats_lock: threading.Lock, batch: int, part: int = 0, parts: int = 1):
         from embedfleet.encode.tokenize import tokenizer_spec
 
         self.spec, self.encoder, self.gpu, self.batch = spec, encoder, gpu, batch
+        self.part, self.parts = part, parts
         self.stats, self.stats_lock = stats, stats_lock
         self.target = connect(dsn)
         self.same_db = source_dsn == dsn
@@ -115,7 +117,7 @@ class Lane:
         local = SyncStats()
         t0 = time.perf_counter()
         with self.source.transaction():
-            entries = queue.claim(self.source, self.queue, self.batch)
+            entries = queue.claim(self.source, self.queue, self.batch, self.part, self.parts)
             if not entries:
                 return 0
             local.claim_s = time.perf_counter() - t0
@@ -246,9 +248,10 @@ class Syncer:
         self.stats, gpu, stats_lock = SyncStats(), threading.Lock(), threading.Lock()
         self.lanes: list[Lane] = []
         try:
-            for _ in range(max(1, lanes)):
+            n = max(1, lanes)
+            for i in range(n):
                 self.lanes.append(Lane(spec, settings, dsn, source_dsn, self.encoder, gpu, self.stats, stats_lock,
-                                       batch))
+                                       batch, i, n))
         except BaseException:
             self.close()
             raise

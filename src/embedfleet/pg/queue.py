@@ -157,12 +157,18 @@ def pending(conn: psycopg.Connection, q: Queue) -> tuple[int, float | None]:
     return int(n), None if age is None else float(age)
 
 
-def claim(conn: psycopg.Connection, q: Queue, limit: int) -> list[tuple[str, str | None]]:
+def claim(conn: psycopg.Connection, q: Queue, limit: int, part: int = 0,
+          parts: int = 1) -> list[tuple[str, str | None]]:
     """Up to `limit` queued (ctid, key), oldest first, locked in the caller's transaction (where their ctids
-    hold); those another worker holds are skipped."""
+    hold); those another worker holds are skipped. With `parts` > 1, only the keys whose hash falls in `part`
+    (the NULL key, a TRUNCATE, in part 0): lanes that split the keys so never wait for one another's."""
+    mine = sql.SQL("")
+    if parts > 1:
+        mine = sql.SQL("WHERE CASE WHEN key IS NULL THEN 0 ELSE mod(hashtext(key) & 2147483647, {n}) END = {i} ").format(
+            n=sql.Literal(parts), i=sql.Literal(part))
     try:
-        return conn.execute(sql.SQL("SELECT ctid::text, key FROM {} ORDER BY seq LIMIT %s FOR UPDATE SKIP LOCKED")
-                            .format(q.table), [limit]).fetchall()
+        return conn.execute(sql.SQL("SELECT ctid::text, key FROM {} {}ORDER BY seq LIMIT %s FOR UPDATE SKIP LOCKED")
+                            .format(q.table, mine), [limit]).fetchall()
     except psycopg.errors.UndefinedTable:
         raise InputError(f"sync's queue for {q.source} is gone ({q.table_name}); rerun sync to install it again "
                          "(its backfill then catches up)") from None

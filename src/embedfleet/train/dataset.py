@@ -790,6 +790,13 @@ def load(table: str, label: str | None = None, where: str | None = None, db: str
         raise error
     if world > 1:
         _share(plan, cols, x, dev, world)
+    if x is None and source.features and rank == 0:
+        error = reader.check_features()  # the stream tier reads the features only in its windows: check them now
+    if world > 1 and source.features and x is None:
+        error = _agree(error)
+    if error is not None:
+        reader.close()
+        raise error
     if x is None:
         reader.keep_first()
         store: _Store = _StreamStore(reader, cols.tids, source.dim, torch_dtype, dev, threads)

@@ -584,6 +584,7 @@ class TableRead:
         from embedfleet.pg.connect import connect
 
         self.source, self.split, self.null_labels, self.with_keys = source, split, null_labels, with_keys
+        self.dsn = dsn
         self.fixed_classes = list(classes) if classes is not None else None
         self.conns: list[psycopg.Connection] = []
         try:
@@ -665,9 +666,9 @@ class TableRead:
             lab = sql.SQL("({} IS NULL)::int::text").format(sql.Identifier(s.label))
         where = [self._range_sql(rng)] + ([user_filter(s.where)] if s.where else [])
         return sql.SQL(
-            "SELECT {lab} AS label, {side} AS val, {nv} AS no_vector, {bad} AS bad, count(*) FROM {t} WHERE {w} "
-            "GROUP BY 1, 2, 3, 4 LIMIT {cap}"
-        ).format(lab=lab, side=side, t=s.table_sql(), bad=s.bad_sql(),
+            "SELECT {lab} AS label, {side} AS val, {nv} AS no_vector, count(*) FROM {t} WHERE {w} "
+            "GROUP BY 1, 2, 3 LIMIT {cap}"
+        ).format(lab=lab, side=side, t=s.table_sql(),
                  nv=sql.SQL("false") if s.features else sql.SQL("{} IS NULL").format(sql.Identifier(s.column)),
                  w=sql.SQL(" AND ").join(where), cap=sql.Literal(4 * MAX_CLASSES + 16))
 
@@ -791,12 +792,6 @@ class TableRead:
         def null_label(lab) -> bool:
             return s.label is not None and (lab is None if s.task == "classify" else lab == "1")
 
-        bad = sorted({b for lab, val, nv, b, c in groups if b and not nv and on_side(val)
-                      and (keep_null or not null_label(lab))})
-        if bad:
-            raise self._refusal(bad[0])
-        groups = [(lab, val, nv, c) for lab, val, nv, _, c in groups]
-        per_range = [[(lab, val, nv, c) for lab, val, nv, _, c in res] for res in per_range]
         has = [(lab, val, c) for lab, val, nv, c in groups if not nv]
         labelled = [(lab, val, c) for lab, val, c in has if not null_label(lab)]
         if not has:
@@ -821,23 +816,42 @@ class TableRead:
         both = sum(c for _, _, c in labelled)
         return Plan(ranges, counts, classes, skipped_label, skipped_vector, both, time.perf_counter() - t0)
 
-    def _refusal(self, check: int) -> InputError:
-        """The one-line error for a row that fails feature check `check` (1-based), naming the column and the
-        first such row's id (in id order, in this read's snapshot)."""
+    def _selection(self) -> list[sql.Composable]:
+        """The conditions of the rows a read takes (the user's filter, the split's side, a label present)."""
         s = self.source
-        f, what, cond = s.checks()[check - 1]
-        where = [cond] + ([user_filter(s.where)] if s.where else [])
+        where = [user_filter(s.where)] if s.where else []
         if self.split is not None:
             op = "<" if self.split.part == "val" else ">="
             where.append(sql.SQL("{}::bigint " + op + " {}").format(s.key_sql(), sql.Literal(self.split.threshold)))
         if s.label is not None and self.null_labels == "skip":
             where.append(sql.SQL("{} IS NOT NULL").format(sql.Identifier(s.label)))
+        return where
+
+    def check_features(self, conn: psycopg.Connection | None = None) -> InputError | None:
+        """The one-line error for the first feature check any selected row fails (None: every row passes): one
+        scan. The stream tier's read runs it before the epochs (its windows read the features then); the
+        other tiers only after a read failed, to say which column and row."""
+        s = self.source
+        if not s.features:
+            return None
+        conn = conn or self.conns[0]
+        where = self._selection() or [sql.SQL("true")]
+        found = conn.execute(sql.SQL("SELECT min(bad) FROM (SELECT {b} AS bad FROM {t} WHERE {w}) x WHERE bad > 0").format(
+            b=s.bad_sql(), t=s.table_sql(), w=sql.SQL(" AND ").join(where))).fetchone()[0]
+        return self._refusal(found, conn) if found else None
+
+    def _refusal(self, check: int, conn: psycopg.Connection | None = None) -> InputError:
+        """The one-line error for a row that fails feature check `check` (1-based), naming the column and the
+        first such row's id (in id order)."""
+        s = self.source
+        f, what, cond = s.checks()[check - 1]
+        where = [cond] + self._selection()
         c = sql.Identifier(f.name)
         size = {"scalar": sql.SQL("NULL::int"), "array": sql.SQL("cardinality({})").format(c),
                 "vector": sql.SQL("{}({})").format(sql.Identifier(*s.vector_dims), c),
                 "bytea": sql.SQL("octet_length({})").format(c)}[f.kind]
         order = sql.Identifier(s.id_column) if s.id_column else sql.SQL("ctid")
-        row = self.conns[0].execute(sql.SQL("SELECT {id}, {size} FROM {t} WHERE {w} ORDER BY {o} LIMIT 1").format(
+        row = (conn or self.conns[0]).execute(sql.SQL("SELECT {id}, {size} FROM {t} WHERE {w} ORDER BY {o} LIMIT 1").format(
             id=s.id_sql(), size=size, t=s.table_sql(), w=sql.SQL(" AND ").join(where), o=order)).fetchone()
         at = f"row {s.id_column or 'ctid'} {row[0]}" if row else "a row"
         col = f"feature column {f.name!r} ({f.type})"
@@ -918,13 +932,30 @@ class TableRead:
                 raise DatabaseError(_CHANGED)
             pieces[i] = Ids.concat(id_parts)
 
-        if len(self.conns) == 1 or len(todo) == 1:
-            for i in todo:
-                one(self.conns[0], i)
-        else:
-            self._parallel(lambda conn, i: one(conn, i), todo)
+        try:
+            if len(self.conns) == 1 or len(todo) == 1:
+                for i in todo:
+                    one(self.conns[0], i)
+            else:
+                self._parallel(lambda conn, i: one(conn, i), todo)
+        except (DatabaseError, InputError) as e:
+            if put_vectors is None or not s.features:
+                raise
+            raise self._diagnosed(e) from None
         ids = Ids.concat(pieces[i] for i in sorted(pieces))
         return Columns(labels, keys, tids, ids, time.perf_counter() - t0)
+
+    def _diagnosed(self, error: Exception) -> Exception:
+        """A failed read of features: the one-line refusal naming the column and row when a row fails a check (on a
+        connection of its own: the read's transactions may be aborted), else the error itself. The checks run
+        here rather than in every read's precount: a table that passes them pays no scan for them."""
+        from embedfleet.pg.connect import connect
+
+        try:
+            with connect(self.dsn) as conn:
+                return self.check_features(conn) or error
+        except psycopg.Error:
+            return error
 
     def read_vectors(self, tids: np.ndarray, put: Callable[[int, np.ndarray], None], chunk: int = 65_536) -> None:
         """The vectors of rows given by their tids, on the first connection, in this read's snapshot: the
