@@ -40,8 +40,7 @@ def train(
     db: Optional[str] = DbOpt,
     json_out: bool = typer.Option(False, "--json", help="print the final metrics document"),
 ) -> None:
-    """Train a head (linear or MLP) on a table's stored vectors or named feature columns: one bulk read,
-    batches on the device."""
+    """Train a head (linear or MLP) on a table's vectors or named columns: one bulk read, batches on the device."""
     from embedfleet.settings import TrainSpec
     from embedfleet.train.trainer import train as run_train
 
