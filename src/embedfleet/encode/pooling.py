@@ -32,6 +32,30 @@ def pool_padded(hidden: torch.Tensor, mask: torch.Tensor, mode: str) -> torch.Te
     return (hidden.float() * m).sum(1) / m.sum(1).clamp(min=1)
 
 
+_TORCH_ACTIVATIONS = {"Identity": lambda x: x, "Tanh": torch.tanh, "ReLU": torch.relu, "GELU": F.gelu,
+                      "Sigmoid": torch.sigmoid, "SiLU": F.silu}
+
+
+def post_modules(spec, device: torch.device) -> list:
+    """The model's modules after its pooling (sentence-transformers' Dense and Normalize), as device ops."""
+    ops = []
+    for kind, d in spec.post:
+        if kind == "normalize":
+            ops.append(("normalize", None, None, None))
+            continue
+        w, b = d.weights()
+        ops.append(("dense", torch.from_numpy(w).to(device), None if b is None else torch.from_numpy(b).to(device),
+                    _TORCH_ACTIVATIONS[d.activation]))
+    return ops
+
+
+def apply_post(emb: torch.Tensor, ops: list) -> torch.Tensor:
+    """Pooled float32 vectors through the post-pooling modules, in order, in float32."""
+    for kind, w, b, act in ops:
+        emb = F.normalize(emb, p=2.0, dim=1) if kind == "normalize" else act(F.linear(emb, w, b))
+    return emb
+
+
 def finish(emb: torch.Tensor, dim: int | None) -> torch.Tensor:
     """Matryoshka truncation (slice, then re-normalise) and L2 normalisation."""
     if dim is not None:

@@ -164,8 +164,9 @@ class NumpyBert:
             x = _layer_norm(x + m, L["ln2_w"], L["ln2_b"], self.eps)
         return x.reshape(n, length, h)
 
-    def embed(self, ids: np.ndarray, lengths: np.ndarray, pooling: str, dim: int) -> np.ndarray:
-        """Packed ids (any order) -> pooled, truncated, L2-normalised float32 vectors [N, dim]."""
+    def embed(self, ids: np.ndarray, lengths: np.ndarray, pooling: str, dim: int, post: list = ()) -> np.ndarray:
+        """Packed ids (any order) -> pooled, through the modules after the pooling (`post_ops`), truncated,
+        L2-normalised float32 vectors [N, dim]."""
         n = len(lengths)
         out = np.empty((n, dim), np.float32)
         starts = np.concatenate([[0], np.cumsum(lengths)[:-1]]).astype(np.int64)
@@ -187,10 +188,32 @@ class NumpyBert:
             else:
                 keep = (np.arange(longest)[None, :] < lens[:, None]).astype(np.float32)
                 pooled = (h * keep[:, :, None]).sum(1) / lens[:, None].astype(np.float32)
+            for kind, w, b, act in post:
+                pooled = _unit(pooled) if kind == "normalize" else act(pooled @ w.T + (0.0 if b is None else b))
             pooled = pooled[:, :dim]
             out[rows] = pooled / np.maximum(np.linalg.norm(pooled, axis=1, keepdims=True), 1e-12)
             i = j
         return out
+
+
+def _unit(x: np.ndarray) -> np.ndarray:
+    return x / np.maximum(np.linalg.norm(x, axis=1, keepdims=True), 1e-12)
+
+
+_NP_ACTIVATIONS = {"Identity": lambda x: x, "Tanh": np.tanh, "ReLU": lambda x: np.maximum(x, 0), "GELU": _gelu,
+                   "Sigmoid": lambda x: 1 / (1 + np.exp(-x)), "SiLU": lambda x: x / (1 + np.exp(-x))}
+
+
+def post_ops(spec: ModelSpec) -> list:
+    """The model's modules after its pooling (Dense, Normalize) as numpy ops."""
+    ops = []
+    for kind, d in spec.post:
+        if kind == "normalize":
+            ops.append(("normalize", None, None, None))
+        else:
+            w, b = d.weights()
+            ops.append(("dense", w, b, _NP_ACTIVATIONS[d.activation]))
+    return ops
 
 
 class QueryEncoder:
@@ -205,7 +228,8 @@ class QueryEncoder:
         self.spec, self.name = spec, model_name(model, spec.path)
         self._np = NumpyBert.load(spec) if device == "cpu" else None
         if self._np is not None:
-            hidden = self._np.hidden
+            hidden = spec.output_dim(self._np.hidden)
+            self._post = post_ops(spec)
             if dim is not None and not 0 < int(dim) <= hidden:
                 raise ModelError(f"--dim {dim} is out of range: {spec.path.name} makes {hidden}-dimensional vectors.")
             self.dim, self.path, self.device = int(dim) if dim else hidden, "numpy", "cpu"
@@ -225,7 +249,7 @@ class QueryEncoder:
         if not texts:
             return np.zeros((0, self.dim), np.float32)
         ids, lengths = self._tok.encode_unsorted([self.spec.prompt_text(prompt) + t for t in texts])
-        return self._np.embed(ids, lengths.astype(np.int64), self.spec.pooling, self.dim)
+        return self._np.embed(ids, lengths.astype(np.int64), self.spec.pooling, self.dim, self._post)
 
     def describe(self) -> dict:
         return {"model": str(self.spec.path), "name": self.name, "path": self.path, "device": self.device,
