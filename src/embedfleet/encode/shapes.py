@@ -39,15 +39,17 @@ QWEN3_BASE = dict(vocab_size=151669, hidden_act="silu", max_position_embeddings=
 
 
 def build_random_model(shape: str, out_dir: str | Path, seed: int = 0, tiny: bool = False,
-                       pooling: str | None = None, model_type: str | None = None) -> Path:
-    """Write a sentence-transformers directory (config, safetensors, tokenizer, ST modules)."""
+                       pooling: str | None = None, model_type: str | None = None, hidden: int | None = None) -> Path:
+    """Write a sentence-transformers directory (config, safetensors, tokenizer, ST modules). `hidden`: another
+    hidden size (the vectors' width), the rest of the shape kept (a tiny model with 4,096-dimensional vectors)."""
     if shape not in SHAPES:
         raise ValueError(f"unknown shape '{shape}': choose from {', '.join(SHAPES)}")
     spec = dict(SHAPES[shape])
     max_seq, pool = spec.pop("max_seq_length"), pooling or spec.pop("pooling")
     spec.pop("pooling", None)
     bert = spec["model_type"] != "qwen3"
-    cfg = {**(BERT_BASE if bert else QWEN3_BASE), **spec, **(TINY if tiny else {})}
+    cfg = {**(BERT_BASE if bert else QWEN3_BASE), **spec, **(TINY if tiny else {}), **({"hidden_size": hidden} if hidden
+                                                                                   else {})}
     if bert:
         cfg.pop("num_key_value_heads", None), cfg.pop("head_dim", None)
     if model_type:  # e.g. a tiny DistilBERT-like config that only the generic path serves

@@ -206,6 +206,12 @@ def check_job(spec: JobSpec, conn, settings: Settings) -> JobSpec:
     hidden = model.output_dim(model.hidden_size) if model.hidden_size else None  # a Dense module sets the width
     if cfg.dim is not None and hidden is not None and not 0 < cfg.dim <= hidden:
         raise ModelError(f"--dim {cfg.dim} is out of range: {model.path.name} makes {hidden}-dimensional vectors")
+    if cfg.dim or hidden:  # the index a table of this width gets, decided and said before anything is planned
+        from embedfleet.pg.ddl import index_plan
+
+        _, words = index_plan(cfg.dim or hidden, "halfvec" if cfg.dtype == "half" else "vector")
+        if not cfg.no_index:
+            log.info("index: %s", words)
     if cfg.passages:
         check_passages(cfg, model)
     if cfg.text_template:

@@ -329,15 +329,59 @@ def embedding_info(conn: psycopg.Connection, table: str) -> tuple[str, int]:
     return row[0], row[1]
 
 
+# pgvector's HNSW index takes `vector` up to 2,000 dimensions, `halfvec` up to 4,000 and `bit` up to 64,000;
+# both vector types store up to 16,000.
+HNSW_VECTOR_DIMS, HNSW_HALFVEC_DIMS, MAX_DIMS = 2000, 4000, 16000
+INDEX_KINDS = ("direct", "halfvec", "bit")
+
+
+def index_plan(dim: int, vtype: str) -> tuple[str, str]:
+    """(kind, what it is, in words) of the HNSW index a `dim`-dimensional `vtype` column gets: the column itself
+    ("direct"), its values cast to halfvec ("halfvec": 2,001–4,000 dimensions stored as vector), or their binary
+    quantization, searched by Hamming distance and rescored by the full vectors ("bit": above 4,000)."""
+    if dim > MAX_DIMS:
+        raise InputError(f"{dim:,}-dimensional vectors: pgvector stores at most {MAX_DIMS:,}; use --dim N where the "
+                         "model was trained for shorter vectors (Matryoshka)")
+    if dim <= (HNSW_HALFVEC_DIMS if vtype == "halfvec" else HNSW_VECTOR_DIMS):
+        return "direct", f"HNSW on embedding ({dim:,} dimensions, {vtype})"
+    if dim <= HNSW_HALFVEC_DIMS:
+        return "halfvec", (f"HNSW on embedding::halfvec({dim}) ({dim:,} dimensions: vector's HNSW stops at "
+                           f"{HNSW_VECTOR_DIMS:,}, halfvec's at {HNSW_HALFVEC_DIMS:,}; the stored vectors stay float32)")
+    return "bit", (f"HNSW on binary_quantize(embedding)::bit({dim}) ({dim:,} dimensions: above halfvec's "
+                   f"{HNSW_HALFVEC_DIMS:,}; searches take its nearest by Hamming distance and rescore them by the "
+                   "full vectors)")
+
+
+def _index_expression(kind: str, dim: int, vtype: str) -> sql.Composable:
+    if kind == "halfvec":
+        return sql.SQL("(embedding::halfvec({})) halfvec_cosine_ops").format(sql.Literal(dim))
+    if kind == "bit":
+        return sql.SQL("(binary_quantize(embedding)::bit({})) bit_hamming_ops").format(sql.Literal(dim))
+    return sql.SQL("embedding halfvec_cosine_ops" if vtype == "halfvec" else "embedding vector_cosine_ops")
+
+
 def vector_index(conn: psycopg.Connection, table: str) -> str | None:
-    """The name of an HNSW index on `table`'s embedding column, or None: what a search can use."""
+    """The name of an HNSW index on `table`'s embedding column (or an expression of it), or None: what a search
+    can use."""
+    found = index_of(conn, table)
+    return found[0] if found else None
+
+
+def index_of(conn: psycopg.Connection, table: str) -> tuple[str, str] | None:
+    """(name, kind) of the HNSW index on `table`'s embedding (kind: one of INDEX_KINDS), or None."""
     row = conn.execute(
-        "SELECT c.relname FROM pg_index i JOIN pg_class c ON c.oid = i.indexrelid JOIN pg_am am ON am.oid = c.relam "
-        "JOIN pg_attribute a ON a.attrelid = i.indrelid AND a.attnum = ANY(i.indkey) "
-        "WHERE i.indrelid = %s::regclass AND am.amname = 'hnsw' AND a.attname = 'embedding' ORDER BY 1 LIMIT 1",
+        "SELECT c.relname, pg_get_indexdef(i.indexrelid) FROM pg_index i JOIN pg_class c ON c.oid = i.indexrelid "
+        "JOIN pg_am am ON am.oid = c.relam LEFT JOIN pg_attribute a ON a.attrelid = i.indrelid AND a.attnum = ANY(i.indkey) "
+        "AND a.attnum > 0 WHERE i.indrelid = %s::regclass AND am.amname = 'hnsw' "
+        "AND (a.attname = 'embedding' OR (a.attname IS NULL AND pg_get_indexdef(i.indexrelid) ~ '\\membedding\\M')) "
+        "ORDER BY 1 LIMIT 1",
         [_regclass(conn, table)],
     ).fetchone()
-    return row[0] if row else None
+    if row is None:
+        return None
+    definition = row[1]
+    kind = "bit" if "binary_quantize" in definition else "halfvec" if "::halfvec" in definition else "direct"
+    return row[0], kind
 
 
 def finish_table(conn: psycopg.Connection, table: str, index: bool, timings: dict | None = None,
@@ -370,14 +414,14 @@ def finish_table(conn: psycopg.Connection, table: str, index: bool, timings: dic
     timings["commit_s"] = round(time.perf_counter() - t0, 3)
     if not index:
         return None
-    vtype = embedding_info(conn, table)[0]
+    vtype, dim = embedding_info(conn, table)
     for workers in (max(0, min(7, (os.cpu_count() or 2) - 1)), 0):
         try:
             with conn.transaction():
                 conn.execute("SELECT pg_advisory_xact_lock(hashtext(%s))", lock)
                 if (name := vector_index(conn, table)) is not None:
                     return name
-                _create_index(conn, ident, vtype, workers)
+                _create_index(conn, ident, vtype, workers, dim)
                 name = vector_index(conn, table)
             if name is None:  # cannot happen unless PostgreSQL changed what CREATE INDEX makes
                 raise DatabaseError(f"the HNSW index of {table!r} was created but cannot be found")
@@ -425,10 +469,11 @@ def analyze(conn: psycopg.Connection, ident: sql.Identifier, dsn: str | None = N
     conn.execute(sql.SQL("ANALYZE ONLY {}").format(ident))
 
 
-def _create_index(conn: psycopg.Connection, ident: sql.Identifier, vtype: str, workers: int) -> None:
-    """HNSW (cosine), named by PostgreSQL (unique in the schema, so tables whose names share a long
-    prefix cannot collide), with a generous maintenance_work_mem and parallel maintenance workers."""
-    ops = sql.SQL("halfvec_cosine_ops" if vtype == "halfvec" else "vector_cosine_ops")
+def _create_index(conn: psycopg.Connection, ident: sql.Identifier, vtype: str, workers: int, dim: int) -> None:
+    """HNSW (cosine; Hamming over binary-quantized vectors above 4,000 dimensions, see index_plan), named by
+    PostgreSQL (unique in the schema, so tables whose names share a long prefix cannot collide), with a generous
+    maintenance_work_mem and parallel maintenance workers."""
+    kind, _ = index_plan(dim, vtype)
     conn.execute("SET LOCAL maintenance_work_mem = '1GB'")
     conn.execute(sql.SQL("SET LOCAL max_parallel_maintenance_workers = {}").format(sql.Literal(workers)))
-    conn.execute(sql.SQL("CREATE INDEX ON {} USING hnsw (embedding {})").format(ident, ops))
+    conn.execute(sql.SQL("CREATE INDEX ON {} USING hnsw ({})").format(ident, _index_expression(kind, dim, vtype)))

@@ -17,7 +17,7 @@ from psycopg.rows import dict_row
 
 from embedfleet.errors import DatabaseError, InputError
 from embedfleet.ledger import table_job
-from embedfleet.pg.ddl import embedding_info, table_sql, vector_index
+from embedfleet.pg.ddl import embedding_info, index_of, table_sql
 
 __all__ = ["Searcher", "query_encoder", "query_lines", "run_search", "search", "search_queries"]
 
@@ -40,6 +40,9 @@ ITERATIVE_MIN = (0, 8)  # pgvector's iterative index scans: a filtered HNSW scan
 # A filter the planner expects to keep at most this many rows is searched exactly: measuring them all is cheap,
 # and a graph walk from a far region finds such rows only where it happens to enter them.
 EXACT_MATCHES = 20_000
+# A binary-quantized index (above 4,000 dimensions) ranks by Hamming distance: its nearest RESCORE × k rows (at
+# least RESCORE_MIN) are taken, then ranked by their full vectors' cosine distance.
+RESCORE, RESCORE_MIN = 40, 400
 
 
 class Searcher:
@@ -58,7 +61,9 @@ class Searcher:
             "AND attname <> 'embedding' ORDER BY attnum",
             [table_sql(conn, table).as_string(conn)],
         ).fetchall()]
-        self.indexed = vector_index(conn, table) is not None
+        found = index_of(conn, table)
+        self.indexed = found is not None
+        self.index_kind = found[1] if found else None  # see pg.ddl.index_plan
         version = conn.execute("SELECT extversion FROM pg_extension WHERE extname = 'vector'").fetchone()
         self.iterative = bool(version) and tuple(int(x) for x in version[0].split(".")[:2]) >= ITERATIVE_MIN
         self.scan: str | None = None
@@ -68,6 +73,35 @@ class Searcher:
             t=table_sql(conn, table))
         self._order = sql.SQL(" ORDER BY embedding <=> %(q)s::{vt} LIMIT %(k)s").format(vt=sql.SQL(self.vtype))
         self._table = table_sql(conn, table)
+
+    def statements(self, filt: sql.Composable) -> tuple[sql.Composable, sql.Composable]:
+        """(the statement an index scan runs, the exact one) for a filter: they differ where the index is on an
+        expression of the vectors (halfvec, or binary-quantized with a rescore by the full vectors)."""
+        exact = self._select + filt + self._order
+        d = sql.Literal(self.dim)
+        if self.index_kind == "halfvec":
+            return self._select + filt + sql.SQL(" ORDER BY embedding::halfvec({d}) <=> %(q)s::halfvec({d}) "
+                                                 "LIMIT %(k)s").format(d=d), exact
+        if self.index_kind == "bit":
+            inner = self._select + filt + sql.SQL(" ORDER BY binary_quantize(embedding)::bit({d}) <~> "
+                                                  "binary_quantize(%(q)s::vector)::bit({d}) LIMIT %(n)s").format(d=d)
+            return sql.SQL("SELECT * FROM ({}) AS candidates ORDER BY distance LIMIT %(k)s").format(inner), exact
+        return exact, exact
+
+    def explain(self, query_vec: np.ndarray, k: int = 10, where: str | None = None) -> str:
+        """The plan of the statement a search's index scan runs (sequential scans off: a small table's plan would
+        not show whether the index can serve it)."""
+        from pgvector import Vector
+
+        filt = sql.SQL("WHERE ({})").format(sql.SQL(where.replace("%", "%%"))) if where else sql.SQL("")
+        stmt = self.statements(filt)[0]
+        with self.conn.transaction(), self.conn.cursor() as cur:
+            cur.execute("SET LOCAL enable_seqscan = off")
+            rows = cur.execute(sql.SQL("EXPLAIN ") + stmt, self._params(Vector(query_vec.astype(np.float32)), k)).fetchall()
+        return "\n".join(r[0] for r in rows)
+
+    def _params(self, vec, k: int) -> dict:
+        return {"q": vec, "k": k, "n": max(RESCORE * k, RESCORE_MIN)}
 
     def search(self, query_vec: np.ndarray, k: int = 10, where: str | None = None,
                ef_search: int | None = None, group_by_parent: bool = False) -> list[dict]:
@@ -105,7 +139,8 @@ class Searcher:
         # The user's SQL goes in as written: its % are escaped so that psycopg, which reads the statement for its
         # own placeholders, gives them back to the server unchanged ("title ilike '%cable%'").
         filt = sql.SQL("WHERE ({})").format(sql.SQL(where.replace("%", "%%"))) if where else sql.SQL("")
-        stmt = self._select + filt + self._order
+        by_index, exact = self.statements(filt)
+        params = self._params(vec, k)
         conn = self.conn
         with conn.cursor(row_factory=dict_row) as cur:
             try:
@@ -113,6 +148,8 @@ class Searcher:
                     cur.execute("SET TRANSACTION READ ONLY")
                     cur.execute(sql.SQL("SET LOCAL statement_timeout = {}").format(
                         sql.Literal(f"{max(1, round(self.statement_timeout * 1000))}ms")))
+                    if self.index_kind == "bit":  # the index must hand over every candidate the rescore takes
+                        ef_search = max(ef_search or 0, params["n"])
                     if ef_search:
                         cur.execute(sql.SQL("SET LOCAL hnsw.ef_search = {}").format(sql.Literal(int(ef_search))))
                     scan = "exact" if not self.indexed else "index"
@@ -124,11 +161,11 @@ class Searcher:
                         # a filter drops most of the index's candidates: scan the graph on until k rows pass it
                         cur.execute("SET LOCAL hnsw.iterative_scan = strict_order")
                         scan = "iterative"
-                    rows = cur.execute(stmt, {"q": vec, "k": k}).fetchall()
+                    rows = cur.execute(exact if scan == "exact" else by_index, params).fetchall()
                     if where and scan != "exact" and len(rows) < k:
                         # the index gave up before k rows passed: measure every row the filter keeps
                         cur.execute("SET LOCAL enable_indexscan = off")
-                        rows = cur.execute(stmt, {"q": vec, "k": k}).fetchall()
+                        rows = cur.execute(exact, params).fetchall()
                         scan = "exact"
             except psycopg.errors.ReadOnlySqlTransaction as e:
                 raise InputError(f"--where {where!r} would write ({e.diag.message_primary}): it may only filter") from None
@@ -145,6 +182,8 @@ class Searcher:
                     raise
                 raise InputError(f"--where {where!r}: {e.diag.message_primary or e}") from None
         self.scan = scan
+        if self.index_kind == "halfvec" and scan != "exact":  # found by halfvec distances: ranked by the full ones
+            rows.sort(key=lambda r: r["distance"])
         out = []
         for r in rows:
             d = {"id": r.pop("id"), "distance": float(r.pop("distance")), "content": r.pop("content")}
