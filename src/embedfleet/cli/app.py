@@ -13,7 +13,8 @@ import typer
 from embedfleet.errors import EmbedfleetError
 from embedfleet.settings import Settings
 
-__all__ = ["DbOpt", "app", "cache_app", "db_app", "emit", "jobs_app", "knobs", "main", "state", "with_flags"]
+__all__ = ["DbOpt", "TrustOpt", "app", "cache_app", "db_app", "emit", "jobs_app", "knobs", "main", "state",
+           "with_flags"]
 
 # Help text is rich markup: a literal bracket is escaped with a backslash, or rich takes "[ray]" for a style.
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
@@ -24,6 +25,9 @@ cache_app = typer.Typer(no_args_is_help=True, help="Compiled graphs, kernels and
 
 state: dict = {"debug": False, "settings": None, "resumes": False}
 DbOpt = typer.Option(None, "--db", help="postgresql://… DSN (default: $EMBEDFLEET_DB, else the embedded server)")
+# Every command that loads a model takes it.
+TrustOpt = typer.Option(False, "--trust-remote-code", help="run the model's own Python code (its config.json's "
+                        "auto_map: nomic-embed, jina…), as transformers does with trust_remote_code=True")
 
 
 def knobs() -> Settings:

@@ -9,7 +9,7 @@ from typing import List, Optional
 
 import typer
 
-from embedfleet.cli.app import DbOpt, app, emit, jobs_app, knobs, state, stopped_on_purpose, with_flags
+from embedfleet.cli.app import DbOpt, TrustOpt, app, emit, jobs_app, knobs, state, stopped_on_purpose, with_flags
 from embedfleet.errors import EmbedfleetError
 
 
@@ -47,6 +47,7 @@ def ingest(
     text_field: Optional[str] = TextFieldOpt,
     id_field: Optional[str] = IdFieldOpt,
     model: Optional[str] = ModelOpt,
+    trust_remote_code: bool = TrustOpt,
     db: Optional[str] = DbOpt,
     table: Optional[str] = typer.Option(None, "--table", help="target table (default: first input's file stem)"),
     job: Optional[str] = JobOpt,
@@ -95,6 +96,7 @@ def ingest(
         batch_tokens=batch_tokens, chunk_bytes=chunk_bytes, limit=limit, no_index=no_index, dtype=dtype,
         dim=dim, prompt=prompt, passages=passages, partitions=partitions, quiet=quiet, columns=columns,
         replacing=tuple(replace) if replace else None, source_table=from_table, where=where,
+        trust_remote_code=trust_remote_code or None,
     ), config)
     settings = with_flags(knobs(), metrics_port=metrics_port, source_db=source_db)
     if not cfg.source_table:  # a missing file fails before any server starts
@@ -151,6 +153,7 @@ def sync(
                                         "source)"),
     job: Optional[str] = JobOpt,
     model: Optional[str] = ModelOpt,
+    trust_remote_code: bool = TrustOpt,
     devices: Optional[str] = DevicesOpt,
     workers: Optional[int] = WorkersOpt,
     batch_tokens: Optional[str] = BatchTokensOpt,
@@ -179,7 +182,7 @@ def sync(
         source_table=from_table, text_field=text_field, text_template=shell_escapes(text_template), id_field=id_field,
         where=where, columns=columns, db=db, table=table, job=job, model=model, devices=devices, workers=workers,
         batch_tokens=batch_tokens, chunk_bytes=chunk_bytes, dtype=dtype, dim=dim, prompt=prompt, no_index=no_index,
-        quiet=quiet))
+        quiet=quiet, trust_remote_code=trust_remote_code or None))
     settings = with_flags(knobs(), source_db=source_db)
     if batch < 1 or (lanes is not None and lanes < 1):
         raise typer.BadParameter("--batch and --lanes must be at least 1")

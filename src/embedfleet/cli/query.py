@@ -8,7 +8,7 @@ from typing import List, Optional
 import orjson
 import typer
 
-from embedfleet.cli.app import DbOpt, app, emit, knobs, stopped_on_purpose
+from embedfleet.cli.app import DbOpt, TrustOpt, app, emit, knobs, stopped_on_purpose
 from embedfleet.errors import EmbedfleetError
 
 
@@ -20,6 +20,7 @@ def search(
     k: int = typer.Option(10, "-k", "--k", help="results"),
     where: Optional[str] = typer.Option(None, "--where", help="SQL filter, e.g. \"rating <= 2\" (read-only)"),
     model: Optional[str] = typer.Option(None, "--model", help="default: the model the table was built with"),
+    trust_remote_code: bool = TrustOpt,
     device: str = typer.Option("cpu", "--device", help="cpu (one query needs no GPU) | auto | cuda | cuda:N"),
     queries: Optional[str] = typer.Option(None, "--queries", help="file of queries, one a line ('-': stdin): "
                                           "prints one JSON line of results each, the model loaded once"),
@@ -44,7 +45,7 @@ def search(
 
     texts = query_lines(queries) if queries is not None else [query]
     for text, results, scan in run_search(resolve_dsn(db, knobs()), table, texts, k=k, where=where, model=model, device=device,
-                                          settings=knobs(),
+                                          settings=knobs(), trust_remote_code=trust_remote_code,
                                           group_by_parent=group_by_parent, statement_timeout=statement_timeout):
         if queries is not None:
             sys.stdout.write(orjson.dumps({"query": text, "results": results, "scan": scan}, default=str).decode() + "\n")
@@ -67,6 +68,7 @@ def serve(
     port: int = typer.Option(8000, "--port", help="0: any free port"),
     k: int = typer.Option(10, "-k", "--k", help="results when a request gives no k"),
     model: Optional[str] = typer.Option(None, "--model", help="default: the model the table was built with"),
+    trust_remote_code: bool = TrustOpt,
     device: str = typer.Option("auto", "--device", help="auto (a GPU if there is one) | cpu | cuda | cuda:N"),
     allow_where: bool = typer.Option(False, "--allow-where", help="accept SQL filters (where=…) from clients; they "
                                      "run read-only as a role that can read only this table"),
@@ -89,7 +91,7 @@ def serve(
     where_dsn = _filter_role(dsn, table, where_db, uses_embedded(db, knobs())) if allow_where else None
     try:
         run_serve(dsn, table, host=host, port=port, k=k, model=model, device=device, where_dsn=where_dsn, settings=knobs(),
-                  statement_timeout=statement_timeout)
+                  statement_timeout=statement_timeout, trust_remote_code=trust_remote_code)
     except KeyboardInterrupt:  # uvicorn stops on SIGINT/SIGTERM, then raises the signal again
         pass
     stopped_on_purpose()

@@ -26,7 +26,7 @@ from embedfleet.encode.batching import cumulative
 from embedfleet.encode.budget import (SMALL_MODEL_HIDDEN, TokenBudget, activation_bytes_per_token, probe_batch_tokens,
                                       run_with_backoff)
 from embedfleet.encode.compile import LONG_CALL_TEXTS, BackgroundCompile, Fused, compile_after_tokens, shape_key
-from embedfleet.encode.models import model_name, read_spec, resolve_model
+from embedfleet.encode.models import check_remote_code, model_name, read_spec, resolve_model
 from embedfleet.encode.packed.attention import Packing, token_layout
 from embedfleet.encode.pooling import apply_post, finish, pool_packed, post_modules
 from embedfleet.encode.tokenize import Tokenized, TokenizerSpec, model_tokenizer
@@ -71,7 +71,7 @@ class Encoder:
     the process's knobs (compile, Triton, word cache, home), resolved from the environment when not given."""
 
     def __init__(self, model=None, device="auto", dtype=None, *, batch_tokens="auto", dim=None, prompt=None,
-                 tokenizer_workers=None, settings: Settings | None = None):
+                 tokenizer_workers=None, settings: Settings | None = None, trust_remote_code: bool = False):
         self.settings = s = settings or Settings.from_env()
         model = model or s.model
         self.spec = spec = read_spec(resolve_model(model))
@@ -95,7 +95,8 @@ class Encoder:
         if self.model is None:
             from embedfleet.encode.generic import GenericModel
 
-            self.model, self.path = GenericModel(spec, self._dev, self.dtype), "generic"
+            check_remote_code(spec, trust_remote_code)
+            self.model, self.path = GenericModel(spec, self._dev, self.dtype, trust_remote_code), "generic"
         hidden = self.model.hidden
         width = spec.output_dim(hidden)  # a Dense module after the pooling sets the vectors' width
         self._post = post_modules(spec, self._dev)

@@ -15,14 +15,15 @@ from embedfleet.errors import ModelError
 class GenericModel:
     causal = False
 
-    def __init__(self, spec, device: torch.device, dtype: torch.dtype):
+    def __init__(self, spec, device: torch.device, dtype: torch.dtype, trust_remote_code: bool = False):
         from transformers import AutoModel
 
+        trust = {"trust_remote_code": True} if trust_remote_code else {}  # the model's own code (auto_map)
         try:
             try:
-                model = AutoModel.from_pretrained(str(spec.hf_dir), dtype=dtype)
+                model = AutoModel.from_pretrained(str(spec.hf_dir), dtype=dtype, **trust)
             except TypeError:  # transformers < 4.56 spells it torch_dtype
-                model = AutoModel.from_pretrained(str(spec.hf_dir), torch_dtype=dtype)
+                model = AutoModel.from_pretrained(str(spec.hf_dir), torch_dtype=dtype, **trust)
         except Exception as err:
             raise ModelError(f"cannot load model {spec.path} with transformers: {err}".splitlines()[0]) from None
         self.model = model.to(device).eval()

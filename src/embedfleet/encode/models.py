@@ -78,10 +78,37 @@ def read_weights(hf_dir: Path, read_file: Callable[[Path], dict]) -> dict | None
     return state
 
 
-def check_model(model) -> ModelSpec:
+# The architectures with a packed forward pass (encode/packed), named here where no torch is imported.
+BERT_TYPES = ("bert", "roberta", "xlm-roberta", "camembert")
+DECODER_TYPES = ("qwen3", "qwen2", "llama")
+
+
+def remote_code(spec: ModelSpec) -> str | None:
+    """The model's own Python classes (config.json's auto_map, e.g. "AutoModel → modeling_x.XModel") where the
+    encoder would run them: None when it has none, or when its architecture has a packed path here."""
+    auto = spec.config.get("auto_map")
+    if not isinstance(auto, dict) or not auto:
+        return None
+    if spec.model_type in BERT_TYPES + DECODER_TYPES:
+        return None
+    shown = next(((k, v) for k, v in auto.items() if k == "AutoModel"), next(iter(auto.items())))
+    return f"{shown[0]} → {shown[1] if isinstance(shown[1], str) else shown[1][0]}"
+
+
+def check_remote_code(spec: ModelSpec, trust_remote_code: bool) -> None:
+    """One line naming the flag when the model's own code would run and nobody said to trust it."""
+    code = remote_code(spec)
+    if code and not trust_remote_code:
+        raise ModelError(f"model {spec.path} runs its own Python code ({code}, from its config.json's auto_map); "
+                         "embedfleet runs it only with --trust-remote-code (Encoder(..., trust_remote_code=True))")
+
+
+def check_model(model, trust_remote_code: bool = False) -> ModelSpec:
     """What a worker will need, checked without loading the weights: the directory, its config and
-    tokenizer files, and a weights file. A job must not start with a model none of its workers can load."""
+    tokenizer files, a weights file, and leave to run the model's own code where it has some. A job must not
+    start with a model none of its workers can load."""
     spec = read_spec(resolve_model(model))
+    check_remote_code(spec, trust_remote_code)
     if not any((spec.hf_dir / name).exists() for name in WEIGHTS):
         raise ModelError(f"model directory {spec.hf_dir} has no weights ({' or '.join(WEIGHTS[::2])})")
     from embedfleet.encode.tokenize import model_tokenizer

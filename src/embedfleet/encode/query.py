@@ -18,13 +18,12 @@ from pathlib import Path
 
 import numpy as np
 
-from embedfleet.encode.models import ModelSpec, model_name, read_spec, read_weights, resolve_model, strip_prefix
+from embedfleet.encode.models import BERT_TYPES, ModelSpec, model_name, read_spec, read_weights, resolve_model, strip_prefix
 from embedfleet.encode.tokenize import model_tokenizer
 from embedfleet.errors import ModelError
 
 __all__ = ["NumpyBert", "QueryEncoder", "read_safetensors"]
 
-_BERT_TYPES = ("bert", "roberta", "xlm-roberta", "camembert")  # as encode/packed (which imports torch)
 _BATCH_TOKENS = 8192  # padded tokens a pass: attention's [N, heads, L, L] scores stay a few MB
 
 
@@ -108,7 +107,7 @@ class NumpyBert:
     def load(cls, spec: ModelSpec) -> "NumpyBert | None":
         """The model, or None when it is not a BERT-family model this (and packed/bert.py) serves."""
         cfg = spec.config
-        if (spec.model_type not in _BERT_TYPES or cfg.get("position_embedding_type", "absolute") != "absolute"
+        if (spec.model_type not in BERT_TYPES or cfg.get("position_embedding_type", "absolute") != "absolute"
                 or cfg.get("hidden_act", "gelu") not in _ACT):
             return None
         state = _load_state(spec.hf_dir)
@@ -223,7 +222,8 @@ class QueryEncoder:
     "cuda"/"cuda:N"/"auto": `Encoder` there (eager for small work: no compile, no helper processes).
     """
 
-    def __init__(self, model=None, device: str = "cpu", dim: int | None = None, settings=None):
+    def __init__(self, model=None, device: str = "cpu", dim: int | None = None, settings=None,
+                 trust_remote_code: bool = False):
         spec = read_spec(resolve_model(model))
         self.spec, self.name = spec, model_name(model, spec.path)
         self._np = NumpyBert.load(spec) if device == "cpu" else None
@@ -238,7 +238,8 @@ class QueryEncoder:
         else:
             from embedfleet.encode.encoder import Encoder
 
-            self._enc = Encoder(model, device=device, dim=dim, tokenizer_workers=0, settings=settings)
+            self._enc = Encoder(model, device=device, dim=dim, tokenizer_workers=0, settings=settings,
+                                trust_remote_code=trust_remote_code)
             self.dim, self.path, self.device = self._enc.dim, self._enc.path, self._enc.device
 
     def encode(self, texts: list[str], prompt: str | None = "query") -> np.ndarray:

@@ -25,14 +25,15 @@ QUERY_BATCH = 256  # queries embedded together in a --queries run
 
 
 def query_encoder(conn: psycopg.Connection, table: str, model: str | None = None, device: str = "cpu",
-                  settings=None):
+                  settings=None, trust_remote_code: bool = False):
     """A QueryEncoder for `table`: its own model (unless `model` is given) and --dim."""
     from embedfleet.encode.query import QueryEncoder
 
     embedding_info(conn, table)  # fail fast on a missing table, before loading a model
     made = table_job(conn, table) or {}
     dim = int(made["requested_dim"]) if made.get("requested_dim") else None
-    return QueryEncoder(model or made.get("requested"), device=device, dim=None if model else dim, settings=settings)
+    return QueryEncoder(model or made.get("requested"), device=device, dim=None if model else dim, settings=settings,
+                        trust_remote_code=trust_remote_code)
 
 
 DEFAULT_STATEMENT_TIMEOUT = 5.0  # seconds a search may run: a filter can make the server work for ever
@@ -201,10 +202,10 @@ def search(conn: psycopg.Connection, table: str, query_vec: np.ndarray, k: int =
 def search_queries(conn: psycopg.Connection, table: str, queries: Iterable[str], k: int = 10,
                    where: str | None = None, model: str | None = None, device: str = "cpu",
                    group_by_parent: bool = False, statement_timeout: float = DEFAULT_STATEMENT_TIMEOUT,
-                   settings=None) -> Iterator[tuple[str, list[dict], str]]:
+                   settings=None, trust_remote_code: bool = False) -> Iterator[tuple[str, list[dict], str]]:
     """(query, its top-k, how they were found) for each query, in order: the model loaded once, queries
     embedded QUERY_BATCH at a time (the same vectors as one at a time)."""
-    encoder = query_encoder(conn, table, model, device, settings)
+    encoder = query_encoder(conn, table, model, device, settings, trust_remote_code)
     try:
         searcher = Searcher(conn, table, statement_timeout)
 
@@ -227,14 +228,15 @@ def search_queries(conn: psycopg.Connection, table: str, queries: Iterable[str],
 
 def run_search(dsn: str, table: str, queries: Iterable[str], k: int = 10, where: str | None = None,
                model: str | None = None, device: str = "cpu", group_by_parent: bool = False,
-               statement_timeout: float = DEFAULT_STATEMENT_TIMEOUT, settings=None) -> Iterator[tuple[str, list[dict], str]]:
+               statement_timeout: float = DEFAULT_STATEMENT_TIMEOUT, settings=None,
+               trust_remote_code: bool = False) -> Iterator[tuple[str, list[dict], str]]:
     """`embedfleet search`: (query, its top-k, the scan) for each query, on one connection."""
     from embedfleet.pg.connect import connect
 
     with connect(dsn) as conn:
         yield from search_queries(conn, table, queries, k=k, where=where, model=model, device=device,
                                   group_by_parent=group_by_parent, statement_timeout=statement_timeout,
-                                  settings=settings)
+                                  settings=settings, trust_remote_code=trust_remote_code)
 
 
 def query_lines(path: str) -> Iterator[str]:

@@ -108,7 +108,7 @@ class SearchService:
 
     def __init__(self, dsn: str, table: str, k: int = 10, model: str | None = None, device: str = "auto",
                  connections: int = CONNECTIONS, where_dsn: str | None = None, statement_timeout: float = 5.0,
-                 settings=None):
+                 settings=None, trust_remote_code: bool = False):
         from embedfleet.pg.connect import connect
         from embedfleet.query.search import Searcher, query_encoder
 
@@ -130,7 +130,7 @@ class SearchService:
 
         first = opener(dsn)()
         try:
-            self.encoder = query_encoder(first.conn, table, model, _pick_device(device), settings)
+            self.encoder = query_encoder(first.conn, table, model, _pick_device(device), settings, trust_remote_code)
         except BaseException:
             first.conn.close()
             raise
@@ -253,12 +253,12 @@ def _listen(host: str, port: int) -> socket.socket:
 
 def serve(dsn: str, table: str, host: str = "127.0.0.1", port: int = 8000, k: int = 10,
           model: str | None = None, device: str = "auto", where_dsn: str | None = None,
-          statement_timeout: float = 5.0, settings=None) -> None:
+          statement_timeout: float = 5.0, settings=None, trust_remote_code: bool = False) -> None:
     """Serve until interrupted (SIGINT or SIGTERM); prints the URL (to stderr) once it listens."""
     import uvicorn
 
     service = SearchService(dsn, table, k=k, model=model, device=device, where_dsn=where_dsn,
-                            statement_timeout=statement_timeout, settings=settings)
+                            statement_timeout=statement_timeout, settings=settings, trust_remote_code=trust_remote_code)
     try:
         sock = _listen(host, port)
         bound_host, bound_port = sock.getsockname()[:2]

