@@ -39,7 +39,21 @@ def tiny(tmp_path_factory):
         "qwen3": build_random_model("qwen3-0.6b", root / "qwen3", tiny=True),
         "qwen3-mean": build_random_model("qwen3-0.6b", root / "qwen3m", tiny=True, pooling="mean"),
         "electra": build_random_model("minilm-l6", root / "electra", tiny=True, model_type="electra"),
+        "modernbert": _sharpened(build_random_model("modernbert-base", root / "modernbert", tiny=True)),
+        "modernbert-cls": _sharpened(build_random_model("modernbert-base", root / "modernbert-cls", tiny=True,
+                                                        pooling="cls")),
     }
+
+
+def _sharpened(path):
+    """Random weights' attention is near uniform, where a window hardly changes a vector: scale Q, K, V and the
+    output projection up, so that which tokens a layer attends to matters."""
+    from safetensors.numpy import load_file, save_file
+
+    sd = load_file(str(path / "model.safetensors"))
+    sd = {k: v * 40 if "Wqkv" in k else v * 20 if "attn.Wo" in k else v for k, v in sd.items()}
+    save_file(sd, str(path / "model.safetensors"), metadata={"format": "pt"})
+    return path
 
 
 def test_real_minilm_matches_st_with_truncation():
@@ -99,6 +113,25 @@ def test_a_kernel_that_cannot_run_falls_back_to_the_torch_path(tiny, caplog):
     got = enc.encode(TEXTS)
     assert calls and enc.model._kernel is None and "torch path" in caplog.text
     np.testing.assert_allclose(got, want, atol=1e-6)
+
+
+@pytest.mark.parametrize("which", ["modernbert", "modernbert-cls"])
+def test_tiny_modernbert_packed_with_its_sliding_window(tiny, which):
+    """Global and local layers, a window (4 positions each side) shorter than most texts, mean and CLS pooling
+    (modernbert-embed and gte-modernbert): the packed path, equal to sentence-transformers' (transformers')."""
+    import json
+
+    cfg = json.loads((tiny[which] / "config.json").read_text())
+    assert cfg["local_attention"] == 8 and cfg["num_hidden_layers"] == 4
+    enc = Encoder(str(tiny[which]), batch_tokens=300)  # several batches
+    assert enc.path == "packed" and enc.spec.pooling == ("cls" if which.endswith("cls") else "mean")
+    _close(enc.encode(TEXTS), _st(tiny[which]))
+    long = ["a sentence about chargers, cables and screens " * 12]  # far past the window
+    want = _st(tiny[which], texts=long)
+    _close(enc.encode(long), want)
+    for L in enc.model.layers:  # the same layers attending to everything: not the model
+        L["window"] = None
+    assert (enc.encode(long) * want).sum() < 0.99
 
 
 def test_generic_fallback_for_unknown_architecture(tiny):

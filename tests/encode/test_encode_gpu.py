@@ -63,6 +63,24 @@ def test_tiny_qwen3_varlen_matches_st(tmp_path, pooling):
         assert ((ours * _st(path, _texts(), prompt)).sum(1)).min() >= 0.999
 
 
+@pytest.mark.parametrize("pooling", ["mean", "cls"])
+def test_tiny_modernbert_flash_window_matches_st(tmp_path, pooling):
+    """ModernBERT's local layers on FlashAttention's varlen window, in bf16, against sentence-transformers."""
+    from safetensors.numpy import load_file, save_file
+
+    from embedfleet.encode.encoder import Encoder
+    from embedfleet.encode.shapes import build_random_model
+
+    path = build_random_model("modernbert-base", tmp_path, tiny=True, pooling=pooling)
+    sd = load_file(str(path / "model.safetensors"))  # attention that depends on the window (see test_encode.py)
+    save_file({k: v * 40 if "Wqkv" in k else v * 20 if "attn.Wo" in k else v for k, v in sd.items()},
+              str(path / "model.safetensors"), metadata={"format": "pt"})
+    enc = Encoder(str(path), dtype="bfloat16")
+    assert enc.path == "packed"
+    texts = _texts() + ["a sentence about chargers, cables and screens " * 12]
+    assert ((enc.encode(texts) * _st(path, texts)).sum(1)).min() >= 0.97  # bf16 against float32, attention sharp
+
+
 def test_budget_probe_fits_memory(tmp_path):
     from embedfleet.encode.budget import max_batch_tokens
     from embedfleet.encode.encoder import Encoder

@@ -81,6 +81,7 @@ def read_weights(hf_dir: Path, read_file: Callable[[Path], dict]) -> dict | None
 # The architectures with a packed forward pass (encode/packed), named here where no torch is imported.
 BERT_TYPES = ("bert", "roberta", "xlm-roberta", "camembert")
 DECODER_TYPES = ("qwen3", "qwen2", "llama")
+ROPE_ENCODER_TYPES = ("modernbert",)
 
 
 def remote_code(spec: ModelSpec) -> str | None:
@@ -89,7 +90,7 @@ def remote_code(spec: ModelSpec) -> str | None:
     auto = spec.config.get("auto_map")
     if not isinstance(auto, dict) or not auto:
         return None
-    if spec.model_type in BERT_TYPES + DECODER_TYPES:
+    if spec.model_type in BERT_TYPES + DECODER_TYPES + ROPE_ENCODER_TYPES:
         return None
     shown = next(((k, v) for k, v in auto.items() if k == "AutoModel"), next(iter(auto.items())))
     return f"{shown[0]} → {shown[1] if isinstance(shown[1], str) else shown[1][0]}"

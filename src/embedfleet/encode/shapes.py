@@ -25,6 +25,9 @@ SHAPES = {
                       num_attention_heads=12, intermediate_size=1536, max_seq_length=256, pooling="mean"),
     "bert-base": dict(model_type="bert", architectures=["BertModel"], hidden_size=768, num_hidden_layers=12,
                       num_attention_heads=12, intermediate_size=3072, max_seq_length=512, pooling="cls"),
+    "modernbert-base": dict(model_type="modernbert", architectures=["ModernBertModel"], hidden_size=768,
+                            num_hidden_layers=22, num_attention_heads=12, intermediate_size=1152, max_seq_length=512,
+                            pooling="mean"),
     "qwen3-0.6b": dict(model_type="qwen3", architectures=["Qwen3Model"], hidden_size=1024, num_hidden_layers=28,
                        num_attention_heads=16, num_key_value_heads=8, head_dim=128, intermediate_size=3072,
                        max_seq_length=32768, pooling="lasttoken"),
@@ -33,6 +36,12 @@ TINY = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_
             intermediate_size=128)
 BERT_BASE = dict(vocab_size=30522, hidden_act="gelu", max_position_embeddings=512, type_vocab_size=2,
                  layer_norm_eps=1e-12, pad_token_id=0, position_embedding_type="absolute")
+MODERNBERT_BASE = dict(vocab_size=50368, hidden_activation="gelu", max_position_embeddings=8192, norm_eps=1e-5,
+                       norm_bias=False, attention_bias=False, mlp_bias=False, global_rope_theta=160000.0,
+                       local_rope_theta=10000.0, local_attention=128, global_attn_every_n_layers=3, pad_token_id=0,
+                       bos_token_id=101, eos_token_id=102, cls_token_id=101, sep_token_id=102)
+# A tiny ModernBERT keeps both kinds of layer (global every third) and a window shorter than a review.
+TINY_MODERNBERT = dict(num_hidden_layers=4, local_attention=8)
 QWEN3_BASE = dict(vocab_size=151669, hidden_act="silu", max_position_embeddings=32768, rms_norm_eps=1e-6,
                   rope_theta=1000000.0, tie_word_embeddings=True, attention_bias=False, use_sliding_window=False,
                   bos_token_id=151643, eos_token_id=151643)
@@ -47,9 +56,10 @@ def build_random_model(shape: str, out_dir: str | Path, seed: int = 0, tiny: boo
     spec = dict(SHAPES[shape])
     max_seq, pool = spec.pop("max_seq_length"), pooling or spec.pop("pooling")
     spec.pop("pooling", None)
-    bert = spec["model_type"] != "qwen3"
-    cfg = {**(BERT_BASE if bert else QWEN3_BASE), **spec, **(TINY if tiny else {}), **({"hidden_size": hidden} if hidden
-                                                                                   else {})}
+    bert = spec["model_type"] != "qwen3"  # a WordPiece tokenizer (the bundled MiniLM's)
+    base = {"qwen3": QWEN3_BASE, "modernbert": MODERNBERT_BASE}.get(spec["model_type"], BERT_BASE)
+    tiny_extra = TINY_MODERNBERT if spec["model_type"] == "modernbert" else {}
+    cfg = {**base, **spec, **({**TINY, **tiny_extra} if tiny else {}), **({"hidden_size": hidden} if hidden else {})}
     if bert:
         cfg.pop("num_key_value_heads", None), cfg.pop("head_dim", None)
     if model_type:  # e.g. a tiny DistilBERT-like config that only the generic path serves

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from embedfleet.encode.models import BERT_TYPES, DECODER_TYPES, read_weights, strip_prefix
+from embedfleet.encode.models import BERT_TYPES, DECODER_TYPES, ROPE_ENCODER_TYPES, read_weights, strip_prefix
 
 __all__ = ["BERT_TYPES", "DECODER_TYPES", "OnDevice", "build", "load_state", "strip_prefix", "supports"]
 
@@ -47,7 +47,7 @@ class OnDevice(Mapping):
 
 def supports(spec) -> bool:
     """Whether a packed forward pass is written here for this model's type."""
-    return spec.model_type in BERT_TYPES + DECODER_TYPES
+    return spec.model_type in BERT_TYPES + DECODER_TYPES + ROPE_ENCODER_TYPES
 
 
 def build(spec, device: torch.device, dtype: torch.dtype, state: dict[str, torch.Tensor] | None = None, *,
@@ -65,6 +65,10 @@ def build(spec, device: torch.device, dtype: torch.dtype, state: dict[str, torch
         from embedfleet.encode.packed.bert import PackedBert
 
         return PackedBert.create(cfg, state, device, dtype, compile=compile)
+    if mtype in ROPE_ENCODER_TYPES:
+        from embedfleet.encode.packed.modernbert import PackedModernBert
+
+        return PackedModernBert.create(cfg, state, device, dtype, spec.max_seq_length, compile=compile)
     from embedfleet.encode.packed.qwen3 import PackedDecoder
 
     return PackedDecoder.create(cfg, state, device, dtype, spec.max_seq_length, compile=compile, triton=triton)

@@ -65,16 +65,20 @@ class Packing:
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pk: Packing, causal: bool,
-              scale: float | None = None) -> torch.Tensor:
+              scale: float | None = None, window: int | None = None) -> torch.Tensor:
     """q [T, Hq, D], k/v [T, Hkv, D] -> [T, Hq, D]. Fewer K/V heads than Q heads (GQA) go to the
-    kernel as they are."""
+    kernel as they are. `window`: each token sees only the tokens at most that many positions away (a
+    sliding-window layer)."""
     if q.dtype in (torch.float16, torch.bfloat16) and pk.use_flash:
         # dropout 0, no debug mask; causal: each token sees its sequence up to itself
-        return _flash_op()(q, k, v, pk.cu, pk.cu, pk.max_len, pk.max_len, 0.0, causal, False, scale=scale)[0]
-    return _padded_sdpa(q, k, v, pk, causal, scale)
+        if window is None:
+            return _flash_op()(q, k, v, pk.cu, pk.cu, pk.max_len, pk.max_len, 0.0, causal, False, scale=scale)[0]
+        return _flash_op()(q, k, v, pk.cu, pk.cu, pk.max_len, pk.max_len, 0.0, causal, False, scale=scale,
+                           window_size_left=window, window_size_right=0 if causal else window)[0]
+    return _padded_sdpa(q, k, v, pk, causal, scale, window)
 
 
-def _padded_sdpa(q, k, v, pk: Packing, causal: bool, scale: float | None) -> torch.Tensor:
+def _padded_sdpa(q, k, v, pk: Packing, causal: bool, scale: float | None, window: int | None = None) -> torch.Tensor:
     n, length = pk.lengths.shape[0], pk.max_len
     seg, pos = pk.seg.long(), pk.pos.long()
 
@@ -87,6 +91,9 @@ def _padded_sdpa(q, k, v, pk: Packing, causal: bool, scale: float | None) -> tor
     mask = keep[:, None, None, :]
     if causal:
         mask = mask & torch.ones(length, length, dtype=torch.bool, device=q.device).tril()
+    if window is not None:
+        at = torch.arange(length, device=q.device)
+        mask = mask & ((at[:, None] - at[None, :]).abs() <= window)
     out = F.scaled_dot_product_attention(pad(q), pad(k), pad(v), attn_mask=mask, scale=scale,
                                          enable_gqa=k.shape[1] != q.shape[1])
     return out.transpose(1, 2)[seg, pos]

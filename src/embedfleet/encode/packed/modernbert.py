@@ -1,0 +1,104 @@
+"""ModernBERT (gte-modernbert, modernbert-embed, nomic-embed v2's base) over packed sequences.
+
+Pre-norm layers (the first without its attention norm), QKV as one matmul, RoPE with one base for the global
+layers and another for the local ones, local layers attending within a sliding window (each token to those at
+most `local_attention // 2` positions away: FlashAttention's window on CUDA, a band mask elsewhere), GeGLU MLP,
+no biases unless the config asks for them. The config is read through transformers' ModernBertConfig, which
+fills in what an older or newer config.json leaves out (layer types, RoPE bases).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from embedfleet.encode.compile import fused
+from embedfleet.encode.packed import OnDevice, strip_prefix
+from embedfleet.encode.packed.attention import Packing, attention
+from embedfleet.encode.packed.qwen3 import rope
+
+_ACT = {"gelu": F.gelu, "gelu_new": lambda x: F.gelu(x, approximate="tanh"),
+        "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"), "silu": F.silu, "relu": F.relu}
+
+
+def _config(cfg: dict):
+    from transformers import ModernBertConfig
+
+    return ModernBertConfig(**{k: v for k, v in cfg.items() if k not in ("architectures", "model_type")})
+
+
+class PackedModernBert:
+    causal = False
+
+    def __init__(self, weights: dict, layers: list[dict], heads: int, eps: float, act, tables: dict,
+                 compile: bool = True):
+        self.w, self.layers, self.heads, self.eps, self.act, self.tables = weights, layers, heads, eps, act, tables
+        self.hidden = weights["embed"].shape[1]
+        self._mlp = fused(_attention_out_and_mlp, weights["embed"].device, compile)
+        self.fused = [self._mlp]  # what a BackgroundCompile compiles
+
+    @classmethod
+    def create(cls, cfg: dict, state: dict, device, dtype, max_len: int, compile: bool = True):
+        conf = _config(cfg)
+        if conf.hidden_activation not in _ACT or conf.hidden_size % conf.num_attention_heads:
+            return None
+        params = conf.rope_parameters or {}
+        if any((params.get(t) or {}).get("rope_type", "default") != "default" for t in set(conf.layer_types)):
+            return None  # scaled RoPE variants: the generic path
+        sd = OnDevice(strip_prefix(state, "embeddings.tok_embeddings.weight"), device)
+
+        def t(x):
+            return x.to(device=device, dtype=dtype).contiguous()
+
+        def norm(prefix: str) -> tuple:
+            return t(sd[prefix + ".weight"]), t(sd[prefix + ".bias"]) if prefix + ".bias" in sd else None
+
+        def linear(prefix: str) -> tuple:
+            return t(sd[prefix + ".weight"]), t(sd[prefix + ".bias"]) if prefix + ".bias" in sd else None
+
+        heads = conf.num_attention_heads
+        hd = conf.hidden_size // heads
+        layers = []
+        for i in range(conf.num_hidden_layers):
+            p = f"layers.{i}."
+            local = conf.layer_types[i] == "sliding_attention"
+            layers.append({
+                "attn_norm": norm(p + "attn_norm") if i else None, "qkv": linear(p + "attn.Wqkv"),
+                "o": linear(p + "attn.Wo"), "mlp_norm": norm(p + "mlp_norm"), "wi": linear(p + "mlp.Wi"),
+                "wo": linear(p + "mlp.Wo"), "type": conf.layer_types[i],
+                "window": conf.sliding_window if local else None,
+            })
+        tables = {}
+        for kind in set(conf.layer_types):
+            theta = float(params[kind]["rope_theta"])
+            inv = 1.0 / (theta ** (torch.arange(0, hd, 2, dtype=torch.float32) / hd))
+            ang = torch.outer(torch.arange(max_len, dtype=torch.float32), inv)[:, None, :]
+            tables[kind] = (t(ang.cos()), t(ang.sin()))
+        weights = {"embed": t(sd["embeddings.tok_embeddings.weight"]), "embed_norm": norm("embeddings.norm"),
+                   "final_norm": norm("final_norm")}
+        return cls(weights, layers, heads, conf.norm_eps, _ACT[conf.hidden_activation], tables, compile=compile)
+
+    def flops_per_token(self, mean_len: float) -> float:
+        lin = sum(L[k][0].numel() for L in self.layers for k in ("qkv", "o", "wi", "wo"))
+        keys = sum(min(mean_len, 2 * L["window"] + 1) if L["window"] else mean_len for L in self.layers)
+        return 2 * lin + 4 * self.hidden * keys
+
+    def __call__(self, ids: torch.Tensor, pk: Packing) -> torch.Tensor:
+        w, h, n, eps = self.w, self.hidden, ids.shape[0], self.eps
+        x = F.layer_norm(F.embedding(ids, w["embed"]), (h,), *w["embed_norm"], eps)
+        pos = pk.pos.long()
+        rot = {kind: (cos[pos], sin[pos]) for kind, (cos, sin) in self.tables.items()}
+        for L in self.layers:
+            a_in = x if L["attn_norm"] is None else F.layer_norm(x, (h,), *L["attn_norm"], eps)
+            q, k, v = F.linear(a_in, *L["qkv"]).view(n, 3, self.heads, -1).unbind(1)
+            cos, sin = rot[L["type"]]
+            a = attention(rope(q, cos, sin), rope(k, cos, sin), v, pk, causal=False, window=L["window"])
+            x = self._mlp(x, a, L["o"][0], L["o"][1], L["mlp_norm"][0], L["mlp_norm"][1], L["wi"][0], L["wi"][1],
+                          L["wo"][0], L["wo"][1], eps, self.act)
+        return F.layer_norm(x, (h,), *w["final_norm"], eps)
+
+
+def _attention_out_and_mlp(x, a, o_w, o_b, n_w, n_b, wi_w, wi_b, wo_w, wo_b, eps: float, act):
+    x = x + F.linear(a.reshape(x.shape[0], -1), o_w, o_b)
+    inp, gate = F.linear(F.layer_norm(x, (x.shape[1],), n_w, n_b, eps), wi_w, wi_b).chunk(2, dim=-1)
+    return x + F.linear(act(inp) * gate, wo_w, wo_b)
