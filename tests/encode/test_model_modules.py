@@ -52,7 +52,8 @@ def test_dense_modules_embed_as_sentence_transformers_does(minilm_dense, which, 
     from embedfleet.encode.query import QueryEncoder
 
     path = minilm_dense[which]
-    want = SentenceTransformer(str(path), device="cpu").encode(TEXTS, normalize_embeddings=True)
+    reference = SentenceTransformer(str(path), device="cpu").float()  # float32 whatever the weights' dtype
+    want = reference.encode(TEXTS, normalize_embeddings=True)
     enc = Encoder(str(path), device="cpu", dtype="float32")
     assert enc.path == "packed" and enc.dim == width
     got = enc.encode(TEXTS)
