@@ -42,16 +42,24 @@ def tiny(tmp_path_factory):
         "modernbert": _sharpened(build_random_model("modernbert-base", root / "modernbert", tiny=True)),
         "modernbert-cls": _sharpened(build_random_model("modernbert-base", root / "modernbert-cls", tiny=True,
                                                         pooling="cls")),
+        "gemma3": _sharpened(build_random_model("gemma3-300m", root / "gemma3", tiny=True), gemma=True),
+        "gemma3-last": _sharpened(build_random_model("gemma3-300m", root / "gemma3-last", tiny=True,
+                                                     pooling="lasttoken"), gemma=True),
     }
 
 
-def _sharpened(path):
+def _sharpened(path, gemma: bool = False):
     """Random weights' attention is near uniform, where a window hardly changes a vector: scale Q, K, V and the
-    output projection up, so that which tokens a layer attends to matters."""
+    output projection up (Gemma's q/k norms undo a scale: there its norms' weights), so that which tokens a layer
+    attends to matters."""
     from safetensors.numpy import load_file, save_file
 
     sd = load_file(str(path / "model.safetensors"))
-    sd = {k: v * 40 if "Wqkv" in k else v * 20 if "attn.Wo" in k else v for k, v in sd.items()}
+    if gemma:
+        sd = {k: v + 6.0 if k.endswith(("q_norm.weight", "k_norm.weight")) else v * 20 if "v_proj" in k else v
+              for k, v in sd.items()}
+    else:
+        sd = {k: v * 40 if "Wqkv" in k else v * 20 if "attn.Wo" in k else v for k, v in sd.items()}
     save_file(sd, str(path / "model.safetensors"), metadata={"format": "pt"})
     return path
 
@@ -132,6 +140,34 @@ def test_tiny_modernbert_packed_with_its_sliding_window(tiny, which):
     for L in enc.model.layers:  # the same layers attending to everything: not the model
         L["window"] = None
     assert (enc.encode(long) * want).sum() < 0.99
+
+
+@pytest.mark.parametrize("which", ["gemma3", "gemma3-last"])
+def test_tiny_gemma3_packed_bidirectional_with_its_window_and_dense_modules(tiny, which, tmp_path):
+    """EmbeddingGemma's layout: bidirectional Gemma3 (GQA, q/k norms, global and local layers), then Dense
+    modules after the pooling: the packed path, equal to sentence-transformers'."""
+    import shutil
+
+    import torch
+    from sentence_transformers import SentenceTransformer, models
+
+    path = tmp_path / "with-dense"
+    st = SentenceTransformer(str(tiny[which]), device="cpu")
+    torch.manual_seed(0)
+    SentenceTransformer(modules=[st[0], st[1], models.Dense(64, 256, bias=False, activation_function=torch.nn.Identity()),
+                                 models.Dense(256, 48, bias=False, activation_function=torch.nn.Identity()), st[2]],
+                        device="cpu").save(str(path))
+    for f in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.txt"):
+        if (tiny[which] / f).exists() and not (path / f).exists():
+            shutil.copy(tiny[which] / f, path / f)
+    enc = Encoder(str(path), batch_tokens=300)
+    assert enc.path == "packed" and enc.dim == 48 and not enc.model.causal
+    long = ["a sentence about chargers, cables and screens " * 12]
+    want = _st(path, texts=TEXTS + long)
+    _close(enc.encode(TEXTS + long), want)
+    for L in enc.model.layers:  # the same layers attending to everything: not the model
+        L["window"] = None
+    assert (enc.encode(long) * want[-1:]).sum() < 0.99
 
 
 def test_generic_fallback_for_unknown_architecture(tiny):

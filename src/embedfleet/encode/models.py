@@ -82,6 +82,7 @@ def read_weights(hf_dir: Path, read_file: Callable[[Path], dict]) -> dict | None
 BERT_TYPES = ("bert", "roberta", "xlm-roberta", "camembert")
 DECODER_TYPES = ("qwen3", "qwen2", "llama")
 ROPE_ENCODER_TYPES = ("modernbert",)
+GEMMA_TYPES = ("gemma3_text",)  # EmbeddingGemma (bidirectional) and causal Gemma3 text models
 
 
 def remote_code(spec: ModelSpec) -> str | None:
@@ -90,7 +91,7 @@ def remote_code(spec: ModelSpec) -> str | None:
     auto = spec.config.get("auto_map")
     if not isinstance(auto, dict) or not auto:
         return None
-    if spec.model_type in BERT_TYPES + DECODER_TYPES + ROPE_ENCODER_TYPES:
+    if spec.model_type in BERT_TYPES + DECODER_TYPES + ROPE_ENCODER_TYPES + GEMMA_TYPES:
         return None
     shown = next(((k, v) for k, v in auto.items() if k == "AutoModel"), next(iter(auto.items())))
     return f"{shown[0]} → {shown[1] if isinstance(shown[1], str) else shown[1][0]}"
@@ -307,7 +308,11 @@ def read_spec(path: Path) -> ModelSpec:
     limit = int(config.get("max_position_embeddings", 512))
     if config.get("model_type") in ("roberta", "xlm-roberta", "camembert"):
         limit -= int(config.get("pad_token_id", 1)) + 1  # positions start after the padding index
-    max_seq = int(st.get("max_seq_length") or min(limit, 512))
+    max_seq = st.get("max_seq_length")
+    if not max_seq:  # as sentence-transformers: the tokenizer's own limit (where sentence-transformers ≥ 6 saves it)
+        told = (_read_json(hf_dir / "tokenizer_config.json") or {}).get("model_max_length")
+        max_seq = told if isinstance(told, int) and 0 < told < 1_000_000 else min(limit, 512)
+    max_seq = int(max_seq)
     pool = (_read_json(pool_dir / "config.json") if pool_dir else None) or {}
     if pool.get("pooling_mode_cls_token") or pool.get("pooling_mode") == "cls":
         pooling = "cls"

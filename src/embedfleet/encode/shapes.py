@@ -28,6 +28,10 @@ SHAPES = {
     "modernbert-base": dict(model_type="modernbert", architectures=["ModernBertModel"], hidden_size=768,
                             num_hidden_layers=22, num_attention_heads=12, intermediate_size=1152, max_seq_length=512,
                             pooling="mean"),
+    # EmbeddingGemma-300m: bidirectional Gemma3, then two Dense modules after the mean pooling
+    "gemma3-300m": dict(model_type="gemma3_text", architectures=["Gemma3TextModel"], hidden_size=768,
+                        num_hidden_layers=24, num_attention_heads=3, num_key_value_heads=1, head_dim=256,
+                        intermediate_size=1152, max_seq_length=512, pooling="mean", dense=[3072, 768]),
     "qwen3-0.6b": dict(model_type="qwen3", architectures=["Qwen3Model"], hidden_size=1024, num_hidden_layers=28,
                        num_attention_heads=16, num_key_value_heads=8, head_dim=128, intermediate_size=3072,
                        max_seq_length=32768, pooling="lasttoken"),
@@ -40,6 +44,13 @@ MODERNBERT_BASE = dict(vocab_size=50368, hidden_activation="gelu", max_position_
                        norm_bias=False, attention_bias=False, mlp_bias=False, global_rope_theta=160000.0,
                        local_rope_theta=10000.0, local_attention=128, global_attn_every_n_layers=3, pad_token_id=0,
                        bos_token_id=101, eos_token_id=102, cls_token_id=101, sep_token_id=102)
+GEMMA3_BASE = dict(vocab_size=262144, hidden_activation="gelu_pytorch_tanh", rms_norm_eps=1e-6,
+                   query_pre_attn_scalar=256, sliding_window=512, sliding_window_pattern=6, rope_theta=1000000.0,
+                   rope_local_base_freq=10000.0, use_bidirectional_attention=True, attention_bias=False,
+                   max_position_embeddings=2048, pad_token_id=0, bos_token_id=101, eos_token_id=102)
+# A tiny Gemma3 keeps both kinds of layer and a window (4 positions each side) shorter than a review.
+TINY_GEMMA3 = dict(num_hidden_layers=4, sliding_window_pattern=2, sliding_window=8, query_pre_attn_scalar=16,
+                   vocab_size=30522)
 # A tiny ModernBERT keeps both kinds of layer (global every third) and a window shorter than a review.
 TINY_MODERNBERT = dict(num_hidden_layers=4, local_attention=8)
 QWEN3_BASE = dict(vocab_size=151669, hidden_act="silu", max_position_embeddings=32768, rms_norm_eps=1e-6,
@@ -56,11 +67,13 @@ def build_random_model(shape: str, out_dir: str | Path, seed: int = 0, tiny: boo
     spec = dict(SHAPES[shape])
     max_seq, pool = spec.pop("max_seq_length"), pooling or spec.pop("pooling")
     spec.pop("pooling", None)
-    bert = spec["model_type"] != "qwen3"  # a WordPiece tokenizer (the bundled MiniLM's)
-    base = {"qwen3": QWEN3_BASE, "modernbert": MODERNBERT_BASE}.get(spec["model_type"], BERT_BASE)
-    tiny_extra = TINY_MODERNBERT if spec["model_type"] == "modernbert" else {}
+    dense = spec.pop("dense", None)
+    family = spec["model_type"]
+    bert = family != "qwen3"  # a WordPiece tokenizer (the bundled MiniLM's)
+    base = {"qwen3": QWEN3_BASE, "modernbert": MODERNBERT_BASE, "gemma3_text": GEMMA3_BASE}.get(family, BERT_BASE)
+    tiny_extra = {"modernbert": TINY_MODERNBERT, "gemma3_text": TINY_GEMMA3}.get(family, {})
     cfg = {**base, **spec, **({**TINY, **tiny_extra} if tiny else {}), **({"hidden_size": hidden} if hidden else {})}
-    if bert:
+    if family not in ("qwen3", "gemma3_text"):
         cfg.pop("num_key_value_heads", None), cfg.pop("head_dim", None)
     if model_type:  # e.g. a tiny DistilBERT-like config that only the generic path serves
         cfg["model_type"], cfg["architectures"] = model_type, None
@@ -76,11 +89,13 @@ def build_random_model(shape: str, out_dir: str | Path, seed: int = 0, tiny: boo
         cfg["vocab_size"] = eos_id + 1
     if tiny:
         max_seq = min(max_seq, 128)
-    dtype = "float32" if tiny or bert else "bfloat16"
+    dtype = "float32" if tiny or (bert and family != "gemma3_text") else "bfloat16"
     (out / "config.json").write_text(json.dumps({**cfg, "torch_dtype": dtype}, indent=1))
     _write_weights(out, cfg, seed, getattr(torch, dtype))
     _write_st_files(out, cfg["hidden_size"], max_seq, pool, prompts=None if bert else
                     {"query": QWEN_QUERY_PROMPT, "document": ""})
+    if dense and not tiny:
+        _write_dense(out, [cfg["hidden_size"], *dense], seed)
     return out
 
 
@@ -134,6 +149,27 @@ def _write_qwen_tokenizer(out: Path) -> int:
         "tokenizer_class": "PreTrainedTokenizerFast", "eos_token": EOS, "pad_token": EOS, "unk_token": "[UNK]",
         "model_max_length": 32768, "padding_side": "right", "do_lower_case": True}))
     return eos_id
+
+
+def _write_dense(out: Path, widths: list[int], seed: int) -> None:
+    """Dense modules (identity activation, as EmbeddingGemma's) between the pooling and the Normalize module."""
+    from safetensors.torch import save_file
+
+    modules = json.loads((out / "modules.json").read_text())
+    norm = modules.pop()
+    gen = torch.Generator().manual_seed(seed + 1)
+    for i, (a, b) in enumerate(zip(widths, widths[1:])):
+        folder = f"{2 + i}_Dense"
+        (out / folder).mkdir(exist_ok=True)
+        (out / folder / "config.json").write_text(json.dumps({"in_features": a, "out_features": b, "bias": False,
+                                                              "activation_function": "torch.nn.modules.linear.Identity"}))
+        save_file({"linear.weight": (0.02 * torch.randn(b, a, generator=gen)).contiguous()},
+                  str(out / folder / "model.safetensors"), metadata={"format": "pt"})
+        modules.append({"idx": 2 + i, "name": str(2 + i), "path": folder, "type": "sentence_transformers.models.Dense"})
+    norm["idx"] = norm["name"] = len(modules)
+    norm["name"] = str(norm["name"])
+    modules.append(norm)
+    (out / "modules.json").write_text(json.dumps(modules, indent=1))
 
 
 def _write_st_files(out: Path, hidden: int, max_seq: int, pooling: str, prompts: dict | None) -> None:

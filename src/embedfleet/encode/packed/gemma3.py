@@ -1,0 +1,112 @@
+"""Gemma3 text models over packed sequences: EmbeddingGemma (bidirectional) and causal Gemma3 alike.
+
+Each layer: RMSNorm with (1 + weight) before and after attention and before and after the GeGLU MLP; per-head
+q/k RMSNorm; RoPE with one base for the global layers and another for the local ones; grouped K/V heads; the
+local layers attending within a sliding window (bidirectional: each token to those less than the window's half
+away, as transformers masks them); scores scaled by query_pre_attn_scalar. Embeddings are scaled by the square
+root of the width. The config is read through transformers' Gemma3TextConfig, which derives the layer types and
+the window as the model's own code does.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from embedfleet.encode.compile import fused
+from embedfleet.encode.packed import OnDevice, strip_prefix
+from embedfleet.encode.packed.attention import Packing, attention
+from embedfleet.encode.packed.qwen3 import rope
+
+_ACT = {"gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"), "gelu": F.gelu}
+
+
+def _config(cfg: dict):
+    from transformers import Gemma3TextConfig
+
+    return Gemma3TextConfig(**{k: v for k, v in cfg.items() if k not in ("architectures", "model_type")})
+
+
+def _norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    """Gemma's RMSNorm: in float32, scaled by (1 + weight), then cast back."""
+    return (F.rms_norm(x.float(), (x.shape[-1],), eps=eps) * (1.0 + w.float())).type_as(x)
+
+
+class PackedGemma3:
+    def __init__(self, weights: dict, layers: list[dict], heads: int, kv_heads: int, head_dim: int, eps: float,
+                 scale: float, act, tables: dict, causal: bool, compile: bool = True):
+        self.w, self.layers, self.heads, self.kv_heads, self.head_dim = weights, layers, heads, kv_heads, head_dim
+        self.eps, self.scale, self.act, self.tables, self.causal = eps, scale, act, tables, causal
+        self.hidden = weights["embed"].shape[1]
+        self._mlp = fused(_attention_out_and_mlp, weights["embed"].device, compile)
+        self.fused = [self._mlp]  # what a BackgroundCompile compiles
+
+    @classmethod
+    def create(cls, cfg: dict, state: dict, device, dtype, max_len: int, compile: bool = True):
+        conf = _config(cfg)
+        if conf.hidden_activation not in _ACT or conf.attn_logit_softcapping:
+            return None
+        params = conf.rope_parameters or {}
+        if any((params.get(t) or {}).get("rope_type", "default") != "default" for t in set(conf.layer_types)):
+            return None  # scaled RoPE variants: the generic path
+        sd = OnDevice(strip_prefix(state, "embed_tokens.weight"), device)
+
+        def t(x):
+            return x.to(device=device, dtype=dtype).contiguous()
+
+        heads, kv, hd = conf.num_attention_heads, conf.num_key_value_heads, conf.head_dim
+        layers = []
+        for i in range(conf.num_hidden_layers):
+            p = f"layers.{i}."
+            g = lambda n: sd[p + n]  # noqa: E731
+            local = conf.layer_types[i] == "sliding_attention"
+            bias = p + "self_attn.q_proj.bias" in sd
+            layers.append({
+                "in": t(g("input_layernorm.weight")), "post_attn": t(g("post_attention_layernorm.weight")),
+                "pre_ff": t(g("pre_feedforward_layernorm.weight")), "post_ff": t(g("post_feedforward_layernorm.weight")),
+                "qkv_w": t(torch.cat([g(f"self_attn.{n}.weight") for n in ("q_proj", "k_proj", "v_proj")])),
+                "qkv_b": t(torch.cat([g(f"self_attn.{n}.bias") for n in ("q_proj", "k_proj", "v_proj")])) if bias else None,
+                "o_w": t(g("self_attn.o_proj.weight")), "o_b": t(g("self_attn.o_proj.bias")) if bias else None,
+                "q_norm": t(g("self_attn.q_norm.weight")), "k_norm": t(g("self_attn.k_norm.weight")),
+                "gu_w": t(torch.cat([g("mlp.gate_proj.weight"), g("mlp.up_proj.weight")])),
+                "down_w": t(g("mlp.down_proj.weight")), "type": conf.layer_types[i],
+                # transformers' window is exclusive (distance < sliding_window); `attention`'s is inclusive
+                "window": conf.sliding_window - 1 if local else None,
+            })
+        tables = {}
+        for kind in set(conf.layer_types):
+            theta = float(params[kind]["rope_theta"])
+            inv = 1.0 / (theta ** (torch.arange(0, hd, 2, dtype=torch.float32) / hd))
+            ang = torch.outer(torch.arange(max_len, dtype=torch.float32), inv)[:, None, :]
+            tables[kind] = (t(ang.cos()), t(ang.sin()))
+        embed = sd["embed_tokens.weight"]
+        weights = {"embed": t(embed), "scale": torch.tensor(conf.hidden_size ** 0.5, dtype=dtype, device=device),
+                   "norm": t(sd["norm.weight"])}
+        return cls(weights, layers, heads, kv, hd, conf.rms_norm_eps, conf.query_pre_attn_scalar ** -0.5,
+                   _ACT[conf.hidden_activation], tables, not conf.use_bidirectional_attention, compile=compile)
+
+    def flops_per_token(self, mean_len: float) -> float:
+        lin = sum(L[k].numel() for L in self.layers for k in ("qkv_w", "o_w", "gu_w", "down_w"))
+        keys = sum(min(mean_len, 2 * L["window"] + 1) if L["window"] else mean_len for L in self.layers)
+        return 2 * lin + 4 * self.heads * self.head_dim * keys
+
+    def __call__(self, ids: torch.Tensor, pk: Packing) -> torch.Tensor:
+        w, n, eps, hq, hk = self.w, ids.shape[0], self.eps, self.heads, self.kv_heads
+        x = F.embedding(ids, w["embed"]) * w["scale"]
+        pos = pk.pos.long()
+        rot = {kind: (cos[pos], sin[pos]) for kind, (cos, sin) in self.tables.items()}
+        for L in self.layers:
+            qkv = F.linear(_norm(x, L["in"], eps), L["qkv_w"], L["qkv_b"]).view(n, hq + 2 * hk, self.head_dim)
+            cos, sin = rot[L["type"]]
+            q = rope(_norm(qkv[:, :hq], L["q_norm"], eps), cos, sin)
+            k = rope(_norm(qkv[:, hq:hq + hk], L["k_norm"], eps), cos, sin)
+            a = attention(q, k, qkv[:, hq + hk:], pk, causal=self.causal, scale=self.scale, window=L["window"])
+            x = self._mlp(x, a, L["o_w"], L["o_b"], L["post_attn"], L["pre_ff"], L["gu_w"], L["down_w"], L["post_ff"],
+                          eps, self.act)
+        return _norm(x, w["norm"], eps)
+
+
+def _attention_out_and_mlp(x, a, o_w, o_b, post_attn, pre_ff, gu_w, down_w, post_ff, eps: float, act):
+    x = x + _norm(F.linear(a.reshape(x.shape[0], -1), o_w, o_b), post_attn, eps)
+    g, u = F.linear(_norm(x, pre_ff, eps), gu_w).chunk(2, dim=-1)
+    return x + _norm(F.linear(act(g) * u, down_w), post_ff, eps)
