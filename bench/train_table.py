@@ -25,7 +25,6 @@ One JSON document on stdout and --out; progress on stderr.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -296,11 +295,7 @@ def main() -> None:
         "dataloader_within_2x": ratios.get("dataloader_over_batches", 9) <= 2.0,
     }
     ds.close()
-    text = json.dumps(doc, indent=1)
-    print(text)
-    if a.out:
-        with open(a.out, "w") as f:
-            f.write(text + "\n")
+    print(harness.record(doc, a.out))
 
 
 if __name__ == "__main__":

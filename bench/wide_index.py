@@ -14,7 +14,6 @@ and size. One JSON document on stdout; progress on stderr.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 
@@ -94,11 +93,7 @@ def main() -> None:
             doc["widths"].append(row)
             say(row)
             conn.execute(f"DROP TABLE {table}")
-    text = json.dumps(doc, indent=1)
-    print(text)
-    if a.out:
-        with open(a.out, "w") as f:
-            f.write(text + "\n")
+    print(harness.record(doc, a.out))
 
 
 if __name__ == "__main__":

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from embedfleet.encode.compile import fused
 from embedfleet.encode.packed import OnDevice, strip_prefix
 from embedfleet.encode.packed.attention import Packing, attention
-from embedfleet.encode.packed.qwen3 import rope
+from embedfleet.encode.packed.qwen3 import layer_rope_tables, rope
 
 _ACT = {"gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"), "gelu": F.gelu}
 
@@ -44,17 +44,15 @@ class PackedGemma3:
     @classmethod
     def create(cls, cfg: dict, state: dict, device, dtype, max_len: int, compile: bool = True):
         conf = _config(cfg)
-        if conf.hidden_activation not in _ACT or conf.attn_logit_softcapping:
-            return None
-        params = conf.rope_parameters or {}
-        if any((params.get(t) or {}).get("rope_type", "default") != "default" for t in set(conf.layer_types)):
-            return None  # scaled RoPE variants: the generic path
-        sd = OnDevice(strip_prefix(state, "embed_tokens.weight"), device)
 
         def t(x):
             return x.to(device=device, dtype=dtype).contiguous()
 
         heads, kv, hd = conf.num_attention_heads, conf.num_key_value_heads, conf.head_dim
+        tables = layer_rope_tables(conf, hd, max_len, t)
+        if conf.hidden_activation not in _ACT or conf.attn_logit_softcapping or tables is None:
+            return None
+        sd = OnDevice(strip_prefix(state, "embed_tokens.weight"), device)
         layers = []
         for i in range(conf.num_hidden_layers):
             p = f"layers.{i}."
@@ -73,14 +71,7 @@ class PackedGemma3:
                 # transformers' window is exclusive (distance < sliding_window); `attention`'s is inclusive
                 "window": conf.sliding_window - 1 if local else None,
             })
-        tables = {}
-        for kind in set(conf.layer_types):
-            theta = float(params[kind]["rope_theta"])
-            inv = 1.0 / (theta ** (torch.arange(0, hd, 2, dtype=torch.float32) / hd))
-            ang = torch.outer(torch.arange(max_len, dtype=torch.float32), inv)[:, None, :]
-            tables[kind] = (t(ang.cos()), t(ang.sin()))
-        embed = sd["embed_tokens.weight"]
-        weights = {"embed": t(embed), "scale": torch.tensor(conf.hidden_size ** 0.5, dtype=dtype, device=device),
+        weights = {"embed": t(sd["embed_tokens.weight"]), "scale": torch.tensor(conf.hidden_size ** 0.5, dtype=dtype, device=device),
                    "norm": t(sd["norm.weight"])}
         return cls(weights, layers, heads, kv, hd, conf.rms_norm_eps, conf.query_pre_attn_scalar ** -0.5,
                    _ACT[conf.hidden_activation], tables, not conf.use_bidirectional_attention, compile=compile)

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from embedfleet.encode.compile import fused
 from embedfleet.encode.packed import OnDevice, strip_prefix
 from embedfleet.encode.packed.attention import Packing, attention
-from embedfleet.encode.packed.qwen3 import rope
+from embedfleet.encode.packed.qwen3 import layer_rope_tables, rope
 
 _ACT = {"gelu": F.gelu, "gelu_new": lambda x: F.gelu(x, approximate="tanh"),
         "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"), "silu": F.silu, "relu": F.relu}
@@ -40,15 +40,16 @@ class PackedModernBert:
     @classmethod
     def create(cls, cfg: dict, state: dict, device, dtype, max_len: int, compile: bool = True):
         conf = _config(cfg)
-        if conf.hidden_activation not in _ACT or conf.hidden_size % conf.num_attention_heads:
-            return None
-        params = conf.rope_parameters or {}
-        if any((params.get(t) or {}).get("rope_type", "default") != "default" for t in set(conf.layer_types)):
-            return None  # scaled RoPE variants: the generic path
-        sd = OnDevice(strip_prefix(state, "embeddings.tok_embeddings.weight"), device)
 
         def t(x):
             return x.to(device=device, dtype=dtype).contiguous()
+
+        heads = conf.num_attention_heads
+        hd = conf.hidden_size // heads
+        tables = layer_rope_tables(conf, hd, max_len, t)
+        if conf.hidden_activation not in _ACT or conf.hidden_size % heads or tables is None:
+            return None
+        sd = OnDevice(strip_prefix(state, "embeddings.tok_embeddings.weight"), device)
 
         def norm(prefix: str) -> tuple:
             return t(sd[prefix + ".weight"]), t(sd[prefix + ".bias"]) if prefix + ".bias" in sd else None
@@ -56,8 +57,6 @@ class PackedModernBert:
         def linear(prefix: str) -> tuple:
             return t(sd[prefix + ".weight"]), t(sd[prefix + ".bias"]) if prefix + ".bias" in sd else None
 
-        heads = conf.num_attention_heads
-        hd = conf.hidden_size // heads
         layers = []
         for i in range(conf.num_hidden_layers):
             p = f"layers.{i}."
@@ -68,12 +67,6 @@ class PackedModernBert:
                 "wo": linear(p + "mlp.Wo"), "type": conf.layer_types[i],
                 "window": conf.sliding_window if local else None,
             })
-        tables = {}
-        for kind in set(conf.layer_types):
-            theta = float(params[kind]["rope_theta"])
-            inv = 1.0 / (theta ** (torch.arange(0, hd, 2, dtype=torch.float32) / hd))
-            ang = torch.outer(torch.arange(max_len, dtype=torch.float32), inv)[:, None, :]
-            tables[kind] = (t(ang.cos()), t(ang.sin()))
         weights = {"embed": t(sd["embeddings.tok_embeddings.weight"]), "embed_norm": norm("embeddings.norm"),
                    "final_norm": norm("final_norm")}
         return cls(weights, layers, heads, conf.norm_eps, _ACT[conf.hidden_activation], tables, compile=compile)

@@ -32,6 +32,23 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
 
 
+def rope_table(theta: float, head_dim: int, max_len: int, to) -> tuple[torch.Tensor, torch.Tensor]:
+    """(cos, sin) [max_len, 1, head_dim/2] of RoPE with base `theta`, each passed through `to`."""
+    inv = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
+    ang = torch.outer(torch.arange(max_len, dtype=torch.float32), inv)[:, None, :]
+    return to(ang.cos()), to(ang.sin())
+
+
+def layer_rope_tables(conf, head_dim: int, max_len: int, to) -> dict | None:
+    """RoPE tables per layer type of a config with `layer_types` and `rope_parameters` (ModernBERT, Gemma3), or
+    None where a type's RoPE is a scaled variant (the generic path serves those)."""
+    params = conf.rope_parameters or {}
+    kinds = set(conf.layer_types)
+    if any((params.get(k) or {}).get("rope_type", "default") != "default" for k in kinds):
+        return None
+    return {k: rope_table(float(params[k]["rope_theta"]), head_dim, max_len, to) for k in kinds}
+
+
 class PackedDecoder:
     causal = True
 
@@ -77,10 +94,9 @@ class PackedDecoder:
                 if p + "self_attn.q_norm.weight" in sd else None,
             }
             layers.append(L)
-        inv = 1.0 / (theta ** (torch.arange(0, hd, 2, dtype=torch.float32) / hd))
-        ang = torch.outer(torch.arange(max_len, dtype=torch.float32), inv)[:, None, :]
+        cos, sin = rope_table(theta, hd, max_len, t)
         weights = {"embed": t(sd["embed_tokens.weight"]), "norm": t(sd["norm.weight"])}
-        return cls(weights, layers, heads, kv, hd, cfg.get("rms_norm_eps", 1e-6), t(ang.cos()), t(ang.sin()), compile=compile, triton=triton)
+        return cls(weights, layers, heads, kv, hd, cfg.get("rms_norm_eps", 1e-6), cos, sin, compile=compile, triton=triton)
 
     def flops_per_token(self, mean_len: float) -> float:
         lin = sum(l[k].numel() for l in self.layers for k in ("qkv_w", "o_w", "gu_w", "down_w"))
