@@ -208,6 +208,8 @@ class JobSpec:
     source_table: str | None = None  # --from-table: a PostgreSQL table's rows are the records (inputs: its name)
     where: str | None = None  # --where: which of the source table's rows (read-only SQL)
     trust_remote_code: bool = False  # --trust-remote-code: run a model's own Python code (transformers' auto_map)
+    fts: bool = False  # --fts: a full-text index of the content beside the vector one (hybrid search)
+    fts_config: str = "simple"  # --fts-config: its text search configuration
 
     # Fields that change how a record lands in the table. Two runs agreeing on these are the same job, whatever
     # their inputs: a rerun adds the files (and appended bytes) it finds new.

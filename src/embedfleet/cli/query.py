@@ -27,6 +27,9 @@ def search(
     group_by_parent: bool = typer.Option(False, "--group-by-parent",
                                          help="the best passage of each of the k nearest records (--passages tables)"),
     statement_timeout: float = typer.Option(5.0, "--statement-timeout", help="seconds a search may run on the server"),
+    hybrid: bool = typer.Option(False, "--hybrid", help="also rank by full-text match of the query (the table's "
+                                "full-text index: `embedfleet index --fts`), the two rankings fused by RRF"),
+    rrf_k: int = typer.Option(60, "--rrf-k", help="with --hybrid: reciprocal rank fusion's constant"),
     json_out: bool = typer.Option(False, "--json"),
 ) -> None:
     """Nearest rows to QUERY (cosine), embedded with the table's own model and query prompt."""
@@ -46,6 +49,7 @@ def search(
     texts = query_lines(queries) if queries is not None else [query]
     for text, results, scan in run_search(resolve_dsn(db, knobs()), table, texts, k=k, where=where, model=model, device=device,
                                           settings=knobs(), trust_remote_code=trust_remote_code,
+                                          hybrid=hybrid, rrf_k=rrf_k,
                                           group_by_parent=group_by_parent, statement_timeout=statement_timeout):
         if queries is not None:
             sys.stdout.write(orjson.dumps({"query": text, "results": results, "scan": scan}, default=str).decode() + "\n")
@@ -57,7 +61,8 @@ def search(
         else:
             for r in results:
                 line = " ".join(str(r["content"]).split())
-                typer.echo(f"{r['distance']:.4f}  {r['id']}  {line[:120]}")
+                lead = f"{r['score']:.4f}  " if hybrid else ""
+                typer.echo(f"{lead}{r['distance']:.4f}  {r['id']}  {line[:120]}")
 
 
 @app.command()

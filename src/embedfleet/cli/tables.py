@@ -60,3 +60,31 @@ def map_(
     else:
         typer.echo(f"map of {summary['rows']:,} of {summary['total']:,} rows of {table!r} ({summary['method']}) → "
                    f"{', '.join(summary['outs'])} in {summary['seconds']:.1f} s", err=True)
+
+
+@app.command()
+def index(
+    table: str = typer.Option(..., "--table"),
+    fts: bool = typer.Option(False, "--fts", help="add a full-text index of the content (for search --hybrid)"),
+    fts_config: str = typer.Option("simple", "--fts-config", help="its text search configuration (simple, english…)"),
+    db: Optional[str] = DbOpt,
+    json_out: bool = typer.Option(False, "--json"),
+) -> None:
+    """Add an index to a table embedfleet wrote: --fts, a full-text index of its content for hybrid search."""
+    from embedfleet.errors import EmbedfleetError
+
+    if not fts:
+        raise EmbedfleetError("name the index to add: --fts (a full-text index of the content)")
+    from embedfleet.pg.connect import connect
+    from embedfleet.pg.ddl import embedding_info, table_sql
+    from embedfleet.pg.embedded import resolve_dsn
+    from embedfleet.pg.fts import FTS_COLUMN, add_fts
+
+    with connect(resolve_dsn(db, knobs())) as conn:
+        embedding_info(conn, table)  # one line for a table that is not there
+        added = add_fts(conn, table_sql(conn, table), fts_config)
+    if json_out:
+        emit({"table": table, "fts": True, "fts_config": fts_config, "added": added, "column": FTS_COLUMN})
+    else:
+        typer.echo(f"table {table!r}: {'added' if added else 'already has'} a full-text index ({fts_config}); "
+                   "search --hybrid uses it", err=True)

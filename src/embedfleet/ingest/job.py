@@ -23,7 +23,7 @@ from embedfleet.ledger import Ledger, remove_job
 from embedfleet.pg.connect import Reconnect
 from embedfleet.pg.ddl import (check_embedding_column, check_identifier, check_partitions, check_server,
                                check_table_columns, check_write_privileges, drop_table, ensure_vector, finish_table,
-                               partition_count, table_exists, table_rows)
+                               partition_count, table_exists, table_rows, table_sql)
 from embedfleet.pg.embedded import resolve_dsn
 from embedfleet.settings import JobSpec, Settings, default_chunk_bytes
 from embedfleet.sources import files
@@ -217,6 +217,9 @@ def check_job(spec: JobSpec, conn, settings: Settings) -> JobSpec:
     if cfg.text_template:
         validate_template(cfg.text_template)
     check_write_privileges(conn, cfg.table, index=not cfg.no_index)
+    if cfg.fts and not conn.execute("SELECT 1 FROM pg_ts_config WHERE cfgname = %s", [cfg.fts_config]).fetchone():
+        raise InputError(f"--fts-config {cfg.fts_config!r}: the server has no such text search configuration "
+                         "(`SELECT cfgname FROM pg_ts_config` lists them)")
     check_partitions(conn, cfg.table, cfg.partitions)
     ensure_vector(conn)
     if table_exists(conn, cfg.table):  # its vectors must be this job's size, and its columns this job's
@@ -430,6 +433,13 @@ def finalize(ledger: Ledger, job: str, cfg: JobSpec, timings: dict | None = None
         index = finish_table(ledger.conn, cfg.table, index=not cfg.no_index, timings=timings, dsn=ledger.dsn)
         if index:
             log.info("table %s is searchable (HNSW index %s)", cfg.table, index)
+        if cfg.fts:
+            from embedfleet.pg.fts import add_fts
+
+            t0 = time.perf_counter()
+            if add_fts(ledger.conn, table_sql(ledger.conn, cfg.table), cfg.fts_config) and timings is not None:
+                timings["fts_s"] = round(time.perf_counter() - t0, 3)
+            log.info("table %s has a full-text index (%s): search --hybrid", cfg.table, cfg.fts_config)
     ledger.set_job_state(job, "done")
     return counts, loaded
 

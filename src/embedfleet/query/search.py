@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 
 import numpy as np
 import psycopg
@@ -44,6 +45,8 @@ EXACT_MATCHES = 20_000
 # A binary-quantized index (above 4,000 dimensions) ranks by Hamming distance: its nearest RESCORE × k rows (at
 # least RESCORE_MIN) are taken, then ranked by their full vectors' cosine distance.
 RESCORE, RESCORE_MIN = 40, 400
+RRF_K = 60  # reciprocal rank fusion's constant (a result's score: the sum over rankings of 1 / (RRF_K + rank))
+HYBRID_DEPTH = 50  # candidates each ranking gives a hybrid search (at least; 4 × k for a larger k)
 
 
 class Searcher:
@@ -57,11 +60,14 @@ class Searcher:
 
         self.conn, self.table, self.statement_timeout = conn, table, statement_timeout
         self.vtype, self.dim = embedding_info(conn, table)
+        from embedfleet.pg.fts import FTS_COLUMN, fts_config
+
         self.columns = [r[0] for r in conn.execute(
             "SELECT attname FROM pg_attribute WHERE attrelid = %s::regclass AND attnum > 0 AND NOT attisdropped "
-            "AND attname <> 'embedding' ORDER BY attnum",
-            [table_sql(conn, table).as_string(conn)],
+            "AND attname <> 'embedding' AND attname <> %s ORDER BY attnum",
+            [table_sql(conn, table).as_string(conn), FTS_COLUMN],
         ).fetchall()]
+        self.fts = fts_config(conn, table_sql(conn, table))  # the full-text column's configuration (None: none)
         found = index_of(conn, table)
         self.indexed = found is not None
         self.index_kind = found[1] if found else None  # see pg.ddl.index_plan
@@ -105,10 +111,22 @@ class Searcher:
         return {"q": vec, "k": k, "n": max(RESCORE * k, RESCORE_MIN)}
 
     def search(self, query_vec: np.ndarray, k: int = 10, where: str | None = None,
-               ef_search: int | None = None, group_by_parent: bool = False) -> list[dict]:
+               ef_search: int | None = None, group_by_parent: bool = False, text: str | None = None,
+               rrf_k: int = RRF_K) -> list[dict]:
         """`where` is the user's own SQL: it runs inside a READ ONLY transaction with a statement
         timeout, so it can filter but never write. Whenever k rows pass it, k rows come back.
-        `group_by_parent`: the best passage of each of the k nearest records (a table ingested with --passages)."""
+        `group_by_parent`: the best passage of each of the k nearest records (a table ingested with --passages).
+        `text`: a hybrid search, the vector ranking fused with the full-text ranking of `text` (see `hybrid`)."""
+        if text is not None:
+            if group_by_parent and "parent_id" not in self.columns:
+                raise InputError(f"--group-by-parent: table {self.table!r} has no passages (ingest it with --passages)")
+            rows = self.hybrid(query_vec, text, 8 * k if group_by_parent else k, where, ef_search, rrf_k)
+            if not group_by_parent:
+                return rows
+            best: dict = {}
+            for r in rows:
+                best.setdefault(r["parent_id"], r)
+            return list(best.values())[:k]
         if not group_by_parent:
             return self._nearest(query_vec, k, where, ef_search)
         if "parent_id" not in self.columns:
@@ -128,20 +146,49 @@ class Searcher:
         plan = cur.execute(sql.SQL("EXPLAIN (FORMAT JSON) SELECT 1 FROM {} ").format(self._table) + filt, {}).fetchone()
         return float(next(iter(plan.values()))[0]["Plan"]["Plan Rows"])
 
-    def _nearest(self, query_vec: np.ndarray, k: int, where: str | None, ef_search: int | None) -> list[dict]:
+    def hybrid(self, query_vec: np.ndarray, text: str, k: int = 10, where: str | None = None,
+               ef_search: int | None = None, rrf_k: int = RRF_K) -> list[dict]:
+        """The k best rows by reciprocal rank fusion of the vector ranking and the full-text ranking of `text`
+        (`websearch_to_tsquery` over the stored tsvector, ts_rank_cd), each over its first HYBRID_DEPTH
+        candidates (4 × k for a larger k). Each row has `distance`, `text_rank` (0: the text does not match it)
+        and `score`."""
         from pgvector import Vector
 
-        if query_vec.shape[-1] != self.dim:
-            raise DatabaseError(f"table {self.table!r} holds {self.dim}-dimensional vectors but the query has "
-                                f"{query_vec.shape[-1]}: search with the model the table was built with (--model)")
-        if k < 1:
-            raise InputError(f"-k {k}: ask for at least one result")
+        from embedfleet.pg.fts import FTS_COLUMN
+
+        if self.fts is None:
+            raise InputError(f"--hybrid: table {self.table!r} has no full-text index; `embedfleet index --table "
+                             f"{self.table} --fts` adds one (or ingest with --fts)")
+        if rrf_k < 1:
+            raise InputError(f"--rrf-k {rrf_k}: use a positive constant (60 is the usual one)")
+        depth = max(HYBRID_DEPTH, 4 * k)
+        by_vector = self._nearest(query_vec, depth, where, ef_search)
+        scan = self.scan
+        filt = sql.SQL(" AND ({})").format(sql.SQL(where.replace("%", "%%"))) if where else sql.SQL("")
+        stmt = sql.SQL(
+            "SELECT {cols}, embedding <=> %(q)s::{vt} AS distance, ts_rank_cd({c}, query) AS text_rank FROM {t}, "
+            "websearch_to_tsquery({cfg}::regconfig, %(text)s) AS query WHERE {c} @@ query{filt} "
+            "ORDER BY text_rank DESC, id LIMIT %(k)s").format(
+                cols=sql.SQL(", ").join(map(sql.Identifier, self.columns)), vt=sql.SQL(self.vtype),
+                c=sql.Identifier(FTS_COLUMN), t=self._table, cfg=sql.Literal(self.fts), filt=filt)
         vec = Vector(query_vec.reshape(-1).astype(np.float32))
-        # The user's SQL goes in as written: its % are escaped so that psycopg, which reads the statement for its
-        # own placeholders, gives them back to the server unchanged ("title ilike '%cable%'").
-        filt = sql.SQL("WHERE ({})").format(sql.SQL(where.replace("%", "%%"))) if where else sql.SQL("")
-        by_index, exact = self.statements(filt)
-        params = self._params(vec, k)
+        with self._guarded(where) as cur:
+            by_text = cur.execute(stmt, {"q": vec, "text": text, "k": depth}).fetchall()
+        fused: dict = {}
+        for rank, r in enumerate(by_vector, 1):
+            fused[r["id"]] = dict(r, text_rank=0.0, score=1.0 / (rrf_k + rank))
+        for rank, r in enumerate(by_text, 1):
+            row = fused.setdefault(r["id"], dict(self._row(dict(r)), score=0.0))
+            row["text_rank"] = float(r["text_rank"])
+            row["score"] += 1.0 / (rrf_k + rank)
+        self.scan = scan
+        # equal scores (each first in one ranking): the row that matches the words first, then the nearer
+        return sorted(fused.values(), key=lambda r: (-r["score"], -r["text_rank"], r["distance"]))[:k]
+
+    @contextmanager
+    def _guarded(self, where: str | None):
+        """A cursor (rows as dicts) in a READ ONLY transaction with the statement timeout, where the user's SQL's
+        failures become one-line errors naming it."""
         conn = self.conn
         with conn.cursor(row_factory=dict_row) as cur:
             try:
@@ -149,25 +196,7 @@ class Searcher:
                     cur.execute("SET TRANSACTION READ ONLY")
                     cur.execute(sql.SQL("SET LOCAL statement_timeout = {}").format(
                         sql.Literal(f"{max(1, round(self.statement_timeout * 1000))}ms")))
-                    if self.index_kind == "bit":  # the index must hand over every candidate the rescore takes
-                        ef_search = max(ef_search or 0, params["n"])
-                    if ef_search:
-                        cur.execute(sql.SQL("SET LOCAL hnsw.ef_search = {}").format(sql.Literal(int(ef_search))))
-                    scan = "exact" if not self.indexed else "index"
-                    if where and self.indexed and self._matching(cur, filt) <= EXACT_MATCHES:
-                        # few rows pass the filter: measure them all, rather than hunt them through the graph
-                        cur.execute("SET LOCAL enable_indexscan = off")
-                        scan = "exact"
-                    elif where and self.indexed and self.iterative:
-                        # a filter drops most of the index's candidates: scan the graph on until k rows pass it
-                        cur.execute("SET LOCAL hnsw.iterative_scan = strict_order")
-                        scan = "iterative"
-                    rows = cur.execute(exact if scan == "exact" else by_index, params).fetchall()
-                    if where and scan != "exact" and len(rows) < k:
-                        # the index gave up before k rows passed: measure every row the filter keeps
-                        cur.execute("SET LOCAL enable_indexscan = off")
-                        rows = cur.execute(exact, params).fetchall()
-                        scan = "exact"
+                    yield cur
             except psycopg.errors.ReadOnlySqlTransaction as e:
                 raise InputError(f"--where {where!r} would write ({e.diag.message_primary}): it may only filter") from None
             except psycopg.errors.QueryCanceled as e:
@@ -182,15 +211,53 @@ class Searcher:
                 if not where:
                     raise
                 raise InputError(f"--where {where!r}: {e.diag.message_primary or e}") from None
+
+    @staticmethod
+    def _row(r: dict) -> dict:
+        """A result: id, distance, content first, then the table's other columns."""
+        d = {"id": r.pop("id"), "distance": float(r.pop("distance")), "content": r.pop("content")}
+        r.pop("text_rank", None)
+        d.update(r)
+        return d
+
+    def _nearest(self, query_vec: np.ndarray, k: int, where: str | None, ef_search: int | None) -> list[dict]:
+        from pgvector import Vector
+
+        if query_vec.shape[-1] != self.dim:
+            raise DatabaseError(f"table {self.table!r} holds {self.dim}-dimensional vectors but the query has "
+                                f"{query_vec.shape[-1]}: search with the model the table was built with (--model)")
+        if k < 1:
+            raise InputError(f"-k {k}: ask for at least one result")
+        vec = Vector(query_vec.reshape(-1).astype(np.float32))
+        # The user's SQL goes in as written: its % are escaped so that psycopg, which reads the statement for its
+        # own placeholders, gives them back to the server unchanged ("title ilike '%cable%'").
+        filt = sql.SQL("WHERE ({})").format(sql.SQL(where.replace("%", "%%"))) if where else sql.SQL("")
+        by_index, exact = self.statements(filt)
+        params = self._params(vec, k)
+        with self._guarded(where) as cur:
+            if self.index_kind == "bit":  # the index must hand over every candidate the rescore takes
+                ef_search = max(ef_search or 0, params["n"])
+            if ef_search:
+                cur.execute(sql.SQL("SET LOCAL hnsw.ef_search = {}").format(sql.Literal(int(ef_search))))
+            scan = "exact" if not self.indexed else "index"
+            if where and self.indexed and self._matching(cur, filt) <= EXACT_MATCHES:
+                # few rows pass the filter: measure them all, rather than hunt them through the graph
+                cur.execute("SET LOCAL enable_indexscan = off")
+                scan = "exact"
+            elif where and self.indexed and self.iterative:
+                # a filter drops most of the index's candidates: scan the graph on until k rows pass it
+                cur.execute("SET LOCAL hnsw.iterative_scan = strict_order")
+                scan = "iterative"
+            rows = cur.execute(exact if scan == "exact" else by_index, params).fetchall()
+            if where and scan != "exact" and len(rows) < k:
+                # the index gave up before k rows passed: measure every row the filter keeps
+                cur.execute("SET LOCAL enable_indexscan = off")
+                rows = cur.execute(exact, params).fetchall()
+                scan = "exact"
         self.scan = scan
         if self.index_kind == "halfvec" and scan != "exact":  # found by halfvec distances: ranked by the full ones
             rows.sort(key=lambda r: r["distance"])
-        out = []
-        for r in rows:
-            d = {"id": r.pop("id"), "distance": float(r.pop("distance")), "content": r.pop("content")}
-            d.update(r)
-            out.append(d)
-        return out
+        return [self._row(r) for r in rows]
 
 
 def search(conn: psycopg.Connection, table: str, query_vec: np.ndarray, k: int = 10,
@@ -202,16 +269,21 @@ def search(conn: psycopg.Connection, table: str, query_vec: np.ndarray, k: int =
 def search_queries(conn: psycopg.Connection, table: str, queries: Iterable[str], k: int = 10,
                    where: str | None = None, model: str | None = None, device: str = "cpu",
                    group_by_parent: bool = False, statement_timeout: float = DEFAULT_STATEMENT_TIMEOUT,
-                   settings=None, trust_remote_code: bool = False) -> Iterator[tuple[str, list[dict], str]]:
+                   settings=None, trust_remote_code: bool = False, hybrid: bool = False,
+                   rrf_k: int = RRF_K) -> Iterator[tuple[str, list[dict], str]]:
     """(query, its top-k, how they were found) for each query, in order: the model loaded once, queries
-    embedded QUERY_BATCH at a time (the same vectors as one at a time)."""
+    embedded QUERY_BATCH at a time (the same vectors as one at a time). `hybrid`: each query's text also
+    ranked by the table's full-text index, the two rankings fused (Searcher.hybrid)."""
+    embedding_info(conn, table)
+    searcher = Searcher(conn, table, statement_timeout)
+    if hybrid and searcher.fts is None:  # said before a model is loaded
+        raise InputError(f"--hybrid: table {table!r} has no full-text index; `embedfleet index --table {table} "
+                         "--fts` adds one (or ingest with --fts)")
     encoder = query_encoder(conn, table, model, device, settings, trust_remote_code)
     try:
-        searcher = Searcher(conn, table, statement_timeout)
-
         def each(batch: list[str]) -> Iterator[tuple[str, list[dict], str]]:
             for text, vec in zip(batch, encoder.encode(batch)):
-                results = searcher.search(vec, k, where, None, group_by_parent)
+                results = searcher.search(vec, k, where, None, group_by_parent, text if hybrid else None, rrf_k)
                 yield text, results, searcher.scan
 
         batch: list[str] = []
@@ -229,14 +301,16 @@ def search_queries(conn: psycopg.Connection, table: str, queries: Iterable[str],
 def run_search(dsn: str, table: str, queries: Iterable[str], k: int = 10, where: str | None = None,
                model: str | None = None, device: str = "cpu", group_by_parent: bool = False,
                statement_timeout: float = DEFAULT_STATEMENT_TIMEOUT, settings=None,
-               trust_remote_code: bool = False) -> Iterator[tuple[str, list[dict], str]]:
+               trust_remote_code: bool = False, hybrid: bool = False,
+               rrf_k: int = RRF_K) -> Iterator[tuple[str, list[dict], str]]:
     """`embedfleet search`: (query, its top-k, the scan) for each query, on one connection."""
     from embedfleet.pg.connect import connect
 
     with connect(dsn) as conn:
         yield from search_queries(conn, table, queries, k=k, where=where, model=model, device=device,
                                   group_by_parent=group_by_parent, statement_timeout=statement_timeout,
-                                  settings=settings, trust_remote_code=trust_remote_code)
+                                  settings=settings, trust_remote_code=trust_remote_code, hybrid=hybrid,
+                                  rrf_k=rrf_k)
 
 
 def query_lines(path: str) -> Iterator[str]:

@@ -143,8 +143,9 @@ class SearchService:
         return {"table": self.table, **self.encoder.describe()}
 
     def search(self, q: str, k: int | None = None, where: str | None = None,
-               running: Running | None = None) -> tuple[list[dict], str]:
-        """(the top-k rows, how they were found). `running` lets another thread cancel the statement."""
+               running: Running | None = None, hybrid: bool = False) -> tuple[list[dict], str]:
+        """(the top-k rows, how they were found). `running` lets another thread cancel the statement. `hybrid`:
+        the full-text ranking of `q` fused with the vector ranking (Searcher.hybrid)."""
         if where and self._filtered is None:
             raise InputError("filters are off on this server: start `embedfleet serve` with --allow-where")
         with self._encode_lock:
@@ -155,7 +156,7 @@ class SearchService:
         try:
             if running is not None:
                 running.attach(searcher.conn)
-            results = searcher.search(vec, k or self.k, where)
+            results = searcher.search(vec, k or self.k, where, text=q if hybrid else None)
             healthy = True
             return results, searcher.scan
         except EmbedfleetError:  # the user's input (a bad where): the connection rolled back, still good
@@ -204,8 +205,12 @@ def make_app(service: SearchService):
         where = params.get("where") or None
         if where and not service.allow_where:
             return error(400, "filters are off on this server: start `embedfleet serve` with --allow-where")
+        hybrid = params.get("hybrid", "false").lower()
+        if hybrid not in ("true", "false", "1", "0"):
+            return error(400, f"hybrid={hybrid!r}: true or false")
         running = Running()
-        task = asyncio.ensure_future(run_in_threadpool(service.search, q, int(k) if k else None, where, running))
+        task = asyncio.ensure_future(run_in_threadpool(service.search, q, int(k) if k else None, where, running,
+                                                       hybrid in ("true", "1")))
         while not task.done():
             await asyncio.wait({task}, timeout=DISCONNECT_POLL_S)
             if not task.done() and await request.is_disconnected():

@@ -1,0 +1,102 @@
+"""Hybrid search: a rare token (a product code) that the vector ranking misses from its top 10 comes first once
+the full-text ranking is fused in (RRF), through `search --hybrid`, `--queries`, `--where` and serve's service;
+without a full-text index, one line naming the command that adds it; the configuration recorded and reused."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+
+from conftest import one_line_error
+
+CODE = "QX7731Z"
+
+
+def _corpus(path):
+    rng = random.Random(5)
+    items = ["charger", "cable", "case", "screen protector", "car mount", "earbuds", "battery pack"]
+    rows = []
+    for i in range(160):  # reviews full of codes, numbers and order talk: what a code's vector is near
+        rows.append(f"Order Q{rng.randint(1000, 9999)}X{rng.randint(10, 99)} for the {rng.choice(items)}: part "
+                    f"{rng.randint(100, 999)}-{rng.randint(10, 99)} arrived, code {rng.randint(1000, 9999)}Z works")
+    rows.append(f"We hiked along the ridge at dawn and the lake below was still and silver; the guide's map was "
+                f"marked {CODE} near the old hut, where we stopped for tea before the long descent.")
+    path.write_text("".join(json.dumps({"id": f"r{i}", "text": t}) + "\n" for i, t in enumerate(rows)))
+    return f"r{len(rows) - 1}"
+
+
+def test_hybrid_puts_a_rare_code_first_where_vectors_miss_it(cli, dsn, conn, tmp_path):
+    src = tmp_path / "reviews.jsonl"
+    target = _corpus(src)
+    cli("ingest", src, "--db", dsn, "--devices", "cpu", "--quiet", "--id-field", "id", "--table", "plain", check=True)
+    one_line_error(cli("search", CODE, "--table", "plain", "--db", dsn, "--hybrid"),
+                   "`embedfleet index --table plain --fts` adds one")
+    vector = json.loads(cli("search", CODE, "--table", "plain", "--db", dsn, "--json", check=True).stdout)
+    assert target not in [r["id"] for r in vector["results"]]  # the vector ranking alone misses it
+    p = cli("index", "--table", "plain", "--fts", "--fts-config", "english", "--db", dsn, "--json", check=True)
+    assert json.loads(p.stdout)["added"] is True
+    from embedfleet.pg.ddl import table_sql
+    from embedfleet.pg.fts import fts_config
+
+    assert fts_config(conn, table_sql(conn, "plain")) == "english"  # recorded with the column, reused
+    assert conn.execute("SELECT count(*) FROM pg_indexes WHERE tablename = 'plain' AND indexdef ILIKE '%gin%'"
+                        ).fetchone()[0] == 1
+    hybrid = json.loads(cli("search", CODE, "--table", "plain", "--db", dsn, "--json", "--hybrid",
+                            check=True).stdout)
+    first = hybrid["results"][0]
+    assert first["id"] == target and first["text_rank"] > 0 and first["score"] > 0
+    assert all({"distance", "text_rank", "score"} <= set(r) for r in hybrid["results"])
+    assert [r["score"] for r in hybrid["results"]] == sorted((r["score"] for r in hybrid["results"]), reverse=True)
+    assert "content_tsv" not in first  # the tsvector stays in the database
+    filtered = json.loads(cli("search", CODE, "--table", "plain", "--db", dsn, "--json", "--hybrid", "--where",
+                              f"id <> '{target}'", "-k", "3", check=True).stdout)
+    assert len(filtered["results"]) == 3 and target not in [r["id"] for r in filtered["results"]]
+    queries = tmp_path / "q.txt"
+    queries.write_text(f"{CODE}\nbattery pack\n")
+    lines = cli("search", "--queries", queries, "--table", "plain", "--db", dsn, "--hybrid", check=True).stdout
+    answers = [json.loads(line) for line in lines.splitlines()]
+    assert answers[0]["results"][0]["id"] == target and len(answers) == 2
+    again = json.loads(cli("index", "--table", "plain", "--fts", "--fts-config", "english", "--db", dsn, "--json",
+                           check=True).stdout)
+    assert again["added"] is False
+    one_line_error(cli("index", "--table", "plain", "--fts", "--fts-config", "simple", "--db", dsn),
+                   "has a full-text index with --fts-config 'english'")
+    from embedfleet.query.serve import SearchService
+
+    service = SearchService(dsn, "plain", device="cpu")
+    try:
+        results, _ = service.search(CODE, 5, hybrid=True)
+        assert results[0]["id"] == target
+    finally:
+        service.close()
+
+
+def test_ingest_fts_builds_it_at_the_end_and_rows_added_later_are_found(cli, dsn, conn, tmp_path):
+    src = tmp_path / "reviews.jsonl"
+    target = _corpus(src)
+    p = cli("ingest", src, "--db", dsn, "--devices", "cpu", "--quiet", "--id-field", "id", "--table", "withfts",
+            "--fts", "--json", check=True)
+    assert "fts_s" in json.loads(p.stdout)["finalize"]
+    hybrid = json.loads(cli("search", CODE, "--table", "withfts", "--db", dsn, "--json", "--hybrid",
+                            check=True).stdout)
+    assert hybrid["results"][0]["id"] == target
+    with src.open("a") as f:  # a rerun picks up appended lines: their tsvectors come with them
+        f.write(json.dumps({"id": "late", "text": "a new note mentions ZZ9PLURAL once"}) + "\n")
+    cli("ingest", src, "--db", dsn, "--devices", "cpu", "--quiet", "--id-field", "id", "--table", "withfts", "--fts",
+        check=True)
+    late = json.loads(cli("search", "ZZ9PLURAL", "--table", "withfts", "--db", dsn, "--json", "--hybrid",
+                          check=True).stdout)
+    assert late["results"][0]["id"] == "late"
+    one_line_error(cli("ingest", src, "--db", dsn, "--devices", "cpu", "--quiet", "--table", "other", "--fts",
+                       "--fts-config", "klingon"), "--fts-config 'klingon'")
+
+
+@pytest.mark.parametrize("rrf_k", [0])
+def test_a_bad_rrf_constant_is_one_line(cli, dsn, tmp_path, rrf_k):
+    src = tmp_path / "reviews.jsonl"
+    _corpus(src)
+    cli("ingest", src, "--db", dsn, "--devices", "cpu", "--quiet", "--id-field", "id", "--table", "rrf", "--fts",
+        check=True)
+    one_line_error(cli("search", CODE, "--table", "rrf", "--db", dsn, "--hybrid", "--rrf-k", rrf_k), "--rrf-k 0")
