@@ -59,6 +59,9 @@ class Settings:
     pycache: str = _knob("auto", "EMBEDFLEET_PYCACHE",
                          "keep Python bytecode under $EMBEDFLEET_HOME/cache/pycache where the environment keeps none "
                          "(auto; 1: whenever Python writes none; 0: never)")
+    api_key: str | None = _knob(None, "EMBEDFLEET_API_KEY",
+                                "the bearer key `serve` asks every request for (all routes but /health) when --api-key "
+                                "is not given", "none: serve listens on loopback only")
     debug: bool = _knob(False, "EMBEDFLEET_DEBUG", "show tracebacks (as --debug), in every process of a command")
     lease_seconds: float = _knob(30.0, "EMBEDFLEET_LEASE_SECONDS",
                                  "how long a claimed chunk stays a worker's without a heartbeat (renewed every third)")

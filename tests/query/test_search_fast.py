@@ -167,7 +167,8 @@ def test_serve_answers_like_the_cli_refuses_writes_and_listens_on_loopback(cli, 
 
 def test_serve_listens_where_host_says(table_dsn, tmp_path):
     proc = subprocess.Popen([sys.executable, "-m", "embedfleet.cli", "serve", "--table", TABLE, "--db", table_dsn,
-                             "--port", "0", "--device", "cpu", "--host", "0.0.0.0"], stdout=subprocess.PIPE,
+                             "--port", "0", "--device", "cpu", "--host", "0.0.0.0", "--api-key", "k"],
+                            stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, env=dict(os.environ, EMBEDFLEET_HOME=str(tmp_path)))
     try:
         assert "serving" in proc.stderr.readline()

@@ -80,8 +80,10 @@ def serve(
     where_db: Optional[str] = typer.Option(None, "--where-db", help="with --db: a DSN of the role filters run as "
                                            "(one that can read only this table)"),
     statement_timeout: float = typer.Option(5.0, "--statement-timeout", help="seconds a request's search may run"),
+    api_key: Optional[str] = typer.Option(None, "--api-key", help="a bearer key every request but /health must give "
+                                          "(default $EMBEDFLEET_API_KEY); needed to listen beyond loopback"),
 ) -> None:
-    """Answer GET /search?q=…&k=… with the nearest rows as JSON, the model loaded once."""
+    """Answer /search (nearest rows) and /v1/embeddings (OpenAI-compatible) over HTTP, the model loaded once."""
     if where_db and not allow_where:
         raise EmbedfleetError("--where-db names the role filters run as: give --allow-where with it")
     if statement_timeout <= 0:
@@ -96,7 +98,8 @@ def serve(
     where_dsn = _filter_role(dsn, table, where_db, uses_embedded(db, knobs())) if allow_where else None
     try:
         run_serve(dsn, table, host=host, port=port, k=k, model=model, device=device, where_dsn=where_dsn, settings=knobs(),
-                  statement_timeout=statement_timeout, trust_remote_code=trust_remote_code)
+                  statement_timeout=statement_timeout, trust_remote_code=trust_remote_code,
+                  api_key=api_key or knobs().api_key)
     except KeyboardInterrupt:  # uvicorn stops on SIGINT/SIGTERM, then raises the signal again
         pass
     stopped_on_purpose()

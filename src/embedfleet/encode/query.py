@@ -244,13 +244,19 @@ class QueryEncoder:
 
     def encode(self, texts: list[str], prompt: str | None = "query") -> np.ndarray:
         """[len(texts), dim] float32, L2-normalised, input order; `prompt` as Encoder.encode takes it."""
+        return self.encode_counted(texts, prompt)[0]
+
+    def encode_counted(self, texts: list[str], prompt: str | None = "query") -> tuple[np.ndarray, np.ndarray]:
+        """(encode's vectors, each text's tokens: its prompt included, after truncation)."""
         texts = list(texts)
         if self._enc is not None:
-            return self._enc.encode(texts, prompt=prompt)
+            tok = self._enc.tokenize(texts, prompt, pool=False)
+            return self._enc.embed(tok), tok.lengths[tok.inverse].astype(np.int64)
         if not texts:
-            return np.zeros((0, self.dim), np.float32)
+            return np.zeros((0, self.dim), np.float32), np.zeros(0, np.int64)
         ids, lengths = self._tok.encode_unsorted([self.spec.prompt_text(prompt) + t for t in texts])
-        return self._np.embed(ids, lengths.astype(np.int64), self.spec.pooling, self.dim, self._post)
+        lengths = lengths.astype(np.int64)
+        return self._np.embed(ids, lengths, self.spec.pooling, self.dim, self._post), lengths
 
     def describe(self) -> dict:
         return {"model": str(self.spec.path), "name": self.name, "path": self.path, "device": self.device,

@@ -1,7 +1,14 @@
-"""`embedfleet serve`: nearest-row search over HTTP, the model loaded once (Starlette on uvicorn).
+"""`embedfleet serve`: nearest-row search and embeddings over HTTP, the model loaded once (Starlette on uvicorn).
 
-    GET /search?q=TEXT[&k=N][&where=SQL]  ->  {"results": [{"id", "distance", "content", …}], "scan"}
-    GET /health                           ->  {"table", "model", "path", "device", "dim"}
+    GET|POST /search?q=TEXT[&k=N][&where=SQL][&hybrid=true]  ->  {"results": [{"id", "distance", "content", …}], "scan"}
+    POST /v1/embeddings {"input": str | [str], "model", "encoding_format", "dimensions"}  ->  OpenAI's answer
+    GET /health  ->  {"table", "model", "path", "device", "dim"}      GET /metrics  ->  Prometheus text
+    GET /openapi.json  ->  the routes, described
+
+With an API key (--api-key, EMBEDFLEET_API_KEY) every route but /health wants `Authorization: Bearer KEY`;
+without one, serve listens on loopback only. Embedding requests that arrive together are encoded together (one
+batch on the device). Bodies over MAX_REQUEST_BYTES and inputs over MAX_INPUTS are refused (413); every bad
+request gets a 4xx with one line.
 
 The same results as `embedfleet search --json` (the same query encoder, the same SQL). Every request's
 statement runs under `--statement-timeout`, and is cancelled on the server when its client goes away.
@@ -13,12 +20,18 @@ served table and nothing else (store/roles.py), in a READ ONLY transaction. It l
 from __future__ import annotations
 
 import asyncio
+import base64
+import hmac
 import logging
 import queue
 import socket
 import sys
 import threading
+import time
+from concurrent.futures import Future
 from typing import Callable
+
+import numpy as np
 
 from embedfleet.errors import DatabaseError, EmbedfleetError, InputError
 
@@ -27,6 +40,11 @@ __all__ = ["SearchService", "make_app", "serve"]
 log = logging.getLogger(__name__)
 
 MAX_K = 1000
+MAX_REQUEST_BYTES = 4 << 20  # a request's body
+MAX_INPUTS = 2048  # texts in one /v1/embeddings request
+BATCH_WAIT_S = 0.002  # how long the embedding batcher waits for more requests once one arrived
+BATCH_TEXTS = 4096  # texts the batcher encodes at once at most
+LOOPBACK = ("127.0.0.1", "::1", "localhost")
 CONNECTIONS = 4  # database connections kept for searches, per pool (requests beyond wait for one)
 DISCONNECT_POLL_S = 0.05  # how often a request's client is checked while its search runs
 
@@ -60,6 +78,79 @@ class Running:
             conn = self.conn
         if conn is not None and not conn.closed:
             (getattr(conn, "cancel_safe", None) or conn.cancel)()
+
+
+class Batcher:
+    """Embedding requests that arrive together, encoded as one batch on a thread of its own: each request's texts
+    get their vectors and token counts back through a future."""
+
+    def __init__(self, encode: Callable, lock: threading.Lock):
+        self._encode, self._lock = encode, lock
+        self._todo: queue.Queue = queue.Queue()
+        self.waiting = 0  # requests queued or in the batch being encoded (a gauge)
+        self._thread = threading.Thread(target=self._run, name="embedfleet-batcher", daemon=True)
+        self._thread.start()
+
+    def submit(self, texts: list[str]) -> Future:
+        fut: Future = Future()
+        self.waiting += 1
+        self._todo.put((texts, fut))
+        return fut
+
+    def _run(self) -> None:
+        while True:
+            first = self._todo.get()
+            if first is None:
+                return
+            batch, n = [first], len(first[0])
+            deadline = time.monotonic() + BATCH_WAIT_S
+            while n < BATCH_TEXTS:
+                try:
+                    item = self._todo.get(timeout=max(0.0, deadline - time.monotonic()))
+                except queue.Empty:
+                    break
+                if item is None:
+                    self._todo.put(None)
+                    break
+                batch.append(item)
+                n += len(item[0])
+            texts = [t for item, _ in batch for t in item]
+            try:
+                with self._lock:
+                    vectors, lengths = self._encode(texts)
+            except BaseException as e:  # noqa: BLE001 - every request of the batch hears it
+                for _, fut in batch:
+                    fut.set_exception(e)
+            else:
+                at = 0
+                for item, fut in batch:
+                    fut.set_result((vectors[at:at + len(item)], int(lengths[at:at + len(item)].sum())))
+                    at += len(item)
+            self.waiting -= len(batch)
+
+    def close(self) -> None:
+        self._todo.put(None)
+
+
+class Metrics:
+    """Prometheus metrics of one server (prometheus-client, the `metrics` extra): requests by route and status,
+    their latency, embedding requests waiting, tokens embedded."""
+
+    def __init__(self, waiting: Callable[[], float]):
+        from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+        self.registry = CollectorRegistry()
+        self.requests = Counter("embedfleet_requests", "HTTP requests", ["route", "status"], registry=self.registry)
+        self.latency = Histogram("embedfleet_request_seconds", "request latency", ["route"], registry=self.registry,
+                                 buckets=(0.001, 0.0025, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10))
+        self.tokens = Counter("embedfleet_tokens", "tokens embedded for /v1/embeddings", registry=self.registry)
+        Gauge("embedfleet_queue_depth", "embedding requests waiting or in the batch being encoded",
+              registry=self.registry).set_function(waiting)
+
+    def text(self) -> bytes:
+        from prometheus_client import generate_latest
+
+        return generate_latest(self.registry)
 
 
 class _Pool:
@@ -137,7 +228,9 @@ class SearchService:
         self._plain = _Pool(opener(dsn), connections)
         self._plain.put_first(first)
         self._filtered = _Pool(opener(where_dsn), connections) if where_dsn else None
-        self._encode_lock = threading.Lock()  # the query encoder: one query at a time
+        self._encode_lock = threading.Lock()  # the query encoder: one call at a time
+        # /v1/embeddings: documents, with the model's default prompt
+        self.batcher = Batcher(lambda texts: self.encoder.encode_counted(texts, prompt=None), self._encode_lock)
 
     def describe(self) -> dict:
         return {"table": self.table, **self.encoder.describe()}
@@ -173,29 +266,91 @@ class SearchService:
         finally:
             pool.give(searcher, healthy)
 
+    def embed(self, texts: list[str]) -> Future:
+        """The texts' vectors and their tokens, once the batcher has encoded them (with whatever else came)."""
+        return self.batcher.submit(texts)
+
     def close(self) -> None:
+        self.batcher.close()
         self.encoder.close()
         self._plain.close()
         if self._filtered is not None:
             self._filtered.close()
 
 
-def make_app(service: SearchService):
+def make_app(service: SearchService, api_key: str | None = None):
     from starlette.applications import Starlette
     from starlette.concurrency import run_in_threadpool
     from starlette.exceptions import HTTPException
+    from starlette.middleware import Middleware
     from starlette.requests import Request
     from starlette.responses import JSONResponse, Response
     from starlette.routing import Route
+    from starlette.schemas import SchemaGenerator
 
-    def error(status: int, message: str) -> JSONResponse:
+    metrics = _metrics(service)
+
+    def error(status: int, message: str, openai: bool = False) -> JSONResponse:
+        """One line; for the OpenAI route in OpenAI's shape (its clients read error.message)."""
+        if openai:
+            kind = "invalid_request_error" if status < 500 else "server_error"
+            return JSONResponse({"error": {"message": message, "type": kind, "code": status}}, status_code=status)
         return JSONResponse({"error": message}, status_code=status)
 
     async def health(request: Request) -> JSONResponse:
+        """
+        summary: the served table and model
+        responses:
+          200: {description: table, model, path, device, dim}
+        """
         return JSONResponse(service.describe())
 
+    async def params_of(request: Request) -> dict | JSONResponse:
+        params = dict(request.query_params)
+        if request.method == "POST":
+            body = await _body(request)
+            if isinstance(body, Response):
+                return body
+            if not isinstance(body, dict):
+                return error(400, "POST /search takes a JSON object: {\"q\": …, \"k\": …}")
+            params.update({key: str(v).lower() if isinstance(v, bool) else str(v) for key, v in body.items()
+                           if v is not None})
+        return params
+
+    async def _body(request: Request, openai: bool = False):
+        # read (and past the limit, drop) what the client sends, so that it hears the 413 rather than a reset
+        parts, seen = [], 0
+        async for part in request.stream():
+            seen += len(part)
+            if seen <= MAX_REQUEST_BYTES:
+                parts.append(part)
+            elif seen > 16 * MAX_REQUEST_BYTES:
+                break
+        if seen > MAX_REQUEST_BYTES:
+            return error(413, f"the request is over {MAX_REQUEST_BYTES >> 20} MiB", openai)
+        raw = b"".join(parts)
+        import orjson
+
+        try:
+            return orjson.loads(raw)
+        except orjson.JSONDecodeError as e:
+            return error(400, f"the body is not JSON ({e})", openai)
+
     async def search(request: Request) -> Response:
-        params = request.query_params
+        """
+        summary: the k nearest rows to q (GET query parameters, or POST a JSON object)
+        parameters:
+          - {name: q, in: query, required: true, schema: {type: string}}
+          - {name: k, in: query, schema: {type: integer, minimum: 1, maximum: 1000}}
+          - {name: where, in: query, description: SQL filter (with --allow-where), schema: {type: string}}
+          - {name: hybrid, in: query, description: fuse a full-text ranking, schema: {type: boolean}}
+        responses:
+          200: {description: "{results: [{id, distance, content, …}], scan}"}
+          400: {description: a bad parameter or filter}
+        """
+        params = await params_of(request)
+        if isinstance(params, Response):
+            return params
         q = params.get("q", "")
         if not q.strip():
             return error(400, "give the query text: /search?q=…")
@@ -208,6 +363,8 @@ def make_app(service: SearchService):
         hybrid = params.get("hybrid", "false").lower()
         if hybrid not in ("true", "false", "1", "0"):
             return error(400, f"hybrid={hybrid!r}: true or false")
+        if params.get("rerank"):
+            return error(400, "rerank is not available on this server yet")
         running = Running()
         task = asyncio.ensure_future(run_in_threadpool(service.search, q, int(k) if k else None, where, running,
                                                        hybrid in ("true", "1")))
@@ -228,13 +385,130 @@ def make_app(service: SearchService):
             return error(500, f"{type(e).__name__}: {e}")
         return Response(_json({"results": results, "scan": scan}), media_type="application/json")
 
+    async def embeddings(request: Request) -> Response:
+        """
+        summary: OpenAI-compatible embeddings of input (a string or a list of strings)
+        requestBody:
+          content:
+            application/json:
+              schema:
+                type: object
+                required: [input]
+                properties:
+                  input: {oneOf: [{type: string}, {type: array, items: {type: string}}]}
+                  model: {type: string}
+                  encoding_format: {type: string, enum: [float, base64]}
+                  dimensions: {type: integer}
+        responses:
+          200: {description: "{object: list, data: [{object: embedding, index, embedding}], model, usage}"}
+          413: {description: too many inputs, or a body too large}
+        """
+        body = await _body(request, openai=True)
+        if isinstance(body, Response):
+            return body
+        if not isinstance(body, dict) or "input" not in body:
+            return error(400, openai=True, message="give input: a string or a list of strings")
+        texts = body["input"]
+        texts = [texts] if isinstance(texts, str) else texts
+        if not isinstance(texts, list) or not all(isinstance(t, str) for t in texts):
+            return error(400, openai=True, message="input: a string or a list of strings (token arrays are not taken)")
+        if not texts:
+            return error(400, openai=True, message="input is empty")
+        if len(texts) > MAX_INPUTS:
+            return error(413, openai=True, message=f"{len(texts):,} inputs: at most {MAX_INPUTS:,} a request")
+        fmt = body.get("encoding_format") or "float"
+        if fmt not in ("float", "base64"):
+            return error(400, openai=True, message=f"encoding_format {fmt!r}: float or base64")
+        dims = body.get("dimensions")
+        if dims is not None and not (isinstance(dims, int) and 0 < dims <= service.encoder.dim):
+            return error(400, openai=True, message=f"dimensions {dims!r}: a whole number from 1 to {service.encoder.dim}")
+        try:
+            vectors, tokens = await asyncio.wrap_future(service.embed(texts))
+        except Exception as e:  # noqa: BLE001 - the server stays up; the client hears what failed
+            log.exception("embeddings failed")
+            return error(500, openai=True, message=f"{type(e).__name__}: {e}")
+        if dims is not None and dims < vectors.shape[1]:  # Matryoshka: the first dims, normalised again
+            vectors = vectors[:, :dims]
+            vectors = vectors / np.maximum(np.linalg.norm(vectors, axis=1, keepdims=True), 1e-12)
+        if metrics is not None:
+            metrics.tokens.inc(tokens)
+        data = [{"object": "embedding", "index": i,
+                 "embedding": base64.b64encode(v.astype("<f4").tobytes()).decode() if fmt == "base64" else v.tolist()}
+                for i, v in enumerate(vectors)]
+        name = service.encoder.describe()["name"]
+        return Response(_json({"object": "list", "data": data, "model": name,
+                               "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}),
+                        media_type="application/json")
+
+    async def metrics_text(request: Request) -> Response:
+        """
+        summary: Prometheus metrics (requests, latency, queue depth, tokens)
+        responses:
+          200: {description: Prometheus text}
+        """
+        if metrics is None:
+            return error(501, "metrics need prometheus-client: pip install 'embedfleet[metrics]'")
+        return Response(metrics.text(), media_type="text/plain; version=0.0.4")
+
+    schemas = SchemaGenerator({"openapi": "3.0.0", "info": {"title": "embedfleet serve", "version": "1"}})
+
+    async def openapi(request: Request) -> Response:
+        return JSONResponse(schemas.get_schema(routes=request.app.routes))
+
     async def not_found(request: Request, exc: HTTPException) -> JSONResponse:
         if exc.status_code == 404:
-            return error(404, f"no {request.url.path}: GET /search?q=…&k=…&where=…")
+            return error(404, f"no {request.url.path}: GET /search?q=…, POST /v1/embeddings, GET /openapi.json")
         return error(exc.status_code, exc.detail)
 
-    return Starlette(routes=[Route("/search", search), Route("/health", health)],
-                     exception_handlers={HTTPException: not_found})
+    class Guard:
+        """The API key on every route but /health, and each request counted and timed: plain ASGI, so that a
+        route still hears its client go away."""
+
+        def __init__(self, app):
+            self.app = app
+
+        async def __call__(self, scope, receive, send):
+            if scope["type"] != "http":
+                return await self.app(scope, receive, send)
+            t0, route = time.perf_counter(), scope["path"] if scope["path"] in ROUTES else "other"
+            if api_key and route != "/health":
+                given = dict(scope["headers"]).get(b"authorization", b"")
+                if not hmac.compare_digest(given, f"Bearer {api_key}".encode()):
+                    refused = error(401, "give the server's API key: Authorization: Bearer KEY",
+                                    route == "/v1/embeddings")
+                    await refused(scope, receive, send)
+                    _observe(metrics, route, 401, t0)
+                    return
+            status = [500]
+
+            async def sent(message):
+                if message["type"] == "http.response.start":
+                    status[0] = message["status"]
+                await send(message)
+
+            await self.app(scope, receive, sent)
+            _observe(metrics, route, status[0], t0)
+
+    routes = [Route("/search", search, methods=["GET", "POST"]), Route("/v1/embeddings", embeddings, methods=["POST"]),
+              Route("/health", health), Route("/metrics", metrics_text), Route("/openapi.json", openapi,
+                                                                                include_in_schema=False)]
+    return Starlette(routes=routes, exception_handlers={HTTPException: not_found}, middleware=[Middleware(Guard)])
+
+
+ROUTES = ("/search", "/v1/embeddings", "/health", "/metrics", "/openapi.json")
+
+
+def _metrics(service) -> Metrics | None:
+    try:
+        return Metrics(lambda: float(service.batcher.waiting))
+    except ImportError:
+        return None
+
+
+def _observe(metrics: Metrics | None, route: str, status: int, t0: float) -> None:
+    if metrics is not None:
+        metrics.requests.labels(route, str(status)).inc()
+        metrics.latency.labels(route).observe(time.perf_counter() - t0)
 
 
 def _json(doc) -> bytes:
@@ -258,20 +532,25 @@ def _listen(host: str, port: int) -> socket.socket:
 
 def serve(dsn: str, table: str, host: str = "127.0.0.1", port: int = 8000, k: int = 10,
           model: str | None = None, device: str = "auto", where_dsn: str | None = None,
-          statement_timeout: float = 5.0, settings=None, trust_remote_code: bool = False) -> None:
+          statement_timeout: float = 5.0, settings=None, trust_remote_code: bool = False,
+          api_key: str | None = None) -> None:
     """Serve until interrupted (SIGINT or SIGTERM); prints the URL (to stderr) once it listens."""
     import uvicorn
 
+    if host not in LOOPBACK and not api_key:
+        raise InputError(f"--host {host} listens beyond this machine: give --api-key KEY (or EMBEDFLEET_API_KEY) so "
+                         "that every request needs it")
     service = SearchService(dsn, table, k=k, model=model, device=device, where_dsn=where_dsn,
                             statement_timeout=statement_timeout, settings=settings, trust_remote_code=trust_remote_code)
     try:
         sock = _listen(host, port)
         bound_host, bound_port = sock.getsockname()[:2]
         info = service.describe()
-        print(f"serving table {table!r} on http://{bound_host}:{bound_port}/search?q=… "
+        print(f"serving table {table!r} on http://{bound_host}:{bound_port}/search?q=… and /v1/embeddings "
               f"({info['name']}, {info['path']} on {info['device']}; filters "
-              f"{'on, as a read-only role' if where_dsn else 'off'})", file=sys.stderr, flush=True)
-        server = uvicorn.Server(uvicorn.Config(make_app(service), log_level="warning", lifespan="off",
+              f"{'on, as a read-only role' if where_dsn else 'off'}; API key {'on' if api_key else 'off'})",
+              file=sys.stderr, flush=True)
+        server = uvicorn.Server(uvicorn.Config(make_app(service, api_key), log_level="warning", lifespan="off",
                                                access_log=False))
         server.run(sockets=[sock])
         print("stopped", file=sys.stderr)

@@ -1,0 +1,140 @@
+"""`serve` as a service: the official `openai` client against /v1/embeddings (the same vectors as Encoder.encode,
+base64 and float, dimensions), concurrent requests batched, the API key (401), limits (413), /search by GET and
+POST with hybrid, /metrics as Prometheus text, /openapi.json, and no listening beyond loopback without a key."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import threading
+import urllib.error
+import urllib.request
+
+import numpy as np
+import pytest
+
+from conftest import one_line_error
+
+KEY = "s3cret-key"
+TEXTS = ["battery dies after a week", "the case fits well", "naïve café in Straße 東京 🙂",
+         "a much longer review about the charger and the cable " * 8]
+
+
+@pytest.fixture(scope="module")
+def server(pg_server, tmp_path_factory):
+    import psycopg
+
+    root = tmp_path_factory.mktemp("serve-api")
+    name = "t_serveapi"
+    with psycopg.connect(pg_server.get_uri(), autocommit=True) as conn:
+        conn.execute(f'CREATE DATABASE "{name}"')
+    dsn = pg_server.get_uri(database=name)
+    env = dict(os.environ, EMBEDFLEET_HOME=str(root / "home"), PYTHONUNBUFFERED="1")
+    env.pop("EMBEDFLEET_DB", None)
+    env.pop("EMBEDFLEET_API_KEY", None)
+    src = root / "docs.jsonl"
+    src.write_text("".join(json.dumps({"id": f"d{i}", "text": t}) + "\n" for i, t in
+                           enumerate(TEXTS + [f"review {i} of a phone part, code QZ{i}" for i in range(30)])))
+    subprocess.run([sys.executable, "-m", "embedfleet.cli", "ingest", str(src), "--db", dsn, "--devices", "cpu",
+                    "--quiet", "--id-field", "id", "--table", "docs", "--fts"], env=env, check=True,
+                   capture_output=True, timeout=600)
+    proc = subprocess.Popen([sys.executable, "-m", "embedfleet.cli", "serve", "--table", "docs", "--db", dsn, "--port",
+                             "0", "--device", "cpu", "--api-key", KEY], env=env, stderr=subprocess.PIPE, text=True)
+    line = proc.stderr.readline()
+    assert "serving" in line, line + proc.stderr.read() if proc.poll() is not None else line
+    base = line.split("http://")[1].split("/search")[0]
+    yield {"base": f"http://{base}", "dsn": dsn, "env": env}
+    proc.terminate()
+    proc.wait(timeout=30)
+
+
+def _call(url: str, body: bytes | None = None, key: str | None = KEY, method: str | None = None):
+    req = urllib.request.Request(url, data=body, method=method or ("POST" if body is not None else "GET"))
+    if key:
+        req.add_header("Authorization", f"Bearer {key}")
+    if body is not None:
+        req.add_header("Content-Type", "application/json")
+    try:
+        with urllib.request.urlopen(req, timeout=60) as r:
+            return r.status, r.read()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read()
+
+
+def test_the_openai_client_gets_the_encoders_vectors(server):
+    import openai
+
+    from embedfleet.encode.encoder import Encoder
+
+    want = Encoder(device="cpu").encode(TEXTS)
+    client = openai.OpenAI(base_url=server["base"] + "/v1", api_key=KEY)
+    got = client.embeddings.create(model="all-MiniLM-L6-v2", input=TEXTS)  # the client asks for base64
+    vectors = np.asarray([d.embedding for d in got.data], np.float32)
+    assert [d.index for d in got.data] == list(range(len(TEXTS))) and got.usage.prompt_tokens > len(TEXTS)
+    assert np.min(np.sum(vectors * want, axis=1)) >= 0.9999
+    one = client.embeddings.create(model="x", input=TEXTS[0], encoding_format="float", dimensions=128)
+    v = np.asarray(one.data[0].embedding, np.float32)
+    cut = want[0][:128] / np.linalg.norm(want[0][:128])
+    assert v.shape == (128,) and float(v @ cut) >= 0.9999
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=server["base"] + "/v1", api_key="wrong", max_retries=0).embeddings.create(
+            model="x", input="hi")
+    with pytest.raises(openai.BadRequestError):
+        client.embeddings.create(model="x", input="hi", dimensions=4096)
+
+
+def test_concurrent_requests_come_back_each_with_its_own_vectors(server):
+    import openai
+
+    client = openai.OpenAI(base_url=server["base"] + "/v1", api_key=KEY)
+    alone = {t: np.asarray(client.embeddings.create(model="x", input=t).data[0].embedding) for t in TEXTS}
+    out: dict = {}
+
+    def ask(i: int) -> None:
+        t = TEXTS[i % len(TEXTS)]
+        out[i] = (t, np.asarray(client.embeddings.create(model="x", input=[t]).data[0].embedding))
+
+    threads = [threading.Thread(target=ask, args=(i,)) for i in range(16)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    assert len(out) == 16 and all(float(v @ alone[t]) >= 0.9999 for t, v in out.values())
+
+
+def test_keys_limits_search_metrics_and_schema(server):
+    base = server["base"]
+    assert _call(base + "/health", key=None)[0] == 200  # the one open route
+    for path in ("/search?q=battery", "/metrics", "/openapi.json"):
+        status, body = _call(base + path, key=None)
+        assert status == 401 and "API key" in json.loads(body)["error"]
+    status, body = _call(base + "/v1/embeddings", json.dumps({"input": ["x"] * 3000}).encode())
+    assert status == 413 and "2,048" in json.loads(body)["error"]["message"]
+    status, _ = _call(base + "/v1/embeddings", b'{"input": "' + b"x" * (5 << 20) + b'"}')
+    assert status == 413
+    status, body = _call(base + "/v1/embeddings", b"not json")
+    assert status == 400
+    status, body = _call(base + "/search?q=battery+dies&k=3")
+    assert status == 200 and len(json.loads(body)["results"]) == 3
+    status, body = _call(base + "/search", json.dumps({"q": "QZ7", "k": 2, "hybrid": True}).encode())
+    doc = json.loads(body)
+    assert status == 200 and doc["results"][0]["id"] == "d11" and "score" in doc["results"][0]  # "QZ7" is row d11
+    status, body = _call(base + "/search?q=x&where=true")
+    assert status == 400 and "--allow-where" in json.loads(body)["error"]
+    status, body = _call(base + "/metrics")
+    from prometheus_client.parser import text_string_to_metric_families
+
+    families = {f.name: f for f in text_string_to_metric_families(body.decode())}
+    assert {"embedfleet_requests", "embedfleet_request_seconds", "embedfleet_tokens", "embedfleet_queue_depth"} <= set(
+        families)
+    statuses = {(s.labels["route"], s.labels["status"]) for s in families["embedfleet_requests"].samples}
+    assert ("/v1/embeddings", "413") in statuses and ("/search", "401") in statuses
+    status, body = _call(base + "/openapi.json")
+    assert status == 200 and {"/search", "/v1/embeddings", "/health"} <= set(json.loads(body)["paths"])
+
+
+def test_listening_beyond_loopback_wants_a_key(server, cli):
+    one_line_error(cli("serve", "--table", "docs", "--db", server["dsn"], "--host", "0.0.0.0", "--port", "0",
+                       "--device", "cpu"), "--api-key")
