@@ -211,6 +211,7 @@ class JobSpec:
     source_table: str | None = None  # --from-table: a PostgreSQL table's rows are the records (inputs: its name)
     where: str | None = None  # --where: which of the source table's rows (read-only SQL)
     trust_remote_code: bool = False  # --trust-remote-code: run a model's own Python code (transformers' auto_map)
+    index: str = "hnsw"  # --index: hnsw (as the width allows) | binary (HNSW over the binary-quantized vectors)
     fts: bool = False  # --fts: a full-text index of the content beside the vector one (hybrid search)
     fts_config: str = "simple"  # --fts-config: its text search configuration
 
@@ -290,6 +291,8 @@ def validated(spec: JobSpec) -> JobSpec:
     validate_devices(spec.devices)
     if spec.workers is not None and spec.workers < 1:
         raise InputError("--workers must be at least 1")
+    if spec.index not in ("hnsw", "binary"):
+        raise InputError(f"--index {spec.index!r}: use hnsw or binary")
     bt = str(spec.batch_tokens)
     if bt != "auto" and not (bt.isdigit() and int(bt) >= 16):
         raise InputError(f"--batch-tokens {bt!r}: use auto or a number of tokens ≥ 16")

@@ -57,6 +57,8 @@ def ingest(
     chunk_bytes: Optional[int] = ChunkBytesOpt,
     limit: Optional[int] = typer.Option(None, "--limit", help="only the first N lines, counted over the inputs in order"),
     no_index: bool = NoIndexOpt,
+    index: Optional[str] = typer.Option(None, "--index", help="hnsw (default) | binary: HNSW over the binary-quantized "
+                                        "vectors (32× smaller; searches rescore by the full vectors)"),
     fts: bool = typer.Option(False, "--fts", help="also a full-text index of the content, at the end of the job "
                              "(search --hybrid)"),
     fts_config: Optional[str] = typer.Option(None, "--fts-config", help="with --fts: the text search configuration "
@@ -100,7 +102,7 @@ def ingest(
         batch_tokens=batch_tokens, chunk_bytes=chunk_bytes, limit=limit, no_index=no_index, dtype=dtype,
         dim=dim, prompt=prompt, passages=passages, partitions=partitions, quiet=quiet, columns=columns,
         replacing=tuple(replace) if replace else None, source_table=from_table, where=where,
-        trust_remote_code=trust_remote_code or None, fts=fts or None, fts_config=fts_config,
+        trust_remote_code=trust_remote_code or None, fts=fts or None, fts_config=fts_config, index=index,
     ), config)
     settings = with_flags(knobs(), metrics_port=metrics_port, source_db=source_db)
     if not cfg.source_table:  # a missing file fails before any server starts

@@ -30,6 +30,8 @@ def search(
     hybrid: bool = typer.Option(False, "--hybrid", help="also rank by full-text match of the query (the table's "
                                 "full-text index: `embedfleet index --fts`), the two rankings fused by RRF"),
     rrf_k: int = typer.Option(60, "--rrf-k", help="with --hybrid: reciprocal rank fusion's constant"),
+    rescore: Optional[int] = typer.Option(None, "--rescore", help="a binary index's candidates ranked by the full "
+                                          "vectors (default 10 × k, at least 40)"),
     json_out: bool = typer.Option(False, "--json"),
 ) -> None:
     """Nearest rows to QUERY (cosine), embedded with the table's own model and query prompt."""
@@ -49,7 +51,7 @@ def search(
     texts = query_lines(queries) if queries is not None else [query]
     for text, results, scan in run_search(resolve_dsn(db, knobs()), table, texts, k=k, where=where, model=model, device=device,
                                           settings=knobs(), trust_remote_code=trust_remote_code,
-                                          hybrid=hybrid, rrf_k=rrf_k,
+                                          hybrid=hybrid, rrf_k=rrf_k, rescore=rescore,
                                           group_by_parent=group_by_parent, statement_timeout=statement_timeout):
         if queries is not None:
             sys.stdout.write(orjson.dumps({"query": text, "results": results, "scan": scan}, default=str).decode() + "\n")

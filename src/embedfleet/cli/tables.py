@@ -66,25 +66,37 @@ def map_(
 def index(
     table: str = typer.Option(..., "--table"),
     fts: bool = typer.Option(False, "--fts", help="add a full-text index of the content (for search --hybrid)"),
+    index: Optional[str] = typer.Option(None, "--index", help="hnsw | binary: rebuild the vector index as HNSW (as the "
+                                        "width allows) or over the binary-quantized vectors"),
     fts_config: str = typer.Option("simple", "--fts-config", help="its text search configuration (simple, english…)"),
     db: Optional[str] = DbOpt,
     json_out: bool = typer.Option(False, "--json"),
 ) -> None:
-    """Add an index to a table embedfleet wrote: --fts, a full-text index of its content for hybrid search."""
+    """Index a table embedfleet wrote: --fts (a full-text index for hybrid search), --index hnsw|binary."""
     from embedfleet.errors import EmbedfleetError
 
-    if not fts:
-        raise EmbedfleetError("name the index to add: --fts (a full-text index of the content)")
+    if not fts and index is None:
+        raise EmbedfleetError("name the index: --fts (a full-text index of the content) or --index hnsw|binary")
     from embedfleet.pg.connect import connect
-    from embedfleet.pg.ddl import embedding_info, table_sql
+    from embedfleet.pg.ddl import embedding_info, rebuild_index, table_sql
     from embedfleet.pg.embedded import resolve_dsn
     from embedfleet.pg.fts import FTS_COLUMN, add_fts
 
+    doc: dict = {"table": table}
     with connect(resolve_dsn(db, knobs())) as conn:
         embedding_info(conn, table)  # one line for a table that is not there
-        added = add_fts(conn, table_sql(conn, table), fts_config)
+        if index is not None:
+            name, built = rebuild_index(conn, table, index)
+            doc.update(index=index, index_name=name, index_built=built)
+        if fts:
+            doc.update(fts=True, fts_config=fts_config, added=add_fts(conn, table_sql(conn, table), fts_config),
+                       column=FTS_COLUMN)
     if json_out:
-        emit({"table": table, "fts": True, "fts_config": fts_config, "added": added, "column": FTS_COLUMN})
-    else:
-        typer.echo(f"table {table!r}: {'added' if added else 'already has'} a full-text index ({fts_config}); "
+        emit(doc)
+        return
+    if index is not None:
+        typer.echo(f"table {table!r}: {'built' if doc['index_built'] else 'already has'} a {index} index "
+                   f"({doc['index_name']})", err=True)
+    if fts:
+        typer.echo(f"table {table!r}: {'added' if doc['added'] else 'already has'} a full-text index ({fts_config}); "
                    "search --hybrid uses it", err=True)

@@ -209,7 +209,7 @@ def check_job(spec: JobSpec, conn, settings: Settings) -> JobSpec:
     if cfg.dim or hidden:  # the index a table of this width gets, decided and said before anything is planned
         from embedfleet.pg.ddl import index_plan
 
-        _, words = index_plan(cfg.dim or hidden, "halfvec" if cfg.dtype == "half" else "vector")
+        _, words = index_plan(cfg.dim or hidden, "halfvec" if cfg.dtype == "half" else "vector", cfg.index)
         if not cfg.no_index:
             log.info("index: %s", words)
     if cfg.passages:
@@ -430,7 +430,8 @@ def finalize(ledger: Ledger, job: str, cfg: JobSpec, timings: dict | None = None
             ledger.set_job_state(job, "failed", "; ".join(f"{w}: {e}" for w, e in errors[:3]))
         return counts, loaded  # otherwise stopped early (interrupted): a rerun resumes
     if loaded:
-        index = finish_table(ledger.conn, cfg.table, index=not cfg.no_index, timings=timings, dsn=ledger.dsn)
+        index = finish_table(ledger.conn, cfg.table, index=not cfg.no_index, timings=timings, dsn=ledger.dsn,
+                             kind=cfg.index)
         if index:
             log.info("table %s is searchable (HNSW index %s)", cfg.table, index)
         if cfg.fts:

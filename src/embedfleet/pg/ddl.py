@@ -335,13 +335,22 @@ HNSW_VECTOR_DIMS, HNSW_HALFVEC_DIMS, MAX_DIMS = 2000, 4000, 16000
 INDEX_KINDS = ("direct", "halfvec", "bit")
 
 
-def index_plan(dim: int, vtype: str) -> tuple[str, str]:
+INDEX_CHOICES = ("hnsw", "binary")  # --index: HNSW as the width allows, or over the binary-quantized vectors
+
+
+def index_plan(dim: int, vtype: str, index: str = "hnsw") -> tuple[str, str]:
     """(kind, what it is, in words) of the HNSW index a `dim`-dimensional `vtype` column gets: the column itself
     ("direct"), its values cast to halfvec ("halfvec": 2,001–4,000 dimensions stored as vector), or their binary
-    quantization, searched by Hamming distance and rescored by the full vectors ("bit": above 4,000)."""
+    quantization, searched by Hamming distance and rescored by the full vectors ("bit": above 4,000, or asked
+    for with `index="binary"`: 32 times smaller than the vectors' index)."""
+    if index not in INDEX_CHOICES:
+        raise InputError(f"--index {index!r}: use {' or '.join(INDEX_CHOICES)}")
     if dim > MAX_DIMS:
         raise InputError(f"{dim:,}-dimensional vectors: pgvector stores at most {MAX_DIMS:,}; use --dim N where the "
                          "model was trained for shorter vectors (Matryoshka)")
+    if index == "binary":
+        return "bit", (f"HNSW on binary_quantize(embedding)::bit({dim}) (--index binary: searches take its nearest "
+                       "by Hamming distance, --rescore of them, and rank those by the full vectors)")
     if dim <= (HNSW_HALFVEC_DIMS if vtype == "halfvec" else HNSW_VECTOR_DIMS):
         return "direct", f"HNSW on embedding ({dim:,} dimensions, {vtype})"
     if dim <= HNSW_HALFVEC_DIMS:
@@ -385,7 +394,7 @@ def index_of(conn: psycopg.Connection, table: str) -> tuple[str, str] | None:
 
 
 def finish_table(conn: psycopg.Connection, table: str, index: bool, timings: dict | None = None,
-                 dsn: str | None = None) -> str | None:
+                 dsn: str | None = None, kind: str = "hnsw") -> str | None:
     """Once a job has loaded `table`: statistics for the planner (ANALYZE reads a fixed-size sample; a
     partitioned table's partitions each on a connection of its own where `dsn` is given), autovacuum back
     to the server's setting, and an HNSW (cosine) index on the embedding unless it has one.
@@ -421,7 +430,7 @@ def finish_table(conn: psycopg.Connection, table: str, index: bool, timings: dic
                 conn.execute("SELECT pg_advisory_xact_lock(hashtext(%s))", lock)
                 if (name := vector_index(conn, table)) is not None:
                     return name
-                _create_index(conn, ident, vtype, workers, dim)
+                _create_index(conn, ident, vtype, workers, dim, kind)
                 name = vector_index(conn, table)
             if name is None:  # cannot happen unless PostgreSQL changed what CREATE INDEX makes
                 raise DatabaseError(f"the HNSW index of {table!r} was created but cannot be found")
@@ -469,11 +478,30 @@ def analyze(conn: psycopg.Connection, ident: sql.Identifier, dsn: str | None = N
     conn.execute(sql.SQL("ANALYZE ONLY {}").format(ident))
 
 
-def _create_index(conn: psycopg.Connection, ident: sql.Identifier, vtype: str, workers: int, dim: int) -> None:
+def rebuild_index(conn: psycopg.Connection, table: str, index: str) -> tuple[str, bool]:
+    """The table's vector index made `index` ("hnsw" or "binary"): built, then the one it had dropped. Returns
+    (its name, whether it was built: False where it had that kind already)."""
+    vtype, dim = embedding_info(conn, table)
+    kind, _ = index_plan(dim, vtype, index)
+    found = index_of(conn, table)
+    if found and found[1] == kind:
+        return found[0], False
+    ident = table_sql(conn, table)
+    with conn.transaction():
+        _create_index(conn, ident, vtype, max(0, min(7, (os.cpu_count() or 2) - 1)), dim, index)
+        if found:  # in the table's schema
+            schema = conn.execute("SELECT relnamespace::regnamespace::text FROM pg_class WHERE oid = %s::regclass",
+                                  [ident.as_string(conn)]).fetchone()[0]
+            conn.execute(sql.SQL("DROP INDEX {}.{}").format(sql.SQL(schema), sql.Identifier(found[0])))
+    return index_of(conn, table)[0], True
+
+
+def _create_index(conn: psycopg.Connection, ident: sql.Identifier, vtype: str, workers: int, dim: int,
+                  index: str = "hnsw") -> None:
     """HNSW (cosine; Hamming over binary-quantized vectors above 4,000 dimensions, see index_plan), named by
     PostgreSQL (unique in the schema, so tables whose names share a long prefix cannot collide), with a generous
     maintenance_work_mem and parallel maintenance workers."""
-    kind, _ = index_plan(dim, vtype)
+    kind, _ = index_plan(dim, vtype, index)
     conn.execute("SET LOCAL maintenance_work_mem = '1GB'")
     conn.execute(sql.SQL("SET LOCAL max_parallel_maintenance_workers = {}").format(sql.Literal(workers)))
     conn.execute(sql.SQL("CREATE INDEX ON {} USING hnsw ({})").format(ident, _index_expression(kind, dim, vtype)))

@@ -42,9 +42,9 @@ ITERATIVE_MIN = (0, 8)  # pgvector's iterative index scans: a filtered HNSW scan
 # A filter the planner expects to keep at most this many rows is searched exactly: measuring them all is cheap,
 # and a graph walk from a far region finds such rows only where it happens to enter them.
 EXACT_MATCHES = 20_000
-# A binary-quantized index (above 4,000 dimensions) ranks by Hamming distance: its nearest RESCORE × k rows (at
-# least RESCORE_MIN) are taken, then ranked by their full vectors' cosine distance.
-RESCORE, RESCORE_MIN = 40, 400
+# A binary-quantized index ranks by Hamming distance: its nearest --rescore rows (default RESCORE × k, at least
+# RESCORE_MIN) are taken, then ranked by their full vectors' cosine distance.
+RESCORE, RESCORE_MIN = 10, 40
 RRF_K = 60  # reciprocal rank fusion's constant (a result's score: the sum over rankings of 1 / (RRF_K + rank))
 HYBRID_DEPTH = 50  # candidates each ranking gives a hybrid search (at least; 4 × k for a larger k)
 
@@ -55,10 +55,14 @@ class Searcher:
     `scan` says how the last search found its rows: "index" (the HNSW index), "iterative" (the index, scanned
     on until k rows passed the filter), or "exact" (every row the filter keeps, measured)."""
 
-    def __init__(self, conn: psycopg.Connection, table: str, statement_timeout: float = DEFAULT_STATEMENT_TIMEOUT):
+    def __init__(self, conn: psycopg.Connection, table: str, statement_timeout: float = DEFAULT_STATEMENT_TIMEOUT,
+                 rescore: int | None = None):
         from pgvector.psycopg import register_vector
 
         self.conn, self.table, self.statement_timeout = conn, table, statement_timeout
+        if rescore is not None and rescore < 1:
+            raise InputError(f"--rescore {rescore}: take at least one candidate")
+        self.rescore = rescore  # a binary index's candidates (None: RESCORE × k, at least RESCORE_MIN)
         self.vtype, self.dim = embedding_info(conn, table)
         from embedfleet.pg.fts import FTS_COLUMN, fts_config
 
@@ -108,7 +112,7 @@ class Searcher:
         return "\n".join(r[0] for r in rows)
 
     def _params(self, vec, k: int) -> dict:
-        return {"q": vec, "k": k, "n": max(RESCORE * k, RESCORE_MIN)}
+        return {"q": vec, "k": k, "n": max(self.rescore or max(RESCORE * k, RESCORE_MIN), k)}
 
     def search(self, query_vec: np.ndarray, k: int = 10, where: str | None = None,
                ef_search: int | None = None, group_by_parent: bool = False, text: str | None = None,
@@ -270,12 +274,12 @@ def search_queries(conn: psycopg.Connection, table: str, queries: Iterable[str],
                    where: str | None = None, model: str | None = None, device: str = "cpu",
                    group_by_parent: bool = False, statement_timeout: float = DEFAULT_STATEMENT_TIMEOUT,
                    settings=None, trust_remote_code: bool = False, hybrid: bool = False,
-                   rrf_k: int = RRF_K) -> Iterator[tuple[str, list[dict], str]]:
+                   rrf_k: int = RRF_K, rescore: int | None = None) -> Iterator[tuple[str, list[dict], str]]:
     """(query, its top-k, how they were found) for each query, in order: the model loaded once, queries
     embedded QUERY_BATCH at a time (the same vectors as one at a time). `hybrid`: each query's text also
     ranked by the table's full-text index, the two rankings fused (Searcher.hybrid)."""
     embedding_info(conn, table)
-    searcher = Searcher(conn, table, statement_timeout)
+    searcher = Searcher(conn, table, statement_timeout, rescore)
     if hybrid and searcher.fts is None:  # said before a model is loaded
         raise InputError(f"--hybrid: table {table!r} has no full-text index; `embedfleet index --table {table} "
                          "--fts` adds one (or ingest with --fts)")
@@ -302,7 +306,7 @@ def run_search(dsn: str, table: str, queries: Iterable[str], k: int = 10, where:
                model: str | None = None, device: str = "cpu", group_by_parent: bool = False,
                statement_timeout: float = DEFAULT_STATEMENT_TIMEOUT, settings=None,
                trust_remote_code: bool = False, hybrid: bool = False,
-               rrf_k: int = RRF_K) -> Iterator[tuple[str, list[dict], str]]:
+               rrf_k: int = RRF_K, rescore: int | None = None) -> Iterator[tuple[str, list[dict], str]]:
     """`embedfleet search`: (query, its top-k, the scan) for each query, on one connection."""
     from embedfleet.pg.connect import connect
 
@@ -310,7 +314,7 @@ def run_search(dsn: str, table: str, queries: Iterable[str], k: int = 10, where:
         yield from search_queries(conn, table, queries, k=k, where=where, model=model, device=device,
                                   group_by_parent=group_by_parent, statement_timeout=statement_timeout,
                                   settings=settings, trust_remote_code=trust_remote_code, hybrid=hybrid,
-                                  rrf_k=rrf_k)
+                                  rrf_k=rrf_k, rescore=rescore)
 
 
 def query_lines(path: str) -> Iterator[str]:
