@@ -32,6 +32,9 @@ def search(
     rrf_k: int = typer.Option(60, "--rrf-k", help="with --hybrid: reciprocal rank fusion's constant"),
     rescore: Optional[int] = typer.Option(None, "--rescore", help="a binary index's candidates ranked by the full "
                                           "vectors (default 10 × k, at least 40)"),
+    rerank: Optional[str] = typer.Option(None, "--rerank", help="a cross-encoder (sentence-transformers CrossEncoder "
+                                         "directory or hub id) that reorders the first --rerank-depth rows"),
+    rerank_depth: int = typer.Option(50, "--rerank-depth", help="with --rerank: the rows it scores"),
     json_out: bool = typer.Option(False, "--json"),
 ) -> None:
     """Nearest rows to QUERY (cosine), embedded with the table's own model and query prompt."""
@@ -51,7 +54,8 @@ def search(
     texts = query_lines(queries) if queries is not None else [query]
     for text, results, scan in run_search(resolve_dsn(db, knobs()), table, texts, k=k, where=where, model=model, device=device,
                                           settings=knobs(), trust_remote_code=trust_remote_code,
-                                          hybrid=hybrid, rrf_k=rrf_k, rescore=rescore,
+                                          hybrid=hybrid, rrf_k=rrf_k, rescore=rescore, rerank=rerank,
+                                          rerank_depth=rerank_depth,
                                           group_by_parent=group_by_parent, statement_timeout=statement_timeout):
         if queries is not None:
             sys.stdout.write(orjson.dumps({"query": text, "results": results, "scan": scan}, default=str).decode() + "\n")

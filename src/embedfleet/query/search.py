@@ -274,20 +274,36 @@ def search_queries(conn: psycopg.Connection, table: str, queries: Iterable[str],
                    where: str | None = None, model: str | None = None, device: str = "cpu",
                    group_by_parent: bool = False, statement_timeout: float = DEFAULT_STATEMENT_TIMEOUT,
                    settings=None, trust_remote_code: bool = False, hybrid: bool = False,
-                   rrf_k: int = RRF_K, rescore: int | None = None) -> Iterator[tuple[str, list[dict], str]]:
+                   rrf_k: int = RRF_K, rescore: int | None = None, rerank: str | None = None,
+                   rerank_depth: int | None = None) -> Iterator[tuple[str, list[dict], str]]:
     """(query, its top-k, how they were found) for each query, in order: the model loaded once, queries
     embedded QUERY_BATCH at a time (the same vectors as one at a time). `hybrid`: each query's text also
-    ranked by the table's full-text index, the two rankings fused (Searcher.hybrid)."""
+    ranked by the table's full-text index, the two rankings fused (Searcher.hybrid). `rerank`: a cross-encoder
+    that reorders the first `rerank_depth` rows (query/rerank.py)."""
+    from embedfleet.query.rerank import RERANK_DEPTH
+
+    depth = rerank_depth or RERANK_DEPTH
+    if rerank and depth < k:
+        raise InputError(f"--rerank-depth {depth}: rerank at least the k = {k} rows asked for")
     embedding_info(conn, table)
     searcher = Searcher(conn, table, statement_timeout, rescore)
     if hybrid and searcher.fts is None:  # said before a model is loaded
         raise InputError(f"--hybrid: table {table!r} has no full-text index; `embedfleet index --table {table} "
                          "--fts` adds one (or ingest with --fts)")
     encoder = query_encoder(conn, table, model, device, settings, trust_remote_code)
+    reranker = None
     try:
+        if rerank:
+            from embedfleet.query.rerank import Reranker
+
+            reranker = Reranker(rerank, device=device, trust_remote_code=trust_remote_code)
+
         def each(batch: list[str]) -> Iterator[tuple[str, list[dict], str]]:
             for text, vec in zip(batch, encoder.encode(batch)):
-                results = searcher.search(vec, k, where, None, group_by_parent, text if hybrid else None, rrf_k)
+                results = searcher.search(vec, depth if reranker else k, where, None, group_by_parent,
+                                          text if hybrid else None, rrf_k)
+                if reranker is not None:
+                    results = reranker.rerank(text, results, k)
                 yield text, results, searcher.scan
 
         batch: list[str] = []
@@ -306,7 +322,8 @@ def run_search(dsn: str, table: str, queries: Iterable[str], k: int = 10, where:
                model: str | None = None, device: str = "cpu", group_by_parent: bool = False,
                statement_timeout: float = DEFAULT_STATEMENT_TIMEOUT, settings=None,
                trust_remote_code: bool = False, hybrid: bool = False,
-               rrf_k: int = RRF_K, rescore: int | None = None) -> Iterator[tuple[str, list[dict], str]]:
+               rrf_k: int = RRF_K, rescore: int | None = None, rerank: str | None = None,
+               rerank_depth: int | None = None) -> Iterator[tuple[str, list[dict], str]]:
     """`embedfleet search`: (query, its top-k, the scan) for each query, on one connection."""
     from embedfleet.pg.connect import connect
 
@@ -314,7 +331,7 @@ def run_search(dsn: str, table: str, queries: Iterable[str], k: int = 10, where:
         yield from search_queries(conn, table, queries, k=k, where=where, model=model, device=device,
                                   group_by_parent=group_by_parent, statement_timeout=statement_timeout,
                                   settings=settings, trust_remote_code=trust_remote_code, hybrid=hybrid,
-                                  rrf_k=rrf_k, rescore=rescore)
+                                  rrf_k=rrf_k, rescore=rescore, rerank=rerank, rerank_depth=rerank_depth)
 
 
 def query_lines(path: str) -> Iterator[str]:

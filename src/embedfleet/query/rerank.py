@@ -1,0 +1,65 @@
+"""Reranking: a cross-encoder (a sentence-transformers CrossEncoder directory or hub id) scores each (query, row)
+pair, and the search's first `--rerank-depth` rows are put in the order of those scores.
+
+The model runs through transformers' AutoModelForSequenceClassification, as sentence-transformers' CrossEncoder
+runs it: pairs tokenized together (truncated to the model's limit), one logit a pair, the CrossEncoder's
+activation on it (sigmoid for a one-label model unless its config names another).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from embedfleet.errors import ModelError
+
+__all__ = ["Reranker", "RERANK_DEPTH"]
+
+RERANK_DEPTH = 50  # rows a reranked search scores (the search's first; k of them come back)
+BATCH = 32
+
+
+class Reranker:
+    def __init__(self, model: str, device: str = "cpu", trust_remote_code: bool = False):
+        import torch
+        from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+        from embedfleet.encode.models import resolve_model
+
+        path = resolve_model(model)
+        try:
+            self.tokenizer = AutoTokenizer.from_pretrained(str(path), trust_remote_code=trust_remote_code)
+            self.model = AutoModelForSequenceClassification.from_pretrained(
+                str(path), trust_remote_code=trust_remote_code).to(device).eval()
+        except (OSError, ValueError) as e:
+            raise ModelError(f"--rerank {model}: not a cross-encoder transformers can load "
+                             f"({str(e).splitlines()[0]})") from None
+        self.name, self.device = str(model), device
+        cfg = self.model.config
+        limit = getattr(cfg, "max_position_embeddings", 512)
+        told = getattr(self.tokenizer, "model_max_length", limit)
+        self.max_length = min(limit, told if isinstance(told, int) and told < 1_000_000 else limit, 512)
+        act = ((getattr(cfg, "sentence_transformers", None) or {}).get("activation_fn") or
+               ("torch.nn.modules.activation.Sigmoid" if cfg.num_labels == 1 else "torch.nn.modules.linear.Identity"))
+        self._sigmoid = act.rsplit(".", 1)[-1] == "Sigmoid"
+        self._torch = torch
+
+    def scores(self, query: str, texts: list[str]) -> np.ndarray:
+        """One score a text, for the pair (query, text): the higher, the more relevant."""
+        torch = self._torch
+        out = []
+        with torch.inference_mode():
+            for a in range(0, len(texts), BATCH):
+                part = texts[a:a + BATCH]
+                enc = self.tokenizer([query] * len(part), part, padding=True, truncation=True,
+                                     max_length=self.max_length, return_tensors="pt").to(self.device)
+                logits = self.model(**enc).logits.float()
+                logits = logits[:, 0] if logits.shape[1] == 1 else logits.max(1).values
+                out.append((torch.sigmoid(logits) if self._sigmoid else logits).cpu().numpy())
+        return np.concatenate(out) if out else np.zeros(0, np.float32)
+
+    def rerank(self, query: str, rows: list[dict], k: int) -> list[dict]:
+        """The k rows that score best, best first, each with its `rerank_score`."""
+        scores = self.scores(query, [str(r["content"]) for r in rows])
+        for r, s in zip(rows, scores.tolist()):
+            r["rerank_score"] = s
+        return sorted(rows, key=lambda r: -r["rerank_score"])[:k]
