@@ -50,6 +50,21 @@ def test_rerank_orders_by_the_cross_encoders_scores(cli, dsn, conn, cross_encode
     assert [r["content"] for r in got] == order
     np.testing.assert_allclose([r["rerank_score"] for r in got], np.sort(want)[::-1][:5], rtol=1e-4, atol=1e-5)
     assert [r["content"] for r in got] != [r["content"] for r in plain["results"][:5]]  # it did reorder
+    from embedfleet.errors import InputError
+    from embedfleet.query.serve import SearchService
+
+    service = SearchService(dsn, "docs", device="cpu", rerank=str(cross_encoder))  # serve --rerank; rerank=true
+    try:
+        served, _ = service.search(query, 5, rerank=True)
+        assert [r["content"] for r in served] == order
+    finally:
+        service.close()
+    plain_service = SearchService(dsn, "docs", device="cpu")
+    try:
+        with pytest.raises(InputError, match="--rerank MODEL"):
+            plain_service.search(query, 5, rerank=True)
+    finally:
+        plain_service.close()
     bad = cli("search", query, "--table", "docs", "--db", dsn, "-k", "5", "--rerank", cross_encoder,
               "--rerank-depth", "3")
     assert bad.returncode != 0 and "--rerank-depth 3" in bad.stderr

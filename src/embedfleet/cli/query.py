@@ -88,6 +88,7 @@ def serve(
     statement_timeout: float = typer.Option(5.0, "--statement-timeout", help="seconds a request's search may run"),
     api_key: Optional[str] = typer.Option(None, "--api-key", help="a bearer key every request but /health must give "
                                           "(default $EMBEDFLEET_API_KEY); needed to listen beyond loopback"),
+    rerank: Optional[str] = typer.Option(None, "--rerank", help="a cross-encoder that /search?rerank=true uses"),
 ) -> None:
     """Answer /search (nearest rows) and /v1/embeddings (OpenAI-compatible) over HTTP, the model loaded once."""
     if where_db and not allow_where:
@@ -105,7 +106,7 @@ def serve(
     try:
         run_serve(dsn, table, host=host, port=port, k=k, model=model, device=device, where_dsn=where_dsn, settings=knobs(),
                   statement_timeout=statement_timeout, trust_remote_code=trust_remote_code,
-                  api_key=api_key or knobs().api_key)
+                  api_key=api_key or knobs().api_key, rerank=rerank)
     except KeyboardInterrupt:  # uvicorn stops on SIGINT/SIGTERM, then raises the signal again
         pass
     stopped_on_purpose()

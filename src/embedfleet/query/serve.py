@@ -199,7 +199,7 @@ class SearchService:
 
     def __init__(self, dsn: str, table: str, k: int = 10, model: str | None = None, device: str = "auto",
                  connections: int = CONNECTIONS, where_dsn: str | None = None, statement_timeout: float = 5.0,
-                 settings=None, trust_remote_code: bool = False):
+                 settings=None, trust_remote_code: bool = False, rerank: str | None = None):
         from embedfleet.pg.connect import connect
         from embedfleet.query.search import Searcher, query_encoder
 
@@ -229,6 +229,12 @@ class SearchService:
         self._plain.put_first(first)
         self._filtered = _Pool(opener(where_dsn), connections) if where_dsn else None
         self._encode_lock = threading.Lock()  # the query encoder: one call at a time
+        self.reranker = None
+        if rerank:
+            from embedfleet.query.rerank import Reranker
+
+            self.reranker = Reranker(rerank, device=self.encoder.device, trust_remote_code=trust_remote_code)
+        self._rerank_lock = threading.Lock()
         # /v1/embeddings: documents, with the model's default prompt
         self.batcher = Batcher(lambda texts: self.encoder.encode_counted(texts, prompt=None), self._encode_lock)
 
@@ -236,11 +242,13 @@ class SearchService:
         return {"table": self.table, **self.encoder.describe()}
 
     def search(self, q: str, k: int | None = None, where: str | None = None,
-               running: Running | None = None, hybrid: bool = False) -> tuple[list[dict], str]:
+               running: Running | None = None, hybrid: bool = False, rerank: bool = False) -> tuple[list[dict], str]:
         """(the top-k rows, how they were found). `running` lets another thread cancel the statement. `hybrid`:
         the full-text ranking of `q` fused with the vector ranking (Searcher.hybrid)."""
         if where and self._filtered is None:
             raise InputError("filters are off on this server: start `embedfleet serve` with --allow-where")
+        if rerank and self.reranker is None:
+            raise InputError("reranking is off on this server: start `embedfleet serve` with --rerank MODEL")
         with self._encode_lock:
             vec = self.encoder.encode([q])[0]
         pool = self._filtered if where else self._plain
@@ -249,8 +257,15 @@ class SearchService:
         try:
             if running is not None:
                 running.attach(searcher.conn)
-            results = searcher.search(vec, k or self.k, where, text=q if hybrid else None)
+            from embedfleet.query.rerank import RERANK_DEPTH
+
+            want = k or self.k
+            results = searcher.search(vec, max(want, RERANK_DEPTH) if rerank else want, where,
+                                      text=q if hybrid else None)
             healthy = True
+            if rerank:
+                with self._rerank_lock:
+                    results = self.reranker.rerank(q, results, want)
             return results, searcher.scan
         except EmbedfleetError:  # the user's input (a bad where): the connection rolled back, still good
             healthy = not searcher.conn.broken
@@ -344,6 +359,7 @@ def make_app(service: SearchService, api_key: str | None = None):
           - {name: k, in: query, schema: {type: integer, minimum: 1, maximum: 1000}}
           - {name: where, in: query, description: SQL filter (with --allow-where), schema: {type: string}}
           - {name: hybrid, in: query, description: fuse a full-text ranking, schema: {type: boolean}}
+          - {name: rerank, in: query, description: reorder by the server's --rerank model, schema: {type: boolean}}
         responses:
           200: {description: "{results: [{id, distance, content, …}], scan}"}
           400: {description: a bad parameter or filter}
@@ -363,11 +379,12 @@ def make_app(service: SearchService, api_key: str | None = None):
         hybrid = params.get("hybrid", "false").lower()
         if hybrid not in ("true", "false", "1", "0"):
             return error(400, f"hybrid={hybrid!r}: true or false")
-        if params.get("rerank"):
-            return error(400, "rerank is not available on this server yet")
+        rerank = params.get("rerank", "false").lower()
+        if rerank not in ("true", "false", "1", "0"):
+            return error(400, f"rerank={rerank!r}: true or false (the model is the server's --rerank)")
         running = Running()
         task = asyncio.ensure_future(run_in_threadpool(service.search, q, int(k) if k else None, where, running,
-                                                       hybrid in ("true", "1")))
+                                                       hybrid in ("true", "1"), rerank in ("true", "1")))
         while not task.done():
             await asyncio.wait({task}, timeout=DISCONNECT_POLL_S)
             if not task.done() and await request.is_disconnected():
@@ -533,7 +550,7 @@ def _listen(host: str, port: int) -> socket.socket:
 def serve(dsn: str, table: str, host: str = "127.0.0.1", port: int = 8000, k: int = 10,
           model: str | None = None, device: str = "auto", where_dsn: str | None = None,
           statement_timeout: float = 5.0, settings=None, trust_remote_code: bool = False,
-          api_key: str | None = None) -> None:
+          api_key: str | None = None, rerank: str | None = None) -> None:
     """Serve until interrupted (SIGINT or SIGTERM); prints the URL (to stderr) once it listens."""
     import uvicorn
 
@@ -541,7 +558,8 @@ def serve(dsn: str, table: str, host: str = "127.0.0.1", port: int = 8000, k: in
         raise InputError(f"--host {host} listens beyond this machine: give --api-key KEY (or EMBEDFLEET_API_KEY) so "
                          "that every request needs it")
     service = SearchService(dsn, table, k=k, model=model, device=device, where_dsn=where_dsn,
-                            statement_timeout=statement_timeout, settings=settings, trust_remote_code=trust_remote_code)
+                            statement_timeout=statement_timeout, settings=settings, trust_remote_code=trust_remote_code,
+                            rerank=rerank)
     try:
         sock = _listen(host, port)
         bound_host, bound_port = sock.getsockname()[:2]
