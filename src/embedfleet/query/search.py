@@ -285,8 +285,7 @@ def search_queries(conn: psycopg.Connection, table: str, queries: Iterable[str],
     depth = rerank_depth or RERANK_DEPTH
     if rerank and depth < k:
         raise InputError(f"--rerank-depth {depth}: rerank at least the k = {k} rows asked for")
-    embedding_info(conn, table)
-    searcher = Searcher(conn, table, statement_timeout, rescore)
+    searcher = Searcher(conn, table, statement_timeout, rescore)  # a missing table fails here, before any model
     if hybrid and searcher.fts is None:  # said before a model is loaded
         raise InputError(f"--hybrid: table {table!r} has no full-text index; `embedfleet index --table {table} "
                          "--fts` adds one (or ingest with --fts)")

@@ -34,6 +34,7 @@ from typing import Callable
 import numpy as np
 
 from embedfleet.errors import DatabaseError, EmbedfleetError, InputError
+from embedfleet.query.rerank import RERANK_DEPTH
 
 __all__ = ["SearchService", "make_app", "serve"]
 
@@ -88,12 +89,14 @@ class Batcher:
         self._encode, self._lock = encode, lock
         self._todo: queue.Queue = queue.Queue()
         self.waiting = 0  # requests queued or in the batch being encoded (a gauge)
+        self._count = threading.Lock()  # `waiting` changes on the server's thread and on this one
         self._thread = threading.Thread(target=self._run, name="embedfleet-batcher", daemon=True)
         self._thread.start()
 
     def submit(self, texts: list[str]) -> Future:
         fut: Future = Future()
-        self.waiting += 1
+        with self._count:
+            self.waiting += 1
         self._todo.put((texts, fut))
         return fut
 
@@ -126,7 +129,8 @@ class Batcher:
                 for item, fut in batch:
                     fut.set_result((vectors[at:at + len(item)], int(lengths[at:at + len(item)].sum())))
                     at += len(item)
-            self.waiting -= len(batch)
+            with self._count:
+                self.waiting -= len(batch)
 
     def close(self) -> None:
         self._todo.put(None)
@@ -257,8 +261,6 @@ class SearchService:
         try:
             if running is not None:
                 running.attach(searcher.conn)
-            from embedfleet.query.rerank import RERANK_DEPTH
-
             want = k or self.k
             results = searcher.search(vec, max(want, RERANK_DEPTH) if rerank else want, where,
                                       text=q if hybrid else None)

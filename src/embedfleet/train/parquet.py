@@ -148,8 +148,7 @@ def load_parquet(path: str, features: Sequence[str], label: str | None = None, c
     columns = list(dict.fromkeys(features + [c for c in (label, id_field) if c]))
     table = _read(fs, files, columns)
     n_all = table.num_rows
-    ids = Ids.concat([Ids("".join(map(str, range(n_all))).encode(), np.cumsum([len(str(i)) for i in range(n_all)]))]) \
-        if id_field is None else _ids(table.column(id_field))
+    ids = _ids(table.column(id_field).to_pylist() if id_field else range(n_all))  # default: the row's position
     keep = np.ones(n_all, bool)
     labels, classes, kind = None, None, None
     if label is not None:
@@ -220,7 +219,6 @@ def load_parquet(path: str, features: Sequence[str], label: str | None = None, c
                window)
 
 
-def _ids(col) -> Ids:
-    values = [str(v) for v in col.to_pylist()]
-    data = [v.encode() for v in values]
+def _ids(values) -> Ids:
+    data = [str(v).encode() for v in values]
     return Ids(b"".join(data), np.cumsum([len(d) for d in data], dtype=np.int64))
