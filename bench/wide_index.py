@@ -46,7 +46,8 @@ def main() -> None:
     a = ap.parse_args()
     from pgvector.psycopg import register_vector
 
-    from embedfleet.pg.ddl import finish_table, rebuild_index
+    from embedfleet.pg.ddl import finish_table
+    from embedfleet.pg.index_build import rebuild_index
     from embedfleet.pg.embedded import resolve_dsn
     from embedfleet.settings import Settings
 

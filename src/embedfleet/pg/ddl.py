@@ -378,19 +378,21 @@ def vector_index(conn: psycopg.Connection, table: str) -> str | None:
 
 def index_of(conn: psycopg.Connection, table: str) -> tuple[str, str] | None:
     """(name, kind) of the HNSW index on `table`'s embedding (kind: one of INDEX_KINDS), or None."""
-    row = conn.execute(
-        "SELECT c.relname, pg_get_indexdef(i.indexrelid) FROM pg_index i JOIN pg_class c ON c.oid = i.indexrelid "
+    found = indexes_of(conn, table)
+    return found[0] if found else None
+
+
+def indexes_of(conn: psycopg.Connection, table: str) -> list[tuple[str, str]]:
+    """(name, kind) of each HNSW index on `table`'s embedding, by name."""
+    rows = conn.execute(
+        "SELECT DISTINCT c.relname, pg_get_indexdef(i.indexrelid) FROM pg_index i JOIN pg_class c ON c.oid = i.indexrelid "
         "JOIN pg_am am ON am.oid = c.relam LEFT JOIN pg_attribute a ON a.attrelid = i.indrelid AND a.attnum = ANY(i.indkey) "
-        "AND a.attnum > 0 WHERE i.indrelid = %s::regclass AND am.amname = 'hnsw' "
+        "AND a.attnum > 0 WHERE i.indrelid = %s::regclass AND am.amname = 'hnsw' AND i.indisvalid "
         "AND (a.attname = 'embedding' OR (a.attname IS NULL AND pg_get_indexdef(i.indexrelid) ~ '\\membedding\\M')) "
-        "ORDER BY 1 LIMIT 1",
+        "ORDER BY 1",
         [_regclass(conn, table)],
-    ).fetchone()
-    if row is None:
-        return None
-    definition = row[1]
-    kind = "bit" if "binary_quantize" in definition else "halfvec" if "::halfvec" in definition else "direct"
-    return row[0], kind
+    ).fetchall()
+    return [(name, "bit" if "binary_quantize" in d else "halfvec" if "::halfvec" in d else "direct") for name, d in rows]
 
 
 def finish_table(conn: psycopg.Connection, table: str, index: bool, timings: dict | None = None,
@@ -423,23 +425,20 @@ def finish_table(conn: psycopg.Connection, table: str, index: bool, timings: dic
     timings["commit_s"] = round(time.perf_counter() - t0, 3)
     if not index:
         return None
-    vtype, dim = embedding_info(conn, table)
-    for workers in (max(0, min(7, (os.cpu_count() or 2) - 1)), 0):
-        try:
-            with conn.transaction():
-                conn.execute("SELECT pg_advisory_xact_lock(hashtext(%s))", lock)
-                if (name := vector_index(conn, table)) is not None:
-                    return name
-                _create_index(conn, ident, vtype, workers, dim, kind)
-                name = vector_index(conn, table)
-            if name is None:  # cannot happen unless PostgreSQL changed what CREATE INDEX makes
-                raise DatabaseError(f"the HNSW index of {table!r} was created but cannot be found")
+    from embedfleet.pg.index_build import build_index
+
+    with conn.transaction():
+        conn.execute("SELECT pg_advisory_xact_lock(hashtext(%s))", lock)
+        if (name := vector_index(conn, table)) is not None:
             return name
-        except (psycopg.errors.OutOfMemory, psycopg.errors.DiskFull):
-            if workers == 0:
-                raise
-            # A small /dev/shm (containers) cannot hold a parallel build's shared memory: build serially.
-    return None
+        t0 = time.perf_counter()
+        plan = build_index(conn, table, kind, dsn)
+        timings["index_s"] = round(time.perf_counter() - t0, 3)
+        timings["index_build"] = plan._asdict()
+        name = vector_index(conn, table)
+    if name is None:  # cannot happen unless PostgreSQL changed what CREATE INDEX makes
+        raise DatabaseError(f"the HNSW index of {table!r} was created but cannot be found")
+    return name
 
 
 ANALYZE_SIDE_BY_SIDE = 8  # partitions sampled at once
@@ -476,32 +475,3 @@ def analyze(conn: psycopg.Connection, ident: sql.Identifier, dsn: str | None = N
         conn.execute(whole)
         return
     conn.execute(sql.SQL("ANALYZE ONLY {}").format(ident))
-
-
-def rebuild_index(conn: psycopg.Connection, table: str, index: str) -> tuple[str, bool]:
-    """The table's vector index made `index` ("hnsw" or "binary"): built, then the one it had dropped. Returns
-    (its name, whether it was built: False where it had that kind already)."""
-    vtype, dim = embedding_info(conn, table)
-    kind, _ = index_plan(dim, vtype, index)
-    found = index_of(conn, table)
-    if found and found[1] == kind:
-        return found[0], False
-    ident = table_sql(conn, table)
-    with conn.transaction():
-        _create_index(conn, ident, vtype, max(0, min(7, (os.cpu_count() or 2) - 1)), dim, index)
-        if found:  # in the table's schema
-            schema = conn.execute("SELECT relnamespace::regnamespace::text FROM pg_class WHERE oid = %s::regclass",
-                                  [ident.as_string(conn)]).fetchone()[0]
-            conn.execute(sql.SQL("DROP INDEX {}.{}").format(sql.SQL(schema), sql.Identifier(found[0])))
-    return index_of(conn, table)[0], True
-
-
-def _create_index(conn: psycopg.Connection, ident: sql.Identifier, vtype: str, workers: int, dim: int,
-                  index: str = "hnsw") -> None:
-    """HNSW (cosine; Hamming over binary-quantized vectors above 4,000 dimensions, see index_plan), named by
-    PostgreSQL (unique in the schema, so tables whose names share a long prefix cannot collide), with a generous
-    maintenance_work_mem and parallel maintenance workers."""
-    kind, _ = index_plan(dim, vtype, index)
-    conn.execute("SET LOCAL maintenance_work_mem = '1GB'")
-    conn.execute(sql.SQL("SET LOCAL max_parallel_maintenance_workers = {}").format(sql.Literal(workers)))
-    conn.execute(sql.SQL("CREATE INDEX ON {} USING hnsw ({})").format(ident, _index_expression(kind, dim, vtype)))

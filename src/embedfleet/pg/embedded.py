@@ -87,13 +87,22 @@ def memory_bytes() -> int:
     return total
 
 
+def worker_settings(cores: int) -> dict[str, str]:
+    """Parallel workers a core, where the machine has more cores than PostgreSQL's stock 8 workers: an HNSW
+    build then runs on all of them (docs/decisions/index-build.md). The pool keeps 8 beside them for other work."""
+    if cores <= 8:
+        return {}
+    return {"max_worker_processes": str(cores + 8), "max_parallel_workers": str(cores)}
+
+
 def bulk_settings(data: Path) -> dict[str, str]:
     """The settings for a server whose data directory is `data`."""
     where = data
     while not where.exists():  # before the first start: the disk it will be on
         where = where.parent
     return {**BULK_SETTINGS, "shared_buffers": f"{shared_buffers_mb(memory_bytes())}MB",
-            "max_wal_size": f"{max_wal_size_gb(shutil.disk_usage(where).total)}GB"}
+            "max_wal_size": f"{max_wal_size_gb(shutil.disk_usage(where).total)}GB",
+            **worker_settings(os.cpu_count() or 2)}
 
 
 def changed(have: dict[str, str], wanted: dict[str, str]) -> dict[str, str]:

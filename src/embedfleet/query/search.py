@@ -45,6 +45,9 @@ EXACT_MATCHES = 20_000
 # A binary-quantized index ranks by Hamming distance: its nearest --rescore rows (default RESCORE × k, at least
 # RESCORE_MIN) are taken, then ranked by their full vectors' cosine distance.
 RESCORE, RESCORE_MIN = 10, 40
+# hnsw.ef_search unless asked: pgvector's 40 walks too little of a million-row graph for recall@10 0.95, and
+# never hands over more rows than it, so a larger k gets at least k (docs/decisions/index-build.md)
+EF_SEARCH = 100
 RRF_K = 60  # reciprocal rank fusion's constant (a result's score: the sum over rankings of 1 / (RRF_K + rank))
 HYBRID_DEPTH = 50  # candidates each ranking gives a hybrid search (at least; 4 × k for a larger k)
 
@@ -137,7 +140,7 @@ class Searcher:
             raise InputError(f"--group-by-parent: table {self.table!r} has no passages (ingest it with --passages)")
         limit = 8 * k
         while True:  # the nearest passages, more of them until they hold k distinct records (or all there are)
-            rows = self._nearest(query_vec, limit, where, max(ef_search or 0, limit) if limit > 40 else ef_search)
+            rows = self._nearest(query_vec, limit, where, ef_search)
             best: dict = {}
             for r in rows:
                 best.setdefault(r["parent_id"], r)
@@ -239,9 +242,10 @@ class Searcher:
         by_index, exact = self.statements(filt)
         params = self._params(vec, k)
         with self._guarded(where) as cur:
+            ef_search = max(ef_search or EF_SEARCH, k)
             if self.index_kind == "bit":  # the index must hand over every candidate the rescore takes
-                ef_search = max(ef_search or 0, params["n"])
-            if ef_search:
+                ef_search = max(ef_search, params["n"])
+            if self.indexed:
                 cur.execute(sql.SQL("SET LOCAL hnsw.ef_search = {}").format(sql.Literal(int(ef_search))))
             scan = "exact" if not self.indexed else "index"
             if where and self.indexed and self._matching(cur, filt) <= EXACT_MATCHES:

@@ -1,0 +1,150 @@
+"""Building a table's HNSW index as fast as its server allows: maintenance_work_mem sized to the graph, a
+parallel worker a core, and a partitioned table's partitions built side by side (docs/decisions/index-build.md).
+
+pgvector builds the graph in memory while it fits in maintenance_work_mem and inserts the rest one page at a
+time, many times slower; PostgreSQL gives a build workers by the table's size (five for a million MiniLM rows),
+not by the cores, unless the table's `parallel_workers` says otherwise."""
+
+from __future__ import annotations
+
+import math
+import os
+from concurrent.futures import ThreadPoolExecutor
+from typing import NamedTuple
+
+import psycopg
+from psycopg import sql
+
+from embedfleet.pg.ddl import _index_expression, embedding_info, heaps, index_of, index_plan, indexes_of, table_sql
+
+__all__ = ["BuildPlan", "build_index", "build_plan", "graph_mb", "rebuild_index"]
+
+HNSW_M = 16  # pgvector's default m: 2·m neighbours at the graph's bottom layer
+# An element of pgvector's in-memory graph beside its value: header, heap tids, lock, neighbour lists of
+# 16-byte entries (2·m below, m on the few upper layers).
+ELEMENT_BYTES = 160 + 2 * HNSW_M * 16 + HNSW_M * 16 // (HNSW_M - 1)
+HEADROOM = 1.25  # the estimate's margin: a graph one byte over maintenance_work_mem finishes page by page
+MIN_MEMORY_MB = 64
+REMOTE_MEMORY_MB = 8192  # the most one build asks of a server whose memory this process cannot see
+MAX_SIDE_BY_SIDE = 4  # partitions built at once: enough to overlap each build's single-threaded write-out
+
+
+class BuildPlan(NamedTuple):
+    memory_mb: int  # maintenance_work_mem of each build
+    workers: int  # parallel maintenance workers of each build (its leader works too)
+    side_by_side: int  # builds at once: 1 for a table, up to MAX_SIDE_BY_SIDE for a partitioned one
+
+
+def value_bytes(kind: str, dim: int, vtype: str) -> int:
+    """Bytes of one indexed value as the graph holds it."""
+    if kind == "bit":
+        return 8 + (dim + 7) // 8
+    return 8 + dim * (2 if kind == "halfvec" or vtype == "halfvec" else 4)
+
+
+def graph_mb(rows: float, kind: str, dim: int, vtype: str) -> int:
+    """maintenance_work_mem (MB) that holds the graph of `rows` elements, with HEADROOM."""
+    return max(MIN_MEMORY_MB, math.ceil(rows * (ELEMENT_BYTES + value_bytes(kind, dim, vtype)) * HEADROOM / 2**20))
+
+
+def build_plan(rows: list[float], kind: str, dim: int, vtype: str, cores: int, memory_mb: int) -> BuildPlan:
+    """How to build the index of heaps holding `rows` each (one heap: a table; several: its partitions), on a
+    server of `cores` cores that can give the builds `memory_mb` in all. Each build's graph fits its memory where
+    the budget allows; side by side only as many as the budget holds; the cores shared among them."""
+    each = graph_mb(max(rows, default=0), kind, dim, vtype)
+    side_by_side = max(1, min(len(rows), MAX_SIDE_BY_SIDE, max(2, cores // 2) if cores > 1 else 1, memory_mb // each))
+    return BuildPlan(min(each, memory_mb), max(0, cores // side_by_side - 1), side_by_side)
+
+
+def _local(conn: psycopg.Connection) -> bool:
+    host = conn.info.host or ""
+    return host.startswith("/") or host in ("localhost", "127.0.0.1", "::1", "")
+
+
+def server_resources(conn: psycopg.Connection) -> tuple[int, int]:
+    """(cores, MB of memory) a build may use: this machine's where the server runs on it, less what the server
+    lets parallel work have (max_parallel_workers)."""
+    allowed = int(conn.execute("SELECT current_setting('max_parallel_workers')").fetchone()[0]) + 1
+    if not _local(conn):
+        return allowed, REMOTE_MEMORY_MB
+    from embedfleet.pg.embedded import memory_bytes
+
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 2)
+    return min(cores, allowed), memory_bytes() // 2 >> 20
+
+
+def _rows(conn: psycopg.Connection, oid: int) -> float:
+    """The heap's rows as its statistics say (ANALYZE has run), else as its pages suggest."""
+    reltuples, pages = conn.execute("SELECT reltuples, pg_relation_size(oid) / current_setting('block_size')::int "
+                                    "FROM pg_class WHERE oid = %s", [oid]).fetchone()
+    return reltuples if reltuples and reltuples > 0 else pages * 4.0
+
+
+def _create(conn: psycopg.Connection, heap: sql.Composable, expression: sql.Composable, plan: BuildPlan) -> None:
+    """CREATE INDEX on `heap` in a transaction of its own with the plan's memory and workers. The table's
+    `parallel_workers` (what PostgreSQL gives a build otherwise follows its size) is set for the build and put
+    back before the commit; a failed parallel build (a container's small /dev/shm) is done again serially."""
+    for workers in ((plan.workers, 0) if plan.workers else (0,)):
+        try:
+            with conn.transaction():
+                conn.execute(sql.SQL("SET LOCAL maintenance_work_mem = {}").format(sql.Literal(f"{plan.memory_mb}MB")))
+                conn.execute(sql.SQL("SET LOCAL max_parallel_maintenance_workers = {}").format(sql.Literal(workers)))
+                (options,) = conn.execute("SELECT coalesce(reloptions, '{}') FROM pg_class WHERE oid = %s::regclass",
+                                          [heap.as_string(conn)]).fetchone()
+                own = next((o.split("=", 1)[1] for o in options if o.startswith("parallel_workers=")), None)
+                if workers:
+                    conn.execute(sql.SQL("ALTER TABLE {} SET (parallel_workers = {})").format(heap, sql.Literal(workers)))
+                conn.execute(sql.SQL("CREATE INDEX ON {} USING hnsw ({})").format(heap, expression))
+                if workers:
+                    conn.execute(sql.SQL("ALTER TABLE {} RESET (parallel_workers)").format(heap) if own is None else
+                                 sql.SQL("ALTER TABLE {} SET (parallel_workers = {})").format(heap, sql.Literal(int(own))))
+            return
+        except (psycopg.errors.OutOfMemory, psycopg.errors.DiskFull):
+            if not workers:
+                raise
+
+
+def build_index(conn: psycopg.Connection, table: str, index: str = "hnsw", dsn: str | None = None) -> BuildPlan:
+    """The table's HNSW index (`index`: "hnsw" or "binary", see index_plan), built on `conn`. A partitioned
+    table's partitions are indexed side by side on connections of their own where `dsn` is given (a partition
+    that has its index keeps it: a build cut short resumes), then the table's index is made, which adopts them.
+    Returns the plan it followed."""
+    vtype, dim = embedding_info(conn, table)
+    kind, _ = index_plan(dim, vtype, index)
+    expression = _index_expression(kind, dim, vtype)
+    ident = table_sql(conn, table)
+    leaves = heaps(conn, table)
+    (partitioned,) = conn.execute("SELECT relkind = 'p' FROM pg_class WHERE oid = %s::regclass",
+                                  [ident.as_string(conn)]).fetchone()
+    plan = build_plan([_rows(conn, oid) for oid, _ in leaves], kind, dim, vtype, *server_resources(conn))
+    if partitioned and dsn is not None and plan.side_by_side > 1:
+        todo = [name for _, name in leaves if kind not in {k for _, k in indexes_of(conn, name)}]
+        if conn.info.transaction_status != psycopg.pq.TransactionStatus.IDLE:  # idle in it meanwhile: not timed out
+            conn.execute("SET LOCAL idle_in_transaction_session_timeout = 0")
+
+        def one(leaf: str) -> None:
+            with psycopg.connect(dsn, autocommit=True) as c:
+                _create(c, sql.SQL(leaf), expression, plan)
+
+        with ThreadPoolExecutor(plan.side_by_side) as pool:
+            list(pool.map(one, todo))
+    _create(conn, ident, expression, plan)  # a partitioned table's: adopts each partition's matching index
+    return plan
+
+
+def rebuild_index(conn: psycopg.Connection, table: str, index: str, dsn: str | None = None) -> tuple[str, bool]:
+    """The table's vector index made `index` ("hnsw" or "binary"): built, then the one it had dropped. Returns
+    (its name, whether it was built: False where it had that kind already)."""
+    vtype, dim = embedding_info(conn, table)
+    kind, _ = index_plan(dim, vtype, index)
+    found = index_of(conn, table)
+    if found and found[1] == kind:
+        return found[0], False
+    if found:  # aside, so that the new one is the table's index; dropped once it is built
+        schema = conn.execute("SELECT relnamespace::regnamespace::text FROM pg_class WHERE oid = %s::regclass",
+                              [table_sql(conn, table).as_string(conn)]).fetchone()[0]
+        old = sql.SQL("{}.{}").format(sql.Identifier(schema), sql.Identifier(found[0]))
+    build_index(conn, table, index, dsn)
+    if found:
+        conn.execute(sql.SQL("DROP INDEX {}").format(old))
+    return index_of(conn, table)[0], True
