@@ -2,7 +2,7 @@
 embedding and the index build apart, then the index's recall@10 against exact search on held-out queries.
 
     python bench/searchable.py --n 1000000 --model DIR [--devices cuda] [--queries 100] [--ef 40,64,100,200]
-                               [--binary] [--keep] [--partitions P] [--table T] [--work DIR] [--db DSN] [--out FILE]
+                               [--binary] [--fts] [--keep] [--partitions P] [--table T] [--work DIR] [--db DSN] [--out FILE]
 
 Runs the real CLI once (default index, no --no-index) on --n synthetic reviews (long-tailed lengths) and reads
 its `--json` summary: `embed_s` is the command's start to the job's finish step (embedding and writing every
@@ -78,6 +78,7 @@ def main() -> None:
     ap.add_argument("--queries", type=int, default=100)
     ap.add_argument("--ef", default="40,64,100,200")
     ap.add_argument("--binary", action="store_true")
+    ap.add_argument("--fts", action="store_true", help="ingest --fts: the full-text index too (its seconds apart)")
     ap.add_argument("--partitions", type=int, default=0, help="ingest --partitions P (their indexes built side by side)")
     ap.add_argument("--keep", action="store_true", help="leave the table (with its HNSW index) for serve_latency.py")
     ap.add_argument("--table", default=f"bench_searchable_{int(time.time())}")
@@ -104,7 +105,7 @@ def main() -> None:
     doc["server"]["dev_shm_free_gb"] = round(shm.free / 2**30, 1) if shm else None
     cmd = [sys.executable, "-m", "embedfleet.cli", "ingest", str(data), "--preset", "amazon-reviews", "--table", a.table,
            "--model", a.model, "--devices", *a.devices.split(), "--json", "--quiet",
-           *(["--partitions", str(a.partitions)] if a.partitions else [])]
+           *(["--partitions", str(a.partitions)] if a.partitions else []), *(["--fts"] if a.fts else [])]
     say("ingest", " ".join(cmd[3:]))
     t0_wall, t0 = time.time(), time.perf_counter()
     p = subprocess.run(cmd, capture_output=True, text=True)

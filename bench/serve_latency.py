@@ -91,9 +91,14 @@ def one_device(table: str, device: str, n: int, port: int, db: str | None, clien
                 time.sleep(0.05)
         start_s = time.perf_counter() - t0
         queries = [" ".join(t.split()[:12]) for t in world_texts(n + 20, seed=5)]
-        runs = [_load(base, route, queries, c) for route in routes for c in clients]
-        for r in runs:
-            print(f"[serve_latency] {device} {r}", file=sys.stderr, flush=True)
+        runs = []
+        for route in routes:
+            for c in clients:
+                try:
+                    runs.append(_load(base, route, queries, c))
+                except OSError as e:  # one route's failure (an HTTP error) is reported; the others still run
+                    runs.append({"route": route, "clients": c, "error": str(e)})
+                print(f"[serve_latency] {device} {runs[-1]}", file=sys.stderr, flush=True)
         return {"device": device, "startup_s": round(start_s, 2), "runs": runs}
     finally:
         proc.terminate()

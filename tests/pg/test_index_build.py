@@ -88,3 +88,16 @@ def test_a_tables_own_parallel_workers_setting_is_put_back_and_a_search_takes_k_
     assert len(rows) == 60 and searcher.scan == "index" and rows[0]["id"] == "r5"
     exact = np.argsort(1 - (vecs @ vecs[5]) / np.linalg.norm(vecs, axis=1) / np.linalg.norm(vecs[5]))[:60]
     assert len({r["id"] for r in rows} & {f"r{i}" for i in exact}) >= 55
+
+
+def test_on_a_server_with_cores_to_spare_each_partitions_build_gets_workers_and_the_table_none(dsn, conn, monkeypatch):
+    import embedfleet.pg.index_build as index_build
+
+    monkeypatch.setattr(index_build, "server_resources", lambda conn: (4, 1000))
+    _loaded(conn, "wide", 2)
+    timings = {}
+    name = finish_table(conn, "wide", index=True, timings=timings, dsn=dsn)
+    assert timings["index_build"] == {"memory_mb": 64, "workers": 1, "side_by_side": 2} and _attached(conn, name) == 2
+    for leaf in ("wide_p0", "wide_p1"):  # set for the build, put back before its commit
+        assert conn.execute("SELECT reloptions FROM pg_class WHERE oid = %s::regclass", [leaf]).fetchone()[0] == [
+            "toast_tuple_target=8160"]

@@ -78,7 +78,7 @@ def index(
     if not fts and index is None:
         raise EmbedfleetError("name the index: --fts (a full-text index of the content) or --index hnsw|binary")
     from embedfleet.pg.connect import connect
-    from embedfleet.pg.ddl import embedding_info, table_sql
+    from embedfleet.pg.ddl import embedding_info
     from embedfleet.pg.embedded import resolve_dsn
     from embedfleet.pg.fts import FTS_COLUMN, add_fts
     from embedfleet.pg.index_build import rebuild_index
@@ -91,7 +91,7 @@ def index(
             name, built = rebuild_index(conn, table, index, dsn)
             doc.update(index=index, index_name=name, index_built=built)
         if fts:
-            doc.update(fts=True, fts_config=fts_config, added=add_fts(conn, table_sql(conn, table), fts_config),
+            doc.update(fts=True, fts_config=fts_config, added=add_fts(conn, table, fts_config),
                        column=FTS_COLUMN)
     if json_out:
         emit(doc)

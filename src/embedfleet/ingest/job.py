@@ -23,7 +23,7 @@ from embedfleet.ledger import Ledger, remove_job
 from embedfleet.pg.connect import Reconnect
 from embedfleet.pg.ddl import (check_embedding_column, check_identifier, check_partitions, check_server,
                                check_table_columns, check_write_privileges, drop_table, ensure_vector, finish_table,
-                               partition_count, table_exists, table_rows, table_sql)
+                               partition_count, table_exists, table_rows)
 from embedfleet.pg.embedded import resolve_dsn
 from embedfleet.settings import JobSpec, Settings, default_chunk_bytes
 from embedfleet.sources import files
@@ -430,17 +430,17 @@ def finalize(ledger: Ledger, job: str, cfg: JobSpec, timings: dict | None = None
             ledger.set_job_state(job, "failed", "; ".join(f"{w}: {e}" for w, e in errors[:3]))
         return counts, loaded  # otherwise stopped early (interrupted): a rerun resumes
     if loaded:
+        if cfg.fts:  # first: adding its column rewrites the table, and would rebuild an HNSW index built before
+            from embedfleet.pg.fts import add_fts
+
+            t0 = time.perf_counter()
+            if add_fts(ledger.conn, cfg.table, cfg.fts_config) and timings is not None:
+                timings["fts_s"] = round(time.perf_counter() - t0, 3)
+            log.info("table %s has a full-text index (%s): search --hybrid", cfg.table, cfg.fts_config)
         index = finish_table(ledger.conn, cfg.table, index=not cfg.no_index, timings=timings, dsn=ledger.dsn,
                              kind=cfg.index)
         if index:
             log.info("table %s is searchable (HNSW index %s)", cfg.table, index)
-        if cfg.fts:
-            from embedfleet.pg.fts import add_fts
-
-            t0 = time.perf_counter()
-            if add_fts(ledger.conn, table_sql(ledger.conn, cfg.table), cfg.fts_config) and timings is not None:
-                timings["fts_s"] = round(time.perf_counter() - t0, 3)
-            log.info("table %s has a full-text index (%s): search --hybrid", cfg.table, cfg.fts_config)
     ledger.set_job_state(job, "done")
     return counts, loaded
 

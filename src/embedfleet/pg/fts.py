@@ -32,13 +32,18 @@ def fts_config(conn: psycopg.Connection, table: sql.Composable) -> str | None:
     return found.group(1) if found else DEFAULT_CONFIG
 
 
-def add_fts(conn: psycopg.Connection, table: sql.Composable, config: str = DEFAULT_CONFIG) -> bool:
-    """Add the full-text column and its GIN index to `table` (a rewrite of the table, under its lock). Returns
+def add_fts(conn: psycopg.Connection, name: str, config: str = DEFAULT_CONFIG) -> bool:
+    """Add the full-text column and its GIN index to table `name` (a rewrite of the table and its indexes, under its
+    lock: a job adds it before its HNSW index). Returns
     False where it has them already (with the same configuration; another is refused in one line)."""
     if not conn.execute("SELECT 1 FROM pg_ts_config WHERE cfgname = %s", [config]).fetchone():
         known = [r[0] for r in conn.execute("SELECT cfgname FROM pg_ts_config ORDER BY 1")]
         raise InputError(f"--fts-config {config!r}: the server has no such text search configuration "
                          f"(it has {', '.join(known)})")
+    from embedfleet.pg.ddl import table_sql, vector_index
+    from embedfleet.pg.index_build import maintenance_settings, table_plan
+
+    table = table_sql(conn, name)
     have = fts_config(conn, table)
     if have is not None:
         if have != config:
@@ -47,6 +52,8 @@ def add_fts(conn: psycopg.Connection, table: sql.Composable, config: str = DEFAU
         return False
     col = sql.Identifier(FTS_COLUMN)
     with conn.transaction():
+        if vector_index(conn, name) is not None:  # the rewrite rebuilds it: with the memory and workers it was built with
+            maintenance_settings(conn, table_plan(conn, name))
         conn.execute(sql.SQL("ALTER TABLE {} ADD COLUMN {} tsvector GENERATED ALWAYS AS "
                              "(to_tsvector({}::regconfig, coalesce(content, ''))) STORED").format(
             table, col, sql.Literal(config)))

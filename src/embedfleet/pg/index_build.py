@@ -17,7 +17,7 @@ from psycopg import sql
 
 from embedfleet.pg.ddl import _index_expression, embedding_info, heaps, index_of, index_plan, indexes_of, table_sql
 
-__all__ = ["BuildPlan", "build_index", "build_plan", "graph_mb", "rebuild_index"]
+__all__ = ["BuildPlan", "build_index", "build_plan", "graph_mb", "maintenance_settings", "rebuild_index", "table_plan"]
 
 HNSW_M = 16  # pgvector's default m: 2·m neighbours at the graph's bottom layer
 # An element of pgvector's in-memory graph beside its value: header, heap tids, lock, neighbour lists of
@@ -80,22 +80,34 @@ def _rows(conn: psycopg.Connection, oid: int) -> float:
     return reltuples if reltuples and reltuples > 0 else pages * 4.0
 
 
+def maintenance_settings(conn: psycopg.Connection, plan: BuildPlan) -> None:
+    """The plan's memory and workers for the index builds of the transaction `conn` is in."""
+    conn.execute(sql.SQL("SET LOCAL maintenance_work_mem = {}").format(sql.Literal(f"{plan.memory_mb}MB")))
+    conn.execute(sql.SQL("SET LOCAL max_parallel_maintenance_workers = {}").format(sql.Literal(plan.workers)))
+
+
+def table_plan(conn: psycopg.Connection, table: str, index: str = "hnsw") -> BuildPlan:
+    """The plan for building `table`'s vector index on this server."""
+    vtype, dim = embedding_info(conn, table)
+    kind, _ = index_plan(dim, vtype, index)
+    return build_plan([_rows(conn, oid) for oid, _ in heaps(conn, table)], kind, dim, vtype, *server_resources(conn))
+
+
 def _create(conn: psycopg.Connection, heap: sql.Composable, expression: sql.Composable, plan: BuildPlan) -> None:
     """CREATE INDEX on `heap` in a transaction of its own with the plan's memory and workers. The table's
     `parallel_workers` (what PostgreSQL gives a build otherwise follows its size) is set for the build and put
     back before the commit; a failed parallel build (a container's small /dev/shm) is done again serially."""
+    (options, partitioned) = conn.execute("SELECT coalesce(reloptions, '{}'), relkind = 'p' FROM pg_class "
+                                          "WHERE oid = %s::regclass", [heap.as_string(conn)]).fetchone()
+    own = next((o.split("=", 1)[1] for o in options if o.startswith("parallel_workers=")), None)
     for workers in ((plan.workers, 0) if plan.workers else (0,)):
         try:
             with conn.transaction():
-                conn.execute(sql.SQL("SET LOCAL maintenance_work_mem = {}").format(sql.Literal(f"{plan.memory_mb}MB")))
-                conn.execute(sql.SQL("SET LOCAL max_parallel_maintenance_workers = {}").format(sql.Literal(workers)))
-                (options,) = conn.execute("SELECT coalesce(reloptions, '{}') FROM pg_class WHERE oid = %s::regclass",
-                                          [heap.as_string(conn)]).fetchone()
-                own = next((o.split("=", 1)[1] for o in options if o.startswith("parallel_workers=")), None)
-                if workers:
+                maintenance_settings(conn, plan._replace(workers=workers))
+                if workers and not partitioned:  # a partitioned table has no storage: its partitions' builds count
                     conn.execute(sql.SQL("ALTER TABLE {} SET (parallel_workers = {})").format(heap, sql.Literal(workers)))
                 conn.execute(sql.SQL("CREATE INDEX ON {} USING hnsw ({})").format(heap, expression))
-                if workers:
+                if workers and not partitioned:
                     conn.execute(sql.SQL("ALTER TABLE {} RESET (parallel_workers)").format(heap) if own is None else
                                  sql.SQL("ALTER TABLE {} SET (parallel_workers = {})").format(heap, sql.Literal(int(own))))
             return
@@ -113,12 +125,11 @@ def build_index(conn: psycopg.Connection, table: str, index: str = "hnsw", dsn: 
     kind, _ = index_plan(dim, vtype, index)
     expression = _index_expression(kind, dim, vtype)
     ident = table_sql(conn, table)
-    leaves = heaps(conn, table)
     (partitioned,) = conn.execute("SELECT relkind = 'p' FROM pg_class WHERE oid = %s::regclass",
                                   [ident.as_string(conn)]).fetchone()
-    plan = build_plan([_rows(conn, oid) for oid, _ in leaves], kind, dim, vtype, *server_resources(conn))
+    plan = table_plan(conn, table, index)
     if partitioned and dsn is not None and plan.side_by_side > 1:
-        todo = [name for _, name in leaves if kind not in {k for _, k in indexes_of(conn, name)}]
+        todo = [name for _, name in heaps(conn, table) if kind not in {k for _, k in indexes_of(conn, name)}]
         if conn.info.transaction_status != psycopg.pq.TransactionStatus.IDLE:  # idle in it meanwhile: not timed out
             conn.execute("SET LOCAL idle_in_transaction_session_timeout = 0")
 

@@ -47,7 +47,7 @@ EXACT_MATCHES = 20_000
 RESCORE, RESCORE_MIN = 10, 40
 # hnsw.ef_search unless asked: pgvector's 40 walks too little of a million-row graph for recall@10 0.95, and
 # never hands over more rows than it, so a larger k gets at least k (docs/decisions/index-build.md)
-EF_SEARCH = 100
+EF_SEARCH = 200
 RRF_K = 60  # reciprocal rank fusion's constant (a result's score: the sum over rankings of 1 / (RRF_K + rank))
 HYBRID_DEPTH = 50  # candidates each ranking gives a hybrid search (at least; 4 × k for a larger k)
 
