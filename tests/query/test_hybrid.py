@@ -79,6 +79,8 @@ def test_ingest_fts_builds_it_at_the_end_and_rows_added_later_are_found(cli, dsn
     p = cli("ingest", src, "--db", dsn, "--devices", "cpu", "--quiet", "--id-field", "id", "--table", "withfts",
             "--fts", "--json", check=True)
     assert "fts_s" in json.loads(p.stdout)["finalize"]
+    # the column came with the table, filled as rows were written: only its index was built at the end, no rewrite
+    assert conn.execute("SELECT relfilenode = oid FROM pg_class WHERE oid = 'withfts'::regclass").fetchone()[0]
     hybrid = json.loads(cli("search", CODE, "--table", "withfts", "--db", dsn, "--json", "--hybrid",
                             check=True).stdout)
     assert hybrid["results"][0]["id"] == target

@@ -158,7 +158,7 @@ class Worker:
                 model_s = time.perf_counter() - t_model
                 vtype = vector_type(ledger.conn, spec.dtype)
                 ensure_table(ledger.conn, spec.table, table_columns(spec.preset, bool(spec.passages), spec.columns),
-                             encoder.dim, vtype, spec.partitions)
+                             encoder.dim, vtype, spec.partitions, spec.fts_config if spec.fts else None)
                 ledger.set_model(self.job, encoder.name, encoder.dim)
                 # The compile (from the cache after a machine's first run) starts now, beside the helpers' start,
                 # unless the job is too small to pay for it; the loop starts eager and switches when it is ready.

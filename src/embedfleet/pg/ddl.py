@@ -253,9 +253,10 @@ def check_table_columns(conn: psycopg.Connection, table: str, columns: Sequence)
 
 
 def ensure_table(conn: psycopg.Connection, table: str, columns: Sequence, dim: int, vtype: str,
-                 partitions: int | None = None) -> None:
-    """Create the target table if needed, as `partitions` hash partitions of its id when given; refuse
-    one whose embedding has another dimension or type."""
+                 partitions: int | None = None, fts: str | None = None) -> None:
+    """Create the target table if needed, as `partitions` hash partitions of its id when given, with the full-text
+    column of text search configuration `fts` where given (each row's computed as it is written); refuse one
+    whose embedding has another dimension or type."""
     check_identifier(table)
     ident = table_sql(conn, table)
     with conn.transaction():
@@ -268,6 +269,10 @@ def ensure_table(conn: psycopg.Connection, table: str, columns: Sequence, dim: i
             sql.SQL("content text NOT NULL"),
             sql.SQL("embedding {}({})").format(sql.SQL(vtype), sql.Literal(dim)),
         ] + [sql.SQL("{} {}").format(sql.Identifier(c.name), sql.SQL(c.pgtype)) for c in columns]
+        if fts:
+            from embedfleet.pg.fts import fts_column
+
+            cols.append(fts_column(fts))
         if not partitions:
             conn.execute(sql.SQL("CREATE TABLE {} ({}) {}").format(ident, sql.SQL(", ").join(cols), HEAP_OPTIONS))
             return

@@ -32,30 +32,44 @@ def fts_config(conn: psycopg.Connection, table: sql.Composable) -> str | None:
     return found.group(1) if found else DEFAULT_CONFIG
 
 
+def fts_column(config: str) -> sql.Composable:
+    """The full-text column's definition: `content`'s tsvector in `config`, kept by the server as rows change."""
+    return sql.SQL("{} tsvector GENERATED ALWAYS AS (to_tsvector({}::regconfig, coalesce(content, ''))) STORED").format(
+        sql.Identifier(FTS_COLUMN), sql.Literal(config))
+
+
+def _gin_indexed(conn: psycopg.Connection, table: sql.Composable) -> bool:
+    return conn.execute(
+        "SELECT 1 FROM pg_index i JOIN pg_class c ON c.oid = i.indexrelid JOIN pg_am am ON am.oid = c.relam "
+        "JOIN pg_attribute a ON a.attrelid = i.indrelid AND a.attnum = ANY(i.indkey) WHERE i.indrelid = %s::regclass "
+        "AND am.amname = 'gin' AND a.attname = %s", [table.as_string(conn), FTS_COLUMN]).fetchone() is not None
+
+
 def add_fts(conn: psycopg.Connection, name: str, config: str = DEFAULT_CONFIG) -> bool:
-    """Add the full-text column and its GIN index to table `name` (a rewrite of the table and its indexes, under its
-    lock: a job adds it before its HNSW index). Returns
-    False where it has them already (with the same configuration; another is refused in one line)."""
+    """Give table `name` the full-text column and its GIN index, with the memory and workers of an HNSW build. A
+    table made with the column (`ingest --fts`) only needs the index; adding the column rewrites the table and its
+    indexes under its lock. Returns False where it has both already (with the same configuration; another is
+    refused in one line)."""
+    from embedfleet.pg.ddl import table_sql
+    from embedfleet.pg.index_build import create_index, table_plan
+
     if not conn.execute("SELECT 1 FROM pg_ts_config WHERE cfgname = %s", [config]).fetchone():
         known = [r[0] for r in conn.execute("SELECT cfgname FROM pg_ts_config ORDER BY 1")]
         raise InputError(f"--fts-config {config!r}: the server has no such text search configuration "
                          f"(it has {', '.join(known)})")
-    from embedfleet.pg.ddl import table_sql, vector_index
-    from embedfleet.pg.index_build import maintenance_settings, table_plan
-
     table = table_sql(conn, name)
     have = fts_config(conn, table)
-    if have is not None:
-        if have != config:
-            raise InputError(f"table {table.as_string(conn)} has a full-text index with --fts-config {have!r}; drop "
-                             f"its column {FTS_COLUMN} to build one with {config!r}")
+    if have is not None and have != config:
+        raise InputError(f"table {table.as_string(conn)} has a full-text index with --fts-config {have!r}; drop "
+                         f"its column {FTS_COLUMN} to build one with {config!r}")
+    if have is not None and _gin_indexed(conn, table):
         return False
-    col = sql.Identifier(FTS_COLUMN)
-    with conn.transaction():
-        if vector_index(conn, name) is not None:  # the rewrite rebuilds it: with the memory and workers it was built with
-            maintenance_settings(conn, table_plan(conn, name))
-        conn.execute(sql.SQL("ALTER TABLE {} ADD COLUMN {} tsvector GENERATED ALWAYS AS "
-                             "(to_tsvector({}::regconfig, coalesce(content, ''))) STORED").format(
-            table, col, sql.Literal(config)))
-        conn.execute(sql.SQL("CREATE INDEX ON {} USING gin ({})").format(table, col))
+    plan = table_plan(conn, name)
+    if have is None:
+        from embedfleet.pg.index_build import maintenance_settings
+
+        with conn.transaction():
+            maintenance_settings(conn, plan)  # the rewrite rebuilds the table's indexes
+            conn.execute(sql.SQL("ALTER TABLE {} ADD COLUMN {}").format(table, fts_column(config)))
+    create_index(conn, table, sql.SQL("gin ({})").format(sql.Identifier(FTS_COLUMN)), plan)
     return True

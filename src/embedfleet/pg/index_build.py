@@ -17,7 +17,7 @@ from psycopg import sql
 
 from embedfleet.pg.ddl import _index_expression, embedding_info, heaps, index_of, index_plan, indexes_of, table_sql
 
-__all__ = ["BuildPlan", "build_index", "build_plan", "graph_mb", "maintenance_settings", "rebuild_index", "table_plan"]
+__all__ = ["BuildPlan", "build_index", "build_plan", "create_index", "graph_mb", "maintenance_settings", "rebuild_index", "table_plan"]
 
 HNSW_M = 16  # pgvector's default m: 2·m neighbours at the graph's bottom layer
 # An element of pgvector's in-memory graph beside its value: header, heap tids, lock, neighbour lists of
@@ -93,8 +93,8 @@ def table_plan(conn: psycopg.Connection, table: str, index: str = "hnsw") -> Bui
     return build_plan([_rows(conn, oid) for oid, _ in heaps(conn, table)], kind, dim, vtype, *server_resources(conn))
 
 
-def _create(conn: psycopg.Connection, heap: sql.Composable, expression: sql.Composable, plan: BuildPlan) -> None:
-    """CREATE INDEX on `heap` in a transaction of its own with the plan's memory and workers. The table's
+def create_index(conn: psycopg.Connection, heap: sql.Composable, using: sql.Composable, plan: BuildPlan) -> None:
+    """CREATE INDEX on `heap` USING `using` ("hnsw (…)", "gin (…)") in a transaction of its own with the plan's memory and workers. The table's
     `parallel_workers` (what PostgreSQL gives a build otherwise follows its size) is set for the build and put
     back before the commit; a failed parallel build (a container's small /dev/shm) is done again serially."""
     (options, partitioned) = conn.execute("SELECT coalesce(reloptions, '{}'), relkind = 'p' FROM pg_class "
@@ -106,7 +106,7 @@ def _create(conn: psycopg.Connection, heap: sql.Composable, expression: sql.Comp
                 maintenance_settings(conn, plan._replace(workers=workers))
                 if workers and not partitioned:  # a partitioned table has no storage: its partitions' builds count
                     conn.execute(sql.SQL("ALTER TABLE {} SET (parallel_workers = {})").format(heap, sql.Literal(workers)))
-                conn.execute(sql.SQL("CREATE INDEX ON {} USING hnsw ({})").format(heap, expression))
+                conn.execute(sql.SQL("CREATE INDEX ON {} USING {}").format(heap, using))
                 if workers and not partitioned:
                     conn.execute(sql.SQL("ALTER TABLE {} RESET (parallel_workers)").format(heap) if own is None else
                                  sql.SQL("ALTER TABLE {} SET (parallel_workers = {})").format(heap, sql.Literal(int(own))))
@@ -123,7 +123,7 @@ def build_index(conn: psycopg.Connection, table: str, index: str = "hnsw", dsn: 
     Returns the plan it followed."""
     vtype, dim = embedding_info(conn, table)
     kind, _ = index_plan(dim, vtype, index)
-    expression = _index_expression(kind, dim, vtype)
+    using = sql.SQL("hnsw ({})").format(_index_expression(kind, dim, vtype))
     ident = table_sql(conn, table)
     (partitioned,) = conn.execute("SELECT relkind = 'p' FROM pg_class WHERE oid = %s::regclass",
                                   [ident.as_string(conn)]).fetchone()
@@ -135,11 +135,11 @@ def build_index(conn: psycopg.Connection, table: str, index: str = "hnsw", dsn: 
 
         def one(leaf: str) -> None:
             with psycopg.connect(dsn, autocommit=True) as c:
-                _create(c, sql.SQL(leaf), expression, plan)
+                create_index(c, sql.SQL(leaf), using, plan)
 
         with ThreadPoolExecutor(plan.side_by_side) as pool:
             list(pool.map(one, todo))
-    _create(conn, ident, expression, plan)  # a partitioned table's: adopts each partition's matching index
+    create_index(conn, ident, using, plan)  # a partitioned table's: adopts each partition's matching index
     return plan
 
 
