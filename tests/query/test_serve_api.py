@@ -138,3 +138,27 @@ def test_keys_limits_search_metrics_and_schema(server):
 def test_listening_beyond_loopback_wants_a_key(server, cli):
     one_line_error(cli("serve", "--table", "docs", "--db", server["dsn"], "--host", "0.0.0.0", "--port", "0",
                        "--device", "cpu"), "--api-key")
+
+
+def test_requests_that_queue_while_a_batch_runs_are_encoded_together_each_getting_its_own_rows():
+    from embedfleet.query.serve import Batcher
+
+    calls, started, release = [], threading.Event(), threading.Event()
+
+    def encode(texts):
+        calls.append(list(texts))
+        if len(calls) == 1:  # the first batch holds the device until the others have queued
+            started.set()
+            release.wait(10)
+        return np.array([[float(ord(t[0]))] for t in texts]), np.array([len(t) for t in texts])
+
+    batcher = Batcher(encode, threading.Lock())
+    first = batcher.submit(["a"])
+    assert started.wait(10)
+    rest = [batcher.submit(texts) for texts in (["bb"], ["c", "ddd"], ["e"])]
+    release.set()
+    got = [f.result(10) for f in (first, *rest)]
+    batcher.close()
+    assert calls == [["a"], ["bb", "c", "ddd", "e"]]  # a lone request went alone; the queued ones as one batch
+    assert [v[:, 0].tolist() for v, _ in got] == [[97.0], [98.0], [99.0, 100.0], [101.0]]
+    assert [tokens for _, tokens in got] == [1, 2, 4, 1]

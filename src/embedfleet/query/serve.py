@@ -43,7 +43,6 @@ log = logging.getLogger(__name__)
 MAX_K = 1000
 MAX_REQUEST_BYTES = 4 << 20  # a request's body
 MAX_INPUTS = 2048  # texts in one /v1/embeddings request
-BATCH_WAIT_S = 0.002  # how long the embedding batcher waits for more requests once one arrived
 BATCH_TEXTS = 4096  # texts the batcher encodes at once at most
 LOOPBACK = ("127.0.0.1", "::1", "localhost")
 CONNECTIONS = 4  # database connections kept for searches, per pool (requests beyond wait for one)
@@ -82,8 +81,8 @@ class Running:
 
 
 class Batcher:
-    """Embedding requests that arrive together, encoded as one batch on a thread of its own: each request's texts
-    get their vectors and token counts back through a future."""
+    """Embedding requests encoded on a thread of its own, those that arrived while the last batch ran as one batch
+    (continuous batching): each request's texts get their vectors and token counts back through a future."""
 
     def __init__(self, encode: Callable, lock: threading.Lock):
         self._encode, self._lock = encode, lock
@@ -105,11 +104,11 @@ class Batcher:
             first = self._todo.get()
             if first is None:
                 return
+            # no timer: what queued while the last batch ran goes in this one, and a lone request waits for nothing
             batch, n = [first], len(first[0])
-            deadline = time.monotonic() + BATCH_WAIT_S
             while n < BATCH_TEXTS:
                 try:
-                    item = self._todo.get(timeout=max(0.0, deadline - time.monotonic()))
+                    item = self._todo.get_nowait()
                 except queue.Empty:
                     break
                 if item is None:
