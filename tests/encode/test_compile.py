@@ -2,12 +2,13 @@
 then switches to the compiled graph, and the caller's thread never compiles (CPU, a tracing-only
 backend standing in for Inductor; tests/encode/test_compile_gpu.py has the real thing)."""
 
+import sys
 import threading
 
 import numpy as np
 import torch
 
-from embedfleet.encode.compile import BackgroundCompile, Fused
+from embedfleet.encode.compile import COMPILE_SWITCH_S, BackgroundCompile, Fused
 from embedfleet.encode.encoder import Encoder
 from embedfleet.encode.shapes import build_random_model
 from embedfleet.platform.cache import compiled_before
@@ -22,10 +23,11 @@ def test_compiles_in_the_background_once_work_is_big_then_switches(tmp_path, mon
     texts = review_texts(200, seed=1)
     ref = enc.encode(texts)
 
-    compiled_on = []
+    compiled_on, intervals, interval = [], [], sys.getswitchinterval()
 
     def backend(gm, example_inputs):  # called wherever dynamo compiles a graph
         compiled_on.append(threading.current_thread().name)
+        intervals.append(sys.getswitchinterval())
         return gm.forward
 
     part = Fused(enc.model._post)  # as on CUDA
@@ -44,6 +46,8 @@ def test_compiles_in_the_background_once_work_is_big_then_switches(tmp_path, mon
     after = [enc.encode(texts[:k]) for k in (7, 50, 200)]  # other token counts: the same graph
     np.testing.assert_allclose(after[-1], ref, atol=1e-5)
     assert compiled_on and set(compiled_on) == {"embedfleet-compile"}, compiled_on
+    # while it compiled, a caller's thread got the GIL back within COMPILE_SWITCH_S; afterwards as before
+    assert set(intervals) == {min(interval, COMPILE_SWITCH_S)} and sys.getswitchinterval() == interval
     assert compiled_before(tmp_path / "cache", "test-shape") is not None  # the next process knows the cache has it
     report = enc.compile_report()  # a tracing backend: no Inductor, so no cache lookups to count
     assert report["state"] == "compiled" and report["seconds"] > 0

@@ -20,6 +20,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import sys
 import threading
 import time
 from contextlib import nullcontext
@@ -44,6 +45,9 @@ WARM_AFTER_TOKENS = 1 << 18
 # that makes one call and exits would wait for a compile it never uses (the thread is not a daemon).
 LONG_CALL_TEXTS = 1 << 17
 
+# The interpreter's switch interval while a compile runs: dynamo's tracing holds the GIL, and a running call's thread,
+# which gives it up at each wait on the device, would otherwise wait the default 5 ms each time to take it back.
+COMPILE_SWITCH_S = 0.0005
 _WARMING = threading.local()  # .compiler is set on the thread that compiles, while it does
 
 
@@ -232,6 +236,8 @@ class BackgroundCompile:
     def _run(self) -> None:
         t0 = time.perf_counter()
         cuda = self.device.type == "cuda"
+        interval = sys.getswitchinterval()
+        sys.setswitchinterval(min(interval, COMPILE_SWITCH_S))
         try:
             from embedfleet.platform.cache import use_compile_cache
 
@@ -270,4 +276,6 @@ class BackgroundCompile:
             self.state, self.error, self.seconds = "failed", err, time.perf_counter() - t0
             log.warning("compiling the forward pass failed (%s); running eager", str(err).splitlines()[0])
         finally:
+            if sys.getswitchinterval() == min(interval, COMPILE_SWITCH_S):  # unless someone set another meanwhile
+                sys.setswitchinterval(interval)
             self._done.set()
