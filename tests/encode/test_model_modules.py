@@ -132,3 +132,17 @@ def test_a_pooling_mode_the_encoder_does_not_compute_is_refused(tmp_path):
         read_spec(model)
     pool.write_text(json.dumps(cfg))
     assert read_spec(model).pooling == "mean"
+
+
+def test_the_model_card_says_which_shorter_widths_the_model_was_trained_for(tmp_path):
+    from embedfleet.encode.models import check_model
+    from embedfleet.encode.shapes import build_random_model
+
+    path = build_random_model("minilm-l6", tmp_path / "m", tiny=True)
+    assert check_model(str(path)).matryoshka() is None  # no card
+    (path / "README.md").write_text("# A model\nTrained with contrastive learning on 1B pairs.\n")
+    assert check_model(str(path)).matryoshka() is None
+    (path / "README.md").write_text("# Qwen-like\n- MRL Support: output dimensions from 32 to 4096\n")
+    assert check_model(str(path)).matryoshka() == ()
+    (path / "README.md").write_text('{"loss": "MatryoshkaLoss", "matryoshka_dims": [64, 768, 256, 768]}')
+    assert check_model(str(path)).matryoshka() == (768, 256, 64)

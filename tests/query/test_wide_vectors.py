@@ -20,6 +20,10 @@ TEXTS = [f"review {i}: the {w} broke after {i % 9 + 1} days, naïve café 東京
 def wide(request, tmp_path_factory):
     dim, kind, words = request.param
     model = build_random_model("qwen3-0.6b", tmp_path_factory.mktemp(f"qwen3-{dim}") / "m", tiny=True, hidden=dim)
+    if dim == 2560:  # a model card as sentence-transformers writes it after training with MatryoshkaLoss
+        (model / "README.md").write_text('## Training Details\n\n#### MatryoshkaLoss\n```json\n{\n    "loss": '
+                                         '"MultipleNegativesRankingLoss",\n    "matryoshka_dims": [\n        2560,\n'
+                                         '        1024,\n        256\n    ]\n}\n```\n')
     return {"dim": dim, "kind": kind, "words": words, "model": model}
 
 
@@ -33,6 +37,8 @@ def test_a_wide_model_ingests_to_the_end_with_an_index_search_uses(cli, dsn, con
     p = cli("ingest", src, "--model", wide["model"], "--db", dsn, "--devices", "cpu", "--table", "wide",
             "--id-field", "id", check=True)
     said = p.stderr.index(f"index: HNSW on {wide['words']}")
+    suggested = "was trained for shorter vectors (Matryoshka: 1024, 256): --dim N keeps the first N"
+    assert (suggested in p.stderr) == (wide["dim"] == 2560)  # only where the model card says it was trained for them
     assert said < p.stderr.index("searchable")  # decided and said before the job ran
     assert conn.execute("SELECT count(*), min(vector_dims(embedding)) FROM wide").fetchone() == (len(TEXTS),
                                                                                                   wide["dim"])

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -203,6 +204,20 @@ class ModelSpec:
         """The width of the vectors the model makes: its last Dense module's, else its hidden size."""
         dense = [d for kind, d in self.post if kind == "dense"]
         return dense[-1].out_features if dense else hidden
+
+    def matryoshka(self) -> tuple[int, ...] | None:
+        """The shorter widths the model was trained for, as its model card says (sentence-transformers writes
+        `"matryoshka_dims": [...]` for a MatryoshkaLoss; other cards name Matryoshka or MRL): None where it says
+        neither, () where it names no widths."""
+        card = self.path / "README.md"
+        try:
+            text = card.read_text(encoding="utf-8", errors="replace")[:200_000]
+        except OSError:
+            return None
+        found = re.search(r'"matryoshka_dims"\s*:\s*\[([\d,\s]+)\]', text)
+        if found:
+            return tuple(sorted({int(d) for d in found.group(1).split(",") if d.strip()}, reverse=True))
+        return () if re.search(r"\bmatryoshka\b|\bMRL\b", text, re.IGNORECASE) else None
 
     @property
     def hidden_size(self) -> int | None:

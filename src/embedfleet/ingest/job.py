@@ -212,6 +212,13 @@ def check_job(spec: JobSpec, conn, settings: Settings) -> JobSpec:
         _, words = index_plan(cfg.dim or hidden, "halfvec" if cfg.dtype == "half" else "vector", cfg.index)
         if not cfg.no_index:
             log.info("index: %s", words)
+    if cfg.dim is None and hidden and (widths := model.matryoshka()) is not None:
+        from embedfleet.pg.ddl import HNSW_VECTOR_DIMS
+
+        shorter = [w for w in widths if w < hidden]
+        log.info("dim: %s was trained for shorter vectors (Matryoshka%s): --dim N keeps the first N, a smaller table "
+                 "and index%s", model.path.name, f": {', '.join(map(str, shorter))}" if shorter else "",
+                 f"; at most {HNSW_VECTOR_DIMS:,} get HNSW on the vectors themselves" if hidden > HNSW_VECTOR_DIMS else "")
     if cfg.passages:
         check_passages(cfg, model)
     if cfg.text_template:
