@@ -1,5 +1,6 @@
 """The encoder against sentence-transformers on the same weights (CPU, float32)."""
 
+import json
 import threading
 
 import numpy as np
@@ -369,3 +370,17 @@ def test_bench_puts_each_tool_at_its_best_on_the_device(monkeypatch):
     for native, dtype in ((True, "bfloat16"), (False, "float32")):
         monkeypatch.setattr(bench, "cpu_has_bf16", lambda native=native: native)
         assert bench.best_settings("cpu") == {"dtype": dtype, "st_dtype": dtype, "st_batch": 32}
+
+
+@pytest.mark.parametrize("window", [None, 4096, 8])
+def test_tiny_mistral_is_the_llama_path_unless_its_window_is_shorter_than_the_texts(tmp_path, window):
+    """e5-mistral's family: Llama's layers, whose attention a sliding window bounds. Where the window is at least
+    the longest text embedfleet keeps it cannot matter, and the packed path serves it; a shorter one goes to the
+    generic path, which applies it."""
+    path = _sharpened(build_random_model("qwen3-0.6b", tmp_path / "mistral", tiny=True, model_type="mistral"))
+    cfg = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**cfg, "sliding_window": window, "architectures": ["MistralModel"]}))
+    enc = Encoder(str(path))
+    assert enc.path == ("generic" if window == 8 else "packed")
+    for prompt in (None, "query"):
+        _close(enc.encode(TEXTS, prompt=prompt), _st(path, prompt=prompt))

@@ -81,7 +81,7 @@ def read_weights(hf_dir: Path, read_file: Callable[[Path], dict]) -> dict | None
 
 # The architectures with a packed forward pass (encode/packed), named here where no torch is imported.
 BERT_TYPES = ("bert", "roberta", "xlm-roberta", "camembert")
-DECODER_TYPES = ("qwen3", "qwen2", "llama")
+DECODER_TYPES = ("qwen3", "qwen2", "llama", "mistral")  # mistral: llama with a window, see packed.qwen3
 ROPE_ENCODER_TYPES = ("modernbert",)
 GEMMA_TYPES = ("gemma3_text",)  # EmbeddingGemma (bidirectional) and causal Gemma3 text models
 

@@ -69,6 +69,9 @@ class PackedDecoder:
         theta = _rope_theta(cfg)
         if theta is None or cfg.get("hidden_act", "silu") != "silu" or cfg.get("use_sliding_window"):
             return None
+        window = cfg.get("sliding_window") if cfg.get("model_type") == "mistral" else None
+        if window is not None and window < max_len:  # a window the texts can outgrow: the generic path applies it
+            return None
         sd = OnDevice(strip_prefix(state, "embed_tokens.weight"), device)
 
         def t(x):
