@@ -123,3 +123,12 @@ def test_ingest_and_search_take_the_flag(cli, dsn, conn, custom_model, tmp_path)
     p = cli("search", TEXTS[1], "--table", "docs", "--db", dsn, "--json", "-k", "1", "--trust-remote-code",
             check=True)
     assert json.loads(p.stdout)["results"][0]["content"] == TEXTS[1]
+
+
+def test_bench_takes_the_flag_for_both_tools(cli, custom_model):
+    one_line_error(cli("bench", "--model", custom_model, "--device", "cpu", "--n", "20", "--texts", "reviews",
+                       "--no-st"), "--trust-remote-code")
+    p = cli("bench", "--model", custom_model, "--device", "cpu", "--n", "20", "--texts", "reviews", "--json",
+            "--trust-remote-code", check=True)
+    [row] = json.loads(p.stdout)["results"]
+    assert row["path"] == "generic" and row["cosine_min"] >= 0.999  # its own code, in both tools, the same vectors

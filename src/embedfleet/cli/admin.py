@@ -6,7 +6,7 @@ from typing import List, Optional
 
 import typer
 
-from embedfleet.cli.app import app, cache_app, db_app, emit, knobs
+from embedfleet.cli.app import TrustOpt, app, cache_app, db_app, emit, knobs
 from embedfleet.errors import EmbedfleetError
 
 
@@ -66,6 +66,7 @@ def bench(
     device: str = typer.Option("auto", "--device"),
     no_st: bool = typer.Option(False, "--no-st", help="skip the sentence-transformers baseline"),
     batch_tokens: str = typer.Option("auto", "--batch-tokens"),
+    trust_remote_code: bool = TrustOpt,
     json_out: bool = typer.Option(False, "--json"),
 ) -> None:
     """This encoder against sentence-transformers on the same texts, each measurement a fresh process.
@@ -79,7 +80,7 @@ def bench(
     if bad:
         raise EmbedfleetError(f"--texts {bad[0]!r}: choose from {', '.join(TEXT_SETS)}")
     result = run_bench(shape or None, model, n=n, device=device, st=not no_st, batch_tokens=batch_tokens,
-                       text_sets=texts or None)
+                       text_sets=texts or None, trust_remote_code=trust_remote_code)
     if json_out:
         emit(result)
     else:

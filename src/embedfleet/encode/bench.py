@@ -111,11 +111,12 @@ def _cosines(a_file: str, b_file: str) -> tuple[float, float] | None:
 
 
 def _measure(label: str, path: Path, set_name: str, texts_file: Path, n: int, device: str, st: bool,
-             st_batch: int, batch_tokens, tmp: Path, user_view: bool, best: dict | None = None) -> dict:
+             st_batch: int, batch_tokens, tmp: Path, user_view: bool, best: dict | None = None,
+             trust_remote_code: bool = False) -> dict:
     best = best or best_settings(device)
     spec = {"label": label, "set": set_name, "model": str(path), "texts": str(texts_file), "device": device,
             "batch_tokens": batch_tokens, "st_batch": st_batch, "vectors": str(tmp / f"ours-{label}-{set_name}.npy"),
-            "dtype": best["dtype"], "st_dtype": best["st_dtype"]}
+            "dtype": best["dtype"], "st_dtype": best["st_dtype"], "trust_remote_code": trust_remote_code}
     row: dict = {"label": label, "text_set": set_name, "n": n, "st_dtype": best["st_dtype"], "st_batch": st_batch}
     ours = _run_child("ours", spec, tmp)
     row.update(ours)
@@ -190,14 +191,19 @@ def _bench_device(device: str) -> str:
 
 def run_bench(shapes: list[str] | None = None, model: str | None = None, n: int | None = None, device="auto",
               st: bool = True, st_batch: int | None = None, batch_tokens="auto", seed: int = 0,
-              texts: list[str] | None = None, text_sets: list[str] | None = None, user_view: bool = True) -> dict:
+              texts: list[str] | None = None, text_sets: list[str] | None = None, user_view: bool = True,
+              trust_remote_code: bool = False) -> dict:
     """`texts` replaces the generated text sets (e.g. an ingest corpus's own contents); `user_view`
-    False skips the script and query processes. This process never touches the GPU: every
+    False skips the script and query processes; `trust_remote_code` lets both tools run a model's own code. This process never touches the GPU: every
     measurement runs in a fresh one. On a CPU, without --shape, only the MiniLM shape, on fewer texts."""
     import torch
 
     from embedfleet.encode.shapes import SHAPES, build_random_model
 
+    if model:  # a model it cannot load is one line here, not empty rows from the processes that measure
+        from embedfleet.encode.models import check_model
+
+        check_model(model, trust_remote_code)
     device = _bench_device(str(device))
     best = best_settings(device)
     st_batch = st_batch or best["st_batch"]
@@ -219,7 +225,7 @@ def run_bench(shapes: list[str] | None = None, model: str | None = None, n: int 
         for label, path in targets:
             for name in sets:
                 rows.append(_measure(label, path, name, files[name], len(sets[name]), str(device), st, st_batch,
-                                     batch_tokens, tmp, user_view, best))
+                                     batch_tokens, tmp, user_view, best, trust_remote_code))
                 # each row as soon as it is measured: a run stopped part way keeps what it measured
                 print("[bench] row " + json.dumps(rows[-1], default=str), file=sys.stderr, flush=True)
     first = next((r for r in rows if r.get("gpu")), {})
@@ -278,7 +284,8 @@ def _ours(spec: dict) -> dict:
     texts = json.loads(Path(spec["texts"]).read_text())
     t0 = time.perf_counter()  # CUDA's start-up is the constructor's, on both sides
     enc = Encoder(spec["model"], device=spec["device"], batch_tokens=spec["batch_tokens"],
-                  dtype=getattr(torch, spec["dtype"]) if spec.get("dtype") else None)
+                  dtype=getattr(torch, spec["dtype"]) if spec.get("dtype") else None,
+                  trust_remote_code=spec.get("trust_remote_code", False))
     first = enc.encode(texts)  # vectors on the host: the device is done
     first_s = time.perf_counter() - t0
     dev = enc._dev
@@ -316,7 +323,7 @@ def _st_model(spec: dict):
     from embedfleet.encode.encoder import _device
 
     dev = _device(spec["device"])
-    model = SentenceTransformer(spec["model"], device=str(dev))
+    model = SentenceTransformer(spec["model"], device=str(dev), trust_remote_code=spec.get("trust_remote_code", False))
     model.to(getattr(torch, spec.get("st_dtype") or "bfloat16"))  # best_settings: each tool at its best
     return model, dev
 
@@ -354,7 +361,8 @@ def _query(spec: dict, st: bool) -> dict:
 
         t0 = time.perf_counter()
         enc = Encoder(spec["model"], device=spec["device"], batch_tokens=spec["batch_tokens"],
-                      dtype=getattr(torch, spec["dtype"]) if spec.get("dtype") else None)
+                      dtype=getattr(torch, spec["dtype"]) if spec.get("dtype") else None,
+                      trust_remote_code=spec.get("trust_remote_code", False))
         encode = lambda q: enc.encode([q], prompt="query")  # noqa: E731 - ndarray on the host: synced
     encode(queries[0])
     cold = time.perf_counter() - t0
