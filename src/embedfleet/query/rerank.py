@@ -1,9 +1,10 @@
 """Reranking: a cross-encoder (a sentence-transformers CrossEncoder directory or hub id) scores each (query, row)
 pair, and the search's first `--rerank-depth` rows are put in the order of those scores.
 
-The model runs through transformers' AutoModelForSequenceClassification, as sentence-transformers' CrossEncoder
-runs it: pairs tokenized together (truncated to the model's limit), one logit a pair, the CrossEncoder's
-activation on it (sigmoid for a one-label model unless its config names another).
+A BERT or XLM-R classifier runs on embedfleet's packed BERT pass (`encode.packed.cross`); any other through
+transformers' AutoModelForSequenceClassification. Both as sentence-transformers' CrossEncoder runs it: pairs
+tokenized together (truncated to the model's limit), one logit a pair, the CrossEncoder's activation on it (sigmoid
+for a one-label model unless its config names another).
 """
 
 from __future__ import annotations
@@ -16,26 +17,41 @@ __all__ = ["Reranker", "RERANK_DEPTH"]
 
 RERANK_DEPTH = 50  # rows a reranked search scores (the search's first; k of them come back)
 BATCH = 32
+PACKED_BATCH = 256  # pairs a packed pass takes at once (no padding: tokens, not the longest pair, cost)
 
 
 class Reranker:
+    """`path`: "packed" (a BERT/XLM-R classifier on embedfleet's packed BERT pass: pairs without padding) or
+    "generic" (transformers' AutoModelForSequenceClassification, padded)."""
+
     def __init__(self, model: str, device: str = "cpu", trust_remote_code: bool = False):
         import torch
-        from transformers import AutoModelForSequenceClassification, AutoTokenizer
+        from transformers import AutoConfig, AutoTokenizer
 
         from embedfleet.encode.models import resolve_model
 
         path = resolve_model(model)
         try:
             self.tokenizer = AutoTokenizer.from_pretrained(str(path), trust_remote_code=trust_remote_code)
-            self.model = AutoModelForSequenceClassification.from_pretrained(
-                str(path), trust_remote_code=trust_remote_code).to(device).eval()
+            cfg = AutoConfig.from_pretrained(str(path), trust_remote_code=trust_remote_code)
         except (OSError, ValueError) as e:
             raise ModelError(f"--rerank {model}: not a cross-encoder transformers can load "
                              f"({str(e).splitlines()[0]})") from None
         self.name, self.device = str(model), device
-        cfg = self.model.config
+        self.packed = None if trust_remote_code else _packed(path, cfg, torch.device(device))
+        self.path = "packed" if self.packed is not None else "generic"
+        if self.packed is None:
+            from transformers import AutoModelForSequenceClassification
+
+            try:
+                self.model = AutoModelForSequenceClassification.from_pretrained(
+                    str(path), trust_remote_code=trust_remote_code).to(device).eval()
+            except (OSError, ValueError) as e:
+                raise ModelError(f"--rerank {model}: not a cross-encoder transformers can load "
+                                 f"({str(e).splitlines()[0]})") from None
         limit = getattr(cfg, "max_position_embeddings", 512)
+        if getattr(cfg, "model_type", None) in ("roberta", "xlm-roberta", "camembert"):
+            limit -= int(getattr(cfg, "pad_token_id", 1) or 1) + 1  # its positions start after the padding id
         told = getattr(self.tokenizer, "model_max_length", limit)
         self.max_length = min(limit, told if isinstance(told, int) and told < 1_000_000 else limit, 512)
         act = ((getattr(cfg, "sentence_transformers", None) or {}).get("activation_fn") or
@@ -48,11 +64,15 @@ class Reranker:
         torch = self._torch
         out = []
         with torch.inference_mode():
-            for a in range(0, len(texts), BATCH):
-                part = texts[a:a + BATCH]
-                enc = self.tokenizer([query] * len(part), part, padding=True, truncation=True,
-                                     max_length=self.max_length, return_tensors="pt").to(self.device)
-                logits = self.model(**enc).logits.float()
+            for a in range(0, len(texts), BATCH if self.packed is None else PACKED_BATCH):
+                part = texts[a:a + (BATCH if self.packed is None else PACKED_BATCH)]
+                if self.packed is not None:
+                    enc = self.tokenizer([query] * len(part), part, truncation=True, max_length=self.max_length)
+                    logits = self.packed.logits(enc["input_ids"], enc.get("token_type_ids"))
+                else:
+                    enc = self.tokenizer([query] * len(part), part, padding=True, truncation=True,
+                                         max_length=self.max_length, return_tensors="pt").to(self.device)
+                    logits = self.model(**enc).logits.float()
                 logits = logits[:, 0] if logits.shape[1] == 1 else logits.max(1).values
                 out.append((torch.sigmoid(logits) if self._sigmoid else logits).cpu().numpy())
         return np.concatenate(out) if out else np.zeros(0, np.float32)
@@ -63,3 +83,19 @@ class Reranker:
         for r, s in zip(rows, scores.tolist()):
             r["rerank_score"] = s
         return sorted(rows, key=lambda r: -r["rerank_score"])[:k]
+
+
+def _packed(path, cfg, device):
+    """The packed cross-encoder for a BERT/XLM-R sequence classifier stored as safetensors, else None."""
+    from embedfleet.encode.packed import load_state
+    from embedfleet.encode.packed.cross import PackedCrossEncoder
+
+    if not any(a.endswith("ForSequenceClassification") for a in getattr(cfg, "architectures", None) or []):
+        return None
+    state = load_state(path)
+    if state is None:
+        return None
+    import torch
+
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    return PackedCrossEncoder.create(cfg.to_dict(), state, device, dtype)

@@ -1,7 +1,7 @@
 """BERT-family encoder (BERT, RoBERTa/XLM-R, MiniLM, bge/e5-style) over packed sequences.
 
 Q, K and V are one matmul; token type 0 is folded into the position table at load time (single
-sentences never use type 1), saving a gather per batch.
+sentences never use type 1), saving a gather per batch; a pair's second text adds type 1's difference.
 """
 
 from __future__ import annotations
@@ -28,6 +28,8 @@ class PackedBert:
                  compile: bool = True):
         self.w, self.layers, self.heads, self.eps, self.act, self.pos_offset = (
             weights, layers, heads, eps, act, pos_offset)
+        # token type 1 less type 0 (folded into the positions): a pair's second text adds it (cross-encoders)
+        self.type_delta: torch.Tensor | None = weights.get("type_delta")
         self.hidden = weights["word"].shape[1]
         self._post = fused(_post_attention, weights["word"].device, compile)
         self.fused = [self._post]  # what a BackgroundCompile compiles
@@ -43,10 +45,14 @@ class PackedBert:
             return x.to(device=device, dtype=dtype).contiguous()
 
         pos = sd["embeddings.position_embeddings.weight"].float()
+        weights = {}
         if "embeddings.token_type_embeddings.weight" in sd:
-            pos = pos + sd["embeddings.token_type_embeddings.weight"][0].float()
-        weights = {"word": t(sd["embeddings.word_embeddings.weight"]), "pos": t(pos),
-                   "ln_w": t(sd["embeddings.LayerNorm.weight"]), "ln_b": t(sd["embeddings.LayerNorm.bias"])}
+            types = sd["embeddings.token_type_embeddings.weight"].float()
+            pos = pos + types[0]
+            if types.shape[0] > 1:
+                weights["type_delta"] = t(types[1] - types[0])
+        weights.update({"word": t(sd["embeddings.word_embeddings.weight"]), "pos": t(pos),
+                        "ln_w": t(sd["embeddings.LayerNorm.weight"]), "ln_b": t(sd["embeddings.LayerNorm.bias"])})
         layers = []
         for i in range(cfg["num_hidden_layers"]):
             p = f"encoder.layer.{i}."
@@ -69,9 +75,12 @@ class PackedBert:
         lin = sum(l[k].numel() for l in self.layers for k in ("qkv_w", "o_w", "i_w", "out_w"))
         return 2 * lin + 4 * len(self.layers) * self.hidden * mean_len
 
-    def __call__(self, ids: torch.Tensor, pk: Packing) -> torch.Tensor:
+    def __call__(self, ids: torch.Tensor, pk: Packing, types: torch.Tensor | None = None) -> torch.Tensor:
+        """Hidden states of packed `ids`; `types` (0 or 1 a token, the pair's second text 1) where they matter."""
         w, h, n = self.w, self.hidden, ids.shape[0]
         x = F.embedding(ids, w["word"]) + F.embedding(pk.pos + self.pos_offset, w["pos"])
+        if types is not None and self.type_delta is not None:
+            x = x + types.to(x.dtype)[:, None] * self.type_delta
         x = F.layer_norm(x, (h,), w["ln_w"], w["ln_b"], self.eps)
         for L in self.layers:
             q, k, v = F.linear(x, L["qkv_w"], L["qkv_b"]).view(n, 3, self.heads, -1).unbind(1)
