@@ -176,3 +176,19 @@ print(json.dumps({{"dynamo": "torch._dynamo" in sys.modules, "flash": attention.
     ours = np.load(out)
     out.unlink()
     assert (ours * _st(MINILM, world_texts(500, seed=5))).sum(1).min() >= 0.999
+
+
+def test_tiny_mistral_packed_matches_st_on_cuda(tmp_path):
+    import json
+
+    from embedfleet.encode.encoder import Encoder
+    from embedfleet.encode.shapes import build_random_model
+
+    path = build_random_model("qwen3-0.6b", tmp_path, tiny=True, model_type="mistral")
+    cfg = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**cfg, "sliding_window": 4096, "architectures": ["MistralModel"]}))
+    enc = Encoder(str(path), dtype="bfloat16")
+    assert enc.path == "packed"
+    for prompt in (None, "query"):
+        ours = enc.encode(_texts(), prompt=prompt)
+        assert ((ours * _st(path, _texts(), prompt)).sum(1)).min() >= 0.999
