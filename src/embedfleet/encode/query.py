@@ -107,7 +107,8 @@ class NumpyBert:
     def load(cls, spec: ModelSpec) -> "NumpyBert | None":
         """The model, or None when it is not a BERT-family model this (and packed/bert.py) serves."""
         cfg = spec.config
-        if (spec.model_type not in BERT_TYPES or cfg.get("position_embedding_type", "absolute") != "absolute"
+        if (spec.custom is not None or spec.model_type not in BERT_TYPES  # custom: the model's own first module
+                or cfg.get("position_embedding_type", "absolute") != "absolute"
                 or cfg.get("hidden_act", "gelu") not in _ACT):
             return None
         state = _load_state(spec.hf_dir)

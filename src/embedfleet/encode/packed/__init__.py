@@ -47,8 +47,9 @@ class OnDevice(Mapping):
 
 
 def supports(spec) -> bool:
-    """Whether a packed forward pass is written here for this model's type."""
-    return spec.model_type in BERT_TYPES + DECODER_TYPES + ROPE_ENCODER_TYPES + GEMMA_TYPES
+    """Whether a packed forward pass is written here for this model's type (and its first module is not the
+    model's own code)."""
+    return spec.custom is None and spec.model_type in BERT_TYPES + DECODER_TYPES + ROPE_ENCODER_TYPES + GEMMA_TYPES
 
 
 def build(spec, device: torch.device, dtype: torch.dtype, state: dict[str, torch.Tensor] | None = None, *,
