@@ -31,7 +31,11 @@ def _loaded(conn, table: str, partitions: int | None, rows: int = 2000) -> np.nd
     ensure_vector(conn)
     ensure_table(conn, table, [], 8, "vector", partitions)
     vecs = np.random.default_rng(7).standard_normal((rows, 8)).astype(np.float32)
-    with conn.cursor().copy(f"COPY {table} (id, content, embedding) FROM STDIN") as copy:
+    from psycopg import sql
+
+    from embedfleet.pg.ddl import table_sql
+
+    with conn.cursor().copy(sql.SQL("COPY {} (id, content, embedding) FROM STDIN").format(table_sql(conn, table))) as copy:
         for i, v in enumerate(vecs):
             copy.write_row([f"r{i}", f"text {i}", "[" + ",".join(map(str, v)) + "]"])
     return vecs
@@ -101,3 +105,25 @@ def test_on_a_server_with_cores_to_spare_each_partitions_build_gets_workers_and_
     for leaf in ("wide_p0", "wide_p1"):  # set for the build, put back before its commit
         assert conn.execute("SELECT reloptions FROM pg_class WHERE oid = %s::regclass", [leaf]).fetchone()[0] == [
             "toast_tuple_target=8160"]
+
+
+def test_a_partitioned_table_whose_name_needs_quotes_is_indexed_and_a_rebuild_cut_short_is_finished(dsn, conn):
+    vecs = _loaded(conn, "Reviews", 2)  # partitions "Reviews_p0", "Reviews_p1": names PostgreSQL quotes
+    name = finish_table(conn, "Reviews", index=True, dsn=dsn)
+    assert _attached(conn, f'public."{name}"') == 2
+    # a rebuild cut short after its new index was built, before the old one was dropped: the next finishes it
+    conn.execute('CREATE INDEX ON "Reviews" USING hnsw ((binary_quantize(embedding)::bit(8)) bit_hamming_ops)')
+    assert sorted(k for _, k in indexes_of(conn, "Reviews")) == ["bit", "direct"]
+    new, built = rebuild_index(conn, "Reviews", "binary", dsn)
+    assert not built and indexes_of(conn, "Reviews") == [(new, "bit")]
+    assert Searcher(conn, "Reviews").search(vecs[3], 3)[0]["id"] == "r3"
+
+
+def test_k_past_what_the_index_hands_over_is_measured_exactly(conn):
+    vecs = _loaded(conn, "many", None, rows=1500)
+    finish_table(conn, "many", index=True)
+    searcher = Searcher(conn, "many")
+    rows = searcher.search(vecs[0], 1200)  # hnsw.ef_search stops at 1,000: the index hands over no more
+    exact = np.argsort(1 - (vecs @ vecs[0]) / np.linalg.norm(vecs, axis=1) / np.linalg.norm(vecs[0]))[:1200]
+    assert len(rows) == 1200 and rows[0]["id"] == "r0"
+    assert len({r["id"] for r in rows} & {f"r{i}" for i in exact}) >= 1190

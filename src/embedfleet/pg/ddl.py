@@ -387,15 +387,15 @@ def index_of(conn: psycopg.Connection, table: str) -> tuple[str, str] | None:
     return found[0] if found else None
 
 
-def indexes_of(conn: psycopg.Connection, table: str) -> list[tuple[str, str]]:
-    """(name, kind) of each HNSW index on `table`'s embedding, by name."""
+def indexes_of(conn: psycopg.Connection, table: str | int) -> list[tuple[str, str]]:
+    """(name, kind) of each HNSW index on `table`'s embedding (a table's name, or a relation's oid), by name."""
     rows = conn.execute(
         "SELECT DISTINCT c.relname, pg_get_indexdef(i.indexrelid) FROM pg_index i JOIN pg_class c ON c.oid = i.indexrelid "
         "JOIN pg_am am ON am.oid = c.relam LEFT JOIN pg_attribute a ON a.attrelid = i.indrelid AND a.attnum = ANY(i.indkey) "
-        "AND a.attnum > 0 WHERE i.indrelid = %s::regclass AND am.amname = 'hnsw' AND i.indisvalid "
+        "AND a.attnum > 0 WHERE i.indrelid = %s::regclass::oid AND am.amname = 'hnsw' AND i.indisvalid "
         "AND (a.attname = 'embedding' OR (a.attname IS NULL AND pg_get_indexdef(i.indexrelid) ~ '\\membedding\\M')) "
         "ORDER BY 1",
-        [_regclass(conn, table)],
+        [str(table) if isinstance(table, int) else _regclass(conn, table)],
     ).fetchall()
     return [(name, "bit" if "binary_quantize" in d else "halfvec" if "::halfvec" in d else "direct") for name, d in rows]
 

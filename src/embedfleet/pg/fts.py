@@ -64,12 +64,15 @@ def add_fts(conn: psycopg.Connection, name: str, config: str = DEFAULT_CONFIG) -
                          f"its column {FTS_COLUMN} to build one with {config!r}")
     if have is not None and _gin_indexed(conn, table):
         return False
-    plan = table_plan(conn, name)
-    if have is None:
-        from embedfleet.pg.index_build import maintenance_settings
+    from embedfleet.pg.index_build import maintenance_settings
 
-        with conn.transaction():
+    plan = table_plan(conn, name, side_by_side=1)
+    with conn.transaction():  # under the lock of a job's finish: two finishing together build one index
+        conn.execute("SELECT pg_advisory_xact_lock(hashtext(%s))", [f"embedfleet.finish.{table.as_string(conn)}"])
+        if fts_config(conn, table) is None:
             maintenance_settings(conn, plan)  # the rewrite rebuilds the table's indexes
             conn.execute(sql.SQL("ALTER TABLE {} ADD COLUMN {}").format(table, fts_column(config)))
-    create_index(conn, table, sql.SQL("gin ({})").format(sql.Identifier(FTS_COLUMN)), plan)
+        elif _gin_indexed(conn, table):
+            return False
+        create_index(conn, table, sql.SQL("gin ({})").format(sql.Identifier(FTS_COLUMN)), plan)
     return True

@@ -15,7 +15,8 @@ from typing import NamedTuple
 import psycopg
 from psycopg import sql
 
-from embedfleet.pg.ddl import _index_expression, embedding_info, heaps, index_of, index_plan, indexes_of, table_sql
+from embedfleet.pg.ddl import (_index_expression, embedding_info, free_connections, heaps, index_of, index_plan,
+                               indexes_of, table_sql)
 
 __all__ = ["BuildPlan", "build_index", "build_plan", "create_index", "graph_mb", "maintenance_settings", "rebuild_index", "table_plan"]
 
@@ -86,11 +87,15 @@ def maintenance_settings(conn: psycopg.Connection, plan: BuildPlan) -> None:
     conn.execute(sql.SQL("SET LOCAL max_parallel_maintenance_workers = {}").format(sql.Literal(plan.workers)))
 
 
-def table_plan(conn: psycopg.Connection, table: str, index: str = "hnsw") -> BuildPlan:
-    """The plan for building `table`'s vector index on this server."""
+def table_plan(conn: psycopg.Connection, table: str, index: str = "hnsw", side_by_side: int | None = None) -> BuildPlan:
+    """The plan for building `table`'s vector index on this server; `side_by_side`: at most so many builds at once
+    (1: one after another, as CREATE INDEX on a partitioned table makes them, each with all the workers)."""
     vtype, dim = embedding_info(conn, table)
     kind, _ = index_plan(dim, vtype, index)
-    return build_plan([_rows(conn, oid) for oid, _ in heaps(conn, table)], kind, dim, vtype, *server_resources(conn))
+    rows = [_rows(conn, oid) for oid, _ in heaps(conn, table)]
+    if side_by_side is not None and side_by_side < len(rows):  # the largest `side_by_side` set the memory
+        rows = sorted(rows, reverse=True)[:max(1, side_by_side)]
+    return build_plan(rows, kind, dim, vtype, *server_resources(conn))
 
 
 def create_index(conn: psycopg.Connection, heap: sql.Composable, using: sql.Composable, plan: BuildPlan) -> None:
@@ -127,9 +132,11 @@ def build_index(conn: psycopg.Connection, table: str, index: str = "hnsw", dsn: 
     ident = table_sql(conn, table)
     (partitioned,) = conn.execute("SELECT relkind = 'p' FROM pg_class WHERE oid = %s::regclass",
                                   [ident.as_string(conn)]).fetchone()
-    plan = table_plan(conn, table, index)
-    if partitioned and dsn is not None and plan.side_by_side > 1:
-        todo = [name for _, name in heaps(conn, table) if kind not in {k for _, k in indexes_of(conn, name)}]
+    # side by side on connections of their own: a few, and one left for anyone else
+    spare = max(1, free_connections(conn) - 1) if partitioned and dsn is not None else 1
+    plan = table_plan(conn, table, index, spare)
+    if plan.side_by_side > 1:
+        todo = [name for oid, name in heaps(conn, table) if kind not in {k for _, k in indexes_of(conn, oid)}]
         if conn.info.transaction_status != psycopg.pq.TransactionStatus.IDLE:  # idle in it meanwhile: not timed out
             conn.execute("SET LOCAL idle_in_transaction_session_timeout = 0")
 
@@ -137,8 +144,11 @@ def build_index(conn: psycopg.Connection, table: str, index: str = "hnsw", dsn: 
             with psycopg.connect(dsn, autocommit=True) as c:
                 create_index(c, sql.SQL(leaf), using, plan)
 
-        with ThreadPoolExecutor(plan.side_by_side) as pool:
-            list(pool.map(one, todo))
+        try:
+            with ThreadPoolExecutor(plan.side_by_side) as pool:
+                list(pool.map(one, todo))
+        except psycopg.OperationalError:  # the server refused a connection: the table's CREATE INDEX builds the rest
+            plan = table_plan(conn, table, index, 1)
     create_index(conn, ident, using, plan)  # a partitioned table's: adopts each partition's matching index
     return plan
 
@@ -148,14 +158,24 @@ def rebuild_index(conn: psycopg.Connection, table: str, index: str, dsn: str | N
     (its name, whether it was built: False where it had that kind already)."""
     vtype, dim = embedding_info(conn, table)
     kind, _ = index_plan(dim, vtype, index)
-    found = index_of(conn, table)
-    if found and found[1] == kind:
-        return found[0], False
+    have = indexes_of(conn, table)
+    if any(k == kind for _, k in have):  # built already (also by a rebuild cut short before its drop)
+        name = next(n for n, k in have if k == kind)
+        for other, k in have:
+            if k != kind:
+                conn.execute(sql.SQL("DROP INDEX {}").format(_in_schema(conn, table, other)))
+        return name, False
+    found = have[0] if have else None
     if found:  # aside, so that the new one is the table's index; dropped once it is built
-        schema = conn.execute("SELECT relnamespace::regnamespace::text FROM pg_class WHERE oid = %s::regclass",
-                              [table_sql(conn, table).as_string(conn)]).fetchone()[0]
-        old = sql.SQL("{}.{}").format(sql.Identifier(schema), sql.Identifier(found[0]))
+        old = _in_schema(conn, table, found[0])
     build_index(conn, table, index, dsn)
     if found:
         conn.execute(sql.SQL("DROP INDEX {}").format(old))
     return index_of(conn, table)[0], True
+
+
+def _in_schema(conn: psycopg.Connection, table: str, index: str) -> sql.Composable:
+    """The index `index` of `table`, named in the table's schema."""
+    schema = conn.execute("SELECT relnamespace::regnamespace::text FROM pg_class WHERE oid = %s::regclass",
+                          [table_sql(conn, table).as_string(conn)]).fetchone()[0]
+    return sql.SQL("{}.{}").format(sql.SQL(schema), sql.Identifier(index))

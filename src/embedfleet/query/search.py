@@ -48,6 +48,7 @@ RESCORE, RESCORE_MIN = 10, 40
 # hnsw.ef_search unless asked: pgvector's 40 walks too little of a million-row graph for recall@10 0.95, and
 # never hands over more rows than it, so a larger k gets at least k (docs/decisions/index-build.md)
 EF_SEARCH = 200
+EF_SEARCH_MAX = 1000  # pgvector's limit on hnsw.ef_search
 RRF_K = 60  # reciprocal rank fusion's constant (a result's score: the sum over rankings of 1 / (RRF_K + rank))
 HYBRID_DEPTH = 50  # candidates each ranking gives a hybrid search (at least; 4 × k for a larger k)
 
@@ -245,6 +246,7 @@ class Searcher:
             ef_search = max(ef_search or EF_SEARCH, k)
             if self.index_kind == "bit":  # the index must hand over every candidate the rescore takes
                 ef_search = max(ef_search, params["n"])
+            ef_search = min(ef_search, EF_SEARCH_MAX)  # beyond it, iterative scans and the exact fallback
             if self.indexed:
                 cur.execute(sql.SQL("SET LOCAL hnsw.ef_search = {}").format(sql.Literal(int(ef_search))))
             scan = "exact" if not self.indexed else "index"
@@ -257,8 +259,8 @@ class Searcher:
                 cur.execute("SET LOCAL hnsw.iterative_scan = strict_order")
                 scan = "iterative"
             rows = cur.execute(exact if scan == "exact" else by_index, params).fetchall()
-            if where and scan != "exact" and len(rows) < k:
-                # the index gave up before k rows passed: measure every row the filter keeps
+            if scan != "exact" and len(rows) < k and (where or k > EF_SEARCH_MAX):
+                # the index gave up before k rows passed (or k is past what it hands over): measure every row kept
                 cur.execute("SET LOCAL enable_indexscan = off")
                 rows = cur.execute(exact, params).fetchall()
                 scan = "exact"
