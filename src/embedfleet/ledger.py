@@ -870,13 +870,14 @@ def remove_job(conn: psycopg.Connection, job: str, drop_table: bool = False) -> 
 
 def table_job(conn: psycopg.Connection, table: str) -> dict | None:
     """What made `table`: the newest job that wrote it (job, model, dim, the model and --dim as requested,
-    prompt, template, preset), from the ledger; None with no ledger or no such job (a table written by
+    prompt, template, preset, task), from the ledger; None with no ledger or no such job (a table written by
     something else). Read by search (the query's model) and train (the head's record)."""
     if not ledger_exists(conn):
         return None
     with conn.cursor(row_factory=dict_row) as cur:
         row = cur.execute(
             "SELECT job, model, dim, config->>'model' AS requested, config->>'dim' AS requested_dim, "
-            "config->>'prompt' AS prompt, config->>'text_template' AS text_template, config->>'preset' AS preset "
+            "config->>'prompt' AS prompt, config->>'text_template' AS text_template, config->>'preset' AS preset, "
+            "config->>'task' AS task "
             "FROM embedfleet.jobs WHERE table_name = %s ORDER BY created DESC LIMIT 1", [table]).fetchone()
     return dict(row) if row else None

@@ -214,12 +214,14 @@ class JobSpec:
     index: str = "hnsw"  # --index: hnsw (as the width allows) | binary (HNSW over the binary-quantized vectors)
     fts: bool = False  # --fts: a full-text index of the content beside the vector one (hybrid search)
     fts_config: str = "simple"  # --fts-config: its text search configuration
+    task: str | None = None  # --task: the task a model's own first module takes (jina's adapters; default: the prompt's name)
 
     # Fields that change how a record lands in the table. Two runs agreeing on these are the same job, whatever
     # their inputs: a rerun adds the files (and appended bytes) it finds new.
     _IDENTITY = (
         "meta", "preset", "text_template", "text_field", "id_field", "model",
         "table", "chunk_bytes", "limit", "dtype", "dim", "prompt", "passages", "columns", "source_table", "where",
+        "task",
     )
 
     def replace(self, **changes) -> "JobSpec":
@@ -230,7 +232,7 @@ class JobSpec:
         # A field at its default is left out: a job planned before the field existed keeps its fingerprint.
         keys = ("inputs",) + self._IDENTITY if legacy else self._IDENTITY
         ident = {k: (list(v) if isinstance(v := getattr(self, k), tuple) else v) for k in keys
-                 if k not in ("passages", "columns", "source_table", "where") or getattr(self, k) is not None}
+                 if k not in ("passages", "columns", "source_table", "where", "task") or getattr(self, k) is not None}
         return hashlib.sha256(orjson.dumps(ident, option=orjson.OPT_SORT_KEYS)).hexdigest()[:16]
 
     def to_json(self) -> dict[str, Any]:

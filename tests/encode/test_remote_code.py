@@ -226,3 +226,44 @@ def test_ingest_embeds_documents_with_their_task_and_search_queries_with_theirs(
     p = cli("search", TEXTS[1], "--table", "tasks", "--db", dsn, "--json", "-k", "1", "--trust-remote-code",
             check=True)
     assert json.loads(p.stdout)["results"][0]["id"] == "1"
+
+
+@pytest.fixture(scope="module")
+def v4_model(tmp_path_factory, task_model):
+    """As jina v4: tasks of their own names (retrieval, code), prompts for the query and the passage."""
+    out = tmp_path_factory.mktemp("v4") / "jina-v4-like"
+    shutil.copytree(task_model, out)
+    (out / "custom_st.py").write_text(CUSTOM_ST.replace('["retrieval.query", "retrieval.passage"]',
+                                                        '["retrieval", "code"]'))
+    stc = json.loads((out / "config_sentence_transformers.json").read_text())
+    stc["prompts"] = {"query": "Query: ", "passage": "Passage: "}
+    (out / "config_sentence_transformers.json").write_text(json.dumps(stc))
+    return out
+
+
+def test_task_names_its_own_task_recorded_for_searches(cli, dsn, conn, v4_model, tmp_path):
+    from pgvector.psycopg import register_vector
+    from sentence_transformers import SentenceTransformer
+
+    from embedfleet.encode.encoder import Encoder
+    from embedfleet.errors import ModelError
+    from embedfleet.query.search import query_encoder
+
+    src = tmp_path / "docs.jsonl"
+    src.write_text("".join(json.dumps({"id": str(i), "text": t}) + "\n" for i, t in enumerate(TEXTS)))
+    one_line_error(cli("ingest", src, "--db", dsn, "--devices", "cpu", "--quiet", "--table", "notask",
+                       "--task", "retrieval"), "--task 'retrieval': model")  # the default MiniLM takes none
+    with pytest.raises(ModelError, match="takes no task"):
+        Encoder(device="cpu", task="retrieval")
+    cli("ingest", src, "--model", v4_model, "--db", dsn, "--devices", "cpu", "--quiet", "--table", "v4",
+        "--id-field", "id", "--prompt", "passage", "--task", "code", "--trust-remote-code", check=True)
+    st = SentenceTransformer(str(v4_model), device="cpu", trust_remote_code=True)
+    want = st.encode(TEXTS, task="code", prompt_name="passage", normalize_embeddings=True)
+    register_vector(conn)
+    stored = dict(conn.execute("SELECT id, embedding FROM v4").fetchall())
+    got = np.stack([stored[str(i)].to_numpy() for i in range(len(TEXTS))])
+    assert np.min(np.sum(got * want, axis=1)) >= 0.9999
+    query = query_encoder(conn, "v4", trust_remote_code=True)  # what search runs: the job's task, the query prompt
+    want = st.encode(TEXTS, task="code", prompt_name="query", normalize_embeddings=True)
+    assert np.min(np.sum(query.encode(TEXTS) * want, axis=1)) >= 0.9999
+    query.close()

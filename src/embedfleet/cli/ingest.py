@@ -33,6 +33,8 @@ NoIndexOpt = typer.Option(False, "--no-index", help="skip the HNSW index build")
 DtypeOpt = typer.Option(None, "--dtype", help="float (vector) | half (halfvec, pgvector ≥ 0.7)")
 DimOpt = typer.Option(None, "--dim", help="Matryoshka: keep the first N dimensions")
 PromptOpt = typer.Option(None, "--prompt", help="prompt name or text prepended to documents")
+TaskOpt = typer.Option(None, "--task", help="the task a model's own module takes (jina's adapters, with "
+                       "--trust-remote-code; default: the prompt's name); searches reuse it")
 SourceDbOpt = typer.Option(None, "--source-db", help="the database a --from-table source is in (default: --db)")
 WhereOpt = typer.Option(None, "--where", help="with --from-table: SQL filter on the source's rows (read-only)")
 QuietOpt = typer.Option(False, "--quiet", help="no progress display")
@@ -66,6 +68,7 @@ def ingest(
     dtype: Optional[str] = DtypeOpt,
     dim: Optional[int] = DimOpt,
     prompt: Optional[str] = PromptOpt,
+    task: Optional[str] = TaskOpt,
     passages: Optional[str] = typer.Option(None, "--passages", help="TOKENS\\[:OVERLAP]: each record as passages "
                                            "of at most TOKENS tokens, overlapping by OVERLAP (e.g. 256:32)"),
     partitions: Optional[int] = typer.Option(None, "--partitions", help="a new table as N hash partitions of its id, "
@@ -102,7 +105,7 @@ def ingest(
         batch_tokens=batch_tokens, chunk_bytes=chunk_bytes, limit=limit, no_index=no_index, dtype=dtype,
         dim=dim, prompt=prompt, passages=passages, partitions=partitions, quiet=quiet, columns=columns,
         replacing=tuple(replace) if replace else None, source_table=from_table, where=where,
-        trust_remote_code=trust_remote_code or None, fts=fts or None, fts_config=fts_config, index=index,
+        trust_remote_code=trust_remote_code or None, fts=fts or None, fts_config=fts_config, index=index, task=task,
     ), config)
     settings = with_flags(knobs(), metrics_port=metrics_port, source_db=source_db)
     if not cfg.source_table:  # a missing file fails before any server starts
@@ -167,6 +170,7 @@ def sync(
     dtype: Optional[str] = DtypeOpt,
     dim: Optional[int] = DimOpt,
     prompt: Optional[str] = PromptOpt,
+    task: Optional[str] = TaskOpt,
     no_index: bool = NoIndexOpt,
     batch: int = typer.Option(2048, "--batch", help="queued keys a drain batch takes"),
     lanes: Optional[int] = typer.Option(None, "--lanes", help="drain batches side by side on this many connections "
@@ -188,7 +192,7 @@ def sync(
         source_table=from_table, text_field=text_field, text_template=shell_escapes(text_template), id_field=id_field,
         where=where, columns=columns, db=db, table=table, job=job, model=model, devices=devices, workers=workers,
         batch_tokens=batch_tokens, chunk_bytes=chunk_bytes, dtype=dtype, dim=dim, prompt=prompt, no_index=no_index,
-        quiet=quiet, trust_remote_code=trust_remote_code or None))
+        quiet=quiet, trust_remote_code=trust_remote_code or None, task=task))
     settings = with_flags(knobs(), source_db=source_db)
     if batch < 1 or (lanes is not None and lanes < 1):
         raise typer.BadParameter("--batch and --lanes must be at least 1")

@@ -71,10 +71,13 @@ class Encoder:
     the process's knobs (compile, Triton, word cache, home), resolved from the environment when not given."""
 
     def __init__(self, model=None, device="auto", dtype=None, *, batch_tokens="auto", dim=None, prompt=None,
-                 tokenizer_workers=None, settings: Settings | None = None, trust_remote_code: bool = False):
+                 tokenizer_workers=None, settings: Settings | None = None, trust_remote_code: bool = False,
+                 task: str | None = None):
         self.settings = s = settings or Settings.from_env()
         model = model or s.model
         self.spec = spec = read_spec(resolve_model(model))
+        spec.check_task(task)
+        self.task = task  # for a model's own module that takes one (else the prompt's name is its task)
         self._dev = _device(device)
         self.dtype = _DTYPES[dtype] if isinstance(dtype, str) else dtype
         if self.dtype is None:
@@ -99,7 +102,7 @@ class Encoder:
             self.model, self.path = (CustomModuleModel(spec, self._dev, self.dtype) if spec.custom else
                                      GenericModel(spec, self._dev, self.dtype, trust_remote_code)), "generic"
             if spec.custom:
-                self.model.task = spec.task(prompt)
+                self.model.task = spec.task(prompt, task)
         hidden = self.model.hidden
         width = spec.output_dim(hidden)  # a Dense module after the pooling sets the vectors' width
         self._post = post_modules(spec, self._dev)
@@ -141,8 +144,8 @@ class Encoder:
                 "compile": self._compile.state if self._compile is not None else "off"}
 
     def tokenize(self, texts: list[str], prompt: str | None = None, pool: bool = True) -> Tokenized:
-        if self.spec.custom:  # the task the prompt names goes to the model's own module with these texts
-            self.model.task = self.spec.task(prompt if prompt is not None else self.prompt)
+        if self.spec.custom:  # the task (or the one the prompt names) goes to the model's own module with these texts
+            self.model.task = self.spec.task(prompt if prompt is not None else self.prompt, self.task)
         return self._tok.tokenize(texts, self.spec.prompt_text(prompt if prompt is not None else self.prompt), pool)
 
     def tokenizer_spec(self, prompt: str | None = None) -> TokenizerSpec:

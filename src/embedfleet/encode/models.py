@@ -255,12 +255,24 @@ class ModelSpec:
             return ""  # a model without prompts embeds queries and documents alike
         return prompt
 
-    def task(self, prompt: str | None) -> str | None:
-        """The task a custom first module that takes one gets (jina's adapters): the name of the prompt in use,
-        as sentence-transformers' `encode(task=…, prompt_name=…)` is called for such models."""
-        if self.custom is None or "task" not in self.custom[1]:
+    @property
+    def takes_task(self) -> bool:
+        """Whether the model's own first module takes a task (jina's adapters)."""
+        return self.custom is not None and "task" in self.custom[1]
+
+    def task(self, prompt: str | None, task: str | None = None) -> str | None:
+        """The task a custom first module that takes one gets (jina's adapters): `task` where given (jina v4:
+        `encode(task="retrieval", prompt_name="query")`), else the name of the prompt in use (jina v3:
+        `encode(task="retrieval.query", prompt_name="retrieval.query")`)."""
+        if not self.takes_task:
             return None
-        return self.prompt_name(prompt)
+        return task or self.prompt_name(prompt)
+
+    def check_task(self, task: str | None) -> None:
+        """One line where a task is asked of a model that takes none."""
+        if task and not self.takes_task:
+            raise ModelError(f"--task {task!r}: model {self.path.name} takes no task (only a model whose own first "
+                             "module does, such as jina's, with --trust-remote-code)")
 
 
 # The sentence-transformers modules the encoder computes; a model listing any other is refused, since its

@@ -224,8 +224,9 @@ class QueryEncoder:
     """
 
     def __init__(self, model=None, device: str = "cpu", dim: int | None = None, settings=None,
-                 trust_remote_code: bool = False):
+                 trust_remote_code: bool = False, task: str | None = None):
         spec = read_spec(resolve_model(model))
+        spec.check_task(task)
         self.spec, self.name = spec, model_name(model, spec.path)
         self._np = NumpyBert.load(spec) if device == "cpu" else None
         if self._np is not None:
@@ -240,7 +241,7 @@ class QueryEncoder:
             from embedfleet.encode.encoder import Encoder
 
             self._enc = Encoder(model, device=device, dim=dim, tokenizer_workers=0, settings=settings,
-                                trust_remote_code=trust_remote_code)
+                                trust_remote_code=trust_remote_code, task=task)
             self.dim, self.path, self.device = self._enc.dim, self._enc.path, self._enc.device
 
     def encode(self, texts: list[str], prompt: str | None = "query") -> np.ndarray:

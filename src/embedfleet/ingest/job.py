@@ -203,6 +203,7 @@ def check_job(spec: JobSpec, conn, settings: Settings) -> JobSpec:
     from embedfleet.encode.models import check_model
 
     model = check_model(cfg.model, cfg.trust_remote_code)  # an unusable model fails here, once, not in every worker after planning
+    model.check_task(cfg.task)
     hidden = model.output_dim(model.hidden_size) if model.hidden_size else None  # a Dense module sets the width
     if cfg.dim is not None and hidden is not None and not 0 < cfg.dim <= hidden:
         raise ModelError(f"--dim {cfg.dim} is out of range: {model.path.name} makes {hidden}-dimensional vectors")

@@ -107,7 +107,8 @@ def load_encoder(spec: JobSpec, device: str, settings: Settings):
     from embedfleet.encode.encoder import Encoder
 
     return Encoder(spec.model, device=device, batch_tokens=spec.batch_tokens, dim=spec.dim, tokenizer_workers=0,
-                   settings=settings, trust_remote_code=spec.trust_remote_code, prompt=spec.prompt)  # prompt: its task
+                   settings=settings, trust_remote_code=spec.trust_remote_code, prompt=spec.prompt,
+                   task=spec.task)  # a model's own module takes the task (else the prompt's name)
 
 
 class Worker:

@@ -27,14 +27,14 @@ QUERY_BATCH = 256  # queries embedded together in a --queries run
 
 def query_encoder(conn: psycopg.Connection, table: str, model: str | None = None, device: str = "cpu",
                   settings=None, trust_remote_code: bool = False):
-    """A QueryEncoder for `table`: its own model (unless `model` is given) and --dim."""
+    """A QueryEncoder for `table`: its own model (unless `model` is given), --dim and --task."""
     from embedfleet.encode.query import QueryEncoder
 
     embedding_info(conn, table)  # fail fast on a missing table, before loading a model
     made = table_job(conn, table) or {}
     dim = int(made["requested_dim"]) if made.get("requested_dim") else None
     return QueryEncoder(model or made.get("requested"), device=device, dim=None if model else dim, settings=settings,
-                        trust_remote_code=trust_remote_code)
+                        trust_remote_code=trust_remote_code, task=None if model else made.get("task"))
 
 
 DEFAULT_STATEMENT_TIMEOUT = 5.0  # seconds a search may run: a filter can make the server work for ever
