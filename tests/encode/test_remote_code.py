@@ -217,12 +217,7 @@ def test_ingest_embeds_documents_with_their_task_and_search_queries_with_theirs(
         "--id-field", "id", "--prompt", "passage", "--trust-remote-code", check=True)
     st = SentenceTransformer(str(task_model), device="cpu", trust_remote_code=True)
     want = st.encode(TEXTS, task="retrieval.passage", prompt_name="retrieval.passage", normalize_embeddings=True)
-    from pgvector.psycopg import register_vector
-
-    register_vector(conn)
-    stored = dict(conn.execute("SELECT id, embedding FROM tasks").fetchall())
-    got = np.stack([stored[str(i)].to_numpy() for i in range(len(TEXTS))])
-    assert np.min(np.sum(got * want, axis=1)) >= 0.9999
+    assert np.min(np.sum(_stored(conn, "tasks") * want, axis=1)) >= 0.9999
     p = cli("search", TEXTS[1], "--table", "tasks", "--db", dsn, "--json", "-k", "1", "--trust-remote-code",
             check=True)
     assert json.loads(p.stdout)["results"][0]["id"] == "1"
@@ -242,7 +237,6 @@ def v4_model(tmp_path_factory, task_model):
 
 
 def test_task_names_its_own_task_recorded_for_searches(cli, dsn, conn, v4_model, tmp_path):
-    from pgvector.psycopg import register_vector
     from sentence_transformers import SentenceTransformer
 
     from embedfleet.encode.encoder import Encoder
@@ -259,11 +253,17 @@ def test_task_names_its_own_task_recorded_for_searches(cli, dsn, conn, v4_model,
         "--id-field", "id", "--prompt", "passage", "--task", "code", "--trust-remote-code", check=True)
     st = SentenceTransformer(str(v4_model), device="cpu", trust_remote_code=True)
     want = st.encode(TEXTS, task="code", prompt_name="passage", normalize_embeddings=True)
-    register_vector(conn)
-    stored = dict(conn.execute("SELECT id, embedding FROM v4").fetchall())
-    got = np.stack([stored[str(i)].to_numpy() for i in range(len(TEXTS))])
-    assert np.min(np.sum(got * want, axis=1)) >= 0.9999
+    assert np.min(np.sum(_stored(conn, "v4") * want, axis=1)) >= 0.9999
     query = query_encoder(conn, "v4", trust_remote_code=True)  # what search runs: the job's task, the query prompt
     want = st.encode(TEXTS, task="code", prompt_name="query", normalize_embeddings=True)
     assert np.min(np.sum(query.encode(TEXTS) * want, axis=1)) >= 0.9999
     query.close()
+
+
+def _stored(conn, table: str) -> np.ndarray:
+    """The table's vectors in the order of TEXTS (ids 0, 1, …)."""
+    from pgvector.psycopg import register_vector
+
+    register_vector(conn)
+    stored = dict(conn.execute(f"SELECT id, embedding FROM {table}").fetchall())
+    return np.stack([stored[str(i)].to_numpy() for i in range(len(TEXTS))])

@@ -40,16 +40,17 @@ class GenericModel:
         padded = ids.new_zeros(n, length)
         padded[seg, pos] = ids
         mask = (torch.arange(length, device=ids.device)[None, :] < pk.lengths[:, None]).long()
-        hidden = self.model(input_ids=padded.long(), attention_mask=mask).last_hidden_state
-        return hidden[seg, pos]
+        return self._hidden(padded.long(), mask)[seg, pos]
+
+    def _hidden(self, input_ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """[batch, length, hidden] states of a padded batch."""
+        return self.model(input_ids=input_ids, attention_mask=mask).last_hidden_state
 
 
-class CustomModuleModel:
+class CustomModuleModel(GenericModel):
     """A model whose first sentence-transformers module is its own code (jina's `custom_st.Transformer`, with its
     task adapters): that module, loaded by sentence-transformers with trust_remote_code, gives the token embeddings
     of the padded batch, with `task` where it takes one; the pooling and the modules after it are embedfleet's."""
-
-    causal = False
 
     def __init__(self, spec, device: torch.device, dtype: torch.dtype):
         try:
@@ -59,20 +60,10 @@ class CustomModuleModel:
         except Exception as err:
             raise ModelError(f"cannot load model {spec.path} with sentence-transformers: {err}".splitlines()[0]) from None
         self.module = st[0].to(dtype).eval()
-        self.task: str | None = None  # set by the encoder from the prompt in use (ModelSpec.task)
+        self.task: str | None = None  # set by the encoder: ModelSpec.task
         self.hidden = int(spec.config.get("hidden_size") or spec.config.get("dim") or spec.config.get("d_model"))
         self.params = sum(p.numel() for n, p in self.module.named_parameters() if "embed" not in n)
 
-    def flops_per_token(self, mean_len: float) -> float:
-        return 2 * self.params
-
-    @torch.inference_mode()
-    def __call__(self, ids: torch.Tensor, pk: Packing) -> torch.Tensor:
-        n, length = pk.lengths.shape[0], pk.max_len
-        seg, pos = pk.seg.long(), pk.pos.long()
-        padded = ids.new_zeros(n, length)
-        padded[seg, pos] = ids
-        mask = (torch.arange(length, device=ids.device)[None, :] < pk.lengths[:, None]).long()
-        features = {"input_ids": padded.long(), "attention_mask": mask}
-        out = self.module(features, **({"task": self.task} if self.task is not None else {}))
-        return out["token_embeddings"][seg, pos]
+    def _hidden(self, input_ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        features = {"input_ids": input_ids, "attention_mask": mask}
+        return self.module(features, **({"task": self.task} if self.task is not None else {}))["token_embeddings"]
