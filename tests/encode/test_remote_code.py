@@ -246,7 +246,7 @@ def test_task_names_its_own_task_recorded_for_searches(cli, dsn, conn, v4_model,
     src = tmp_path / "docs.jsonl"
     src.write_text("".join(json.dumps({"id": str(i), "text": t}) + "\n" for i, t in enumerate(TEXTS)))
     one_line_error(cli("ingest", src, "--db", dsn, "--devices", "cpu", "--quiet", "--table", "notask",
-                       "--task", "retrieval"), "--task 'retrieval': model")  # the default MiniLM takes none
+                       "--task", "retrieval"), "--task 'retrieval': the model at")  # the default MiniLM takes none
     with pytest.raises(ModelError, match="takes no task"):
         Encoder(device="cpu", task="retrieval")
     cli("ingest", src, "--model", v4_model, "--db", dsn, "--devices", "cpu", "--quiet", "--table", "v4",

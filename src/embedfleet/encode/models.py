@@ -271,7 +271,7 @@ class ModelSpec:
     def check_task(self, task: str | None) -> None:
         """One line where a task is asked of a model that takes none."""
         if task and not self.takes_task:
-            raise ModelError(f"--task {task!r}: model {self.path.name} takes no task (only a model whose own first "
+            raise ModelError(f"--task {task!r}: the model at {self.path} takes no task (only a model whose own first "
                              "module does, such as jina's, with --trust-remote-code)")
 
 
@@ -328,6 +328,15 @@ def _check_widths(path: Path, post: list, hidden: int | None) -> None:
         width = d.out_features
 
 
+def position_limit(config: dict) -> int:
+    """The tokens a sequence can have by the model's position table (`config.json` as a dict)."""
+    limit = int(config.get("max_position_embeddings", 512))
+    if config.get("model_type") in ("roberta", "xlm-roberta", "camembert"):
+        pad = config.get("pad_token_id")
+        limit -= (1 if pad is None else int(pad)) + 1  # positions start after the padding index
+    return limit
+
+
 def read_spec(path: Path) -> ModelSpec:
     modules = _read_json(path / "modules.json") or []
     hf_dir, pool_dir, normalize = path, None, False
@@ -365,9 +374,7 @@ def read_spec(path: Path) -> ModelSpec:
     hidden = next((config[k] for k in ("hidden_size", "d_model", "dim") if isinstance(config.get(k), int)), None)
     _check_widths(path, post, hidden)
     st = _read_json(hf_dir / "sentence_bert_config.json") or _read_json(path / "sentence_bert_config.json") or {}
-    limit = int(config.get("max_position_embeddings", 512))
-    if config.get("model_type") in ("roberta", "xlm-roberta", "camembert"):
-        limit -= int(config.get("pad_token_id", 1)) + 1  # positions start after the padding index
+    limit = position_limit(config)
     max_seq = st.get("max_seq_length")
     if not max_seq:  # as sentence-transformers: the tokenizer's own limit (where sentence-transformers ≥ 6 saves it)
         told = (_read_json(hf_dir / "tokenizer_config.json") or {}).get("model_max_length")

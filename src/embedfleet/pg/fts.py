@@ -51,28 +51,24 @@ def add_fts(conn: psycopg.Connection, name: str, config: str = DEFAULT_CONFIG) -
     indexes under its lock. Returns False where it has both already (with the same configuration; another is
     refused in one line)."""
     from embedfleet.pg.ddl import table_sql
-    from embedfleet.pg.index_build import create_index, table_plan
+    from embedfleet.pg.index_build import create_index, maintenance_settings, table_plan
 
     if not conn.execute("SELECT 1 FROM pg_ts_config WHERE cfgname = %s", [config]).fetchone():
         known = [r[0] for r in conn.execute("SELECT cfgname FROM pg_ts_config ORDER BY 1")]
         raise InputError(f"--fts-config {config!r}: the server has no such text search configuration "
                          f"(it has {', '.join(known)})")
     table = table_sql(conn, name)
-    have = fts_config(conn, table)
-    if have is not None and have != config:
-        raise InputError(f"table {table.as_string(conn)} has a full-text index with --fts-config {have!r}; drop "
-                         f"its column {FTS_COLUMN} to build one with {config!r}")
-    if have is not None and _gin_indexed(conn, table):
-        return False
-    from embedfleet.pg.index_build import maintenance_settings
-
-    plan = table_plan(conn, name, side_by_side=1)
     with conn.transaction():  # under the lock of a job's finish: two finishing together build one index
         conn.execute("SELECT pg_advisory_xact_lock(hashtext(%s))", [f"embedfleet.finish.{table.as_string(conn)}"])
-        if fts_config(conn, table) is None:
+        have = fts_config(conn, table)
+        if have is not None and have != config:
+            raise InputError(f"table {table.as_string(conn)} has a full-text index with --fts-config {have!r}; drop "
+                             f"its column {FTS_COLUMN} to build one with {config!r}")
+        if have is not None and _gin_indexed(conn, table):
+            return False
+        plan = table_plan(conn, name, side_by_side=1)
+        if have is None:
             maintenance_settings(conn, plan)  # the rewrite rebuilds the table's indexes
             conn.execute(sql.SQL("ALTER TABLE {} ADD COLUMN {}").format(table, fts_column(config)))
-        elif _gin_indexed(conn, table):
-            return False
         create_index(conn, table, sql.SQL("gin ({})").format(sql.Identifier(FTS_COLUMN)), plan)
     return True

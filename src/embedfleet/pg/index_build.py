@@ -2,8 +2,8 @@
 parallel worker a core, and a partitioned table's partitions built side by side (docs/decisions/index-build.md).
 
 pgvector builds the graph in memory while it fits in maintenance_work_mem and inserts the rest one page at a
-time, many times slower; PostgreSQL gives a build workers by the table's size (five for a million MiniLM rows),
-not by the cores, unless the table's `parallel_workers` says otherwise."""
+time, many times slower; PostgreSQL gives a build workers by the table's size, not by the cores, unless the
+table's `parallel_workers` says otherwise."""
 
 from __future__ import annotations
 
@@ -15,10 +15,11 @@ from typing import NamedTuple
 import psycopg
 from psycopg import sql
 
-from embedfleet.pg.ddl import (_index_expression, embedding_info, free_connections, heaps, index_of, index_plan,
-                               indexes_of, table_sql)
+from embedfleet.pg.ddl import (_index_expression, embedding_info, free_connections, heaps, index_plan, indexes_of,
+                               table_sql)
 
-__all__ = ["BuildPlan", "build_index", "build_plan", "create_index", "graph_mb", "maintenance_settings", "rebuild_index", "table_plan"]
+__all__ = ["BuildPlan", "build_index", "build_plan", "create_index", "graph_mb", "maintenance_settings",
+           "rebuild_index", "table_plan"]
 
 HNSW_M = 16  # pgvector's default m: 2·m neighbours at the graph's bottom layer
 # An element of pgvector's in-memory graph beside its value: header, heap tids, lock, neighbour lists of
@@ -99,22 +100,25 @@ def table_plan(conn: psycopg.Connection, table: str, index: str = "hnsw", side_b
 
 
 def create_index(conn: psycopg.Connection, heap: sql.Composable, using: sql.Composable, plan: BuildPlan) -> None:
-    """CREATE INDEX on `heap` USING `using` ("hnsw (…)", "gin (…)") in a transaction of its own with the plan's memory and workers. The table's
-    `parallel_workers` (what PostgreSQL gives a build otherwise follows its size) is set for the build and put
-    back before the commit; a failed parallel build (a container's small /dev/shm) is done again serially."""
+    """CREATE INDEX on `heap` USING `using` ("hnsw (…)", "gin (…)") in a transaction of its own, with the plan's
+    memory and workers. The table's `parallel_workers` (what PostgreSQL gives a build otherwise follows its size)
+    is set for the build and put back before the commit; a failed parallel build (a container's small /dev/shm)
+    is done again serially."""
     (options, partitioned) = conn.execute("SELECT coalesce(reloptions, '{}'), relkind = 'p' FROM pg_class "
                                           "WHERE oid = %s::regclass", [heap.as_string(conn)]).fetchone()
     own = next((o.split("=", 1)[1] for o in options if o.startswith("parallel_workers=")), None)
+    set_workers = sql.SQL("ALTER TABLE {} SET (parallel_workers = {})")
+    back = (sql.SQL("ALTER TABLE {} RESET (parallel_workers)").format(heap) if own is None else
+            set_workers.format(heap, sql.Literal(int(own))))
     for workers in ((plan.workers, 0) if plan.workers else (0,)):
         try:
             with conn.transaction():
                 maintenance_settings(conn, plan._replace(workers=workers))
                 if workers and not partitioned:  # a partitioned table has no storage: its partitions' builds count
-                    conn.execute(sql.SQL("ALTER TABLE {} SET (parallel_workers = {})").format(heap, sql.Literal(workers)))
+                    conn.execute(set_workers.format(heap, sql.Literal(workers)))
                 conn.execute(sql.SQL("CREATE INDEX ON {} USING {}").format(heap, using))
                 if workers and not partitioned:
-                    conn.execute(sql.SQL("ALTER TABLE {} RESET (parallel_workers)").format(heap) if own is None else
-                                 sql.SQL("ALTER TABLE {} SET (parallel_workers = {})").format(heap, sql.Literal(int(own))))
+                    conn.execute(back)
             return
         except (psycopg.errors.OutOfMemory, psycopg.errors.DiskFull):
             if not workers:
@@ -154,24 +158,19 @@ def build_index(conn: psycopg.Connection, table: str, index: str = "hnsw", dsn: 
 
 
 def rebuild_index(conn: psycopg.Connection, table: str, index: str, dsn: str | None = None) -> tuple[str, bool]:
-    """The table's vector index made `index` ("hnsw" or "binary"): built, then the one it had dropped. Returns
-    (its name, whether it was built: False where it had that kind already)."""
+    """The table's vector index made `index` ("hnsw" or "binary"): built unless the table has one of that kind
+    (also after a rebuild cut short before its drop), then those of other kinds dropped. Returns (its name,
+    whether it was built)."""
     vtype, dim = embedding_info(conn, table)
     kind, _ = index_plan(dim, vtype, index)
     have = indexes_of(conn, table)
-    if any(k == kind for _, k in have):  # built already (also by a rebuild cut short before its drop)
-        name = next(n for n, k in have if k == kind)
-        for other, k in have:
-            if k != kind:
-                conn.execute(sql.SQL("DROP INDEX {}").format(_in_schema(conn, table, other)))
-        return name, False
-    found = have[0] if have else None
-    if found:  # aside, so that the new one is the table's index; dropped once it is built
-        old = _in_schema(conn, table, found[0])
-    build_index(conn, table, index, dsn)
-    if found:
-        conn.execute(sql.SQL("DROP INDEX {}").format(old))
-    return index_of(conn, table)[0], True
+    built = kind not in {k for _, k in have}
+    if built:  # the old one serves searches until the new one is there
+        build_index(conn, table, index, dsn)
+    for other, k in have:
+        if k != kind:
+            conn.execute(sql.SQL("DROP INDEX {}").format(_in_schema(conn, table, other)))
+    return next(n for n, k in indexes_of(conn, table) if k == kind), built
 
 
 def _in_schema(conn: psycopg.Connection, table: str, index: str) -> sql.Composable:

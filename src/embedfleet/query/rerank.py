@@ -28,7 +28,7 @@ class Reranker:
         import torch
         from transformers import AutoConfig, AutoTokenizer
 
-        from embedfleet.encode.models import resolve_model
+        from embedfleet.encode.models import position_limit, resolve_model
 
         path = resolve_model(model)
         try:
@@ -49,9 +49,7 @@ class Reranker:
             except (OSError, ValueError) as e:
                 raise ModelError(f"--rerank {model}: not a cross-encoder transformers can load "
                                  f"({str(e).splitlines()[0]})") from None
-        limit = getattr(cfg, "max_position_embeddings", 512)
-        if getattr(cfg, "model_type", None) in ("roberta", "xlm-roberta", "camembert"):
-            limit -= int(getattr(cfg, "pad_token_id", 1) or 1) + 1  # its positions start after the padding id
+        limit = position_limit(cfg.to_dict())
         told = getattr(self.tokenizer, "model_max_length", limit)
         self.max_length = min(limit, told if isinstance(told, int) and told < 1_000_000 else limit, 512)
         act = ((getattr(cfg, "sentence_transformers", None) or {}).get("activation_fn") or
@@ -63,9 +61,10 @@ class Reranker:
         """One score a text, for the pair (query, text): the higher, the more relevant."""
         torch = self._torch
         out = []
+        step = BATCH if self.packed is None else PACKED_BATCH
         with torch.inference_mode():
-            for a in range(0, len(texts), BATCH if self.packed is None else PACKED_BATCH):
-                part = texts[a:a + (BATCH if self.packed is None else PACKED_BATCH)]
+            for a in range(0, len(texts), step):
+                part = texts[a:a + step]
                 if self.packed is not None:
                     enc = self.tokenizer([query] * len(part), part, truncation=True, max_length=self.max_length)
                     logits = self.packed.logits(enc["input_ids"], enc.get("token_type_ids"))

@@ -45,8 +45,8 @@ EXACT_MATCHES = 20_000
 # A binary-quantized index ranks by Hamming distance: its nearest --rescore rows (default RESCORE × k, at least
 # RESCORE_MIN) are taken, then ranked by their full vectors' cosine distance.
 RESCORE, RESCORE_MIN = 10, 40
-# hnsw.ef_search unless asked: pgvector's 40 walks too little of a million-row graph for recall@10 0.95, and
-# never hands over more rows than it, so a larger k gets at least k (docs/decisions/index-build.md)
+# hnsw.ef_search unless asked: pgvector's default walks too little of a large graph for the recall users expect,
+# and it never hands over more rows than ef_search, so a larger k gets at least k (docs/decisions/index-build.md)
 EF_SEARCH = 200
 EF_SEARCH_MAX = 1000  # pgvector's limit on hnsw.ef_search
 RRF_K = 60  # reciprocal rank fusion's constant (a result's score: the sum over rankings of 1 / (RRF_K + rank))
