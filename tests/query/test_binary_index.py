@@ -69,7 +69,7 @@ def test_ingest_index_binary_end_to_end(cli, dsn, conn, tmp_path):
                            for i in range(40)))
     p = cli("ingest", src, "--db", dsn, "--devices", "cpu", "--id-field", "id", "--table", "docs", "--index", "binary",
             check=True)
-    assert "index: HNSW on binary_quantize(embedding)::bit(384)" in p.stderr
+    assert "index: HNSW on binary_quantize(embedding) at 8 levels a dimension, bit(2688)" in p.stderr
     assert index_of(conn, "docs")[1] == "bit"
     hits = json.loads(cli("search", "review 7: the charger and the cable", "--table", "docs", "--db", dsn, "--json",
                           "-k", "3", "--rescore", "20", check=True).stdout)

@@ -60,7 +60,7 @@ def ingest(
     limit: Optional[int] = typer.Option(None, "--limit", help="only the first N lines, counted over the inputs in order"),
     no_index: bool = NoIndexOpt,
     index: Optional[str] = typer.Option(None, "--index", help="hnsw (default) | binary: HNSW over the binary-quantized "
-                                        "vectors (one bit a dimension; searches rank its candidates by the full vectors)"),
+                                        "vectors (a few bits a dimension, about 10× smaller; searches rank its candidates by the full vectors)"),
     fts: bool = typer.Option(False, "--fts", help="also a full-text index of the content, at the end of the job "
                              "(search --hybrid)"),
     fts_config: Optional[str] = typer.Option(None, "--fts-config", help="with --fts: the text search configuration "

@@ -11,6 +11,7 @@ import psycopg
 from psycopg import sql
 
 from embedfleet.errors import DatabaseError, InputError
+from embedfleet.pg.binary_code import code_expression, code_words
 
 SCHEMA = "embedfleet"  # the ledger's schema
 PG_MIN = 130000  # PostgreSQL 13
@@ -354,23 +355,24 @@ def index_plan(dim: int, vtype: str, index: str = "hnsw") -> tuple[str, str]:
         raise InputError(f"{dim:,}-dimensional vectors: pgvector stores at most {MAX_DIMS:,}; use --dim N where the "
                          "model was trained for shorter vectors (Matryoshka)")
     if index == "binary":
-        return "bit", (f"HNSW on binary_quantize(embedding)::bit({dim}) (--index binary: searches take its nearest "
-                       "by Hamming distance, --rescore of them, and rank those by the full vectors)")
+        return "bit", (f"HNSW on {code_words(dim)} (--index binary: searches take its nearest by Hamming distance, "
+                       "--rescore of them, and rank those by the full vectors)")
     if dim <= (HNSW_HALFVEC_DIMS if vtype == "halfvec" else HNSW_VECTOR_DIMS):
         return "direct", f"HNSW on embedding ({dim:,} dimensions, {vtype})"
     if dim <= HNSW_HALFVEC_DIMS:
         return "halfvec", (f"HNSW on embedding::halfvec({dim}) ({dim:,} dimensions: vector's HNSW stops at "
                            f"{HNSW_VECTOR_DIMS:,}, halfvec's at {HNSW_HALFVEC_DIMS:,}; the stored vectors stay float32)")
-    return "bit", (f"HNSW on binary_quantize(embedding)::bit({dim}) ({dim:,} dimensions: above halfvec's "
+    return "bit", (f"HNSW on {code_words(dim)} ({dim:,} dimensions: above halfvec's "
                    f"{HNSW_HALFVEC_DIMS:,}; searches take its nearest by Hamming distance and rescore them by the "
                    "full vectors)")
 
 
-def _index_expression(kind: str, dim: int, vtype: str) -> sql.Composable:
+def _index_expression(kind: str, dim: int, vtype: str, levels=None) -> sql.Composable:
+    """The indexed expression and its operator class; `levels`: a "bit" index's thresholds (pg.binary_code)."""
     if kind == "halfvec":
         return sql.SQL("(embedding::halfvec({})) halfvec_cosine_ops").format(sql.Literal(dim))
     if kind == "bit":
-        return sql.SQL("(binary_quantize(embedding)::bit({})) bit_hamming_ops").format(sql.Literal(dim))
+        return sql.SQL("({}) bit_hamming_ops").format(code_expression(sql.Identifier("embedding"), levels, dim, vtype))
     return sql.SQL("embedding halfvec_cosine_ops" if vtype == "halfvec" else "embedding vector_cosine_ops")
 
 
@@ -398,6 +400,13 @@ def indexes_of(conn: psycopg.Connection, table: str | int) -> list[tuple[str, st
         [str(table) if isinstance(table, int) else _regclass(conn, table)],
     ).fetchall()
     return [(name, "bit" if "binary_quantize" in d else "halfvec" if "::halfvec" in d else "direct") for name, d in rows]
+
+
+def index_key(conn: psycopg.Connection, table: str, index: str) -> str:
+    """The indexed expression (or column) of `table`'s index `index`, as the server prints it."""
+    return conn.execute("SELECT pg_get_indexdef(i.indexrelid, 1, true) FROM pg_index i JOIN pg_class c ON "
+                        "c.oid = i.indexrelid WHERE i.indrelid = %s::regclass AND c.relname = %s",
+                        [_regclass(conn, table), index]).fetchone()[0]
 
 
 def finish_table(conn: psycopg.Connection, table: str, index: bool, timings: dict | None = None,

@@ -15,6 +15,7 @@ from typing import NamedTuple
 import psycopg
 from psycopg import sql
 
+from embedfleet.pg.binary_code import code_bits, thresholds_of
 from embedfleet.pg.ddl import (_index_expression, embedding_info, free_connections, heaps, index_plan, indexes_of,
                                table_sql)
 
@@ -40,7 +41,7 @@ class BuildPlan(NamedTuple):
 def value_bytes(kind: str, dim: int, vtype: str) -> int:
     """Bytes of one indexed value as the graph holds it."""
     if kind == "bit":
-        return 8 + (dim + 7) // 8
+        return 8 + (code_bits(dim) + 7) // 8
     return 8 + dim * (2 if kind == "halfvec" or vtype == "halfvec" else 4)
 
 
@@ -132,8 +133,9 @@ def build_index(conn: psycopg.Connection, table: str, index: str = "hnsw", dsn: 
     Returns the plan it followed."""
     vtype, dim = embedding_info(conn, table)
     kind, _ = index_plan(dim, vtype, index)
-    using = sql.SQL("hnsw ({})").format(_index_expression(kind, dim, vtype))
     ident = table_sql(conn, table)
+    levels = thresholds_of(conn, ident, dim) if kind == "bit" else None  # one set for every partition
+    using = sql.SQL("hnsw ({})").format(_index_expression(kind, dim, vtype, levels))
     (partitioned,) = conn.execute("SELECT relkind = 'p' FROM pg_class WHERE oid = %s::regclass",
                                   [ident.as_string(conn)]).fetchone()
     # side by side on connections of their own: a few, and one left for anyone else

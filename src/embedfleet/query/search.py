@@ -18,7 +18,8 @@ from psycopg.rows import dict_row
 
 from embedfleet.errors import DatabaseError, InputError
 from embedfleet.ledger import table_job
-from embedfleet.pg.ddl import embedding_info, index_of, table_sql
+from embedfleet.pg.binary_code import query_code
+from embedfleet.pg.ddl import embedding_info, index_key, index_of, table_sql
 
 __all__ = ["Searcher", "query_encoder", "query_lines", "run_search", "search", "search_queries"]
 
@@ -79,6 +80,8 @@ class Searcher:
         found = index_of(conn, table)
         self.indexed = found is not None
         self.index_kind = found[1] if found else None  # see pg.ddl.index_plan
+        if self.index_kind == "bit":  # the rows' code as the index holds it, and the query's by the same expression
+            self._code = query_code(index_key(conn, table, found[0]), self.vtype)
         version = conn.execute("SELECT extversion FROM pg_extension WHERE extname = 'vector'").fetchone()
         self.iterative = bool(version) and tuple(int(x) for x in version[0].split(".")[:2]) >= ITERATIVE_MIN
         self.scan: str | None = None
@@ -98,8 +101,7 @@ class Searcher:
             return self._select + filt + sql.SQL(" ORDER BY embedding::halfvec({d}) <=> %(q)s::halfvec({d}) "
                                                  "LIMIT %(k)s").format(d=d), exact
         if self.index_kind == "bit":
-            inner = self._select + filt + sql.SQL(" ORDER BY binary_quantize(embedding)::bit({d}) <~> "
-                                                  "binary_quantize(%(q)s::vector)::bit({d}) LIMIT %(n)s").format(d=d)
+            inner = self._select + filt + sql.SQL(" ORDER BY ({}) <~> ({}) LIMIT %(n)s").format(*self._code)
             return sql.SQL("SELECT * FROM ({}) AS candidates ORDER BY distance LIMIT %(k)s").format(inner), exact
         return exact, exact
 
