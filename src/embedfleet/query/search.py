@@ -46,6 +46,9 @@ EXACT_MATCHES = 20_000
 # A binary-quantized index ranks by Hamming distance: its nearest --rescore rows (default RESCORE × k, at least
 # RESCORE_MIN) are taken, then ranked by their full vectors' cosine distance.
 RESCORE, RESCORE_MIN = 10, 40
+# Hamming distances are coarse (many rows tie), so a binary index's graph walk finds its true nearest candidates
+# only when it walks several times as many (docs/decisions/binary-index.md).
+RESCORE_EF = 4
 # hnsw.ef_search unless asked: pgvector's default walks too little of a large graph for the recall users expect,
 # and it never hands over more rows than ef_search, so a larger k gets at least k (docs/decisions/index-build.md)
 EF_SEARCH = 200
@@ -246,8 +249,8 @@ class Searcher:
         params = self._params(vec, k)
         with self._guarded(where) as cur:
             ef_search = max(ef_search or EF_SEARCH, k)
-            if self.index_kind == "bit":  # the index must hand over every candidate the rescore takes
-                ef_search = max(ef_search, params["n"])
+            if self.index_kind == "bit":  # the index must hand over every candidate the rescore takes, and better
+                ef_search = max(ef_search, RESCORE_EF * params["n"])
             ef_search = min(ef_search, EF_SEARCH_MAX)  # beyond it, iterative scans and the exact fallback
             if self.indexed:
                 cur.execute(sql.SQL("SET LOCAL hnsw.ef_search = {}").format(sql.Literal(int(ef_search))))
