@@ -72,8 +72,6 @@ def build(spec, device: torch.device, dtype: torch.dtype, state: dict[str, torch
 
         return PackedModernBert.create(cfg, state, device, dtype, spec.max_seq_length, compile=compile)
     if mtype in GEMMA_TYPES:
-        if device.type == "cuda":  # on CUDA its vectors disagreed with sentence-transformers' (not yet explained)
-            return None
         from embedfleet.encode.packed.gemma3 import PackedGemma3
 
         return PackedGemma3.create(cfg, state, device, dtype, spec.max_seq_length, compile=compile)
