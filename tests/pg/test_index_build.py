@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import numpy as np
 import psycopg
+from psycopg import sql
 
-from embedfleet.pg.ddl import ensure_table, ensure_vector, finish_table, index_of, indexes_of
-from embedfleet.pg.index_build import build_plan, graph_mb, rebuild_index
+from embedfleet.pg.binary_code import thresholds
+from embedfleet.pg.ddl import ensure_table, ensure_vector, finish_table, index_key, index_of, indexes_of
+from embedfleet.pg.index_build import build_index, build_plan, graph_mb, rebuild_index
 from embedfleet.query.search import Searcher
 
 
@@ -112,10 +114,17 @@ def test_a_partitioned_table_whose_name_needs_quotes_is_indexed_and_a_rebuild_cu
     name = finish_table(conn, "Reviews", index=True, dsn=dsn)
     assert _attached(conn, f'public."{name}"') == 2
     # a rebuild cut short after its new index was built, before the old one was dropped: the next finishes it
-    conn.execute('CREATE INDEX ON "Reviews" USING hnsw ((binary_quantize(embedding)::bit(8)) bit_hamming_ops)')
+    build_index(conn, "Reviews", "binary", dsn)
     assert sorted(k for _, k in indexes_of(conn, "Reviews")) == ["bit", "direct"]
     new, built = rebuild_index(conn, "Reviews", "binary", dsn)
     assert not built and indexes_of(conn, "Reviews") == [(new, "bit")]
+    assert Searcher(conn, "Reviews").search(vecs[3], 3)[0]["id"] == "r3"
+    # an earlier version's binary index (the sign alone) is rebuilt with the levels, and searched through them
+    conn.execute(sql.SQL("DROP INDEX {}").format(sql.Identifier(new)))
+    conn.execute('CREATE INDEX old_sign ON "Reviews" USING hnsw ((binary_quantize(embedding)::bit(8)) bit_hamming_ops)')
+    new, built = rebuild_index(conn, "Reviews", "binary", dsn)
+    assert built and new != "old_sign" and indexes_of(conn, "Reviews") == [(new, "bit")]
+    assert index_key(conn, "Reviews", new).count("binary_quantize") == thresholds(8)
     assert Searcher(conn, "Reviews").search(vecs[3], 3)[0]["id"] == "r3"
 
 

@@ -15,8 +15,8 @@ from typing import NamedTuple
 import psycopg
 from psycopg import sql
 
-from embedfleet.pg.binary_code import code_bits, thresholds_of
-from embedfleet.pg.ddl import (_index_expression, embedding_info, free_connections, heaps, index_plan, indexes_of,
+from embedfleet.pg.binary_code import code_bits, thresholds, thresholds_of
+from embedfleet.pg.ddl import (_index_expression, embedding_info, free_connections, heaps, index_key, index_plan, indexes_of,
                                table_sql)
 
 __all__ = ["BuildPlan", "build_index", "build_plan", "create_index", "graph_mb", "maintenance_settings",
@@ -166,11 +166,13 @@ def rebuild_index(conn: psycopg.Connection, table: str, index: str, dsn: str | N
     vtype, dim = embedding_info(conn, table)
     kind, _ = index_plan(dim, vtype, index)
     have = indexes_of(conn, table)
-    built = kind not in {k for _, k in have}
+    # a binary index coded otherwise (an earlier version's, one bit a dimension) is rebuilt like another kind
+    stale = {n for n, k in have if k == "bit" and index_key(conn, table, n).count("binary_quantize") != thresholds(dim)}
+    built = kind not in {k for n, k in have if n not in stale}
     if built:  # the old one serves searches until the new one is there
         build_index(conn, table, index, dsn)
     for other, k in have:
-        if k != kind:
+        if k != kind or other in stale:
             conn.execute(sql.SQL("DROP INDEX {}").format(_in_schema(conn, table, other)))
     return next(n for n, k in indexes_of(conn, table) if k == kind), built
 
