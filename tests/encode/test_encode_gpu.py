@@ -126,6 +126,24 @@ def test_tiny_gemma3_packed_matches_st_on_cuda(tmp_path, pooling):
     assert (got16 * ref32).sum(1).min() >= (ref16 * ref32).sum(1).min() - 0.01
 
 
+def test_tiny_nomic_bert_packed_matches_st_on_cuda(tmp_path):
+    """NomicBert on CUDA on the packed path: float32 equals sentence-transformers' float32, bf16 its bf16."""
+    from sentence_transformers import SentenceTransformer
+
+    from embedfleet.encode.encoder import Encoder
+    from embedfleet.encode.shapes import build_random_model
+
+    path = build_random_model("nomic-embed-v1.5", tmp_path, tiny=True)
+    texts = _texts()
+    for dtype, tol in ((torch.float32, 0.9999), (torch.bfloat16, 0.995)):
+        enc = Encoder(str(path), dtype=str(dtype).removeprefix("torch."))
+        assert enc.path == "packed"
+        st = SentenceTransformer(str(path), device="cuda", model_kwargs={"torch_dtype": dtype}).encode(
+            texts, convert_to_tensor=True, prompt_name="document").float()
+        st = (st / st.norm(dim=1, keepdim=True)).cpu().numpy()
+        assert (enc.encode(texts, prompt="document") * st).sum(1).min() >= tol
+
+
 def test_budget_probe_fits_memory(tmp_path):
     from embedfleet.encode.budget import max_batch_tokens
     from embedfleet.encode.encoder import Encoder

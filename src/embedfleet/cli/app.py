@@ -27,7 +27,7 @@ state: dict = {"debug": False, "settings": None, "resumes": False}
 DbOpt = typer.Option(None, "--db", help="postgresql://… DSN (default: $EMBEDFLEET_DB, else the embedded server)")
 # Every command that loads a model takes it.
 TrustOpt = typer.Option(False, "--trust-remote-code", help="run the model's own Python code (its config.json's "
-                        "auto_map: nomic-embed, jina…), as transformers does with trust_remote_code=True")
+                        "auto_map: jina, gte-multilingual…), as transformers does with trust_remote_code=True")
 
 
 def knobs() -> Settings:

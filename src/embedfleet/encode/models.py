@@ -84,6 +84,8 @@ BERT_TYPES = ("bert", "roberta", "xlm-roberta", "camembert")
 DECODER_TYPES = ("qwen3", "qwen2", "llama", "mistral")  # mistral: llama with a window, see packed.qwen3
 ROPE_ENCODER_TYPES = ("modernbert",)
 GEMMA_TYPES = ("gemma3_text",)  # EmbeddingGemma (bidirectional) and causal Gemma3 text models
+NOMIC_TYPES = ("nomic_bert",)  # nomic-embed-text v1 and v1.5 (their own code, or transformers' since 5)
+PACKED_TYPES = BERT_TYPES + DECODER_TYPES + ROPE_ENCODER_TYPES + GEMMA_TYPES + NOMIC_TYPES
 
 
 def remote_code(spec: ModelSpec) -> str | None:
@@ -92,7 +94,7 @@ def remote_code(spec: ModelSpec) -> str | None:
     auto = spec.config.get("auto_map")
     if not isinstance(auto, dict) or not auto:
         return None
-    if spec.model_type in BERT_TYPES + DECODER_TYPES + ROPE_ENCODER_TYPES + GEMMA_TYPES:
+    if spec.model_type in PACKED_TYPES:
         return None
     shown = next(((k, v) for k, v in auto.items() if k == "AutoModel"), next(iter(auto.items())))
     return f"{shown[0]} → {shown[1] if isinstance(shown[1], str) else shown[1][0]}"

@@ -32,6 +32,10 @@ SHAPES = {
     "gemma3-300m": dict(model_type="gemma3_text", architectures=["Gemma3TextModel"], hidden_size=768,
                         num_hidden_layers=24, num_attention_heads=3, num_key_value_heads=1, head_dim=256,
                         intermediate_size=1152, max_seq_length=512, pooling="mean", dense=[3072, 768]),
+    # nomic-embed-text-v1.5: post-norm BERT with RoPE and SwiGLU, its prompts "search_document: " and "search_query: "
+    "nomic-embed-v1.5": dict(model_type="nomic_bert", architectures=["NomicBertModel"], hidden_size=768,
+                             num_hidden_layers=12, num_attention_heads=12, intermediate_size=3072,
+                             max_seq_length=8192, pooling="mean"),
     "qwen3-0.6b": dict(model_type="qwen3", architectures=["Qwen3Model"], hidden_size=1024, num_hidden_layers=28,
                        num_attention_heads=16, num_key_value_heads=8, head_dim=128, intermediate_size=3072,
                        max_seq_length=32768, pooling="lasttoken"),
@@ -53,6 +57,9 @@ TINY_GEMMA3 = dict(num_hidden_layers=4, sliding_window_pattern=2, sliding_window
                    vocab_size=30522)
 # A tiny ModernBERT keeps both kinds of layer (global every third) and a window shorter than a review.
 TINY_MODERNBERT = dict(num_hidden_layers=4, local_attention=8)
+NOMIC_BASE = dict(vocab_size=30528, hidden_act="silu", max_position_embeddings=8192, type_vocab_size=2,
+                  layer_norm_eps=1e-12, pad_token_id=0, rope_parameters={"rope_type": "default", "rope_theta": 1000.0})
+NOMIC_PROMPTS = {"query": "search_query: ", "document": "search_document: "}
 QWEN3_BASE = dict(vocab_size=151669, hidden_act="silu", max_position_embeddings=32768, rms_norm_eps=1e-6,
                   rope_theta=1000000.0, tie_word_embeddings=True, attention_bias=False, use_sliding_window=False,
                   bos_token_id=151643, eos_token_id=151643)
@@ -70,7 +77,8 @@ def build_random_model(shape: str, out_dir: str | Path, seed: int = 0, tiny: boo
     dense = spec.pop("dense", None)
     family = spec["model_type"]
     bert = family != "qwen3"  # a WordPiece tokenizer (the bundled MiniLM's)
-    base = {"qwen3": QWEN3_BASE, "modernbert": MODERNBERT_BASE, "gemma3_text": GEMMA3_BASE}.get(family, BERT_BASE)
+    base = {"qwen3": QWEN3_BASE, "modernbert": MODERNBERT_BASE, "gemma3_text": GEMMA3_BASE,
+            "nomic_bert": NOMIC_BASE}.get(family, BERT_BASE)
     tiny_extra = {"modernbert": TINY_MODERNBERT, "gemma3_text": TINY_GEMMA3}.get(family, {})
     cfg = {**base, **spec, **({**TINY, **tiny_extra} if tiny else {}), **({"hidden_size": hidden} if hidden else {})}
     if family not in ("qwen3", "gemma3_text"):
@@ -92,8 +100,8 @@ def build_random_model(shape: str, out_dir: str | Path, seed: int = 0, tiny: boo
     dtype = "float32" if tiny or (bert and family != "gemma3_text") else "bfloat16"
     (out / "config.json").write_text(json.dumps({**cfg, "torch_dtype": dtype}, indent=1))
     _write_weights(out, cfg, seed, getattr(torch, dtype))
-    _write_st_files(out, cfg["hidden_size"], max_seq, pool, prompts=None if bert else
-                    {"query": QWEN_QUERY_PROMPT, "document": ""})
+    _write_st_files(out, cfg["hidden_size"], max_seq, pool, prompts=NOMIC_PROMPTS if family == "nomic_bert" else
+                    None if bert else {"query": QWEN_QUERY_PROMPT, "document": ""})
     if dense and not tiny:
         _write_dense(out, [cfg["hidden_size"], *dense], seed)
     return out
