@@ -29,10 +29,10 @@ def nomic(tmp_path_factory):
     return path
 
 
-def _st(path, prompt=None):
+def _st(path, prompt=None, texts=TEXTS):
     from sentence_transformers import SentenceTransformer
 
-    return SentenceTransformer(str(path), device="cpu").encode(TEXTS, normalize_embeddings=True, prompt_name=prompt)
+    return SentenceTransformer(str(path), device="cpu").encode(texts, normalize_embeddings=True, prompt_name=prompt)
 
 
 @pytest.mark.parametrize("prompt", [None, "query"])
@@ -80,6 +80,33 @@ def test_the_checkpoints_own_names_and_config_run_packed_without_remote_code(nom
         "qkv_proj_bias": False, "rotary_emb_base": 1000, "rotary_emb_fraction": 1.0, "rotary_emb_interleaved": False,
         "type_vocab_size": 2, "vocab_size": cfg["vocab_size"], "torch_dtype": "float32"}))
     enc = Encoder(str(own), device="cpu")
-    assert enc.path == "packed"
+    assert enc.path == "packed" and enc.dim == cfg["hidden_size"]
     got = enc.encode(TEXTS, prompt="document")
     assert (got * _st(nomic, "document")).sum(1).min() >= 0.9999
+    # its position limit is n_positions: a sequence past 512 tokens is embedded whole, as sentence-transformers does
+    for d in (own, nomic):
+        (d / "sentence_bert_config.json").write_text(json.dumps({"max_seq_length": 1024, "do_lower_case": False}))
+    enc = Encoder(str(own), device="cpu")
+    assert enc.max_seq_length == 1024
+    long = ["the charger broke after two days, and the cable frayed " * 70]
+    assert (enc.encode(long) * _st(nomic, texts=long)).sum() >= 0.9999
+
+
+def test_a_variant_the_packed_path_does_not_compute_needs_its_own_code(nomic, tmp_path):
+    import shutil
+
+    from embedfleet.encode import packed
+    from embedfleet.encode.models import read_spec, remote_code
+    from embedfleet.errors import ModelError
+
+    for change in ({"activation_function": "gelu"}, {"moe_every_n_layers": 2, "num_experts": 8},
+                   {"rotary_scaling_factor": 2.0}, {"qkv_proj_bias": True}):
+        variant = tmp_path / "-".join(change)
+        shutil.copytree(nomic, variant)
+        cfg = json.loads((variant / "config.json").read_text())
+        cfg.update(change, auto_map={"AutoModel": "nomic-ai/nomic-bert-2048--modeling_hf_nomic_bert.NomicBertModel"})
+        (variant / "config.json").write_text(json.dumps(cfg))
+        spec = read_spec(variant)
+        assert not packed.supports(spec) and remote_code(spec) is not None
+        with pytest.raises(ModelError, match="--trust-remote-code"):
+            Encoder(str(variant), device="cpu")

@@ -124,6 +124,7 @@ def test_a_partitioned_table_whose_name_needs_quotes_is_indexed_and_a_rebuild_cu
     conn.execute('CREATE INDEX old_sign ON "Reviews" USING hnsw ((binary_quantize(embedding)::bit(8)) bit_hamming_ops)')
     new, built = rebuild_index(conn, "Reviews", "binary", dsn)
     assert built and new != "old_sign" and indexes_of(conn, "Reviews") == [(new, "bit")]
+    assert _attached(conn, f'public."{new}"') == 2 and [len(x) for x in _leaf_indexes(conn, "Reviews", 2)] == [1, 1]
     assert index_key(conn, "Reviews", new).count("binary_quantize") == thresholds(8)
     assert Searcher(conn, "Reviews").search(vecs[3], 3)[0]["id"] == "r3"
 
@@ -136,3 +137,29 @@ def test_k_past_what_the_index_hands_over_is_measured_exactly(conn):
     exact = np.argsort(1 - (vecs @ vecs[0]) / np.linalg.norm(vecs, axis=1) / np.linalg.norm(vecs[0]))[:1200]
     assert len(rows) == 1200 and rows[0]["id"] == "r0"
     assert len({r["id"] for r in rows} & {f"r{i}" for i in exact}) >= 1190
+
+
+def test_a_binary_build_cut_short_resumes_with_the_thresholds_its_partitions_have(dsn, conn):
+    """A partition indexed by a build cut short keeps its index, the others get its code (though the rows grew
+    since, and a fresh sample would draw other thresholds), the table's index adopts all three, and another
+    code's index left on a partition is dropped."""
+    from embedfleet.pg.binary_code import thresholds_of
+    from embedfleet.pg.ddl import _index_expression, table_sql
+
+    vecs = _loaded(conn, "coded", 3)
+    conn.execute("ANALYZE coded")
+    first = sql.SQL("hnsw ({})").format(_index_expression("bit", 8, "vector", thresholds_of(conn, table_sql(conn, "coded"), 8)))
+    conn.execute(sql.SQL("CREATE INDEX cut ON coded_p0 USING {}").format(first))
+    conn.execute('CREATE INDEX old_sign ON coded_p2 USING hnsw ((binary_quantize(embedding)::bit(8)) bit_hamming_ops)')
+    with conn.cursor().copy("COPY coded (id, content, embedding) FROM STDIN") as copy:
+        for i, v in enumerate(np.random.default_rng(8).standard_normal((3000, 8)).astype(np.float32) * 3 + 1):
+            copy.write_row([f"s{i}", "more", "[" + ",".join(map(str, v)) + "]"])
+    conn.execute("ANALYZE coded")
+    build_index(conn, "coded", "binary", dsn)
+    name, kind = index_of(conn, "coded")
+    assert kind == "bit" and _attached(conn, name) == 3
+    leaves = _leaf_indexes(conn, "coded", 3)
+    assert [len(x) for x in leaves] == [1, 1, 1] and leaves[0] == [("cut", "bit")]  # old_sign went
+    key = index_key(conn, "coded_p0", "cut")
+    assert all(index_key(conn, f"coded_p{i}", leaves[i][0][0]) == key for i in range(3))
+    assert Searcher(conn, "coded").search(vecs[5], 3)[0]["id"] == "r5"

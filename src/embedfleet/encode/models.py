@@ -86,6 +86,31 @@ ROPE_ENCODER_TYPES = ("modernbert",)
 GEMMA_TYPES = ("gemma3_text",)  # EmbeddingGemma (bidirectional) and causal Gemma3 text models
 NOMIC_TYPES = ("nomic_bert",)  # nomic-embed-text v1 and v1.5 (their own code, or transformers' since 5)
 PACKED_TYPES = BERT_TYPES + DECODER_TYPES + ROPE_ENCODER_TYPES + GEMMA_TYPES + NOMIC_TYPES
+HIDDEN_KEYS = ("hidden_size", "d_model", "dim", "n_embd")  # a model's width, by the names configs give it
+
+
+NOMIC_GATED = {"swiglu": "silu", "geglu": "gelu"}  # the checkpoints' activation_function: the gate's activation
+
+
+def nomic_packable(cfg: dict) -> bool:
+    """Whether a NomicBert config is one the packed pass computes: post-norm layers, a gated MLP (SwiGLU or
+    GeGLU), linear layers without biases, plain RoPE over whole heads, no experts. Its variants (a plain MLP, mixture of experts, scaled or
+    partial rotary) run their own code, with --trust-remote-code."""
+    if "activation_function" in cfg:  # the checkpoints' own config: gated only where it says so
+        gated = cfg["activation_function"] in NOMIC_GATED
+    else:  # transformers' NomicBertConfig: always gated
+        gated = cfg.get("hidden_act", "silu") in ("silu", "gelu")
+    biased = any(cfg.get(k) for k in ("qkv_proj_bias", "mlp_fc1_bias", "mlp_fc2_bias"))
+    return (gated and not biased and not cfg.get("prenorm") and not cfg.get("moe_every_n_layers")
+            and not cfg.get("num_experts")
+            and cfg.get("rotary_emb_fraction", 1.0) == 1.0 and not cfg.get("rotary_emb_interleaved")
+            and cfg.get("rotary_scaling_factor") is None
+            and (cfg.get("rope_parameters") or {}).get("rope_type", "default") == "default")
+
+
+def packed_type(spec: ModelSpec) -> bool:
+    """Whether the model's architecture has a packed pass here (see encode/packed)."""
+    return spec.model_type in PACKED_TYPES and (spec.model_type not in NOMIC_TYPES or nomic_packable(spec.config))
 
 
 def remote_code(spec: ModelSpec) -> str | None:
@@ -94,7 +119,7 @@ def remote_code(spec: ModelSpec) -> str | None:
     auto = spec.config.get("auto_map")
     if not isinstance(auto, dict) or not auto:
         return None
-    if spec.model_type in PACKED_TYPES:
+    if packed_type(spec):
         return None
     shown = next(((k, v) for k, v in auto.items() if k == "AutoModel"), next(iter(auto.items())))
     return f"{shown[0]} → {shown[1] if isinstance(shown[1], str) else shown[1][0]}"
@@ -230,7 +255,7 @@ class ModelSpec:
     @property
     def hidden_size(self) -> int | None:
         """The width of the vectors the model makes (its hidden size), where its config says it."""
-        for key in ("hidden_size", "d_model", "dim"):
+        for key in HIDDEN_KEYS:
             if isinstance(self.config.get(key), int):
                 return self.config[key]
         return None
@@ -332,7 +357,7 @@ def _check_widths(path: Path, post: list, hidden: int | None) -> None:
 
 def position_limit(config: dict) -> int:
     """The tokens a sequence can have by the model's position table (`config.json` as a dict)."""
-    limit = int(config.get("max_position_embeddings", 512))
+    limit = int(config.get("max_position_embeddings") or config.get("n_positions") or 512)
     if config.get("model_type") in ("roberta", "xlm-roberta", "camembert"):
         pad = config.get("pad_token_id")
         limit -= (1 if pad is None else int(pad)) + 1  # positions start after the padding index
@@ -373,7 +398,7 @@ def read_spec(path: Path) -> ModelSpec:
     config = _read_json(hf_dir / "config.json")
     if config is None:
         raise ModelError(f"model directory {hf_dir} has no config.json: is it a Hugging Face model?")
-    hidden = next((config[k] for k in ("hidden_size", "d_model", "dim") if isinstance(config.get(k), int)), None)
+    hidden = next((config[k] for k in HIDDEN_KEYS if isinstance(config.get(k), int)), None)
     _check_widths(path, post, hidden)
     st = _read_json(hf_dir / "sentence_bert_config.json") or _read_json(path / "sentence_bert_config.json") or {}
     limit = position_limit(config)

@@ -134,15 +134,25 @@ def build_index(conn: psycopg.Connection, table: str, index: str = "hnsw", dsn: 
     vtype, dim = embedding_info(conn, table)
     kind, _ = index_plan(dim, vtype, index)
     ident = table_sql(conn, table)
-    levels = thresholds_of(conn, ident, dim) if kind == "bit" else None  # one set for every partition
-    using = sql.SQL("hnsw ({})").format(_index_expression(kind, dim, vtype, levels))
     (partitioned,) = conn.execute("SELECT relkind = 'p' FROM pg_class WHERE oid = %s::regclass",
                                   [ident.as_string(conn)]).fetchone()
+    codes = _partition_codes(conn, table) if kind == "bit" and partitioned else []
+    # a build cut short left partitions indexed with its thresholds: the rest take the same, so the table adopts all
+    key = next((k for _, _, k, attached in codes if not attached and k.count("binary_quantize") == thresholds(dim)), None)
+    if key is not None:
+        using = sql.SQL("hnsw (({}) bit_hamming_ops)").format(sql.SQL(key))
+    else:  # one set of thresholds for every partition
+        levels = thresholds_of(conn, ident, dim) if kind == "bit" else None
+        using = sql.SQL("hnsw ({})").format(_index_expression(kind, dim, vtype, levels))
     # side by side on connections of their own: a few, and one left for anyone else
     spare = max(1, free_connections(conn) - 1) if partitioned and dsn is not None else 1
     plan = table_plan(conn, table, index, spare)
     if plan.side_by_side > 1:
-        todo = [name for oid, name in heaps(conn, table) if kind not in {k for _, k in indexes_of(conn, oid)}]
+        if kind == "bit":
+            done = {leaf for leaf, _, k, _ in codes if k == key}
+            todo = [name for _, name in heaps(conn, table) if name not in done]
+        else:
+            todo = [name for oid, name in heaps(conn, table) if kind not in {k for _, k in indexes_of(conn, oid)}]
         if conn.info.transaction_status != psycopg.pq.TransactionStatus.IDLE:  # idle in it meanwhile: not timed out
             conn.execute("SET LOCAL idle_in_transaction_session_timeout = 0")
 
@@ -156,7 +166,22 @@ def build_index(conn: psycopg.Connection, table: str, index: str = "hnsw", dsn: 
         except psycopg.OperationalError:  # the server refused a connection: the table's CREATE INDEX builds the rest
             plan = table_plan(conn, table, index, 1)
     create_index(conn, ident, using, plan)  # a partitioned table's: adopts each partition's matching index
+    for _, name, _, attached in (_partition_codes(conn, table) if codes else []):
+        if not attached:  # another code's, left by a build cut short: the table's index has its own now
+            conn.execute(sql.SQL("DROP INDEX {}").format(sql.SQL(name)))
     return plan
+
+
+def _partition_codes(conn: psycopg.Connection, table: str) -> list[tuple[str, str, str, bool]]:
+    """(partition, its index, the index's key, whether a partitioned index adopted it) of each binary index on
+    `table`'s partitions; names as SQL reads them."""
+    return conn.execute(
+        "SELECT i.indrelid::regclass::text, i.indexrelid::regclass::text, pg_get_indexdef(i.indexrelid, 1, true), "
+        "EXISTS (SELECT 1 FROM pg_inherits h WHERE h.inhrelid = i.indexrelid) FROM pg_index i "
+        "JOIN pg_class c ON c.oid = i.indexrelid JOIN pg_am am ON am.oid = c.relam "
+        "WHERE i.indrelid = ANY(%s::oid[]) AND am.amname = 'hnsw' AND i.indisvalid "
+        "AND pg_get_indexdef(i.indexrelid) ~ 'bit_hamming_ops' ORDER BY 1, 2",
+        [[oid for oid, _ in heaps(conn, table)]]).fetchall()
 
 
 def rebuild_index(conn: psycopg.Connection, table: str, index: str, dsn: str | None = None) -> tuple[str, bool]:

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import torch
 
-from embedfleet.encode.models import (BERT_TYPES, DECODER_TYPES, GEMMA_TYPES, NOMIC_TYPES, PACKED_TYPES,
-                                      ROPE_ENCODER_TYPES, read_weights, strip_prefix)
+from embedfleet.encode.models import (BERT_TYPES, DECODER_TYPES, GEMMA_TYPES, NOMIC_TYPES, ROPE_ENCODER_TYPES,
+                                      packed_type, read_weights, strip_prefix)
 
 __all__ = ["BERT_TYPES", "DECODER_TYPES", "OnDevice", "build", "load_state", "strip_prefix", "supports"]
 
@@ -49,7 +49,7 @@ class OnDevice(Mapping):
 def supports(spec) -> bool:
     """Whether a packed forward pass is written here for this model's type (and its first module is not the
     model's own code)."""
-    return spec.custom is None and spec.model_type in PACKED_TYPES
+    return spec.custom is None and packed_type(spec)
 
 
 def build(spec, device: torch.device, dtype: torch.dtype, state: dict[str, torch.Tensor] | None = None, *,
