@@ -68,3 +68,10 @@ def test_the_query_code_is_the_index_expression_and_uses_the_index(conn, vtype):
     assert name in searcher.explain(x[5], 10)
     got = searcher.search(x[5], 10)
     assert searcher.scan == "index" and got[0]["id"] == "5" and len(got) == 10
+    # the index replaced under a long-lived searcher (serve's): its next search after the recheck uses the new one
+    from embedfleet.pg.index_build import rebuild_index
+    from embedfleet.query import search
+
+    rebuild_index(conn, "t", "hnsw")
+    searcher._index_read_at -= search.INDEX_RECHECK_S
+    assert searcher.search(x[5], 10)[0]["id"] == "5" and searcher.index_kind == "direct" and searcher.scan == "index"

@@ -8,6 +8,7 @@ the CPU for BERT-family models: no torch, no CUDA, no compile, no helper process
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 
@@ -54,11 +55,13 @@ RESCORE_EF = 4
 EF_SEARCH = 200
 EF_SEARCH_MAX = 1000  # pgvector's limit on hnsw.ef_search
 RRF_K = 60  # reciprocal rank fusion's constant (a result's score: the sum over rankings of 1 / (RRF_K + rank))
+INDEX_RECHECK_S = 5.0  # how often a searcher reads its table's index again
 HYBRID_DEPTH = 50  # candidates each ranking gives a hybrid search (at least; 4 × k for a larger k)
 
 
 class Searcher:
-    """Top-k by cosine distance in one table, its columns, vector type and index read once.
+    """Top-k by cosine distance in one table, its columns and vector type read once, its index again every
+    INDEX_RECHECK_S (a long-lived searcher, as serve's, follows `embedfleet index` replacing it).
 
     `scan` says how the last search found its rows: "index" (the HNSW index), "iterative" (the index, scanned
     on until k rows passed the filter), or "exact" (every row the filter keeps, measured)."""
@@ -80,11 +83,7 @@ class Searcher:
             [table_sql(conn, table).as_string(conn), FTS_COLUMN],
         ).fetchall()]
         self.fts = fts_config(conn, table_sql(conn, table))  # the full-text column's configuration (None: none)
-        found = index_of(conn, table)
-        self.indexed = found is not None
-        self.index_kind = found[1] if found else None  # see pg.ddl.index_plan
-        if self.index_kind == "bit":  # the rows' code as the index holds it, and the query's by the same expression
-            self._code = query_code(index_key(conn, table, found[0]), self.vtype)
+        self._read_index()
         version = conn.execute("SELECT extversion FROM pg_extension WHERE extname = 'vector'").fetchone()
         self.iterative = bool(version) and tuple(int(x) for x in version[0].split(".")[:2]) >= ITERATIVE_MIN
         self.scan: str | None = None
@@ -94,6 +93,16 @@ class Searcher:
             t=table_sql(conn, table))
         self._order = sql.SQL(" ORDER BY embedding <=> %(q)s::{vt} LIMIT %(k)s").format(vt=sql.SQL(self.vtype))
         self._table = table_sql(conn, table)
+
+    def _read_index(self) -> None:
+        """The table's vector index: whether there is one, its kind (see pg.ddl.index_plan) and, for a binary one,
+        the rows' code as the index holds it and the query's by the same expression."""
+        found = index_of(self.conn, self.table)
+        self._code = query_code(index_key(self.conn, self.table, found[0]), self.vtype) if (
+            found and found[1] == "bit") else None
+        self.index_kind = found[1] if found else None
+        self.indexed = found is not None
+        self._index_read_at = time.monotonic()
 
     def statements(self, filt: sql.Composable) -> tuple[sql.Composable, sql.Composable]:
         """(the statement an index scan runs, the exact one) for a filter: they differ where the index is on an
@@ -241,6 +250,8 @@ class Searcher:
                                 f"{query_vec.shape[-1]}: search with the model the table was built with (--model)")
         if k < 1:
             raise InputError(f"-k {k}: ask for at least one result")
+        if time.monotonic() - self._index_read_at > INDEX_RECHECK_S:
+            self._read_index()
         vec = Vector(query_vec.reshape(-1).astype(np.float32))
         # The user's SQL goes in as written: its % are escaped so that psycopg, which reads the statement for its
         # own placeholders, gives them back to the server unchanged ("title ilike '%cable%'").
