@@ -17,10 +17,8 @@ from __future__ import annotations
 import argparse
 import sys
 import time
-from pathlib import Path
 
 import numpy as np
-import orjson
 import torch
 
 import harness
@@ -77,7 +75,7 @@ def main() -> None:
 
     enc = Encoder(a.model, device=a.device)
     candidates = [int(c) for c in a.candidates.split(",")]
-    doc: dict = {"environment": harness.environment(), "n": a.n, "queries": a.queries, "candidates": candidates}
+    doc: dict = {"n": a.n, "queries": a.queries, "candidates": candidates}
     for name in a.texts.split(","):
         make = {"reviews": review_texts, "world": world_texts}[name]
         t0 = time.perf_counter()
@@ -96,10 +94,7 @@ def main() -> None:
             del bits_x
         doc[name] = rows
         del x
-    out = orjson.dumps(doc, option=orjson.OPT_INDENT_2)
-    if a.out:
-        Path(a.out).write_bytes(out)
-    sys.stdout.write(out.decode() + "\n")
+    sys.stdout.write(harness.record(doc, a.out) + "\n")
 
 
 if __name__ == "__main__":
