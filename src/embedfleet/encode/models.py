@@ -87,15 +87,13 @@ GEMMA_TYPES = ("gemma3_text",)  # EmbeddingGemma (bidirectional) and causal Gemm
 NOMIC_TYPES = ("nomic_bert",)  # nomic-embed-text v1 and v1.5 (their own code, or transformers' since 5)
 PACKED_TYPES = BERT_TYPES + DECODER_TYPES + ROPE_ENCODER_TYPES + GEMMA_TYPES + NOMIC_TYPES
 HIDDEN_KEYS = ("hidden_size", "d_model", "dim", "n_embd")  # a model's width, by the names configs give it
-
-
 NOMIC_GATED = {"swiglu": "silu", "geglu": "gelu"}  # the checkpoints' activation_function: the gate's activation
 
 
 def nomic_packable(cfg: dict) -> bool:
     """Whether a NomicBert config is one the packed pass computes: post-norm layers, a gated MLP (SwiGLU or
-    GeGLU), linear layers without biases, plain RoPE over whole heads, no experts. Its variants (a plain MLP, mixture of experts, scaled or
-    partial rotary) run their own code, with --trust-remote-code."""
+    GeGLU), linear layers without biases, plain RoPE over whole heads, no experts. Its variants (a plain MLP,
+    mixture of experts, scaled or partial rotary, biases) run their own code, with --trust-remote-code."""
     if "activation_function" in cfg:  # the checkpoints' own config: gated only where it says so
         gated = cfg["activation_function"] in NOMIC_GATED
     else:  # transformers' NomicBertConfig: always gated

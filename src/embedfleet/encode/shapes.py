@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 
 from embedfleet.encode.models import bundled_model_dir
+from embedfleet.errors import InputError
 
 QWEN_QUERY_PROMPT = "Instruct: Given a web search query, retrieve relevant passages that answer the query\nQuery:"
 EOS = "<|endoftext|>"
@@ -70,7 +71,7 @@ def build_random_model(shape: str, out_dir: str | Path, seed: int = 0, tiny: boo
     """Write a sentence-transformers directory (config, safetensors, tokenizer, ST modules). `hidden`: another
     hidden size (the vectors' width), the rest of the shape kept (a tiny model with 4,096-dimensional vectors)."""
     if shape not in SHAPES:
-        raise ValueError(f"unknown shape '{shape}': choose from {', '.join(SHAPES)}")
+        raise InputError(f"--shape {shape!r}: choose from {', '.join(SHAPES)}")
     spec = dict(SHAPES[shape])
     max_seq, pool = spec.pop("max_seq_length"), pooling or spec.pop("pooling")
     spec.pop("pooling", None)

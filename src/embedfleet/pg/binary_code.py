@@ -21,8 +21,8 @@ import numpy as np
 import psycopg
 from psycopg import sql
 
-__all__ = ["CODE_BITS", "MAX_THRESHOLDS", "SAMPLE_ROWS", "code_bits", "code_expression", "code_words", "query_code",
-           "thresholds", "thresholds_of"]
+__all__ = ["CODE_BITS", "MAX_THRESHOLDS", "SAMPLE_ROWS", "code_bits", "code_expression", "code_words", "is_current",
+           "query_code", "thresholds", "thresholds_of"]
 
 CODE_BITS = 2688  # bits a code gets at least, where the thresholds allow: 7 a dimension of a 384-dim vector
 MAX_THRESHOLDS = 7  # a dimension in at most 8 levels
@@ -32,6 +32,12 @@ SAMPLE_ROWS = 10_000  # rows the thresholds are read from
 def thresholds(dim: int) -> int:
     """How many thresholds each dimension of a `dim`-dimensional vector is compared with."""
     return max(1, min(MAX_THRESHOLDS, math.ceil(CODE_BITS / dim)))
+
+
+def is_current(index_key: str, dim: int) -> bool:
+    """Whether an index's key (as the server prints it) codes `dim`-dimensional vectors with as many thresholds
+    as this version gives them (an earlier version's had the sign alone)."""
+    return index_key.count("binary_quantize") == thresholds(dim)
 
 
 def code_bits(dim: int) -> int:

@@ -15,9 +15,9 @@ from typing import NamedTuple
 import psycopg
 from psycopg import sql
 
-from embedfleet.pg.binary_code import code_bits, thresholds, thresholds_of
-from embedfleet.pg.ddl import (_index_expression, embedding_info, free_connections, heaps, index_key, index_plan, indexes_of,
-                               table_sql)
+from embedfleet.pg.binary_code import code_bits, is_current, thresholds_of
+from embedfleet.pg.ddl import (_index_expression, embedding_info, free_connections, heaps, index_key, index_plan,
+                               indexes_of, table_sql)
 
 __all__ = ["BuildPlan", "build_index", "build_plan", "create_index", "graph_mb", "maintenance_settings",
            "rebuild_index", "table_plan"]
@@ -138,7 +138,7 @@ def build_index(conn: psycopg.Connection, table: str, index: str = "hnsw", dsn: 
                                   [ident.as_string(conn)]).fetchone()
     codes = _partition_codes(conn, table) if kind == "bit" and partitioned else []
     # a build cut short left partitions indexed with its thresholds: the rest take the same, so the table adopts all
-    key = next((k for _, _, k, attached in codes if not attached and k.count("binary_quantize") == thresholds(dim)), None)
+    key = next((k for _, _, k, attached in codes if not attached and is_current(k, dim)), None)
     if key is not None:
         using = sql.SQL("hnsw (({}) bit_hamming_ops)").format(sql.SQL(key))
     else:  # one set of thresholds for every partition
@@ -192,7 +192,7 @@ def rebuild_index(conn: psycopg.Connection, table: str, index: str, dsn: str | N
     kind, _ = index_plan(dim, vtype, index)
     have = indexes_of(conn, table)
     # a binary index coded otherwise (an earlier version's, one bit a dimension) is rebuilt like another kind
-    stale = {n for n, k in have if k == "bit" and index_key(conn, table, n).count("binary_quantize") != thresholds(dim)}
+    stale = {n for n, k in have if k == "bit" and not is_current(index_key(conn, table, n), dim)}
     built = kind not in {k for n, k in have if n not in stale}
     if built:  # the old one serves searches until the new one is there
         build_index(conn, table, index, dsn)
