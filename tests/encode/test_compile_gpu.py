@@ -108,16 +108,24 @@ def test_a_second_process_loads_the_compiled_graphs_from_the_cache(tmp_path):
     assert json.loads(cleared.stdout)["files"] > 0 and not cache.exists()
 
 
-def test_an_encode_before_and_after_the_switch_agree_for_qwen3(tmp_path, monkeypatch):
-    """The decoder's three compiled functions (the Triton q/k kernel beside them) switch together."""
+@pytest.mark.parametrize("shape", ["qwen3-0.6b", "modernbert-base", "gemma3-300m"])
+def test_an_encode_before_and_after_the_switch_agree(tmp_path, monkeypatch, shape):
+    """A family's compiled functions (for Qwen3 the Triton q/k kernel beside them) switch together, every one."""
     monkeypatch.setenv("EMBEDFLEET_HOME", str(tmp_path / "home"))
     from embedfleet.encode.encoder import Encoder
     from embedfleet.encode.shapes import build_random_model
 
-    enc = Encoder(str(build_random_model("qwen3-0.6b", tmp_path / "q", tiny=True)), dtype="bfloat16")
+    path = str(build_random_model(shape, tmp_path / "q", tiny=True))
+    enc = Encoder(path, dtype="bfloat16")
     texts = _texts(500)
     eager = enc.encode(texts)
     enc.warmup()
     assert enc.describe()["compile"] == "compiled"
-    assert any(p.compiled for p in enc.model.fused)
-    np.testing.assert_array_less(0.999, (enc.encode(texts) * eager).sum(1))
+    ran = [p for p in enc.model.fused if p.warmed]
+    assert len(ran) >= 2 and all(p.compiled for p in ran)
+    compiled = enc.encode(texts)
+    # Gemma3 drifts in bf16 (sentence-transformers' own bf16 too): there the compiled vectors must be as close to
+    # float32's as the eager ones are
+    np.testing.assert_array_less(0.995 if shape == "gemma3-300m" else 0.999, (compiled * eager).sum(1))
+    ref = Encoder(path, dtype="float32").encode(texts)
+    assert (compiled * ref).sum(1).min() >= (eager * ref).sum(1).min() - 0.002

@@ -34,6 +34,27 @@ def test_minilm_bf16_matches_st():
 
 
 @pytest.mark.skipif(not MINILM.is_dir(), reason="fp16 MiniLM not prepared (.models/)")
+def test_a_gpu_encoder_starts_its_helpers_and_its_calls_use_them():
+    """On a GPU the constructor starts the tokenizer's helpers (one thread tokenizing is slower than the
+    device); calls use them once up, with the vectors of an encoder that tokenizes in-process."""
+    import numpy as np
+
+    from embedfleet.encode.encoder import Encoder
+    from embedfleet.synth import world_texts
+
+    texts = world_texts(6000, seed=5)
+    enc = Encoder(str(MINILM))
+    assert enc._tok.workers == 0 or enc._tok.pool_started
+    if not enc._tok.workers:
+        pytest.skip("fewer than 4 cores: no helpers")
+    enc._tok.start()  # wait until they are up
+    pooled = enc.encode(texts)
+    assert enc._tok.pooled > 0
+    alone = Encoder(str(MINILM), tokenizer_workers=0).encode(texts)
+    np.testing.assert_allclose(pooled, alone, atol=2e-3)
+
+
+@pytest.mark.skipif(not MINILM.is_dir(), reason="fp16 MiniLM not prepared (.models/)")
 def test_warmup_leaves_no_compiling_for_the_first_units():
     """torch.compile compiles again for a second token count (automatic dynamic shapes): warm-up pays
     for that too, so that a job's first units, of other sizes, find every graph ready."""

@@ -6,10 +6,10 @@ batches of packed sequences through the packed (or generic) forward, pooling and
 on the device into one output buffer, one device->host copy at the end: no sync per batch.
 encode() pipelines the two over chunks so the device never waits for the tokenizer.
 
-Small work stays small: a query or a few thousand texts run eagerly in this process. The tokenizer's
-helper processes start with warmup() or at the first call of LONG_CALL_TEXTS texts (tokenizing goes on
-here until they are up): a script making many big calls calls warmup() once. On CUDA the forward pass
-is compiled in the background once enough work has come (`compile.py`).
+Small work stays small: a query or a few thousand texts run eagerly in this process. On a GPU the
+tokenizer's helper processes start with the constructor (elsewhere with warmup() or at the first call of
+LONG_CALL_TEXTS texts), and chunks tokenize here until they are up. On CUDA the forward pass is compiled
+in the background once enough work has come (`compile.py`).
 """
 
 from __future__ import annotations
@@ -35,6 +35,7 @@ from embedfleet.platform.cache import cache_dir, compiled_before, use_compile_ca
 from embedfleet.settings import Settings
 
 MAX_CHUNK, MIN_CHUNK = 16384, 2048  # encode() tokenizes chunks ahead while the device embeds
+_WARM_TEXTS = ["warm up"] * 8 + ["warm up " * 200] * 2  # a short and a long sequence: each kernel's first call
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
            "float16": torch.float16, "fp16": torch.float16}
 
@@ -89,6 +90,10 @@ class Encoder:
             starting = aside.submit(_start_cuda, self._dev) if self._dev.type == "cuda" else None
             state = packed.load_state(spec.hf_dir) if packed.supports(spec) else None
             self._tok = model_tokenizer(spec, word_cache=s.word_cache).build(tokenizer_workers)
+            if self._dev.type == "cuda":
+                # A GPU outruns one tokenizing thread several times over: the helpers start now and
+                # serve every chunk that begins once they are up.
+                self._tok.start_background()
             if starting is not None:
                 starting.result()
         self.model = (packed.build(spec, self._dev, self.dtype, state, compile=s.compile, triton=s.triton)
@@ -125,6 +130,11 @@ class Encoder:
                                               self.max_seq_length, shape_key(spec.config, self.dtype, self._dev),
                                               cache, compile_after_tokens(compiled_before(cache, shape_key(
                                                   spec.config, self.dtype, self._dev)) is not None, s.compile_tokens))
+
+        if self._dev.type == "cuda":
+            # cuBLAS's and FlashAttention's first calls (a fraction of a second) here, while the helpers start,
+            # rather than in the first encode
+            self._launch(self.tokenize(_WARM_TEXTS, pool=False)).result()
 
     @property
     def device(self) -> str:
@@ -173,11 +183,9 @@ class Encoder:
         if self._dev.type != "cuda":
             return
         if self._compile is not None and compile:
-            self._compile.start()  # no warm-up encode: its example batches (or the first real ones) make those calls
+            self._compile.start()
             if wait:
                 self._compile.wait()
-        else:
-            self.encode(["warm up"] * 8 + ["warm up " * 200] * 2)  # cuBLAS, FlashAttention: their first calls
 
     def compile_report(self) -> dict | None:
         """The background compile's state, seconds and cache hits (None where nothing compiles)."""
@@ -198,9 +206,9 @@ class Encoder:
         if self._compile is not None and len(texts) >= LONG_CALL_TEXTS:
             self._compile.start()  # a long call: the compiled graph will be ready for most of it
         size = min(MAX_CHUNK, max(MIN_CHUNK, len(texts) // 8))  # >= 8 chunks, so the overlap pays
-        # The helpers serve a call only if up when it starts, or if it is very long (it starts them):
-        # helpers starting inside a first call slowed it several times over (docs/decisions/helper-start-without-main.md).
-        pool = len(texts) >= LONG_CALL_TEXTS or self._tok.pool_ready()
+        # The helpers serve a call once started (on a GPU, by the constructor), or if it is very long (it starts
+        # them); until they are up, chunks tokenize here. A short call on a CPU never starts them.
+        pool = len(texts) >= LONG_CALL_TEXTS or self._tok.pool_started
         if len(texts) <= size:
             return self.embed(self.tokenize(texts, prompt, pool))
         # A small first chunk: the device idles only while that one is tokenized.

@@ -285,6 +285,14 @@ class TextTokenizer:
         if pool is not None:
             pool.start()
 
+    def start_background(self) -> None:
+        """Start the pool's processes without waiting for them: calls use them once they are up."""
+        self._start_pool()
+
+    @property
+    def pool_started(self) -> bool:
+        return self._pool is not None
+
     def pool_ready(self) -> bool:
         """Whether the helpers are up (a call that starts before they are tokenizes in this process)."""
         return self._pool is not None and self._pool.ready()

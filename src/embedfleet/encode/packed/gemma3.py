@@ -4,8 +4,7 @@ Each layer: RMSNorm with (1 + weight) before and after attention and before and 
 q/k RMSNorm; RoPE with one base for the global layers and another for the local ones; grouped K/V heads; the
 local layers attending within a sliding window (bidirectional: each token to those less than the window's half
 away, as transformers masks them); scores scaled by query_pre_attn_scalar. Embeddings are scaled by the square
-root of the width. The config is read through transformers' Gemma3TextConfig, which derives the layer types and
-the window as the model's own code does.
+root of the width. The config is read as transformers' Gemma3TextConfig reads it (`config.py`).
 """
 
 from __future__ import annotations
@@ -15,16 +14,11 @@ import torch.nn.functional as F
 
 from embedfleet.encode.compile import fused
 from embedfleet.encode.packed import OnDevice, strip_prefix
+from embedfleet.encode.packed.config import gemma3_config
 from embedfleet.encode.packed.attention import Packing, attention
 from embedfleet.encode.packed.qwen3 import layer_rope_tables, rope
 
 _ACT = {"gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"), "gelu": F.gelu}
-
-
-def _config(cfg: dict):
-    from transformers import Gemma3TextConfig
-
-    return Gemma3TextConfig(**{k: v for k, v in cfg.items() if k not in ("architectures", "model_type")})
 
 
 def _norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
@@ -38,12 +32,13 @@ class PackedGemma3:
         self.w, self.layers, self.heads, self.kv_heads, self.head_dim = weights, layers, heads, kv_heads, head_dim
         self.eps, self.scale, self.act, self.tables, self.causal = eps, scale, act, tables, causal
         self.hidden = weights["embed"].shape[1]
+        self._qkv = fused(_norm_qkv_rope, weights["embed"].device, compile)
         self._mlp = fused(_attention_out_and_mlp, weights["embed"].device, compile)
-        self.fused = [self._mlp]  # what a BackgroundCompile compiles
+        self.fused = [self._qkv, self._mlp]  # what a BackgroundCompile compiles
 
     @classmethod
     def create(cls, cfg: dict, state: dict, device, dtype, max_len: int, compile: bool = True):
-        conf = _config(cfg)
+        conf = gemma3_config(cfg)
 
         def t(x):
             return x.to(device=device, dtype=dtype).contiguous()
@@ -82,19 +77,25 @@ class PackedGemma3:
         return 2 * lin + 4 * self.heads * self.head_dim * keys
 
     def __call__(self, ids: torch.Tensor, pk: Packing) -> torch.Tensor:
-        w, n, eps, hq, hk = self.w, ids.shape[0], self.eps, self.heads, self.kv_heads
+        w, eps, hq, hk = self.w, self.eps, self.heads, self.kv_heads
         x = F.embedding(ids, w["embed"]) * w["scale"]
         pos = pk.pos.long()
         rot = {kind: (cos[pos], sin[pos]) for kind, (cos, sin) in self.tables.items()}
         for L in self.layers:
-            qkv = F.linear(_norm(x, L["in"], eps), L["qkv_w"], L["qkv_b"]).view(n, hq + 2 * hk, self.head_dim)
-            cos, sin = rot[L["type"]]
-            q = rope(_norm(qkv[:, :hq], L["q_norm"], eps), cos, sin)
-            k = rope(_norm(qkv[:, hq:hq + hk], L["k_norm"], eps), cos, sin)
-            a = attention(q, k, qkv[:, hq + hk:], pk, causal=self.causal, scale=self.scale, window=L["window"])
+            q, k, v = self._qkv(x, *rot[L["type"]], L["in"], L["qkv_w"], L["qkv_b"], L["q_norm"], L["k_norm"], hq, hk,
+                                eps)
+            a = attention(q, k, v, pk, causal=self.causal, scale=self.scale, window=L["window"])
             x = self._mlp(x, a, L["o_w"], L["o_b"], L["post_attn"], L["pre_ff"], L["gu_w"], L["down_w"], L["post_ff"],
                           eps, self.act)
         return _norm(x, w["norm"], eps)
+
+
+def _norm_qkv_rope(x, cos, sin, in_w, qkv_w, qkv_b, q_norm, k_norm, hq: int, hk: int, eps: float):
+    """The normed input through QKV, then q and k each normed per head and rotated; v as a view of the QKV output."""
+    qkv = F.linear(_norm(x, in_w, eps), qkv_w, qkv_b).view(x.shape[0], hq + 2 * hk, -1)
+    q = rope(_norm(qkv[:, :hq], q_norm, eps), cos, sin)
+    k = rope(_norm(qkv[:, hq:hq + hk], k_norm, eps), cos, sin)
+    return q, k, qkv[:, hq + hk:]
 
 
 def _attention_out_and_mlp(x, a, o_w, o_b, post_attn, pre_ff, gu_w, down_w, post_ff, eps: float, act):

@@ -3,8 +3,8 @@
 Pre-norm layers (the first without its attention norm), QKV as one matmul, RoPE with one base for the global
 layers and another for the local ones, local layers attending within a sliding window (each token to those at
 most `local_attention // 2` positions away: FlashAttention's window on CUDA, a band mask elsewhere), GeGLU MLP,
-no biases unless the config asks for them. The config is read through transformers' ModernBertConfig, which
-fills in what an older or newer config.json leaves out (layer types, RoPE bases).
+no biases unless the config asks for them. The config is read as transformers' ModernBertConfig reads it
+(`config.py`).
 """
 
 from __future__ import annotations
@@ -14,17 +14,12 @@ import torch.nn.functional as F
 
 from embedfleet.encode.compile import fused
 from embedfleet.encode.packed import OnDevice, strip_prefix
+from embedfleet.encode.packed.config import modernbert_config
 from embedfleet.encode.packed.attention import Packing, attention
 from embedfleet.encode.packed.qwen3 import layer_rope_tables, rope
 
 _ACT = {"gelu": F.gelu, "gelu_new": lambda x: F.gelu(x, approximate="tanh"),
         "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"), "silu": F.silu, "relu": F.relu}
-
-
-def _config(cfg: dict):
-    from transformers import ModernBertConfig
-
-    return ModernBertConfig(**{k: v for k, v in cfg.items() if k not in ("architectures", "model_type")})
 
 
 class PackedModernBert:
@@ -34,12 +29,13 @@ class PackedModernBert:
                  compile: bool = True):
         self.w, self.layers, self.heads, self.eps, self.act, self.tables = weights, layers, heads, eps, act, tables
         self.hidden = weights["embed"].shape[1]
+        self._qkv = fused(_norm_qkv_rope, weights["embed"].device, compile)
         self._mlp = fused(_attention_out_and_mlp, weights["embed"].device, compile)
-        self.fused = [self._mlp]  # what a BackgroundCompile compiles
+        self.fused = [self._qkv, self._mlp]  # what a BackgroundCompile compiles
 
     @classmethod
     def create(cls, cfg: dict, state: dict, device, dtype, max_len: int, compile: bool = True):
-        conf = _config(cfg)
+        conf = modernbert_config(cfg)
 
         def t(x):
             return x.to(device=device, dtype=dtype).contiguous()
@@ -77,18 +73,23 @@ class PackedModernBert:
         return 2 * lin + 4 * self.hidden * keys
 
     def __call__(self, ids: torch.Tensor, pk: Packing) -> torch.Tensor:
-        w, h, n, eps = self.w, self.hidden, ids.shape[0], self.eps
+        w, h, eps = self.w, self.hidden, self.eps
         x = F.layer_norm(F.embedding(ids, w["embed"]), (h,), *w["embed_norm"], eps)
         pos = pk.pos.long()
         rot = {kind: (cos[pos], sin[pos]) for kind, (cos, sin) in self.tables.items()}
         for L in self.layers:
-            a_in = x if L["attn_norm"] is None else F.layer_norm(x, (h,), *L["attn_norm"], eps)
-            q, k, v = F.linear(a_in, *L["qkv"]).view(n, 3, self.heads, -1).unbind(1)
-            cos, sin = rot[L["type"]]
-            a = attention(rope(q, cos, sin), rope(k, cos, sin), v, pk, causal=False, window=L["window"])
+            q, k, v = self._qkv(x, *rot[L["type"]], *(L["attn_norm"] or (None, None)), *L["qkv"], self.heads, eps)
+            a = attention(q, k, v, pk, causal=False, window=L["window"])
             x = self._mlp(x, a, L["o"][0], L["o"][1], L["mlp_norm"][0], L["mlp_norm"][1], L["wi"][0], L["wi"][1],
                           L["wo"][0], L["wo"][1], eps, self.act)
         return F.layer_norm(x, (h,), *w["final_norm"], eps)
+
+
+def _norm_qkv_rope(x, cos, sin, n_w, n_b, qkv_w, qkv_b, heads: int, eps: float):
+    """The input (normed, except in the first layer: `n_w` None) through QKV, then q and k rotated."""
+    a_in = x if n_w is None else F.layer_norm(x, (x.shape[1],), n_w, n_b, eps)
+    q, k, v = F.linear(a_in, qkv_w, qkv_b).view(x.shape[0], 3, heads, -1).unbind(1)
+    return rope(q, cos, sin), rope(k, cos, sin), v
 
 
 def _attention_out_and_mlp(x, a, o_w, o_b, n_w, n_b, wi_w, wi_b, wo_w, wo_b, eps: float, act):
