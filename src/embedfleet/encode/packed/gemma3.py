@@ -14,8 +14,8 @@ import torch.nn.functional as F
 
 from embedfleet.encode.compile import fused
 from embedfleet.encode.packed import OnDevice, strip_prefix
-from embedfleet.encode.packed.config import gemma3_config
 from embedfleet.encode.packed.attention import Packing, attention
+from embedfleet.encode.packed.config import gemma3_config
 from embedfleet.encode.packed.qwen3 import layer_rope_tables, rope
 
 _ACT = {"gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"), "gelu": F.gelu}

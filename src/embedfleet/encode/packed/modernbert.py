@@ -14,8 +14,8 @@ import torch.nn.functional as F
 
 from embedfleet.encode.compile import fused
 from embedfleet.encode.packed import OnDevice, strip_prefix
-from embedfleet.encode.packed.config import modernbert_config
 from embedfleet.encode.packed.attention import Packing, attention
+from embedfleet.encode.packed.config import modernbert_config
 from embedfleet.encode.packed.qwen3 import layer_rope_tables, rope
 
 _ACT = {"gelu": F.gelu, "gelu_new": lambda x: F.gelu(x, approximate="tanh"),
