@@ -116,16 +116,17 @@ def test_an_encode_before_and_after_the_switch_agree(tmp_path, monkeypatch, shap
     from embedfleet.encode.shapes import build_random_model
 
     path = str(build_random_model(shape, tmp_path / "q", tiny=True))
-    enc = Encoder(path, dtype="bfloat16")
     texts = _texts(500)
-    eager = enc.encode(texts)
-    enc.warmup()
-    assert enc.describe()["compile"] == "compiled"
-    ran = [p for p in enc.model.fused if p.warmed]
-    assert len(ran) >= 2 and all(p.compiled for p in ran)
-    compiled = enc.encode(texts)
+    with Encoder(path, dtype="bfloat16") as enc:
+        eager = enc.encode(texts)
+        enc.warmup()
+        assert enc.describe()["compile"] == "compiled"
+        ran = [p for p in enc.model.fused if p.warmed]
+        assert len(ran) >= 2 and all(p.compiled for p in ran)
+        compiled = enc.encode(texts)
     # Gemma3 drifts in bf16 (sentence-transformers' own bf16 too): there the compiled vectors must be as close to
     # float32's as the eager ones are
     np.testing.assert_array_less(0.995 if shape == "gemma3-300m" else 0.999, (compiled * eager).sum(1))
-    ref = Encoder(path, dtype="float32").encode(texts)
+    with Encoder(path, dtype="float32") as enc:
+        ref = enc.encode(texts)
     assert (compiled * ref).sum(1).min() >= (eager * ref).sum(1).min() - 0.002

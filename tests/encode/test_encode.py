@@ -242,6 +242,21 @@ def test_helpers_serve_the_chunks_that_begin_once_they_are_up(tiny, monkeypatch)
     np.testing.assert_allclose(first, mid, atol=1e-5)
 
 
+def test_a_constructor_that_fails_ends_the_helpers_it_started(tiny, monkeypatch):
+    """Where the helpers start with the constructor (on a GPU), a constructor that then fails (here a --dim out of
+    range, a user's error) ends them rather than leave them running with the half-built encoder."""
+    monkeypatch.setattr(encoder_mod, "_helpers_at_start", lambda dev: True)
+    pools = []
+    start = tokenize_mod.TextTokenizer.start_background
+    monkeypatch.setattr(tokenize_mod.TextTokenizer, "start_background",
+                        lambda self: (start(self), pools.append(self._pool)))
+    with pytest.raises(ModelError, match="--dim 100000 is out of range"):
+        Encoder(str(tiny["bert-cls"]), tokenizer_workers=2, dim=100_000)
+    assert len(pools) == 1 and len(pools[0].pids) == 2
+    for h in pools[0]._helpers:
+        assert h.proc.wait(timeout=30) is not None
+
+
 def test_unresolvable_models_raise_model_error(tmp_path, monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     with pytest.raises(ModelError, match="not found"):

@@ -43,13 +43,13 @@ def test_a_gpu_encoder_starts_its_helpers_and_its_calls_use_them():
     from embedfleet.synth import world_texts
 
     texts = world_texts(6000, seed=5)
-    enc = Encoder(str(MINILM))
-    assert enc._tok.workers == 0 or enc._tok.pool_started
-    if not enc._tok.workers:
-        pytest.skip("fewer than 4 cores: no helpers")
-    enc._tok.start()  # wait until they are up
-    pooled = enc.encode(texts)
-    assert enc._tok.pooled > 0
+    with Encoder(str(MINILM)) as enc:
+        assert enc._tok.workers == 0 or enc._tok.pool_started
+        if not enc._tok.workers:
+            pytest.skip("fewer than 4 cores: no helpers")
+        enc._tok.start()  # wait until they are up
+        pooled = enc.encode(texts)
+        assert enc._tok.pooled > 0
     alone = Encoder(str(MINILM), tokenizer_workers=0).encode(texts)
     np.testing.assert_allclose(pooled, alone, atol=2e-3)
 

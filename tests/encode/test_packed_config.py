@@ -10,6 +10,7 @@ import pytest
 
 from embedfleet.encode.packed.config import gemma3_config, modernbert_config
 from embedfleet.encode.shapes import build_random_model
+from embedfleet.errors import ModelError
 
 FIELDS = {
     "modernbert": ("hidden_size", "num_hidden_layers", "num_attention_heads", "hidden_activation", "norm_eps",
@@ -29,7 +30,11 @@ EMBEDDINGGEMMA_LEGACY = {"hidden_size": 768, "num_hidden_layers": 24, "num_atten
                          "rope_local_base_freq": 10000.0, "sliding_window": 512, "use_bidirectional_attention": True,
                          "hidden_activation": "gelu_pytorch_tanh", "rms_norm_eps": 1e-06, "sliding_window_pattern": 6}
 GEMMA3_CAUSAL_SCALED = {**EMBEDDINGGEMMA_LEGACY, "use_bidirectional_attention": False, "sliding_window": 1024,
-                        "rope_scaling": {"rope_type": "linear", "factor": 8.0}, "layer_types": None}
+                        "rope_scaling": {"rope_type": "linear", "factor": 8.0}}
+# layouts no known checkpoint has, read as transformers reads them all the same
+MODERNBERT_WINDOW_KEY = {**MODERNBERT_LEGACY, "sliding_window": 32}
+GEMMA3_FLAT_ROPE = {**EMBEDDINGGEMMA_LEGACY, "rope_parameters": {"rope_type": "default", "rope_theta": 5.0}}
+GEMMA3_NO_WINDOW = {**EMBEDDINGGEMMA_LEGACY, "use_bidirectional_attention": False, "sliding_window": None}
 
 
 def _theirs(family: str, cfg: dict) -> dict:
@@ -40,7 +45,7 @@ from transformers import {'ModernBertConfig as C' if family == 'modernbert' else
 cfg = json.loads(sys.stdin.read())
 c = C(**{{k: v for k, v in cfg.items() if k not in ("architectures", "model_type")}})
 rope = {{k: {{"rope_type": v.get("rope_type"), "rope_theta": v.get("rope_theta"), "factor": v.get("factor")}}
-        for k, v in c.rope_parameters.items()}}
+        for k, v in c.rope_parameters.items() if k in ("full_attention", "sliding_attention")}}
 print(json.dumps({{**{{f: getattr(c, f) for f in {FIELDS[family]!r}}}, "rope": rope}}))
 """
     out = subprocess.run([sys.executable, "-c", code], input=json.dumps(cfg), capture_output=True, text=True,
@@ -62,14 +67,22 @@ def test_a_config_written_by_transformers_reads_the_same(tmp_path, family, shape
     assert _ours(family, cfg) == _theirs(family, cfg)
 
 
-@pytest.mark.parametrize("family,cfg", [("modernbert", MODERNBERT_LEGACY), ("modernbert", MODERNBERT_LARGE_THETA),
-                                        ("gemma3", EMBEDDINGGEMMA_LEGACY), ("gemma3", GEMMA3_CAUSAL_SCALED)])
-def test_an_older_config_json_reads_as_transformers_reads_it(family, cfg):
-    cfg = {k: v for k, v in cfg.items() if v is not None}
+@pytest.mark.parametrize("family,name", [
+    ("modernbert", "MODERNBERT_LEGACY"), ("modernbert", "MODERNBERT_LARGE_THETA"), ("modernbert", "MODERNBERT_WINDOW_KEY"),
+    ("gemma3", "EMBEDDINGGEMMA_LEGACY"), ("gemma3", "GEMMA3_CAUSAL_SCALED"), ("gemma3", "GEMMA3_FLAT_ROPE"),
+    ("gemma3", "GEMMA3_NO_WINDOW")])
+def test_an_older_config_json_reads_as_transformers_reads_it(family, name):
+    cfg = globals()[name]
     ours = _ours(family, cfg)
     assert ours == _theirs(family, cfg)
-    if cfg is not GEMMA3_CAUSAL_SCALED and "rope_scaling" not in cfg:
-        assert {v["rope_type"] for v in ours["rope"].values()} == {"default"}
+    scaled = {k: v["rope_type"] for k, v in ours["rope"].items() if v["rope_type"] != "default"}
+    assert scaled == ({"full_attention": "linear"} if name == "GEMMA3_CAUSAL_SCALED" else {})
+
+
+@pytest.mark.parametrize("read", [modernbert_config, gemma3_config])
+def test_layer_types_that_do_not_match_the_layers_are_one_line(read):
+    with pytest.raises(ModelError, match="3 layer_types for 4 layers"):
+        read({"num_hidden_layers": 4, "layer_types": ["full_attention"] * 3})
 
 
 def test_the_packed_readers_do_not_import_transformers():

@@ -51,6 +51,12 @@ def _device(device: str) -> torch.device:
     return dev
 
 
+def _helpers_at_start(dev: torch.device) -> bool:
+    """Whether the tokenizer's helpers start with the encoder: on a GPU, which outruns one tokenizing thread several
+    times over (they serve every chunk that begins once they are up)."""
+    return dev.type == "cuda"
+
+
 def _start_cuda(dev: torch.device) -> None:
     """The CUDA context, on a thread while the weights are read."""
     torch.empty(1, device=dev)
@@ -69,7 +75,9 @@ class _Pending:
 
 class Encoder:
     """`Encoder(model)`: a directory or hub id (default: $EMBEDFLEET_MODEL, else the bundled MiniLM). `settings`:
-    the process's knobs (compile, Triton, word cache, home), resolved from the environment when not given."""
+    the process's knobs (compile, Triton, word cache, home), resolved from the environment when not given.
+    `tokenizer_workers`: the tokenizer's helper processes (default: half the cores, at most 8; on a GPU they start
+    with the encoder); 0 where only a few texts at a time come (queries)."""
 
     def __init__(self, model=None, device="auto", dtype=None, *, batch_tokens="auto", dim=None, prompt=None,
                  tokenizer_workers=None, settings: Settings | None = None, trust_remote_code: bool = False,
@@ -85,14 +93,23 @@ class Encoder:
             self.dtype = torch.bfloat16 if self._dev.type == "cuda" else torch.float32
         if self._dev.type == "cuda":
             use_compile_cache(cache_dir(s.home_path))  # before any Triton kernel or compile: their caches here
+        self._tok = None
+        try:
+            self._load(spec, model, s, dim, prompt, batch_tokens, tokenizer_workers, trust_remote_code)
+        except BaseException:  # the helpers may be starting: they go with the half-built encoder
+            if self._tok is not None:
+                self._tok.close(wait=False)
+            raise
+
+    def _load(self, spec, model, s: Settings, dim, prompt, batch_tokens, tokenizer_workers, trust_remote_code: bool):
+        """The tokenizer (its helpers starting, on a GPU), the weights on the device, the token budget, the
+        background compile; on CUDA the libraries' first calls."""
         with ThreadPoolExecutor(1, thread_name_prefix="embedfleet-cuda") as aside:
             # On a GPU its context starts on that thread while this one reads the weights.
             starting = aside.submit(_start_cuda, self._dev) if self._dev.type == "cuda" else None
             state = packed.load_state(spec.hf_dir) if packed.supports(spec) else None
             self._tok = model_tokenizer(spec, word_cache=s.word_cache).build(tokenizer_workers)
-            if self._dev.type == "cuda":
-                # A GPU outruns one tokenizing thread several times over: the helpers start now and
-                # serve every chunk that begins once they are up.
+            if _helpers_at_start(self._dev):
                 self._tok.start_background()
             if starting is not None:
                 starting.result()
@@ -107,7 +124,7 @@ class Encoder:
             self.model, self.path = (CustomModuleModel(spec, self._dev, self.dtype) if spec.custom else
                                      GenericModel(spec, self._dev, self.dtype, trust_remote_code)), "generic"
             if spec.custom:
-                self.model.task = spec.task(prompt, task)
+                self.model.task = spec.task(prompt, self.task)
         hidden = self.model.hidden
         width = spec.output_dim(hidden)  # a Dense module after the pooling sets the vectors' width
         self._post = post_modules(spec, self._dev)
@@ -130,7 +147,6 @@ class Encoder:
                                               self.max_seq_length, shape_key(spec.config, self.dtype, self._dev),
                                               cache, compile_after_tokens(compiled_before(cache, shape_key(
                                                   spec.config, self.dtype, self._dev)) is not None, s.compile_tokens))
-
         if self._dev.type == "cuda":
             # cuBLAS's and FlashAttention's first calls (a fraction of a second) here, while the helpers start,
             # rather than in the first encode
@@ -173,8 +189,8 @@ class Encoder:
 
     def warmup(self, wait: bool = True, compile: bool | None = True) -> None:
         """Pay start-up costs now rather than in the first real batches: the tokenizer's helper
-        processes, and on CUDA the libraries' first use and the forward pass's compilation, which
-        runs in the background (eager meanwhile); `wait` waits for it. `compile=None` (little work
+        processes (waited for), and on CUDA the forward pass's compilation, which runs in the
+        background (eager meanwhile); `wait` waits for it. `compile=None` (little work
         ahead) leaves the compile to the usual rule, once enough tokens have been seen; `False`
         never compiles (the work ahead would not pay for it)."""
         self._tok.start()

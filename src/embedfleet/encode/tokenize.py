@@ -4,9 +4,9 @@ One fast-tokenizer call is limited by building Python objects under the GIL (abo
 however many cores), so big inputs go to a pool of single-threaded processes instead
 (`helper_pool.HelperPool`: fresh interpreters that import this module, never the caller's
 `__main__`; forking after the tokenizers library has started its threads can deadlock). `Encoder.encode`
-uses the pool only when it is up as the call starts (`start()`, which an Encoder's warmup calls) or
-when the call is very long (it starts the pool, tokenizing here until it is up): helpers starting inside
-a first call slowed it several times over (docs/decisions/helper-start-without-main.md). `tokenize(…, pool=True)` called
+uses the pool once it has been started (on a GPU by the Encoder's constructor, `start_background()`;
+else by `warmup()`, or by a very long call), each chunk tokenizing here until the helpers are up
+(docs/decisions/helper-start-without-main.md). `tokenize(…, pool=True)` called
 directly starts the pool for 2,048 texts or more. This module imports no torch so that helpers start
 quickly.
 """
@@ -337,10 +337,11 @@ class TextTokenizer:
             texts = [prefix + t for t in texts]
         return pack_sorted(*self.encode_unsorted(list(texts), pool))
 
-    def close(self) -> None:
+    def close(self, wait: bool = True) -> None:
+        """End the helpers: after their running calls (`wait`), or at once."""
         with self._lock:
             if self._pool is not None:
-                self._pool.close()
+                self._pool.close(wait)
                 self._pool = None
 
 

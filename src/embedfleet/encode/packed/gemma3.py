@@ -64,7 +64,7 @@ class PackedGemma3:
                 "gu_w": t(torch.cat([g("mlp.gate_proj.weight"), g("mlp.up_proj.weight")])),
                 "down_w": t(g("mlp.down_proj.weight")), "type": conf.layer_types[i],
                 # transformers' window is exclusive (distance < sliding_window); `attention`'s is inclusive
-                "window": conf.sliding_window - 1 if local else None,
+                "window": conf.sliding_window - 1 if local and conf.sliding_window else None,
             })
         weights = {"embed": t(sd["embed_tokens.weight"]), "scale": torch.tensor(conf.hidden_size ** 0.5, dtype=dtype, device=device),
                    "norm": t(sd["norm.weight"])}
