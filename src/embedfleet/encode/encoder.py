@@ -148,8 +148,7 @@ class Encoder:
                                               cache, compile_after_tokens(compiled_before(cache, shape_key(
                                                   spec.config, self.dtype, self._dev)) is not None, s.compile_tokens))
         if self._dev.type == "cuda":
-            # cuBLAS's and FlashAttention's first calls (a fraction of a second) here, while the helpers start,
-            # rather than in the first encode
+            # cuBLAS's and FlashAttention's first calls here, while the helpers start, rather than in the first encode
             self._launch(self.tokenize(_WARM_TEXTS, pool=False)).result()
 
     @property

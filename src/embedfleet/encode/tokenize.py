@@ -293,10 +293,6 @@ class TextTokenizer:
     def pool_started(self) -> bool:
         return self._pool is not None
 
-    def pool_ready(self) -> bool:
-        """Whether the helpers are up (a call that starts before they are tokenizes in this process)."""
-        return self._pool is not None and self._pool.ready()
-
     def encode_unsorted(self, texts: list[str], pool: bool = True) -> tuple[np.ndarray, np.ndarray]:
         """Packed ids and lengths in input order: on the helpers when `pool` and there are enough
         texts (starting them if need be, here until they are up), else in this process."""

@@ -21,9 +21,9 @@ from embedfleet.encode.packed.qwen3 import layer_rope_tables, rope
 _ACT = {"gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"), "gelu": F.gelu}
 
 
-def _norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
-    """Gemma's RMSNorm: in float32, scaled by (1 + weight), then cast back."""
-    return (F.rms_norm(x.float(), (x.shape[-1],), eps=eps) * (1.0 + w.float())).type_as(x)
+def _norm(x: torch.Tensor, scale: torch.Tensor, eps: float) -> torch.Tensor:
+    """Gemma's RMSNorm: in float32, times `scale` (1 + the weight, float32, made at load), then cast back."""
+    return (F.rms_norm(x.float(), (x.shape[-1],), eps=eps) * scale).type_as(x)
 
 
 class PackedGemma3:
@@ -43,6 +43,9 @@ class PackedGemma3:
         def t(x):
             return x.to(device=device, dtype=dtype).contiguous()
 
+        def scale(w):  # a norm's (1 + weight), made once rather than in every batch
+            return 1.0 + t(w).float()
+
         heads, kv, hd = conf.num_attention_heads, conf.num_key_value_heads, conf.head_dim
         tables = layer_rope_tables(conf, hd, max_len, t)
         if conf.hidden_activation not in _ACT or conf.attn_logit_softcapping or tables is None:
@@ -55,19 +58,19 @@ class PackedGemma3:
             local = conf.layer_types[i] == "sliding_attention"
             bias = p + "self_attn.q_proj.bias" in sd
             layers.append({
-                "in": t(g("input_layernorm.weight")), "post_attn": t(g("post_attention_layernorm.weight")),
-                "pre_ff": t(g("pre_feedforward_layernorm.weight")), "post_ff": t(g("post_feedforward_layernorm.weight")),
+                "in": scale(g("input_layernorm.weight")), "post_attn": scale(g("post_attention_layernorm.weight")),
+                "pre_ff": scale(g("pre_feedforward_layernorm.weight")), "post_ff": scale(g("post_feedforward_layernorm.weight")),
                 "qkv_w": t(torch.cat([g(f"self_attn.{n}.weight") for n in ("q_proj", "k_proj", "v_proj")])),
                 "qkv_b": t(torch.cat([g(f"self_attn.{n}.bias") for n in ("q_proj", "k_proj", "v_proj")])) if bias else None,
                 "o_w": t(g("self_attn.o_proj.weight")), "o_b": t(g("self_attn.o_proj.bias")) if bias else None,
-                "q_norm": t(g("self_attn.q_norm.weight")), "k_norm": t(g("self_attn.k_norm.weight")),
+                "q_norm": scale(g("self_attn.q_norm.weight")), "k_norm": scale(g("self_attn.k_norm.weight")),
                 "gu_w": t(torch.cat([g("mlp.gate_proj.weight"), g("mlp.up_proj.weight")])),
                 "down_w": t(g("mlp.down_proj.weight")), "type": conf.layer_types[i],
                 # transformers' window is exclusive (distance < sliding_window); `attention`'s is inclusive
                 "window": conf.sliding_window - 1 if local and conf.sliding_window else None,
             })
         weights = {"embed": t(sd["embed_tokens.weight"]), "scale": torch.tensor(conf.hidden_size ** 0.5, dtype=dtype, device=device),
-                   "norm": t(sd["norm.weight"])}
+                   "norm": scale(sd["norm.weight"])}
         return cls(weights, layers, heads, kv, hd, conf.rms_norm_eps, conf.query_pre_attn_scalar ** -0.5,
                    _ACT[conf.hidden_activation], tables, not conf.use_bidirectional_attention, compile=compile)
 

@@ -58,7 +58,7 @@ class PackedModernBert:
             p = f"layers.{i}."
             local = conf.layer_types[i] == "sliding_attention"
             layers.append({
-                "attn_norm": norm(p + "attn_norm") if i else None, "qkv": linear(p + "attn.Wqkv"),
+                "attn_norm": norm(p + "attn_norm") if i else (None, None), "qkv": linear(p + "attn.Wqkv"),
                 "o": linear(p + "attn.Wo"), "mlp_norm": norm(p + "mlp_norm"), "wi": linear(p + "mlp.Wi"),
                 "wo": linear(p + "mlp.Wo"), "type": conf.layer_types[i],
                 "window": conf.sliding_window if local else None,
@@ -78,7 +78,7 @@ class PackedModernBert:
         pos = pk.pos.long()
         rot = {kind: (cos[pos], sin[pos]) for kind, (cos, sin) in self.tables.items()}
         for L in self.layers:
-            q, k, v = self._qkv(x, *rot[L["type"]], *(L["attn_norm"] or (None, None)), *L["qkv"], self.heads, eps)
+            q, k, v = self._qkv(x, *rot[L["type"]], *L["attn_norm"], *L["qkv"], self.heads, eps)
             a = attention(q, k, v, pk, causal=False, window=L["window"])
             x = self._mlp(x, a, L["o"][0], L["o"][1], L["mlp_norm"][0], L["mlp_norm"][1], L["wi"][0], L["wi"][1],
                           L["wo"][0], L["wo"][1], eps, self.act)
