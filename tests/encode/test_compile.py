@@ -115,3 +115,54 @@ print(json.dumps({"dir": os.environ["TORCHINDUCTOR_CACHE_DIR"], "inductor": "tor
     assert run(TORCHINDUCTOR_CACHE_DIR=default_cache_dir()) == {"dir": ours, "inductor": False}
     elsewhere = str(tmp_path / "mine")
     assert run(TORCHINDUCTOR_CACHE_DIR=elsewhere) == {"dir": elsewhere, "inductor": False}  # the user's own: kept
+
+
+def test_a_compile_waits_while_a_call_runs_and_finishes_after(tmp_path, monkeypatch):
+    """The compile's thread, started while a caller's call runs, pauses at its next Python call until the call
+    ends (it would take the GIL from it), then compiles; encode() holds the compile back for short calls only."""
+    import time
+
+    monkeypatch.setenv("EMBEDFLEET_HOME", str(tmp_path / "home"))
+    enc = Encoder(str(build_random_model("minilm-l6", tmp_path / "m", tiny=True)), device="cpu")
+    texts = review_texts(60, seed=4)
+    ref = enc.encode(texts)
+    compiled_at = []
+
+    def backend(gm, example_inputs):
+        compiled_at.append(time.monotonic())
+        return gm.forward
+
+    part = Fused(enc.model._post)
+    enc.model._post, enc.model.fused = part, [part]
+    comp = enc._compile = BackgroundCompile(enc.model, torch.device("cpu"), 1000, 128, "paused", tmp_path / "cache",
+                                            start_after=0, compiler=lambda fn: torch.compile(fn, backend=backend))
+
+    def paused() -> bool:  # the compile thread is waiting in its profile hook
+        frame = sys._current_frames().get(comp._thread.ident)
+        while frame is not None:
+            if frame.f_code.co_name == "_pause_for_calls":
+                return True
+            frame = frame.f_back
+        return False
+
+    with comp.calls_first():
+        comp.start()
+        deadline = time.monotonic() + 60
+        while not paused() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert paused()
+        time.sleep(0.5)
+        assert paused() and not compiled_at and comp.state == "compiling"  # no progress while the call runs
+        ended = time.monotonic()
+    assert comp.wait(timeout=300) and comp.state == "compiled" and part.compiled
+    assert compiled_at and min(compiled_at) > ended
+    np.testing.assert_allclose(enc.encode(texts), ref, atol=1e-5)
+
+    held = []
+    real = comp.calls_first
+    monkeypatch.setattr(comp, "calls_first", lambda: (held.append(True), real())[1])
+    enc.encode(texts[:5])
+    assert held == [True]  # a short call holds the compile back
+    monkeypatch.setattr("embedfleet.encode.encoder.LONG_CALL_TEXTS", 50)
+    enc.encode(texts)
+    assert held == [True]  # a long call does not: the compile started at its start runs beside it

@@ -4,9 +4,11 @@ The glue between matmuls (norms, RoPE, activations, residual adds) costs more GP
 the matmuls themselves on CUDA, and torch.compile fuses it; but compiling takes seconds to tens of
 seconds, more than a query or a few thousand texts take eager. So each such function is a `Fused`:
 eager at first. Once an Encoder has met enough work (`compile_after_tokens`; checked when a call
-after the first ends, or at the start of a long call), a `BackgroundCompile` thread runs the model over two synthetic batches on a stream of its own with the compiled functions
-(the token count marked dynamic, so one graph serves every batch), then switches every function over
-at once. The caller's thread keeps running eager meanwhile and never compiles.
+after the first ends, or at the start of a long call), a `BackgroundCompile` thread runs the model over
+two synthetic batches on a stream of its own with the compiled functions (the token count marked
+dynamic, so one graph serves every batch), then switches every function over at once. The caller's
+thread keeps running eager meanwhile and never compiles; while one of its calls runs, the compile's
+Python work waits (`calls_first`), so that the call keeps the GIL and is never slower for it.
 
 Graphs go to the persistent cache (`embedfleet.platform.cache`), and a machine that has compiled a model shape
 before starts compiling it much sooner (the cache makes it cheap).
@@ -23,7 +25,7 @@ import logging
 import sys
 import threading
 import time
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 from typing import Callable
 
@@ -48,6 +50,9 @@ LONG_CALL_TEXTS = 1 << 17
 # The interpreter's switch interval while a compile runs: dynamo's tracing holds the GIL, and a running call's thread,
 # which gives it up at each wait on the device, would otherwise wait the default 5 ms each time to take it back.
 COMPILE_SWITCH_S = 0.0005
+# The longest a compile waits for one call to end. A call still running then may be waiting on something the
+# paused compile holds (a module's import, a log handler): the compile stops waiting for calls.
+MAX_PAUSE_S = 10.0
 _WARMING = threading.local()  # .compiler is set on the thread that compiles, while it does
 
 
@@ -185,6 +190,33 @@ class BackgroundCompile:
         self._lock = threading.Lock()
         self._thread: threading.Thread | None = None
         self._done = threading.Event()
+        self._running = 0  # callers' calls under calls_first
+        self._idle = threading.Event()
+        self._idle.set()
+        self._pausing = True  # until a pause outlasts MAX_PAUSE_S
+
+    @contextmanager
+    def calls_first(self):
+        """A caller's call: while it runs, the compile's thread pauses at its next Python function call (a
+        profile hook on that thread), so the call is never slowed by the compile taking the GIL."""
+        with self._lock:
+            self._running += 1
+            self._idle.clear()
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._running -= 1
+                if not self._running:
+                    self._idle.set()
+
+    def _pause_for_calls(self, frame, event, arg) -> None:
+        """The compile thread's profile hook."""
+        if event == "call" and self._pausing and not self._idle.is_set():
+            if not self._idle.wait(MAX_PAUSE_S):
+                self._pausing = False
+                log.warning("a call outlasted %.0f s while the compile waited for it; compiling beside calls",
+                            MAX_PAUSE_S)
 
     def note(self, tokens: int) -> None:
         """Count `tokens` of work."""
@@ -238,6 +270,7 @@ class BackgroundCompile:
         cuda = self.device.type == "cuda"
         interval = sys.getswitchinterval()
         sys.setswitchinterval(min(interval, COMPILE_SWITCH_S))
+        sys.setprofile(self._pause_for_calls)  # this thread's only
         try:
             from embedfleet.platform.cache import use_compile_cache
 
@@ -276,6 +309,7 @@ class BackgroundCompile:
             self.state, self.error, self.seconds = "failed", err, time.perf_counter() - t0
             log.warning("compiling the forward pass failed (%s); running eager", str(err).splitlines()[0])
         finally:
+            sys.setprofile(None)
             if sys.getswitchinterval() == min(interval, COMPILE_SWITCH_S):  # unless someone set another meanwhile
                 sys.setswitchinterval(interval)
             self._done.set()

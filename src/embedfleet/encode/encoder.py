@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import threading
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import nullcontext
 from dataclasses import dataclass
 
 import numpy as np
@@ -104,6 +105,13 @@ class Encoder:
     def _load(self, spec, model, s: Settings, dim, prompt, batch_tokens, tokenizer_workers, trust_remote_code: bool):
         """The tokenizer (its helpers starting, on a GPU), the weights on the device, the token budget, the
         background compile; on CUDA the libraries' first calls."""
+        triton = None
+        if self._dev.type == "cuda" and s.triton and packed.uses_triton(spec):
+            from embedfleet.encode.packed.rope import prefetch_triton
+
+            # Triton's start-up on a thread of its own while the weights are read and moved
+            triton = threading.Thread(target=prefetch_triton, name="embedfleet-triton", daemon=True)
+            triton.start()
         with ThreadPoolExecutor(1, thread_name_prefix="embedfleet-cuda") as aside:
             # On a GPU its context starts on that thread while this one reads the weights.
             starting = aside.submit(_start_cuda, self._dev) if self._dev.type == "cuda" else None
@@ -116,6 +124,8 @@ class Encoder:
         self.model = (packed.build(spec, self._dev, self.dtype, state, compile=s.compile, triton=s.triton)
                       if state is not None else None)
         del state
+        if triton is not None:
+            triton.join()
         self.path = "packed"
         if self.model is None:
             from embedfleet.encode.generic import CustomModuleModel, GenericModel
@@ -218,14 +228,22 @@ class Encoder:
 
     def encode(self, texts: list[str], prompt: str | None = None) -> np.ndarray:
         texts = list(texts)
-        if self._compile is not None and len(texts) >= LONG_CALL_TEXTS:
+        long = len(texts) >= LONG_CALL_TEXTS
+        if self._compile is not None and long:
             self._compile.start()  # a long call: the compiled graph will be ready for most of it
+        # A compile under way waits while a shorter call runs (it would take the GIL from it)
+        with self._compile.calls_first() if self._compile is not None and not long else nullcontext():
+            out = self._encode(texts, prompt, pool=long or self._tok.pool_started)
+        self._compile_if_due()
+        return out
+
+    def _encode(self, texts: list[str], prompt: str | None, pool: bool) -> np.ndarray:
+        """The helpers serve a call once started (on a GPU, by the constructor), or if it is very long (it starts
+        them: `pool`); until they are up, chunks tokenize here. A short call on a CPU never starts them."""
         size = min(MAX_CHUNK, max(MIN_CHUNK, len(texts) // 8))  # >= 8 chunks, so the overlap pays
-        # The helpers serve a call once started (on a GPU, by the constructor), or if it is very long (it starts
-        # them); until they are up, chunks tokenize here. A short call on a CPU never starts them.
-        pool = len(texts) >= LONG_CALL_TEXTS or self._tok.pool_started
         if len(texts) <= size:
-            return self.embed(self.tokenize(texts, prompt, pool))
+            tok = self.tokenize(texts, prompt, pool)
+            return self._launch(tok).result()
         # A small first chunk: the device idles only while that one is tokenized.
         first = MIN_CHUNK // 2
         chunks = [texts[:first]] + [texts[i : i + size] for i in range(first, len(texts), size)]
@@ -242,7 +260,6 @@ class Encoder:
                     out.append(pending.result())
                 pending = nxt
         out.append(pending.result())
-        self._compile_if_due()
         return np.concatenate(out)
 
     def _launch(self, tok: Tokenized) -> _Pending:

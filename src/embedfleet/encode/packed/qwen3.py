@@ -7,16 +7,18 @@ RoPE are one Triton kernel (kernels.py); elsewhere the same steps in torch.
 
 from __future__ import annotations
 
-import logging
-
 import torch
 import torch.nn.functional as F
 
 from embedfleet.encode.compile import fused
 from embedfleet.encode.packed import OnDevice, strip_prefix
 from embedfleet.encode.packed.attention import Packing, attention
-
-log = logging.getLogger(__name__)
+from embedfleet.encode.packed.rope import (
+    KernelFallback,
+    rope,
+    rope_table,
+    triton_qk_norm_rope,
+)
 
 
 def _rope_theta(cfg: dict) -> float | None:
@@ -26,30 +28,7 @@ def _rope_theta(cfg: dict) -> float | None:
     return float(params.get("rope_theta", cfg.get("rope_theta", 10000.0)))
 
 
-def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate-half RoPE as in transformers; x [T, H, D], cos/sin [T, 1, D/2]."""
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
-
-
-def rope_table(theta: float, head_dim: int, max_len: int, to) -> tuple[torch.Tensor, torch.Tensor]:
-    """(cos, sin) [max_len, 1, head_dim/2] of RoPE with base `theta`, each passed through `to`."""
-    inv = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
-    ang = torch.outer(torch.arange(max_len, dtype=torch.float32), inv)[:, None, :]
-    return to(ang.cos()), to(ang.sin())
-
-
-def layer_rope_tables(conf, head_dim: int, max_len: int, to) -> dict | None:
-    """RoPE tables per layer type of a config with `layer_types` and `rope_parameters` (ModernBERT, Gemma3), or
-    None where a type's RoPE is a scaled variant (the generic path serves those)."""
-    params = conf.rope_parameters or {}
-    kinds = set(conf.layer_types)
-    if any((params.get(k) or {}).get("rope_type", "default") != "default" for k in kinds):
-        return None
-    return {k: rope_table(float(params[k]["rope_theta"]), head_dim, max_len, to) for k in kinds}
-
-
-class PackedDecoder:
+class PackedDecoder(KernelFallback):
     causal = True
 
     def __init__(self, weights, layers, heads, kv_heads, head_dim, eps, cos, sin, compile: bool = True,
@@ -62,7 +41,7 @@ class PackedDecoder:
         self._qkv, self._qk, self._post = (fused(f, device, compile)
                                            for f in (_qkv_proj, _qk_norm_rope, _post_attention))
         self.fused = [self._qkv, self._qk, self._post]  # what a BackgroundCompile compiles (those it runs)
-        self._kernel = _triton_qk_norm_rope(device, weights["embed"].dtype, head_dim) if triton else None
+        self._kernel = triton_qk_norm_rope(device, weights["embed"].dtype, head_dim, triton)
 
     @classmethod
     def create(cls, cfg: dict, state: dict, device, dtype, max_len: int, compile: bool = True, triton: bool = True):
@@ -106,18 +85,6 @@ class PackedDecoder:
         # causal: each token attends to (L+1)/2 keys on average; QK^T and PV, 2 flops per MAC
         return 2 * lin + 4 * len(self.layers) * self.heads * self.head_dim * (mean_len + 1) / 2
 
-    def __call__(self, ids: torch.Tensor, pk: Packing) -> torch.Tensor:
-        try:
-            return self._forward(ids, pk)
-        except torch.OutOfMemoryError:
-            raise  # the encoder halves its token budget and retries
-        except Exception as err:  # noqa: BLE001 - a Triton that cannot build here: the torch path from now on
-            if self._kernel is None:
-                raise
-            log.warning("Triton q/k norm kernel failed (%s); using the torch path", str(err).splitlines()[0])
-            self._kernel = None
-            return self._forward(ids, pk)
-
     def _forward(self, ids: torch.Tensor, pk: Packing) -> torch.Tensor:
         x = F.embedding(ids, self.w["embed"])
         n, qk_heads = x.shape[0], self.heads + self.kv_heads
@@ -134,19 +101,6 @@ class PackedDecoder:
             a = attention(qk[:, : self.heads], qk[:, self.heads :], qkv[:, qk_heads:], pk, causal=True)
             x = self._post(x, a, L["o_w"], L["post_w"], L["gu_w"], L["down_w"], self.eps)
         return F.rms_norm(x, (self.hidden,), self.w["norm"], self.eps)
-
-
-def _triton_qk_norm_rope(device: torch.device, dtype: torch.dtype, head_dim: int):
-    """The Triton q/k norm + RoPE kernel where it applies (CUDA, half precision, a power-of-two
-    half head), else None: then the torch path below, compiled, does the same."""
-    half = head_dim // 2
-    if device.type != "cuda" or dtype not in (torch.float16, torch.bfloat16) or half & (half - 1):
-        return None
-    try:
-        from embedfleet.encode.packed.kernels import qk_norm_rope
-    except ImportError:
-        return None
-    return qk_norm_rope
 
 
 def _qkv_proj(x, in_w, qkv_w, qkv_b, eps: float):
