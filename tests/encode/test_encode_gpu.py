@@ -143,8 +143,7 @@ def test_tiny_gemma3_packed_matches_st_on_cuda(tmp_path, pooling):
     ref32, ref16 = st(torch.float32), st(torch.bfloat16)
     assert (ours("float32") * ref32).sum(1).min() >= 0.9999
     got16 = ours("bfloat16")
-    # the q/k kernel rotates in float32 and rounds once, ST's bf16 at every step: the bar is float32's vectors
-    assert (got16 * ref16).sum(1).min() >= 0.99
+    assert (got16 * ref16).sum(1).min() >= 0.995
     assert (got16 * ref32).sum(1).min() >= (ref16 * ref32).sum(1).min() - 0.01
 
 
@@ -175,51 +174,23 @@ def test_budget_probe_fits_memory(tmp_path):
     assert enc.max_seq_length <= enc.budget.tokens <= max_batch_tokens(enc.model.hidden)
 
 
-@pytest.mark.parametrize("norm", ["qwen3", "gemma3", None])
+@pytest.mark.parametrize("norm", [True, False])
 def test_qk_norm_rope_kernel_matches_the_torch_path(norm):
-    """The Triton kernel against the torch code it replaces (Qwen3's norm, Gemma3's, RoPE alone as ModernBERT and
-    NomicBert use it), on strided QKV rows as the matmul gives them."""
-    from embedfleet.encode.packed import gemma3
+    """The Triton kernel against the torch code it replaces, on strided QKV rows as the matmul gives them."""
     from embedfleet.encode.packed.kernels import qk_norm_rope
     from embedfleet.encode.packed.qwen3 import _qk_norm_rope
-    from embedfleet.encode.packed.rope import qk_rope
 
     g = torch.Generator(device="cuda").manual_seed(0)
     heads, kv, d, n = 16, 8, 128, 3001
     qkv = torch.randn(n, (heads + 2 * kv) * d, device="cuda", generator=g).bfloat16().view(n, heads + 2 * kv, d)
-    w = torch.rand(heads + kv, d, device="cuda", generator=g) + 0.5
+    w = (torch.rand(heads + kv, d, device="cuda", generator=g) + 0.5).bfloat16() if norm else None
     ang = torch.rand(512, 1, d // 2, device="cuda", generator=g) * 6
     cos, sin = ang.cos().bfloat16(), ang.sin().bfloat16()
     pos = torch.randint(0, 512, (n,), device="cuda", generator=g, dtype=torch.int32)
-    rot = cos.float()[pos.long()], sin.float()[pos.long()]
-    if norm == "qwen3":
-        ours = qk_norm_rope(qkv, heads + kv, w.bfloat16(), cos, sin, pos, 1e-6)
-        ref = _qk_norm_rope(qkv.float(), w.bfloat16().float(), *rot, heads + kv, 1e-6)
-    elif norm == "gemma3":
-        ours = qk_norm_rope(qkv, heads + kv, w, cos, sin, pos, 1e-6, scale_f32=True)
-        ref = gemma3._qk_norm_rope(qkv.float(), w, *rot, heads + kv, 1e-6)
-    else:
-        ours = qk_norm_rope(qkv, heads + kv, None, cos, sin, pos, 1e-6)
-        ref = qk_rope(qkv.float(), *rot, heads + kv)
-    assert ours.shape == (n, heads + kv, d) and ours.is_contiguous()
+    ours = qk_norm_rope(qkv, heads + kv, w, cos, sin, pos, 1e-6)
+    ref = _qk_norm_rope(qkv.float(), w.float() if norm else None, cos.float()[pos.long()], sin.float()[pos.long()],
+                        heads + kv, 1e-6)
     torch.testing.assert_close(ours.float(), ref, atol=3e-2, rtol=2e-2)
-
-
-@pytest.mark.parametrize("shape", ["modernbert-base", "gemma3-300m", "nomic-embed-v1.5", "qwen3-0.6b"])
-def test_the_rope_kernel_gives_the_torch_paths_vectors(tmp_path, shape, monkeypatch):
-    """Each RoPE family in bf16 on CUDA: its forward with the Triton q/k kernel against the same forward in torch."""
-    from embedfleet.encode.encoder import Encoder
-    from embedfleet.encode.shapes import build_random_model
-
-    path = build_random_model(shape, tmp_path, tiny=True)
-    texts = _texts() + ["a sentence about chargers, cables and screens " * 12]
-    with_kernel = Encoder(str(path), dtype="bfloat16")
-    assert with_kernel.path == "packed" and with_kernel.model._kernel is not None
-    monkeypatch.setenv("EMBEDFLEET_TRITON", "0")
-    without = Encoder(str(path), dtype="bfloat16")
-    assert without.model._kernel is None
-    assert (with_kernel.encode(texts) * without.encode(texts)).sum(1).min() >= 0.995
-    with_kernel.close(), without.close()
 
 
 @pytest.mark.skipif(not MINILM.is_dir(), reason="fp16 MiniLM not prepared (.models/)")

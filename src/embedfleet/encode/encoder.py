@@ -105,13 +105,6 @@ class Encoder:
     def _load(self, spec, model, s: Settings, dim, prompt, batch_tokens, tokenizer_workers, trust_remote_code: bool):
         """The tokenizer (its helpers starting, on a GPU), the weights on the device, the token budget, the
         background compile; on CUDA the libraries' first calls."""
-        triton = None
-        if self._dev.type == "cuda" and s.triton and packed.uses_triton(spec):
-            from embedfleet.encode.packed.rope import prefetch_triton
-
-            # Triton's start-up on a thread of its own while the weights are read and moved
-            triton = threading.Thread(target=prefetch_triton, name="embedfleet-triton", daemon=True)
-            triton.start()
         with ThreadPoolExecutor(1, thread_name_prefix="embedfleet-cuda") as aside:
             # On a GPU its context starts on that thread while this one reads the weights.
             starting = aside.submit(_start_cuda, self._dev) if self._dev.type == "cuda" else None
@@ -124,8 +117,6 @@ class Encoder:
         self.model = (packed.build(spec, self._dev, self.dtype, state, compile=s.compile, triton=s.triton)
                       if state is not None else None)
         del state
-        if triton is not None:
-            triton.join()
         self.path = "packed"
         if self.model is None:
             from embedfleet.encode.generic import CustomModuleModel, GenericModel
@@ -242,8 +233,7 @@ class Encoder:
         them: `pool`); until they are up, chunks tokenize here. A short call on a CPU never starts them."""
         size = min(MAX_CHUNK, max(MIN_CHUNK, len(texts) // 8))  # >= 8 chunks, so the overlap pays
         if len(texts) <= size:
-            tok = self.tokenize(texts, prompt, pool)
-            return self._launch(tok).result()
+            return self._launch(self.tokenize(texts, prompt, pool)).result()
         # A small first chunk: the device idles only while that one is tokenized.
         first = MIN_CHUNK // 2
         chunks = [texts[:first]] + [texts[i : i + size] for i in range(first, len(texts), size)]

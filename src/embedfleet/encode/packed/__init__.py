@@ -52,11 +52,6 @@ def supports(spec) -> bool:
     return spec.custom is None and packed_type(spec)
 
 
-def uses_triton(spec) -> bool:
-    """Whether this model's packed forward runs a Triton kernel on CUDA (the RoPE families' q/k kernel)."""
-    return supports(spec) and spec.model_type not in BERT_TYPES
-
-
 def build(spec, device: torch.device, dtype: torch.dtype, state: dict[str, torch.Tensor] | None = None, *,
           compile: bool = True, triton: bool = True):
     """The packed model on `device`, from `state` (the weights on the CPU; read here when None), or
@@ -75,15 +70,15 @@ def build(spec, device: torch.device, dtype: torch.dtype, state: dict[str, torch
     if mtype in ROPE_ENCODER_TYPES:
         from embedfleet.encode.packed.modernbert import PackedModernBert
 
-        return PackedModernBert.create(cfg, state, device, dtype, spec.max_seq_length, compile=compile, triton=triton)
+        return PackedModernBert.create(cfg, state, device, dtype, spec.max_seq_length, compile=compile)
     if mtype in NOMIC_TYPES:
         from embedfleet.encode.packed.nomic import PackedNomicBert
 
-        return PackedNomicBert.create(cfg, state, device, dtype, spec.max_seq_length, compile=compile, triton=triton)
+        return PackedNomicBert.create(cfg, state, device, dtype, spec.max_seq_length, compile=compile)
     if mtype in GEMMA_TYPES:
         from embedfleet.encode.packed.gemma3 import PackedGemma3
 
-        return PackedGemma3.create(cfg, state, device, dtype, spec.max_seq_length, compile=compile, triton=triton)
+        return PackedGemma3.create(cfg, state, device, dtype, spec.max_seq_length, compile=compile)
     from embedfleet.encode.packed.qwen3 import PackedDecoder
 
     return PackedDecoder.create(cfg, state, device, dtype, spec.max_seq_length, compile=compile, triton=triton)

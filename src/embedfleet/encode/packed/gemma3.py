@@ -4,8 +4,7 @@ Each layer: RMSNorm with (1 + weight) before and after attention and before and 
 q/k RMSNorm; RoPE with one base for the global layers and another for the local ones; grouped K/V heads; the
 local layers attending within a sliding window (bidirectional: each token to those less than the window's half
 away, as transformers masks them); scores scaled by query_pre_attn_scalar. Embeddings are scaled by the square
-root of the width. On CUDA the q/k norms and RoPE are one Triton kernel (`rope.py`). The config is read as
-transformers' Gemma3TextConfig reads it (`config.py`).
+root of the width. The config is read as transformers' Gemma3TextConfig reads it (`config.py`).
 """
 
 from __future__ import annotations
@@ -17,12 +16,7 @@ from embedfleet.encode.compile import fused
 from embedfleet.encode.packed import OnDevice, strip_prefix
 from embedfleet.encode.packed.attention import Packing, attention
 from embedfleet.encode.packed.config import gemma3_config
-from embedfleet.encode.packed.rope import (
-    KernelFallback,
-    layer_rope_tables,
-    rope,
-    triton_qk_norm_rope,
-)
+from embedfleet.encode.packed.rope import layer_rope_tables, rope
 
 _ACT = {"gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"), "gelu": F.gelu}
 
@@ -32,20 +26,18 @@ def _norm(x: torch.Tensor, scale: torch.Tensor, eps: float) -> torch.Tensor:
     return (F.rms_norm(x.float(), (x.shape[-1],), eps=eps) * scale).type_as(x)
 
 
-class PackedGemma3(KernelFallback):
+class PackedGemma3:
     def __init__(self, weights: dict, layers: list[dict], heads: int, kv_heads: int, head_dim: int, eps: float,
-                 scale: float, act, tables: dict, causal: bool, compile: bool = True, triton: bool = True):
+                 scale: float, act, tables: dict, causal: bool, compile: bool = True):
         self.w, self.layers, self.heads, self.kv_heads, self.head_dim = weights, layers, heads, kv_heads, head_dim
         self.eps, self.scale, self.act, self.tables, self.causal = eps, scale, act, tables, causal
         self.hidden = weights["embed"].shape[1]
-        device = weights["embed"].device
-        self._qkv, self._qk, self._mlp = (fused(f, device, compile)
-                                          for f in (_norm_qkv, _qk_norm_rope, _attention_out_and_mlp))
-        self.fused = [self._qkv, self._qk, self._mlp]  # what a BackgroundCompile compiles (those it runs)
-        self._kernel = triton_qk_norm_rope(device, weights["embed"].dtype, head_dim, triton)
+        self._qkv = fused(_norm_qkv_rope, weights["embed"].device, compile)
+        self._mlp = fused(_attention_out_and_mlp, weights["embed"].device, compile)
+        self.fused = [self._qkv, self._mlp]  # what a BackgroundCompile compiles
 
     @classmethod
-    def create(cls, cfg: dict, state: dict, device, dtype, max_len: int, compile: bool = True, triton: bool = True):
+    def create(cls, cfg: dict, state: dict, device, dtype, max_len: int, compile: bool = True):
         conf = gemma3_config(cfg)
 
         def t(x):
@@ -71,9 +63,7 @@ class PackedGemma3(KernelFallback):
                 "qkv_w": t(torch.cat([g(f"self_attn.{n}.weight") for n in ("q_proj", "k_proj", "v_proj")])),
                 "qkv_b": t(torch.cat([g(f"self_attn.{n}.bias") for n in ("q_proj", "k_proj", "v_proj")])) if bias else None,
                 "o_w": t(g("self_attn.o_proj.weight")), "o_b": t(g("self_attn.o_proj.bias")) if bias else None,
-                # each q head's norm scale, then each k head's: [heads + kv, head_dim], float32
-                "qk_norm": torch.cat([scale(g("self_attn.q_norm.weight")).expand(heads, hd),
-                                      scale(g("self_attn.k_norm.weight")).expand(kv, hd)]),
+                "q_norm": scale(g("self_attn.q_norm.weight")), "k_norm": scale(g("self_attn.k_norm.weight")),
                 "gu_w": t(torch.cat([g("mlp.gate_proj.weight"), g("mlp.up_proj.weight")])),
                 "down_w": t(g("mlp.down_proj.weight")), "type": conf.layer_types[i],
                 # transformers' window is exclusive (distance < sliding_window); `attention`'s is inclusive
@@ -82,41 +72,33 @@ class PackedGemma3(KernelFallback):
         weights = {"embed": t(sd["embed_tokens.weight"]), "scale": torch.tensor(conf.hidden_size ** 0.5, dtype=dtype, device=device),
                    "norm": scale(sd["norm.weight"])}
         return cls(weights, layers, heads, kv, hd, conf.rms_norm_eps, conf.query_pre_attn_scalar ** -0.5,
-                   _ACT[conf.hidden_activation], tables, not conf.use_bidirectional_attention, compile=compile,
-                   triton=triton)
+                   _ACT[conf.hidden_activation], tables, not conf.use_bidirectional_attention, compile=compile)
 
     def flops_per_token(self, mean_len: float) -> float:
         lin = sum(L[k].numel() for L in self.layers for k in ("qkv_w", "o_w", "gu_w", "down_w"))
         keys = sum(min(mean_len, 2 * L["window"] + 1) if L["window"] else mean_len for L in self.layers)
         return 2 * lin + 4 * self.heads * self.head_dim * keys
 
-    def _forward(self, ids: torch.Tensor, pk: Packing) -> torch.Tensor:
+    def __call__(self, ids: torch.Tensor, pk: Packing) -> torch.Tensor:
         w, eps, hq, hk = self.w, self.eps, self.heads, self.kv_heads
         x = F.embedding(ids, w["embed"]) * w["scale"]
-        if self._kernel is None:
-            pos = pk.pos.long()
-            rot = {kind: (cos[pos], sin[pos]) for kind, (cos, sin) in self.tables.items()}
+        pos = pk.pos.long()
+        rot = {kind: (cos[pos], sin[pos]) for kind, (cos, sin) in self.tables.items()}
         for L in self.layers:
-            qkv = self._qkv(x, L["in"], L["qkv_w"], L["qkv_b"], eps).view(x.shape[0], hq + 2 * hk, -1)
-            if self._kernel is not None:
-                qk = self._kernel(qkv, hq + hk, L["qk_norm"], *self.tables[L["type"]], pk.pos, eps, scale_f32=True)
-            else:
-                qk = self._qk(qkv, L["qk_norm"], *rot[L["type"]], hq + hk, eps)
-            # q, k and v as views: FlashAttention takes any row stride if each head is contiguous
-            a = attention(qk[:, :hq], qk[:, hq:], qkv[:, hq + hk:], pk, causal=self.causal, scale=self.scale,
-                          window=L["window"])
+            q, k, v = self._qkv(x, *rot[L["type"]], L["in"], L["qkv_w"], L["qkv_b"], L["q_norm"], L["k_norm"], hq, hk,
+                                eps)
+            a = attention(q, k, v, pk, causal=self.causal, scale=self.scale, window=L["window"])
             x = self._mlp(x, a, L["o_w"], L["o_b"], L["post_attn"], L["pre_ff"], L["gu_w"], L["down_w"], L["post_ff"],
                           eps, self.act)
         return _norm(x, w["norm"], eps)
 
 
-def _norm_qkv(x, in_w, qkv_w, qkv_b, eps: float):
-    return F.linear(_norm(x, in_w, eps), qkv_w, qkv_b)
-
-
-def _qk_norm_rope(qkv, qk_norm, cos, sin, qk_heads: int, eps: float):
-    """The q and k heads of qkv [T, heads, D], each normed (its own scale, [qk_heads, D]) and rotated."""
-    return rope(_norm(qkv[:, :qk_heads], qk_norm, eps), cos, sin)
+def _norm_qkv_rope(x, cos, sin, in_w, qkv_w, qkv_b, q_norm, k_norm, hq: int, hk: int, eps: float):
+    """The normed input through QKV, then q and k each normed per head and rotated; v as a view of the QKV output."""
+    qkv = F.linear(_norm(x, in_w, eps), qkv_w, qkv_b).view(x.shape[0], hq + 2 * hk, -1)
+    q = rope(_norm(qkv[:, :hq], q_norm, eps), cos, sin)
+    k = rope(_norm(qkv[:, hq:hq + hk], k_norm, eps), cos, sin)
+    return q, k, qkv[:, hq + hk:]
 
 
 def _attention_out_and_mlp(x, a, o_w, o_b, post_attn, pre_ff, gu_w, down_w, post_ff, eps: float, act):

@@ -1,8 +1,8 @@
 """Triton kernels for the packed forward passes (CUDA only; imported lazily).
 
-`qk_norm_rope`: the per-head RMSNorm of q and k (Qwen3's, Gemma3's; none for ModernBERT and
-NomicBert) and the rotary embedding, in one pass over the fused QKV matmul's output. torch.compile
-split it into a reduction and a second element-wise pass, which read the q/k heads twice and took a good share of the Qwen3 forward's GPU time
+`qk_norm_rope`: Qwen3's per-head RMSNorm of q and k and the rotary embedding, in one pass over the
+fused QKV matmul's output. torch.compile split it into a reduction and a second element-wise
+pass, which read the q/k heads twice and took a good share of the Qwen3 forward's GPU time
 (docs/decisions/qk-norm-rope-kernel.md); one program per token reads each head once,
 normalises and rotates it in registers and writes it once.
 """
@@ -16,8 +16,7 @@ import triton.language as tl
 
 @triton.jit
 def _qk_norm_rope_kernel(qkv, w, cos, sin, pos, out, qkv_stride, eps,
-                         HEADS: tl.constexpr, HEADS_P2: tl.constexpr, HALF: tl.constexpr, NORM: tl.constexpr,
-                         SCALE_F32: tl.constexpr):
+                         HEADS: tl.constexpr, HEADS_P2: tl.constexpr, HALF: tl.constexpr, NORM: tl.constexpr):
     t = tl.program_id(0)
     h = tl.arange(0, HEADS_P2)[:, None]  # q heads then k heads
     j = tl.arange(0, HALF)[None, :]
@@ -25,16 +24,12 @@ def _qk_norm_rope_kernel(qkv, w, cos, sin, pos, out, qkv_stride, eps,
     src = qkv + t.to(tl.int64) * qkv_stride + h * (2 * HALF) + j
     x1 = tl.load(src, mask=keep, other=0.0).to(tl.float32)  # first half of each head
     x2 = tl.load(src + HALF, mask=keep, other=0.0).to(tl.float32)
-    if NORM:
+    if NORM:  # as transformers' Qwen3RMSNorm: normalise in float32, round, then scale
         r = tl.rsqrt((tl.sum(x1 * x1, axis=1) + tl.sum(x2 * x2, axis=1)) / (2 * HALF) + eps)[:, None]
         w1 = tl.load(w + h * (2 * HALF) + j, mask=keep, other=0.0).to(tl.float32)
         w2 = tl.load(w + h * (2 * HALF) + HALF + j, mask=keep, other=0.0).to(tl.float32)
-        if SCALE_F32:  # as Gemma3's RMSNorm: normalise and scale in float32, then round
-            x1 = (x1 * r * w1).to(out.dtype.element_ty).to(tl.float32)
-            x2 = (x2 * r * w2).to(out.dtype.element_ty).to(tl.float32)
-        else:  # as Qwen3's: normalise in float32, round, then scale
-            x1 = (x1 * r).to(out.dtype.element_ty).to(tl.float32) * w1
-            x2 = (x2 * r).to(out.dtype.element_ty).to(tl.float32) * w2
+        x1 = (x1 * r).to(out.dtype.element_ty).to(tl.float32) * w1
+        x2 = (x2 * r).to(out.dtype.element_ty).to(tl.float32) * w2
     p = tl.load(pos + t).to(tl.int64)
     c = tl.load(cos + p * HALF + j).to(tl.float32)
     s = tl.load(sin + p * HALF + j).to(tl.float32)
@@ -44,15 +39,14 @@ def _qk_norm_rope_kernel(qkv, w, cos, sin, pos, out, qkv_stride, eps,
 
 
 def qk_norm_rope(qkv: torch.Tensor, heads: int, w: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor,
-                 pos: torch.Tensor, eps: float, scale_f32: bool = False) -> torch.Tensor:
+                 pos: torch.Tensor, eps: float) -> torch.Tensor:
     """qkv [T, heads + 2*kv, D] (rows may be strided, heads contiguous) -> normed, rotated q and k
-    heads [T, heads, D] (`heads` = q + k heads); w [heads, D] or None (no norm); cos/sin tables
-    [max_len, ., D/2] indexed by `pos` [T]; `scale_f32`: the norm's scale applied before rounding (Gemma)."""
+    heads [T, heads, D] (`heads` = q + k heads); w [heads, D] or None; cos/sin tables [max_len, ., D/2]
+    indexed by `pos` [T]."""
     n, _, d = qkv.shape
     out = torch.empty(n, heads, d, dtype=qkv.dtype, device=qkv.device)
     if n:
         _qk_norm_rope_kernel[(n,)](
             qkv, w if w is not None else qkv, cos, sin, pos, out, qkv.stride(0), eps,
-            HEADS=heads, HEADS_P2=triton.next_power_of_2(heads), HALF=d // 2, NORM=w is not None,
-            SCALE_F32=scale_f32, num_warps=4)
+            HEADS=heads, HEADS_P2=triton.next_power_of_2(heads), HALF=d // 2, NORM=w is not None, num_warps=4)
     return out

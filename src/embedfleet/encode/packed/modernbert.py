@@ -3,8 +3,8 @@
 Pre-norm layers (the first without its attention norm), QKV as one matmul, RoPE with one base for the global
 layers and another for the local ones, local layers attending within a sliding window (each token to those at
 most `local_attention // 2` positions away: FlashAttention's window on CUDA, a band mask elsewhere), GeGLU MLP,
-no biases unless the config asks for them. On CUDA q and k are rotated by one Triton kernel (`rope.py`). The
-config is read as transformers' ModernBertConfig reads it (`config.py`).
+no biases unless the config asks for them. The config is read as transformers' ModernBertConfig reads it
+(`config.py`).
 """
 
 from __future__ import annotations
@@ -16,32 +16,25 @@ from embedfleet.encode.compile import fused
 from embedfleet.encode.packed import OnDevice, strip_prefix
 from embedfleet.encode.packed.attention import Packing, attention
 from embedfleet.encode.packed.config import modernbert_config
-from embedfleet.encode.packed.rope import (
-    KernelFallback,
-    layer_rope_tables,
-    qk_rope,
-    triton_qk_norm_rope,
-)
+from embedfleet.encode.packed.rope import layer_rope_tables, rope
 
 _ACT = {"gelu": F.gelu, "gelu_new": lambda x: F.gelu(x, approximate="tanh"),
         "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"), "silu": F.silu, "relu": F.relu}
 
 
-class PackedModernBert(KernelFallback):
+class PackedModernBert:
     causal = False
 
     def __init__(self, weights: dict, layers: list[dict], heads: int, eps: float, act, tables: dict,
-                 compile: bool = True, triton: bool = True):
+                 compile: bool = True):
         self.w, self.layers, self.heads, self.eps, self.act, self.tables = weights, layers, heads, eps, act, tables
         self.hidden = weights["embed"].shape[1]
-        device = weights["embed"].device
-        self._qkv, self._rope, self._mlp = (fused(f, device, compile)
-                                            for f in (_norm_qkv, qk_rope, _attention_out_and_mlp))
-        self.fused = [self._qkv, self._rope, self._mlp]  # what a BackgroundCompile compiles (those it runs)
-        self._kernel = triton_qk_norm_rope(device, weights["embed"].dtype, self.hidden // heads, triton)
+        self._qkv = fused(_norm_qkv_rope, weights["embed"].device, compile)
+        self._mlp = fused(_attention_out_and_mlp, weights["embed"].device, compile)
+        self.fused = [self._qkv, self._mlp]  # what a BackgroundCompile compiles
 
     @classmethod
-    def create(cls, cfg: dict, state: dict, device, dtype, max_len: int, compile: bool = True, triton: bool = True):
+    def create(cls, cfg: dict, state: dict, device, dtype, max_len: int, compile: bool = True):
         conf = modernbert_config(cfg)
 
         def t(x):
@@ -72,37 +65,31 @@ class PackedModernBert(KernelFallback):
             })
         weights = {"embed": t(sd["embeddings.tok_embeddings.weight"]), "embed_norm": norm("embeddings.norm"),
                    "final_norm": norm("final_norm")}
-        return cls(weights, layers, heads, conf.norm_eps, _ACT[conf.hidden_activation], tables, compile=compile,
-                   triton=triton)
+        return cls(weights, layers, heads, conf.norm_eps, _ACT[conf.hidden_activation], tables, compile=compile)
 
     def flops_per_token(self, mean_len: float) -> float:
         lin = sum(L[k][0].numel() for L in self.layers for k in ("qkv", "o", "wi", "wo"))
         keys = sum(min(mean_len, 2 * L["window"] + 1) if L["window"] else mean_len for L in self.layers)
         return 2 * lin + 4 * self.hidden * keys
 
-    def _forward(self, ids: torch.Tensor, pk: Packing) -> torch.Tensor:
-        w, h, eps, heads = self.w, self.hidden, self.eps, self.heads
+    def __call__(self, ids: torch.Tensor, pk: Packing) -> torch.Tensor:
+        w, h, eps = self.w, self.hidden, self.eps
         x = F.layer_norm(F.embedding(ids, w["embed"]), (h,), *w["embed_norm"], eps)
-        if self._kernel is None:
-            pos = pk.pos.long()
-            rot = {kind: (cos[pos], sin[pos]) for kind, (cos, sin) in self.tables.items()}
+        pos = pk.pos.long()
+        rot = {kind: (cos[pos], sin[pos]) for kind, (cos, sin) in self.tables.items()}
         for L in self.layers:
-            qkv = self._qkv(x, *L["attn_norm"], *L["qkv"], eps).view(x.shape[0], 3 * heads, -1)
-            if self._kernel is not None:
-                qk = self._kernel(qkv, 2 * heads, None, *self.tables[L["type"]], pk.pos, eps)
-            else:
-                qk = self._rope(qkv, *rot[L["type"]], 2 * heads)
-            # q, k and v as views: FlashAttention takes any row stride if each head is contiguous
-            a = attention(qk[:, :heads], qk[:, heads:], qkv[:, 2 * heads:], pk, causal=False, window=L["window"])
+            q, k, v = self._qkv(x, *rot[L["type"]], *L["attn_norm"], *L["qkv"], self.heads, eps)
+            a = attention(q, k, v, pk, causal=False, window=L["window"])
             x = self._mlp(x, a, L["o"][0], L["o"][1], L["mlp_norm"][0], L["mlp_norm"][1], L["wi"][0], L["wi"][1],
                           L["wo"][0], L["wo"][1], eps, self.act)
         return F.layer_norm(x, (h,), *w["final_norm"], eps)
 
 
-def _norm_qkv(x, n_w, n_b, qkv_w, qkv_b, eps: float):
-    """The input (normed, except in the first layer: `n_w` None) through QKV."""
+def _norm_qkv_rope(x, cos, sin, n_w, n_b, qkv_w, qkv_b, heads: int, eps: float):
+    """The input (normed, except in the first layer: `n_w` None) through QKV, then q and k rotated."""
     a_in = x if n_w is None else F.layer_norm(x, (x.shape[1],), n_w, n_b, eps)
-    return F.linear(a_in, qkv_w, qkv_b)
+    q, k, v = F.linear(a_in, qkv_w, qkv_b).view(x.shape[0], 3, heads, -1).unbind(1)
+    return rope(q, cos, sin), rope(k, cos, sin), v
 
 
 def _attention_out_and_mlp(x, a, o_w, o_b, n_w, n_b, wi_w, wi_b, wo_w, wo_b, eps: float, act):

@@ -5,8 +5,7 @@ MLP (SwiGLU, GeGLU): each layer is LayerNorm(x + attention(x)), then LayerNorm(x
 Token type 0 is added to every token, as the model's tokenizer sets it. Which configs qualify:
 models.nomic_packable. The weights come under either naming: the checkpoints' own
 (`encoder.layers.N.attn.Wqkv`, `mlp.fc11` up, `fc12` gate, `fc2` down, `norm1`, `norm2`, `emb_ln`) or
-transformers' (`layers.N.self_attn.q_proj`, …); the config under either too (`n_embd` or `hidden_size`, …). On CUDA
-q and k are rotated by one Triton kernel (`rope.py`).
+transformers' (`layers.N.self_attn.q_proj`, …); the config under either too (`n_embd` or `hidden_size`, …).
 """
 
 from __future__ import annotations
@@ -18,12 +17,7 @@ from embedfleet.encode.compile import fused
 from embedfleet.encode.models import NOMIC_GATED, nomic_packable
 from embedfleet.encode.packed import OnDevice, strip_prefix
 from embedfleet.encode.packed.attention import Packing, attention
-from embedfleet.encode.packed.rope import (
-    KernelFallback,
-    qk_rope,
-    rope_table,
-    triton_qk_norm_rope,
-)
+from embedfleet.encode.packed.rope import rope, rope_table
 
 _ACT = {"silu": F.silu, "gelu": F.gelu}
 
@@ -32,21 +26,18 @@ def _setting(cfg: dict, *names, default=None):
     return next((cfg[n] for n in names if cfg.get(n) is not None), default)
 
 
-class PackedNomicBert(KernelFallback):
+class PackedNomicBert:
     causal = False
 
-    def __init__(self, weights: dict, layers: list[dict], heads: int, eps: float, act, cos, sin, compile: bool = True,
-                 triton: bool = True):
+    def __init__(self, weights: dict, layers: list[dict], heads: int, eps: float, act, cos, sin, compile: bool = True):
         self.w, self.layers, self.heads, self.eps, self.act, self.cos, self.sin = (
             weights, layers, heads, eps, act, cos, sin)
         self.hidden = weights["embed"].shape[1]
-        device = weights["embed"].device
-        self._rope, self._post = (fused(f, device, compile) for f in (qk_rope, _post_attention))
-        self.fused = [self._rope, self._post]  # what a BackgroundCompile compiles (those it runs)
-        self._kernel = triton_qk_norm_rope(device, weights["embed"].dtype, self.hidden // heads, triton)
+        self._post = fused(_post_attention, weights["embed"].device, compile)
+        self.fused = [self._post]  # what a BackgroundCompile compiles
 
     @classmethod
-    def create(cls, cfg: dict, state: dict, device, dtype, max_len: int, compile: bool = True, triton: bool = True):
+    def create(cls, cfg: dict, state: dict, device, dtype, max_len: int, compile: bool = True):
         if not nomic_packable(cfg):
             return None  # the generic path serves the variants not written here
         hidden = _setting(cfg, "hidden_size", "n_embd", default=768)
@@ -91,28 +82,23 @@ class PackedNomicBert(KernelFallback):
                    "norm": (t(sd[emb_norm + ".weight"]), opt(emb_norm + ".bias"))}
         eps = _setting(cfg, "layer_norm_eps", "layer_norm_epsilon", default=1e-12)
         cos, sin = rope_table(theta, hidden // heads, max_len, t)
-        return cls(weights, layers, heads, eps, _ACT[act], cos, sin, compile=compile, triton=triton)
+        return cls(weights, layers, heads, eps, _ACT[act], cos, sin, compile=compile)
 
     def flops_per_token(self, mean_len: float) -> float:
         lin = sum(L[k].numel() for L in self.layers for k in ("qkv", "gu", "o", "down"))
         return 2 * lin + 4 * self.hidden * mean_len * len(self.layers)
 
-    def _forward(self, ids: torch.Tensor, pk: Packing) -> torch.Tensor:
-        w, h, n, eps, heads = self.w, self.hidden, ids.shape[0], self.eps, self.heads
+    def __call__(self, ids: torch.Tensor, pk: Packing) -> torch.Tensor:
+        w, h, n, eps = self.w, self.hidden, ids.shape[0], self.eps
         x = F.embedding(ids, w["embed"])
         if w["type0"] is not None:
             x = x + w["type0"]
         x = F.layer_norm(x, (h,), *w["norm"], eps)
-        if self._kernel is None:
-            pos = pk.pos.long()
-            cos, sin = self.cos[pos], self.sin[pos]
+        pos = pk.pos.long()
+        cos, sin = self.cos[pos], self.sin[pos]
         for L in self.layers:
-            qkv = F.linear(x, L["qkv"]).view(n, 3 * heads, -1)
-            if self._kernel is not None:
-                qk = self._kernel(qkv, 2 * heads, None, self.cos, self.sin, pk.pos, eps)
-            else:
-                qk = self._rope(qkv, cos, sin, 2 * heads)
-            a = attention(qk[:, :heads], qk[:, heads:], qkv[:, 2 * heads:], pk, causal=False)
+            q, k, v = F.linear(x, L["qkv"]).view(n, 3, self.heads, -1).unbind(1)
+            a = attention(rope(q, cos, sin), rope(k, cos, sin), v, pk, causal=False)
             x = self._post(x, a, L["o"], *L["n1"], L["gu"], L["down"], *L["n2"], eps, self.act)
         return x
 

@@ -7,18 +7,17 @@ RoPE are one Triton kernel (kernels.py); elsewhere the same steps in torch.
 
 from __future__ import annotations
 
+import logging
+
 import torch
 import torch.nn.functional as F
 
 from embedfleet.encode.compile import fused
 from embedfleet.encode.packed import OnDevice, strip_prefix
 from embedfleet.encode.packed.attention import Packing, attention
-from embedfleet.encode.packed.rope import (
-    KernelFallback,
-    rope,
-    rope_table,
-    triton_qk_norm_rope,
-)
+from embedfleet.encode.packed.rope import rope, rope_table
+
+log = logging.getLogger(__name__)
 
 
 def _rope_theta(cfg: dict) -> float | None:
@@ -28,7 +27,7 @@ def _rope_theta(cfg: dict) -> float | None:
     return float(params.get("rope_theta", cfg.get("rope_theta", 10000.0)))
 
 
-class PackedDecoder(KernelFallback):
+class PackedDecoder:
     causal = True
 
     def __init__(self, weights, layers, heads, kv_heads, head_dim, eps, cos, sin, compile: bool = True,
@@ -41,7 +40,7 @@ class PackedDecoder(KernelFallback):
         self._qkv, self._qk, self._post = (fused(f, device, compile)
                                            for f in (_qkv_proj, _qk_norm_rope, _post_attention))
         self.fused = [self._qkv, self._qk, self._post]  # what a BackgroundCompile compiles (those it runs)
-        self._kernel = triton_qk_norm_rope(device, weights["embed"].dtype, head_dim, triton)
+        self._kernel = _triton_qk_norm_rope(device, weights["embed"].dtype, head_dim) if triton else None
 
     @classmethod
     def create(cls, cfg: dict, state: dict, device, dtype, max_len: int, compile: bool = True, triton: bool = True):
@@ -85,6 +84,18 @@ class PackedDecoder(KernelFallback):
         # causal: each token attends to (L+1)/2 keys on average; QK^T and PV, 2 flops per MAC
         return 2 * lin + 4 * len(self.layers) * self.heads * self.head_dim * (mean_len + 1) / 2
 
+    def __call__(self, ids: torch.Tensor, pk: Packing) -> torch.Tensor:
+        try:
+            return self._forward(ids, pk)
+        except torch.OutOfMemoryError:
+            raise  # the encoder halves its token budget and retries
+        except Exception as err:  # noqa: BLE001 - a Triton that cannot build here: the torch path from now on
+            if self._kernel is None:
+                raise
+            log.warning("Triton q/k norm kernel failed (%s); using the torch path", str(err).splitlines()[0])
+            self._kernel = None
+            return self._forward(ids, pk)
+
     def _forward(self, ids: torch.Tensor, pk: Packing) -> torch.Tensor:
         x = F.embedding(ids, self.w["embed"])
         n, qk_heads = x.shape[0], self.heads + self.kv_heads
@@ -101,6 +112,19 @@ class PackedDecoder(KernelFallback):
             a = attention(qk[:, : self.heads], qk[:, self.heads :], qkv[:, qk_heads:], pk, causal=True)
             x = self._post(x, a, L["o_w"], L["post_w"], L["gu_w"], L["down_w"], self.eps)
         return F.rms_norm(x, (self.hidden,), self.w["norm"], self.eps)
+
+
+def _triton_qk_norm_rope(device: torch.device, dtype: torch.dtype, head_dim: int):
+    """The Triton q/k norm + RoPE kernel where it applies (CUDA, half precision, a power-of-two
+    half head), else None: then the torch path below, compiled, does the same."""
+    half = head_dim // 2
+    if device.type != "cuda" or dtype not in (torch.float16, torch.bfloat16) or half & (half - 1):
+        return None
+    try:
+        from embedfleet.encode.packed.kernels import qk_norm_rope
+    except ImportError:
+        return None
+    return qk_norm_rope
 
 
 def _qkv_proj(x, in_w, qkv_w, qkv_b, eps: float):
