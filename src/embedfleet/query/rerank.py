@@ -30,7 +30,7 @@ class Reranker:
 
         from embedfleet.encode.models import position_limit, resolve_model
 
-        path = resolve_model(model)
+        path = resolve_model(model, flag="--rerank")
         try:
             self.tokenizer = AutoTokenizer.from_pretrained(str(path), trust_remote_code=trust_remote_code)
             cfg = AutoConfig.from_pretrained(str(path), trust_remote_code=trust_remote_code)
