@@ -85,6 +85,7 @@ def trigger_cost(conn, dsn: str, clients: int, seconds: int, rounds: int) -> dic
         for mode in (("without", "with") if r % 2 == 0 else ("with", "without")):
             if mode == "with":
                 queue.install(conn, q, ["body"])
+            conn.execute("CHECKPOINT")  # each round from a clean start: no full-page images left to a round's luck
             p = subprocess.run([_pgbench(), "-n", "-c", str(clients), "-j", str(clients), "-T", str(seconds),
                                 "-f", str(script), dsn], capture_output=True, text=True)
             if p.returncode:
