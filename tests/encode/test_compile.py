@@ -119,7 +119,8 @@ print(json.dumps({"dir": os.environ["TORCHINDUCTOR_CACHE_DIR"], "inductor": "tor
 
 def test_a_compile_waits_while_a_call_runs_and_finishes_after(tmp_path, monkeypatch):
     """The compile's thread, started while a caller's call runs, pauses at its next Python call until the call
-    ends (it would take the GIL from it), then compiles; encode() holds the compile back for short calls only."""
+    ends (it would take the GIL from it), then compiles; encode() holds the compile back for short calls only, and
+embed() for its batch."""
     import time
 
     monkeypatch.setenv("EMBEDFLEET_HOME", str(tmp_path / "home"))
@@ -163,6 +164,8 @@ def test_a_compile_waits_while_a_call_runs_and_finishes_after(tmp_path, monkeypa
     monkeypatch.setattr(comp, "calls_first", lambda: (held.append(True), real())[1])
     enc.encode(texts[:5])
     assert held == [True]  # a short call holds the compile back
+    enc.embed(enc.tokenize(texts[:5]))
+    assert held == [True, True]  # so does one batch (serve, sync)
     monkeypatch.setattr("embedfleet.encode.encoder.LONG_CALL_TEXTS", 50)
     enc.encode(texts)
-    assert held == [True]  # a long call does not: the compile started at its start runs beside it
+    assert held == [True, True]  # a long call does not: the compile started at its start runs beside it

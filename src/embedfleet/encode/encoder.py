@@ -179,9 +179,15 @@ class Encoder:
         return self._tok.spec(self.spec.prompt_text(prompt if prompt is not None else self.prompt))
 
     def embed(self, tok: Tokenized) -> np.ndarray:
-        out = self._launch(tok).result()
+        with self._calls_first():
+            out = self._launch(tok).result()
         self._compile_if_due()
         return out
+
+    def _calls_first(self, long: bool = False):
+        """A caller's call (encode, embed): a compile under way waits while it runs, unless the call is long (it
+        would take the GIL from a short one; a long one started the compile to run beside it)."""
+        return self._compile.calls_first() if self._compile is not None and not long else nullcontext()
 
     def _compile_if_due(self) -> None:
         if self._compile is not None:
@@ -222,8 +228,7 @@ class Encoder:
         long = len(texts) >= LONG_CALL_TEXTS
         if self._compile is not None and long:
             self._compile.start()  # a long call: the compiled graph will be ready for most of it
-        # A compile under way waits while a shorter call runs (it would take the GIL from it)
-        with self._compile.calls_first() if self._compile is not None and not long else nullcontext():
+        with self._calls_first(long):
             out = self._encode(texts, prompt, pool=long or self._tok.pool_started)
         self._compile_if_due()
         return out
