@@ -59,7 +59,7 @@ def cache_clear(json_out: bool = typer.Option(False, "--json")) -> None:
 
 @app.command()
 def bench(
-    shape: List[str] = typer.Option(None, "--shape", help="minilm-l6 | bert-base | modernbert-base | gemma3-300m | nomic-embed-v1.5 | qwen3-0.6b (repeatable)"),
+    shape: List[str] = typer.Option(None, "--shape", help="minilm-l6 | bert-base | modernbert-base | modernbert-large | gemma3-300m | nomic-embed-v1.5 | qwen3-0.6b (repeatable)"),
     model: Optional[str] = typer.Option(None, "--model", help="a real model directory instead of a shape"),
     n: Optional[int] = typer.Option(None, "--n", help="texts per run (default 20000 on a GPU, 1000 on a CPU)"),
     texts: List[str] = typer.Option(None, "--texts", help="reviews | world (repeatable; default both)"),

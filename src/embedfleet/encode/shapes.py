@@ -29,6 +29,9 @@ SHAPES = {
     "modernbert-base": dict(model_type="modernbert", architectures=["ModernBertModel"], hidden_size=768,
                             num_hidden_layers=22, num_attention_heads=12, intermediate_size=1152, max_seq_length=512,
                             pooling="mean"),
+    "modernbert-large": dict(model_type="modernbert", architectures=["ModernBertModel"], hidden_size=1024,
+                             num_hidden_layers=28, num_attention_heads=16, intermediate_size=2624, max_seq_length=512,
+                             pooling="mean"),
     # EmbeddingGemma-300m: bidirectional Gemma3, then two Dense modules after the mean pooling
     "gemma3-300m": dict(model_type="gemma3_text", architectures=["Gemma3TextModel"], hidden_size=768,
                         num_hidden_layers=24, num_attention_heads=3, num_key_value_heads=1, head_dim=256,
