@@ -172,7 +172,8 @@ def sync(
     prompt: Optional[str] = PromptOpt,
     task: Optional[str] = TaskOpt,
     no_index: bool = NoIndexOpt,
-    batch: int = typer.Option(2048, "--batch", help="queued keys a drain batch takes"),
+    batch: Optional[int] = typer.Option(None, "--batch", help="queued keys a drain batch takes (default: 256; "
+                                        "up to 8 times as many while the queue is too long to scan quickly)"),
     lanes: Optional[int] = typer.Option(None, "--lanes", help="drain batches side by side on this many connections "
                                         "(default: half the cores, at most 8)"),
     follow: bool = typer.Option(False, "--follow", help="keep following changes until SIGINT/SIGTERM"),
@@ -194,7 +195,7 @@ def sync(
         batch_tokens=batch_tokens, chunk_bytes=chunk_bytes, dtype=dtype, dim=dim, prompt=prompt, no_index=no_index,
         quiet=quiet, trust_remote_code=trust_remote_code or None, task=task))
     settings = with_flags(knobs(), source_db=source_db)
-    if batch < 1 or (lanes is not None and lanes < 1):
+    if (batch is not None and batch < 1) or (lanes is not None and lanes < 1):
         raise typer.BadParameter("--batch and --lanes must be at least 1")
     with contextlib.redirect_stdout(sys.stderr):
         if uninstall:

@@ -42,7 +42,8 @@ __all__ = ["SyncStats", "Syncer", "watched_columns", "stop_on_signals"]
 
 log = logging.getLogger("embedfleet.sync")
 
-BATCH_KEYS = 2048  # keys a batch claims: one forward pass for short texts, a short transaction
+BATCH_KEYS = 256  # keys a batch claims: a change waits for the whole batch it is in (docs/decisions/sync-queue.md)
+LONG_QUEUE_BATCHES = 8  # where each claim's scan of a long queue is slow, batches grow to this many times as many keys
 POLL_S = 0.2  # how often a follower looks at an empty queue: the trigger sends no NOTIFY (its cost)
 
 
@@ -67,6 +68,16 @@ class SyncStats:
         return {k: round(v, 3) if isinstance(v, float) else v for k, v in asdict(self).items()}
 
 
+def next_batch_size(size: int, claimed: int, claim_s: float, work_s: float, batch: int) -> int:
+    """The keys a lane's next claim takes: `batch`, or more after a full claim whose scan of the queue (it has no
+    index: the trigger's cost) took over a tenth of the batch's work, as in a long backlog of unchanged rows: then
+    enough for the scans to stay a tenth, up to LONG_QUEUE_BATCHES × `batch`. Batches never shrink below `batch`:
+    a smaller one embeds more versions of a row that keeps changing, more work where work is already behind."""
+    if claimed < size or 10 * claim_s <= work_s:
+        return batch
+    return min(LONG_QUEUE_BATCHES * batch, max(batch, int(10 * claim_s * claimed / max(work_s, 1e-6))))
+
+
 def watched_columns(spec: JobSpec) -> list[str]:
     """The source columns whose UPDATE can change a target row: the text's and the copied ones."""
     from embedfleet.sources.records import template_fields
@@ -88,6 +99,7 @@ class Lane:
         from embedfleet.encode.tokenize import tokenizer_spec
 
         self.spec, self.encoder, self.gpu, self.batch = spec, encoder, gpu, batch
+        self.size = batch  # the next claim's keys (next_batch_size)
         self.part, self.parts = part, parts
         self.stats, self.stats_lock = stats, stats_lock
         self.target = connect(dsn)
@@ -117,7 +129,7 @@ class Lane:
         local = SyncStats()
         t0 = time.perf_counter()
         with self.source.transaction():
-            entries = queue.claim(self.source, self.queue, self.batch, self.part, self.parts)
+            entries = queue.claim(self.source, self.queue, self.size, self.part, self.parts)
             if not entries:
                 return 0
             local.claim_s = time.perf_counter() - t0
@@ -132,6 +144,8 @@ class Lane:
             queue.forget(self.source, self.queue, [ctid for ctid, _ in entries])
         local.commit_s += time.perf_counter() - t1
         local.batches, local.keys = 1, len(entries)
+        self.size = next_batch_size(self.size, len(entries), local.claim_s,
+                                    time.perf_counter() - t0 - local.claim_s, self.batch)
         with self.stats_lock:
             for name, value in asdict(local).items():
                 setattr(self.stats, name, getattr(self.stats, name) + value)
@@ -365,7 +379,7 @@ def default_lanes() -> int:
 
 
 def run_sync(spec: JobSpec, settings: Settings, launcher, device: str, follow: bool = False,
-             stop: threading.Event | None = None, batch: int = BATCH_KEYS, lanes: int | None = None) -> dict:
+             stop: threading.Event | None = None, batch: int | None = None, lanes: int | None = None) -> dict:
     """The whole of `embedfleet sync`: check, install the queue (once), backfill (an ingest job: resumed, or
     nothing left), then drain the queue (and follow it). Returns the summary: the job, its table, the backfill's
     rows, the drain's counts, and the queue's state at the end."""
@@ -388,7 +402,7 @@ def run_sync(spec: JobSpec, settings: Settings, launcher, device: str, follow: b
         ledger.record_sync(cfg.job, q.source, q.key, q.tag, src_dsn == dsn, started)
         progress = run_job(spec, settings, launcher, empty_ok=True)
         cfg = progress["spec"]
-        lanes = lanes or default_lanes()
+        lanes, batch = lanes or default_lanes(), batch or BATCH_KEYS
         syncer = Syncer(cfg, settings, dsn, src_dsn, device, batch, lanes=lanes) if table_exists(
             ledger.conn, cfg.table) else None
         if syncer is None:  # an empty source: the table is made now, for the rows that come
