@@ -232,6 +232,37 @@ def test_lanes_side_by_side_write_a_key_changed_many_times_as_it_is_last(cli, ds
     _assert_equal_to_source(conn, "busy", "busy_embeddings")
 
 
+def test_sync_after_an_earlier_ingest_brings_the_rows_changed_in_between_up_to_date(cli, dsn, conn, tmp_path):
+    _source(conn, "before", 60)
+    cli("ingest", "--from-table", "before", "--text-field", "body", "--db", dsn, "--devices", "cpu", "--quiet",
+        check=True)
+    conn.execute("INSERT INTO before VALUES (100, 't', 'a review written before sync was installed', 2)")
+    conn.execute("UPDATE before SET body = 'edited before sync' WHERE review_id = 2")
+    conn.execute("DELETE FROM before WHERE review_id = 3")
+    p = cli(*_sync_args(dsn, "before", "--json")[3:], check=True)
+    summary = orjson.loads(p.stdout)
+    assert (summary["embedded"], summary["deleted"]) == (2, 1) and summary["unchanged"] == 58
+    _assert_equal_to_source(conn, "before", "before_embeddings", ["2", "100"])
+
+
+def test_a_change_to_a_column_the_where_filter_reads_moves_the_row_in_or_out(cli, dsn, conn, tmp_path):
+    conn.execute('CREATE TABLE filt (review_id int PRIMARY KEY, body text, "Lang" text, meta jsonb)')
+    conn.execute("""INSERT INTO filt SELECT i, 'review number ' || i, CASE WHEN i % 2 = 0 THEN 'en' ELSE 'de' END,
+                    jsonb_build_object('k', i) FROM generate_series(1, 20) i""")
+    args = _sync_args(dsn, "filt", "--where", '"Lang" = \'en\'', "--columns", "meta")[3:]
+    cli(*args, check=True)
+    assert {r[0] for r in conn.execute("SELECT id FROM filt_embeddings")} == {str(i) for i in range(2, 21, 2)}
+    conn.execute('UPDATE filt SET "Lang" = \'de\' WHERE review_id = 2')  # out of the filter
+    conn.execute('UPDATE filt SET "Lang" = \'en\' WHERE review_id = 3')  # into it
+    # a copied jsonb column changed with the text left alone: the row's column updated, nothing embedded again
+    conn.execute("UPDATE filt SET meta = '{\"k\": \"changed\", \"list\": [1, 2]}' WHERE review_id = 4")
+    summary = orjson.loads(cli(*args, "--json", check=True).stdout)
+    assert (summary["embedded"], summary["deleted"], summary["unchanged"]) == (1, 1, 1)
+    rows = dict(conn.execute("SELECT id, meta FROM filt_embeddings").fetchall())
+    assert set(rows) == {str(i) for i in range(3, 21) if i % 2 == 0 or i == 3} - {"2"}
+    assert rows["4"] == {"k": "changed", "list": [1, 2]}
+
+
 def test_batches_grow_only_where_scanning_a_long_queue_is_the_slow_part():
     from embedfleet.ingest.sync import LONG_QUEUE_BATCHES, next_batch_size
 

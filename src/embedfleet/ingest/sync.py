@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import re
 import signal
 import threading
 import time
@@ -24,6 +25,7 @@ from dataclasses import asdict, dataclass
 
 import psycopg
 from psycopg import sql
+from psycopg.types.json import Jsonb
 
 from embedfleet.errors import InputError
 from embedfleet.ingest.commit import TableSink
@@ -78,13 +80,18 @@ def next_batch_size(size: int, claimed: int, claim_s: float, work_s: float, batc
     return min(LONG_QUEUE_BATCHES * batch, max(batch, int(10 * claim_s * claimed / max(work_s, 1e-6))))
 
 
-def watched_columns(spec: JobSpec) -> list[str]:
-    """The source columns whose UPDATE can change a target row: the text's and the copied ones."""
+def watched_columns(spec: JobSpec, source_columns=()) -> list[str]:
+    """The source columns whose UPDATE can change a target row: the text's, the copied ones, and those of
+    `source_columns` that --where names (a row moving in or out of the filter is a change too)."""
     from embedfleet.sources.records import template_fields
 
     text = template_fields(spec.text_template) if spec.text_template else [spec.text_field]
     copied = [c.split(":")[0] for c in spec.columns or ()]
-    return [c.split(".")[0] for c in dict.fromkeys([*text, *copied]) if c]
+    where = re.sub(r"'(?:[^']|'')*'", " ", spec.where or "")  # string literals name no column
+    words = re.findall(r'"((?:[^"]|"")+)"|([A-Za-z_][A-Za-z0-9_$]*)', where)
+    named = {q.replace('""', '"') for q, _ in words if q} | {w.lower() for _, w in words if w}  # as SQL folds them
+    filtered = [c for c in source_columns if c in named]
+    return [c.split(".")[0] for c in dict.fromkeys([*text, *copied, *filtered]) if c]
 
 
 class Lane:
@@ -115,6 +122,7 @@ class Lane:
             columns=spec.columns))
         columns = table_columns(spec.preset, False, spec.columns)
         self.columns = [c.name for c in columns]
+        self.jsonb = {c.name for c in columns if c.pgtype == "jsonb"}  # psycopg sends a dict or list only wrapped
         self.vtype = embedding_info(self.target, spec.table)[0]
         self.sink = TableSink(self.target, spec.table, columns, self.vtype, spec.job)
 
@@ -205,7 +213,8 @@ class Lane:
                 stats.unchanged += 1
                 values = tuple(r.values.get(c) for c in self.columns)
                 if values != tuple(old[1:]):
-                    recolumned.append((*values, r.id))
+                    recolumned.append((*(Jsonb(v) if c in self.jsonb and v is not None else v
+                                         for c, v in zip(self.columns, values)), r.id))
         t1 = time.perf_counter()
         if changed:
             p = self.prep.prepare(changed, [], 0)
@@ -391,10 +400,15 @@ def run_sync(spec: JobSpec, settings: Settings, launcher, device: str, follow: b
     src_dsn = source_dsn(spec, settings)
     with connect(dsn) as conn:
         cfg = check_job(spec, conn, settings)
+        existed = table_exists(conn, cfg.table)
     q = queue.queue_for(cfg.source_table, cfg.id_field, cfg.job)
     with connect(src_dsn, what="--source-db") as src:
-        made = queue.install(src, q, watched_columns(cfg))
+        made = queue.install(src, q, watched_columns(cfg, describe(src, cfg.source_table).columns))
         started = queue.server_started(src)
+        if made and existed:  # rows written before the trigger (an earlier ingest, an uninstalled sync) may be stale
+            n = queue.requeue_all(src, q)
+            log.info("sync: %s was written before its trigger: its %s keys are compared with the source once",
+                     cfg.table, f"{n:,}")
     if made:
         log.info("sync: changes to %s are queued in %s from now on", cfg.source_table, q.table_name)
     ledger = Ledger.connect(dsn, settings.db_patience_seconds, host=settings.host_id)
