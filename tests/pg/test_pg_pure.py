@@ -94,3 +94,20 @@ def test_ctrl_c_does_not_reach_what_runs_with_sigint_ignored():
         assert got == [1]
     finally:
         signal.signal(signal.SIGINT, before)
+
+
+def test_a_filter_is_one_expression_whatever_its_literals_hold():
+    from embedfleet.errors import InputError
+    from embedfleet.pg.scan import one_expression
+
+    for where in ("topic = 'x'", "title ilike '%ca;ble%'", "a = 'it''s; (' AND \"we;ird\"\"x\" > 1",
+                  "x = E'a\\'; b' AND y > 1", "body ~ $$a;--b$$", "c = $t$ ) $t$", "f(x) > (1)", "a$b = 1",
+                  "rating <= 2 AND (lang = 'en' OR lang = 'de')"):
+        assert one_expression(where) == where
+    for where, why in (("true); commit; delete from t; select 1 where (true", "closes a parenthesis"),
+                       ("true) --", "closes a parenthesis"), ("a = 1; delete from t", "';'"),
+                       ("a = 1 -- x", "comment"), ("a = 1 /* x */", "comment"), ("(a = 1", "not closed"),
+                       ("a = 'x", "quote is not closed"), ("x = E'a\\'", "quote is not closed"),
+                       ("a = $$x", "dollar quote"), ('"a = 1', "double quote")):
+        with pytest.raises(InputError, match=why):
+            one_expression(where)

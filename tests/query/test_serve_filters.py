@@ -74,6 +74,28 @@ def test_filters_over_http_run_as_a_role_that_reads_the_table_only(embedded_tabl
         proc.wait(timeout=30)
 
 
+def test_a_filter_that_would_end_the_statement_or_cut_off_its_limit_is_refused_and_writes_nothing(
+        cli, embedded_table, tmp_path):
+    escapes = ("true); commit; delete from docs; select 1 where (true", "true) --", "true /* */",
+               "true); select pg_sleep(12); select 1 where (true", "(true", "content = 'x")
+    for where in escapes:  # the CLI, as the table's owner
+        p = cli("search", "cable", "--table", "docs", "--device", "cpu", "--where", where)
+        assert p.returncode == 2 and "give one condition" in p.stderr and p.stderr.count("\n") == 1, p.stderr
+    proc, base = _serve(tmp_path, "--table", "docs", "--allow-where", "--statement-timeout", "2")
+    try:
+        for where in escapes:
+            status, doc, seconds = _get(base, q="cable", k=2, where=where)
+            assert status == 400 and "give one condition" in doc["error"] and seconds < 10, (where, status, doc)
+        # ';', '--' and parentheses inside literals and quoted names are the user's own
+        status, doc, _ = _get(base, q="cable", k=3, where="\"content\" <> 'a; b -- (c' AND id <> $$)$$")
+        assert status == 200 and len(doc["results"]) == 3
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+    with psycopg.connect(embedded_table, autocommit=True) as admin:
+        assert admin.execute("SELECT count(*) FROM docs").fetchone()[0] == 40
+
+
 def test_a_client_that_goes_away_cancels_its_statement(embedded_table, tmp_path):
     proc, base = _serve(tmp_path, "--table", "docs", "--allow-where", "--statement-timeout", "60")
     try:

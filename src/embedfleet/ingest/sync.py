@@ -35,6 +35,7 @@ from embedfleet.pg import queue
 from embedfleet.pg.connect import connect
 from embedfleet.pg.copyin import assemble, vector_fields
 from embedfleet.pg.ddl import embedding_info, table_exists, table_sql
+from embedfleet.pg.scan import user_filter
 from embedfleet.settings import JobSpec, Settings
 from embedfleet.sources.base import RawRecord
 from embedfleet.sources.presets import table_columns
@@ -181,7 +182,7 @@ class Lane:
             return []
         cond = sql.SQL("{} = ANY(%s::{}[])").format(sql.Identifier(self.spec.id_field), sql.SQL(self.key_type))
         if self.spec.where:
-            cond = sql.SQL("{} AND ({})").format(cond, sql.SQL(self.spec.where))
+            cond = sql.SQL("{} AND {}").format(cond, user_filter(self.spec.where, placeholders=True))
         try:
             with self.source.cursor() as cur:
                 cur.execute(sql.SQL("SELECT * FROM {} WHERE {}").format(sql.SQL(self.source_name), cond), [keys])
@@ -244,7 +245,7 @@ class Lane:
     def _delete_missing(self, target: sql.Composable) -> int:
         """After a TRUNCATE: every target row whose source row is not there now."""
         key = sql.Identifier(self.spec.id_field)
-        where = sql.SQL(" AND ({})").format(sql.SQL(self.spec.where)) if self.spec.where else sql.SQL("")
+        where = sql.SQL(" AND {}").format(user_filter(self.spec.where)) if self.spec.where else sql.SQL("")
         if self.same_db:
             return self.target.execute(sql.SQL(
                 "DELETE FROM {t} x WHERE NOT EXISTS (SELECT 1 FROM {s} WHERE {k}::text = x.id{w})").format(

@@ -5,10 +5,14 @@ snapshot (REPEATABLE READ, READ ONLY; the first exports it, the others join it),
 
 from __future__ import annotations
 
+import re
+
 import psycopg
 from psycopg import sql
 
-__all__ = ["begin_snapshot", "export_snapshot", "page_spans", "span_sql", "user_filter"]
+from embedfleet.errors import InputError
+
+__all__ = ["begin_snapshot", "export_snapshot", "one_expression", "page_spans", "span_sql", "user_filter"]
 
 # What a physical read sets: the heap's order, the same on every connection and every rank (no index or bitmap
 # scan a filter might invite, no parallel workers, no scan joining one already running elsewhere).
@@ -52,7 +56,58 @@ def span_sql(span: tuple[int, int | None]) -> sql.Composable:
     return lo if end is None else sql.SQL("{} AND ctid < {}::tid").format(lo, sql.Literal(f"({end},0)"))
 
 
-def user_filter(where: str) -> sql.Composable:
-    """A user's `--where` as written, parenthesised (it runs in a READ ONLY transaction: it can only filter).
-    For a statement run without parameters: psycopg then reads no placeholders in it."""
-    return sql.SQL("({})").format(sql.SQL(where))
+def user_filter(where: str, placeholders: bool = False) -> sql.Composable:
+    """A user's `--where`, parenthesised, once `one_expression` has found it one expression (it also runs in a READ
+    ONLY transaction: it can only filter). `placeholders`: for a statement run with parameters, whose `%` psycopg
+    would read as its own (they are doubled, so the server gets them back as written)."""
+    one_expression(where)
+    return sql.SQL("({})").format(sql.SQL(where.replace("%", "%%") if placeholders else where))
+
+
+_DOLLAR = re.compile(r"\$([A-Za-z_][A-Za-z0-9_]*)?\$")
+
+
+def one_expression(where: str) -> str:
+    """`where` as one SQL expression, or one line saying why not. Outside string literals, quoted identifiers and
+    dollar quotes it may hold no `;`, no comment and no parenthesis it does not close: pasted between the
+    statement's own, it can then neither end the statement (and the READ ONLY transaction with a COMMIT) nor
+    cut off the ORDER BY and LIMIT that follow it."""
+    depth, i, n = 0, 0, len(where)
+
+    def refuse(why: str) -> InputError:
+        return InputError(f"--where {where!r}: {why}; give one condition, as after WHERE")
+
+    while i < n:
+        c = where[i]
+        if c == "'":  # a literal; in E'...' a backslash escapes the next character
+            escapes = i > 0 and where[i - 1] in "eE" and not (i > 1 and (where[i - 2].isalnum() or where[i - 2] == "_"))
+            i += 1
+            while i < n and where[i] != "'" or where.startswith("''", i):
+                i += 2 if where.startswith("''", i) or (escapes and where[i] == "\\") else 1
+            if i >= n:
+                raise refuse("a quote is not closed")
+        elif c == '"':
+            i += 1
+            while i < n and where[i] != '"' or where.startswith('""', i):
+                i += 2 if where.startswith('""', i) else 1
+            if i >= n:
+                raise refuse("a double quote is not closed")
+        elif c == "$" and (m := _DOLLAR.match(where, i)) and not (i > 0 and (where[i - 1].isalnum() or where[i - 1] == "_")):
+            end = where.find(m.group(0), m.end())
+            if end < 0:
+                raise refuse("a dollar quote is not closed")
+            i = end + len(m.group(0)) - 1
+        elif c == ";":
+            raise refuse("a ';' would end the statement")
+        elif where.startswith("--", i) or where.startswith("/*", i):
+            raise refuse("a comment would hide the rest of the statement")
+        elif c == "(":
+            depth += 1
+        elif c == ")":
+            depth -= 1
+            if depth < 0:
+                raise refuse("a ')' closes a parenthesis it did not open")
+        i += 1
+    if depth:
+        raise refuse("a '(' is not closed")
+    return where

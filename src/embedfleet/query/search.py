@@ -21,6 +21,7 @@ from embedfleet.errors import DatabaseError, InputError
 from embedfleet.ledger import table_job
 from embedfleet.pg.binary_code import query_code
 from embedfleet.pg.ddl import embedding_info, index_key, index_of, table_sql
+from embedfleet.pg.scan import user_filter
 
 __all__ = ["Searcher", "query_encoder", "query_lines", "run_search", "search", "search_queries"]
 
@@ -122,7 +123,7 @@ class Searcher:
         not show whether the index can serve it)."""
         from pgvector import Vector
 
-        filt = sql.SQL("WHERE ({})").format(sql.SQL(where.replace("%", "%%"))) if where else sql.SQL("")
+        filt = sql.SQL("WHERE {}").format(user_filter(where, placeholders=True)) if where else sql.SQL("")
         stmt = self.statements(filt)[0]
         with self.conn.transaction(), self.conn.cursor() as cur:
             cur.execute("SET LOCAL enable_seqscan = off")
@@ -186,7 +187,7 @@ class Searcher:
         depth = max(HYBRID_DEPTH, 4 * k)
         by_vector = self._nearest(query_vec, depth, where, ef_search)
         scan = self.scan
-        filt = sql.SQL(" AND ({})").format(sql.SQL(where.replace("%", "%%"))) if where else sql.SQL("")
+        filt = sql.SQL(" AND {}").format(user_filter(where, placeholders=True)) if where else sql.SQL("")
         stmt = sql.SQL(
             "SELECT {cols}, embedding <=> %(q)s::{vt} AS distance, ts_rank_cd({c}, query) AS text_rank FROM {t}, "
             "websearch_to_tsquery({cfg}::regconfig, %(text)s) AS query WHERE {c} @@ query{filt} "
@@ -253,9 +254,7 @@ class Searcher:
         if time.monotonic() - self._index_read_at > INDEX_RECHECK_S:
             self._read_index()
         vec = Vector(query_vec.reshape(-1).astype(np.float32))
-        # The user's SQL goes in as written: its % are escaped so that psycopg, which reads the statement for its
-        # own placeholders, gives them back to the server unchanged ("title ilike '%cable%'").
-        filt = sql.SQL("WHERE ({})").format(sql.SQL(where.replace("%", "%%"))) if where else sql.SQL("")
+        filt = sql.SQL("WHERE {}").format(user_filter(where, placeholders=True)) if where else sql.SQL("")
         by_index, exact = self.statements(filt)
         params = self._params(vec, k)
         with self._guarded(where) as cur:
