@@ -98,11 +98,19 @@ def test_bad_sources_get_one_line_each(cli, dsn, conn, tmp_path):
         (("--from-table", "numbers", "--text-field", "body"), "--text-field 'body': public.numbers has no such column"),
         (("--from-table", "numbers", "--text-field", "note", "--source-db", "postgresql://nobody@127.0.0.1:1/x"),
          "cannot connect to the --source-db database"),
+        (("--from-table", "numbers", "--text-field", "note", "--columns", "n:bogus", "--table", "num_t"),
+         "--columns 'n:bogus': give NAME:TYPE"),
     ]
     for args, message in cases:
         p = cli("ingest", *args, "--db", dsn, "--devices", "cpu", "--quiet")
         one_line_error(p, message)
         assert p.returncode == 2, args
+    # nothing was recorded: the corrected command runs as a new job would; a numeric column is copied exactly
+    conn.execute("ALTER TABLE numbers ADD COLUMN amount numeric(30, 2)")
+    conn.execute("INSERT INTO numbers VALUES (1, 5, 'a note', 12345678901234567.89)")
+    cli("ingest", "--from-table", "numbers", "--text-field", "note", "--columns", "n:int,amount", "--table", "num_t",
+        "--db", dsn, "--devices", "cpu", "--quiet", check=True)
+    assert conn.execute("SELECT n, amount FROM num_t").fetchone() == (5, "12345678901234567.89")
 
 
 def test_sync_follows_inserts_updates_deletes_and_truncate_then_stops_on_sigterm(cli, dsn, conn, tmp_path):
@@ -195,12 +203,20 @@ def test_a_role_without_trigger_privilege_is_told_the_grant(cli, dsn, conn, tmp_
     conn.execute(f"CREATE ROLE {role} LOGIN")
     conn.execute(f"GRANT SELECT ON guarded TO {role}")
     source_dsn = psycopg.conninfo.make_conninfo(dsn, user=role)
+    conn.execute("CREATE SCHEMA IF NOT EXISTS embedfleet")  # as an admin may have made it for the role
     p = cli("sync", "--from-table", "guarded", "--text-field", "body", "--source-db", source_dsn, "--db", dsn,
             "--devices", "cpu", "--quiet")
     lines = [x for x in p.stderr.strip().splitlines() if x.startswith("error:")]
     assert p.returncode != 0 and len(lines) == 1
-    assert f"GRANT TRIGGER ON public.guarded TO {role}" in lines[0], p.stderr
+    # every grant it lacks, in one line
+    assert f"GRANT TRIGGER ON public.guarded TO {role}; GRANT USAGE, CREATE ON SCHEMA embedfleet TO {role}" in lines[0]
     assert conn.execute("SELECT to_regclass('public.guarded_embeddings')").fetchone()[0] is None  # nothing made
+    conn.execute(f"GRANT TRIGGER ON guarded TO {role}")
+    conn.execute(f"GRANT USAGE, CREATE ON SCHEMA embedfleet TO {role}")  # without CREATE on the database
+    p = cli("sync", "--from-table", "guarded", "--text-field", "body", "--source-db", source_dsn, "--db", dsn,
+            "--devices", "cpu", "--quiet")
+    assert p.returncode == 0, p.stderr
+    assert conn.execute("SELECT count(*) FROM guarded_embeddings").fetchone()[0] == 5
 
 
 @pytest.mark.parametrize("op", ["drop", "rename"])

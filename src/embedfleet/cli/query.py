@@ -160,7 +160,7 @@ def verify(
             if report.get("sync"):
                 pending = report["sync"]["pending"]
                 typer.echo(f"  follows {report['sync']['source']} (sync): "
-                           f"{'?' if pending is None else f'{pending:,}'} changes pending")
+                           f"{'?' if pending is None else f'{pending:,}'} {'change' if pending == 1 else 'changes'} pending")
             elif not report["count_matches_ledger"]:
                 typer.echo(f"  row count {report['rows']} differs from the ledger's {report['ledger_rows']}")
             if report["overwritten"]:

@@ -147,7 +147,7 @@ def status_table(jobs: list[dict]) -> Group:
         if "pending" in j:
             lag = "" if j["lag_s"] is None else f", the oldest {j['lag_s']:.1f} s old"
             pending = "? pending (its queue is in another database)" if j["pending"] is None else \
-                f"{j['pending']:,} changes pending{lag}"
+                f"{j['pending']:,} {'change' if j['pending'] == 1 else 'changes'} pending{lag}"
             notes.append(Text(f"{j['job']}: follows {j['source']}: {pending}; last in sync "
                               f"{(j['synced_at'] or 'never')[:19].replace('T', ' ')}"))
     return Group(t, *notes)

@@ -71,24 +71,30 @@ def installed(conn: psycopg.Connection, q: Queue) -> bool:
 
 
 def _check_privileges(conn: psycopg.Connection, q: Queue) -> None:
+    """One line with every GRANT the role lacks to install the trigger and the queue, if it lacks any."""
     role, quoted = conn.execute("SELECT current_user, quote_ident(current_user)").fetchone()
-    if not conn.execute("SELECT has_table_privilege(%s::regclass, 'TRIGGER')", [q.source]).fetchone()[0]:
-        raise DatabaseError(f"sync needs a trigger on {q.source}, and role {role} may not create one: "
-                            f"GRANT TRIGGER ON {q.source} TO {quoted}")
-    schema = conn.execute("SELECT to_regnamespace('embedfleet') IS NOT NULL").fetchone()[0]
-    if not schema and not conn.execute("SELECT has_database_privilege(current_database(), 'CREATE')").fetchone()[0]:
-        db = conn.execute("SELECT quote_ident(current_database())").fetchone()[0]
-        raise DatabaseError(f"sync keeps its queue in schema embedfleet of the source's database, and role {role} "
-                            f"cannot create it: GRANT CREATE ON DATABASE {db} TO {quoted}")
-    if schema and not conn.execute("SELECT has_schema_privilege('embedfleet', 'CREATE')").fetchone()[0]:
-        raise DatabaseError(f"sync keeps its queue in schema embedfleet, and role {role} cannot create tables there: "
-                            f"GRANT USAGE, CREATE ON SCHEMA embedfleet TO {quoted}")
+    trigger, schema, usage, create, db_create, db = conn.execute(
+        "SELECT has_table_privilege(%s::regclass, 'TRIGGER'), to_regnamespace('embedfleet') IS NOT NULL, "
+        "to_regnamespace('embedfleet') IS NOT NULL AND has_schema_privilege('embedfleet', 'USAGE'), "
+        "to_regnamespace('embedfleet') IS NOT NULL AND has_schema_privilege('embedfleet', 'CREATE'), "
+        "has_database_privilege(current_database(), 'CREATE'), quote_ident(current_database())",
+        [q.source]).fetchone()
+    grants = [] if trigger else [f"GRANT TRIGGER ON {q.source} TO {quoted}"]
+    if schema and not (usage and create):
+        grants.append(f"GRANT USAGE, CREATE ON SCHEMA embedfleet TO {quoted}")
+    elif not schema and not db_create:
+        grants.append(f"GRANT CREATE ON DATABASE {db} TO {quoted}")
+    if grants:
+        raise DatabaseError(f"sync needs a trigger on {q.source} and its queue in schema embedfleet of that "
+                            f"database, and role {role} lacks privileges for them: {'; '.join(grants)}")
 
 
 def install(conn: psycopg.Connection, q: Queue, watched: list[str]) -> bool:
     """The queue, the trigger function and the source's triggers, made once (an installed queue is left as it
     is). `watched`: the columns whose UPDATE can change a target row. Returns whether anything was made."""
-    if installed(conn, q):
+    usable = conn.execute("SELECT to_regnamespace('embedfleet') IS NULL OR has_schema_privilege('embedfleet', "
+                          "'USAGE')").fetchone()[0]
+    if usable and installed(conn, q):  # (where the role may not use the schema, it cannot look)
         return False
     _check_privileges(conn, q)
     key = sql.Identifier(q.key)
@@ -114,7 +120,8 @@ def install(conn: psycopg.Connection, q: Queue, watched: list[str]) -> bool:
         with conn.transaction():
             conn.execute(sql.SQL("SET LOCAL lock_timeout = {}").format(sql.Literal(LOCK_TIMEOUT)))
             conn.execute("SELECT pg_advisory_xact_lock(hashtext('embedfleet.ledger'))")  # the schema, made once
-            conn.execute("CREATE SCHEMA IF NOT EXISTS embedfleet")
+            if not conn.execute("SELECT to_regnamespace('embedfleet') IS NOT NULL").fetchone()[0]:
+                conn.execute("CREATE SCHEMA embedfleet")  # IF NOT EXISTS would need CREATE on the database anyway
             conn.execute(sql.SQL("CREATE UNLOGGED TABLE IF NOT EXISTS {} (seq bigserial, key text, "
                                  "queued timestamptz NOT NULL DEFAULT clock_timestamp())").format(q.table))
             conn.execute(sql.SQL(

@@ -33,7 +33,7 @@ _LINE = sql.SQL("(((ctid::text::point)[0])::bigint * 65536 + ((ctid::text::point
 # A source column's type as the target table's column type (`--columns`), by PostgreSQL's own type names.
 _TARGET = {
     "smallint": "integer", "integer": "integer", "bigint": "bigint", "real": "real", "double precision": "double",
-    "numeric": "double", "boolean": "bool", "date": "date", "timestamp with time zone": "timestamptz",
+    "boolean": "bool", "date": "date", "timestamp with time zone": "timestamptz",
     "timestamp without time zone": "timestamptz", "json": "jsonb", "jsonb": "jsonb", "text[]": "text[]",
     "character varying[]": "text[]",
 }
@@ -105,12 +105,15 @@ def check_fields(source: TableSource, key: str | None, text_field: str | None, t
 
 def resolve_columns(source: TableSource, columns: tuple[str, ...] | None) -> tuple[str, ...] | None:
     """`--columns a,b` as NAME:TYPE, each typed as the source column is (a type the target cannot hold: text)."""
+    from embedfleet.sources.presets import parse_columns
+
     if not columns:
         return None
     out = []
     for spec in columns:
         name, _, kind = spec.strip().partition(":")
         out.append(f"{name}:{kind or _TARGET.get(source.columns.get(name, ''), 'text')}")
+    parse_columns(out)  # a type named wrong is one line now, before a job is recorded
     return tuple(out)
 
 
