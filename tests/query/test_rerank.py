@@ -67,9 +67,10 @@ def test_rerank_orders_by_the_cross_encoders_scores(cli, dsn, conn, cross_encode
             plain_service.search(query, 5, rerank=True)
     finally:
         plain_service.close()
-    bad = cli("search", query, "--table", "docs", "--db", dsn, "-k", "5", "--rerank", cross_encoder,
-              "--rerank-depth", "3")
-    assert bad.returncode != 0 and "--rerank-depth 3" in bad.stderr
+    for depth in ("3", "0"):  # 0 is no depth at all, not the default
+        bad = cli("search", query, "--table", "docs", "--db", dsn, "-k", "5", "--rerank", cross_encoder,
+                  "--rerank-depth", depth)
+        assert bad.returncode != 0 and f"--rerank-depth {depth}" in bad.stderr
     missing = cli("search", query, "--table", "docs", "--db", dsn, "--rerank", tmp_path / "no-such-model")
     assert missing.returncode != 0 and "Pass a local path with --rerank" in missing.stderr
     assert len(missing.stderr.strip().splitlines()) == 1

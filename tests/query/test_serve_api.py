@@ -135,6 +135,31 @@ def test_keys_limits_search_metrics_and_schema(server):
     assert status == 200 and {"/search", "/v1/embeddings", "/health"} <= set(json.loads(body)["paths"])
 
 
+def test_bodies_of_the_wrong_type_a_lower_case_scheme_and_a_huge_hybrid_query(server):
+    base = server["base"]
+    for body in ({"q": ["a", "b"]}, {"q": 123}, {"q": "x", "k": "3"}, {"q": "x", "k": True}, {"q": "x", "hybrid": "yes"}):
+        status, answer = _call(base + "/search", json.dumps(body).encode())
+        assert status == 400 and "is not" in json.loads(answer)["error"], (body, answer)
+    status, answer = _call(base + "/v1/embeddings", json.dumps({"input": "hi", "dimensions": True}).encode())
+    assert status == 400 and "dimensions True" in json.loads(answer)["error"]["message"]
+    req = urllib.request.Request(base + "/search?q=battery&k=1", headers={"Authorization": f"bearer {KEY}"})
+    with urllib.request.urlopen(req, timeout=60) as r:  # the scheme's name in any case
+        assert r.status == 200
+    for header in (f"Bearer {KEY}x", f"Basic {KEY}", KEY):
+        req = urllib.request.Request(base + "/search?q=battery", headers={"Authorization": header})
+        with pytest.raises(urllib.error.HTTPError) as refused:
+            urllib.request.urlopen(req, timeout=60)
+        assert refused.value.code == 401
+    status, answer = _call(base + "/search", json.dumps({"q": "word " * 20000, "k": 1, "hybrid": True}).encode())
+    assert status == 400 and "shorten the query" in json.loads(answer)["error"]
+
+
+def test_a_default_k_out_of_range_is_refused_at_start(server, cli):
+    for k in ("0", "5000"):
+        one_line_error(cli("serve", "--table", "docs", "--db", server["dsn"], "--port", "0", "--device", "cpu",
+                           "-k", k), f"-k {k}: a whole number from 1 to")
+
+
 def test_listening_beyond_loopback_wants_a_key(server, cli):
     one_line_error(cli("serve", "--table", "docs", "--db", server["dsn"], "--host", "0.0.0.0", "--port", "0",
                        "--device", "cpu"), "--api-key")

@@ -222,6 +222,9 @@ class Searcher:
                     yield cur
             except psycopg.errors.ReadOnlySqlTransaction as e:
                 raise InputError(f"--where {where!r} would write ({e.diag.message_primary}): it may only filter") from None
+            except psycopg.errors.StatementTooComplex as e:  # a query of thousands of words, as a tsquery
+                raise InputError(f"the search is too complex for the server ({e.diag.message_primary}): "
+                                 "shorten the query") from None
             except psycopg.errors.QueryCanceled as e:
                 error = InputError if where else DatabaseError  # a filter's cost is the user's to change
                 what = f"--where {where!r}" if where else "the search"
@@ -303,7 +306,7 @@ def search_queries(conn: psycopg.Connection, table: str, queries: Iterable[str],
     that reorders the first `rerank_depth` rows (query/rerank.py)."""
     from embedfleet.query.rerank import RERANK_DEPTH
 
-    depth = rerank_depth or RERANK_DEPTH
+    depth = RERANK_DEPTH if rerank_depth is None else rerank_depth
     if rerank and depth < k:
         raise InputError(f"--rerank-depth {depth}: rerank at least the k = {k} rows asked for")
     searcher = Searcher(conn, table, statement_timeout, rescore)  # a missing table fails here, before any model

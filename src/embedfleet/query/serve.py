@@ -329,6 +329,12 @@ def make_app(service: SearchService, api_key: str | None = None):
                 return body
             if not isinstance(body, dict):
                 return error(400, "POST /search takes a JSON object: {\"q\": …, \"k\": …}")
+            kinds = {"q": (str,), "where": (str,), "k": (int,), "hybrid": (bool,), "rerank": (bool,)}
+            wrong = next((key for key, v in body.items() if v is not None and key in kinds and (
+                not isinstance(v, kinds[key]) or key == "k" and isinstance(v, bool))), None)
+            if wrong:
+                want = {"q": "a string", "where": "a string", "k": "a whole number"}.get(wrong, "true or false")
+                return error(400, f"{wrong}: {body[wrong]!r} is not {want}")
             params.update({key: str(v).lower() if isinstance(v, bool) else str(v) for key, v in body.items()
                            if v is not None})
         return params
@@ -438,7 +444,7 @@ def make_app(service: SearchService, api_key: str | None = None):
         if fmt not in ("float", "base64"):
             return error(400, openai=True, message=f"encoding_format {fmt!r}: float or base64")
         dims = body.get("dimensions")
-        if dims is not None and not (isinstance(dims, int) and 0 < dims <= service.encoder.dim):
+        if dims is not None and not (isinstance(dims, int) and not isinstance(dims, bool) and 0 < dims <= service.encoder.dim):
             return error(400, openai=True, message=f"dimensions {dims!r}: a whole number from 1 to {service.encoder.dim}")
         try:
             vectors, tokens = await asyncio.wrap_future(service.embed(texts))
@@ -490,8 +496,9 @@ def make_app(service: SearchService, api_key: str | None = None):
                 return await self.app(scope, receive, send)
             t0, route = time.perf_counter(), scope["path"] if scope["path"] in ROUTES else "other"
             if api_key and route != "/health":
-                given = dict(scope["headers"]).get(b"authorization", b"")
-                if not hmac.compare_digest(given, f"Bearer {api_key}".encode()):
+                scheme, _, given = dict(scope["headers"]).get(b"authorization", b"").partition(b" ")
+                # the scheme's name is case-insensitive (RFC 9110); the key is compared in constant time
+                if scheme.lower() != b"bearer" or not hmac.compare_digest(given.strip(), api_key.encode()):
                     refused = error(401, "give the server's API key: Authorization: Bearer KEY",
                                     route == "/v1/embeddings")
                     await refused(scope, receive, send)
@@ -555,6 +562,8 @@ def serve(dsn: str, table: str, host: str = "127.0.0.1", port: int = 8000, k: in
     """Serve until interrupted (SIGINT or SIGTERM); prints the URL (to stderr) once it listens."""
     import uvicorn
 
+    if not 1 <= k <= MAX_K:
+        raise InputError(f"-k {k}: a whole number from 1 to {MAX_K} (what a request without its own k gets)")
     if host not in LOOPBACK and not api_key:
         raise InputError(f"--host {host} listens beyond this machine: give --api-key KEY (or EMBEDFLEET_API_KEY) so "
                          "that every request needs it")
