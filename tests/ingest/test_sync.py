@@ -232,6 +232,14 @@ def test_a_source_dropped_or_renamed_while_following_stops_with_one_line_and_kee
     lines = [x for x in err.strip().splitlines() if x.startswith("error:")]
     assert proc.returncode != 0 and len(lines) == 1 and "was dropped or renamed while following" in lines[0], err
     assert conn.execute("SELECT to_regclass(%s)", [f"embedfleet.queue_{tag}"]).fetchone()[0] is not None
+    # the sync is still removable by the name it was made with: queue, function and triggers (on the renamed table)
+    cli(*_sync_args(dsn, "going", "--uninstall")[3:], check=True)
+    assert conn.execute("SELECT to_regclass(%s)", [f"embedfleet.queue_{tag}"]).fetchone()[0] is None
+    assert conn.execute("SELECT count(*) FROM pg_trigger WHERE tgname LIKE %s", [f"%{tag}"]).fetchone()[0] == 0
+    assert conn.execute("SELECT count(*) FROM pg_proc WHERE proname LIKE %s", [f"%{tag}"]).fetchone()[0] == 0
+    assert conn.execute("SELECT count(*) FROM embedfleet.syncs").fetchone()[0] == 0
+    if op == "rename":
+        conn.execute("INSERT INTO gone VALUES (1000, 't', 'after the uninstall', 1)")
 
 
 def test_lanes_side_by_side_write_a_key_changed_many_times_as_it_is_last(cli, dsn, conn, tmp_path):

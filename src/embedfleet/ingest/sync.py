@@ -453,15 +453,22 @@ def uninstall_sync(spec: JobSpec, settings: Settings) -> dict:
 
     dsn = resolve_dsn(spec.db, settings)
     with connect(source_dsn(spec, settings), what="--source-db") as src:
-        source = describe(src, spec.source_table)
-        job = spec.job or spec.table or f"{source.schema}.{source.table}_embeddings"
+        try:
+            source = describe(src, spec.source_table)
+            name, job = source.name, spec.job or spec.table or f"{source.schema}.{source.table}_embeddings"
+        except InputError:  # dropped or renamed since: the sync's record says what to remove
+            source, name = None, spec.source_table if "." in spec.source_table else f"public.{spec.source_table}"
+            job = spec.job or spec.table or f"{name}_embeddings"
         ledger = Ledger.connect(dsn, settings.db_patience_seconds, host=settings.host_id)
         try:
             row = ledger.sync_of(job)
+            if row is None and source is None:
+                raise InputError(f"--from-table {spec.source_table}: no such table, and no sync job {job!r} "
+                                 "follows it; name the sync's target with --table or --job")
             q = queue.Queue(row["source"], row["key"], row["tag"]) if row else queue.queue_for(
                 source.name, spec.id_field or source.key or "", job)
             dropped = queue.uninstall(src, q)
             ledger.conn.execute("DELETE FROM embedfleet.syncs WHERE job = %s", [job])
         finally:
             ledger.close()
-    return {"job": job, "source": source.name, "queue": q.table_name, "uninstalled": dropped}
+    return {"job": job, "source": name, "queue": q.table_name, "uninstalled": dropped}

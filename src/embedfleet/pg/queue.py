@@ -147,9 +147,12 @@ def uninstall(conn: psycopg.Connection, q: Queue) -> bool:
     had = conn.execute("SELECT to_regclass(%s) IS NOT NULL", [q.table_name]).fetchone()[0]
     with conn.transaction():
         conn.execute(sql.SQL("SET LOCAL lock_timeout = {}").format(sql.Literal(LOCK_TIMEOUT)))
-        if conn.execute("SELECT to_regclass(%s) IS NOT NULL", [q.source]).fetchone()[0]:
-            for kind in ("row", "truncate"):
-                conn.execute(sql.SQL("DROP TRIGGER IF EXISTS {} ON {}").format(q._trigger(kind), sql.SQL(q.source)))
+        # the triggers wherever they are now: on the source, or on it renamed since
+        for tgname, relation in conn.execute(
+                "SELECT tgname, tgrelid::regclass::text FROM pg_trigger WHERE tgname IN (%s, %s)",
+                [f"embedfleet_row_{q.tag}", f"embedfleet_truncate_{q.tag}"]).fetchall():
+            conn.execute(sql.SQL("DROP TRIGGER {} ON {}").format(sql.Identifier(tgname), sql.SQL(relation)))
+            had = True
         conn.execute(sql.SQL("DROP FUNCTION IF EXISTS {}()").format(q._function("enqueue")))
         conn.execute(sql.SQL("DROP TABLE IF EXISTS {}").format(q.table))
     return had
