@@ -102,3 +102,20 @@ def test_a_bad_rrf_constant_is_one_line(cli, dsn, tmp_path, rrf_k):
     cli("ingest", src, "--db", dsn, "--devices", "cpu", "--quiet", "--id-field", "id", "--table", "rrf", "--fts",
         check=True)
     one_line_error(cli("search", CODE, "--table", "rrf", "--db", dsn, "--hybrid", "--rrf-k", rrf_k), "--rrf-k 0")
+
+
+def test_hybrid_grouped_by_record_returns_k_records_when_one_long_record_fills_the_top(cli, dsn, conn, tmp_path):
+    # one long record whose many passages all hold the words, and short ones that hold them once
+    long = " ".join(f"The battery pack {i} charged the phone overnight and the battery stayed cool." for i in range(300))
+    rows = [{"id": "long", "text": long}] + [
+        {"id": f"s{i}", "text": f"Short note {i}: a battery pack, fine for the price."} for i in range(12)]
+    src = tmp_path / "docs.jsonl"
+    src.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    cli("ingest", src, "--db", dsn, "--devices", "cpu", "--quiet", "--id-field", "id", "--table", "grouped",
+        "--passages", "32:0", "--fts", check=True)
+    passages = conn.execute("SELECT count(*) FROM grouped WHERE parent_id = 'long'").fetchone()[0]
+    assert passages > 8 * 5  # more than the first fetch's 8 × k passages from the one record
+    doc = json.loads(cli("search", "battery pack", "--table", "grouped", "--db", dsn, "--json", "--hybrid",
+                         "--group-by-parent", "-k", "5", check=True).stdout)
+    parents = [r["parent_id"] for r in doc["results"]]
+    assert len(parents) == 5 and len(set(parents)) == 5

@@ -140,23 +140,19 @@ class Searcher:
         timeout, so it can filter but never write. Whenever k rows pass it, k rows come back.
         `group_by_parent`: the best passage of each of the k nearest records (a table ingested with --passages).
         `text`: a hybrid search, the vector ranking fused with the full-text ranking of `text` (see `hybrid`)."""
-        if text is not None:
-            if group_by_parent and "parent_id" not in self.columns:
-                raise InputError(f"--group-by-parent: table {self.table!r} has no passages (ingest it with --passages)")
-            rows = self.hybrid(query_vec, text, 8 * k if group_by_parent else k, where, ef_search, rrf_k)
-            if not group_by_parent:
-                return rows
-            best: dict = {}
-            for r in rows:
-                best.setdefault(r["parent_id"], r)
-            return list(best.values())[:k]
-        if not group_by_parent:
-            return self._nearest(query_vec, k, where, ef_search)
-        if "parent_id" not in self.columns:
+        if group_by_parent and "parent_id" not in self.columns:
             raise InputError(f"--group-by-parent: table {self.table!r} has no passages (ingest it with --passages)")
+
+        def ranked(n: int) -> list[dict]:
+            if text is not None:
+                return self.hybrid(query_vec, text, n, where, ef_search, rrf_k)
+            return self._nearest(query_vec, n, where, ef_search)
+
+        if not group_by_parent:
+            return ranked(k)
         limit = 8 * k
-        while True:  # the nearest passages, more of them until they hold k distinct records (or all there are)
-            rows = self._nearest(query_vec, limit, where, ef_search)
+        while True:  # the best passages, more of them until they hold k distinct records (or all there are)
+            rows = ranked(limit)
             best: dict = {}
             for r in rows:
                 best.setdefault(r["parent_id"], r)
