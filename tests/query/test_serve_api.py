@@ -132,7 +132,22 @@ def test_keys_limits_search_metrics_and_schema(server):
     statuses = {(s.labels["route"], s.labels["status"]) for s in families["embedfleet_requests"].samples}
     assert ("/v1/embeddings", "413") in statuses and ("/search", "401") in statuses
     status, body = _call(base + "/openapi.json")
-    assert status == 200 and {"/search", "/v1/embeddings", "/health"} <= set(json.loads(body)["paths"])
+    schema = json.loads(body)
+    assert status == 200 and {"/search", "/v1/embeddings", "/health"} <= set(schema["paths"])
+    from openapi_spec_validator import validate
+
+    validate(schema)  # a valid OpenAPI 3 document
+    for path, operations in schema["paths"].items():
+        for method, op in operations.items():
+            for code, answer in op["responses"].items():  # OpenAPI's response object: a description (and content)
+                assert isinstance(answer["description"], str) and set(answer) <= {"description", "content"}, (
+                    path, method, code, answer)
+            assert (op.get("security") == [{"bearer": []}] and "401" in op["responses"]) is (path != "/health")
+    post = schema["paths"]["/search"]["post"]
+    body_schema = post["requestBody"]["content"]["application/json"]["schema"]
+    assert "parameters" not in post and body_schema["required"] == ["q"]
+    assert {"q", "k", "where", "hybrid", "rerank"} == set(body_schema["properties"])
+    assert schema["components"]["securitySchemes"]["bearer"] == {"type": "http", "scheme": "bearer"}
 
 
 def test_bodies_of_the_wrong_type_a_lower_case_scheme_and_a_huge_hybrid_query(server):

@@ -317,7 +317,7 @@ def make_app(service: SearchService, api_key: str | None = None):
         """
         summary: the served table and model
         responses:
-          200: {description: table, model, path, device, dim}
+          200: {description: "the served table, the model, its path (packed or generic), device and dimensions"}
         """
         return JSONResponse(service.describe())
 
@@ -360,7 +360,7 @@ def make_app(service: SearchService, api_key: str | None = None):
 
     async def search(request: Request) -> Response:
         """
-        summary: the k nearest rows to q (GET query parameters, or POST a JSON object)
+        summary: the k nearest rows to q (GET with query parameters, or POST the same as a JSON object)
         parameters:
           - {name: q, in: query, required: true, schema: {type: string}}
           - {name: k, in: query, schema: {type: integer, minimum: 1, maximum: 1000}}
@@ -370,6 +370,7 @@ def make_app(service: SearchService, api_key: str | None = None):
         responses:
           200: {description: "{results: [{id, distance, content, …}], scan}"}
           400: {description: a bad parameter or filter}
+          503: {description: "the database did not answer (down, or the search ran past its statement timeout)"}
         """
         params = await params_of(request)
         if isinstance(params, Response):
@@ -425,7 +426,8 @@ def make_app(service: SearchService, api_key: str | None = None):
                   dimensions: {type: integer}
         responses:
           200: {description: "{object: list, data: [{object: embedding, index, embedding}], model, usage}"}
-          413: {description: too many inputs, or a body too large}
+          400: {description: "a bad input, encoding_format or dimensions"}
+          413: {description: "too many inputs, or a body too large"}
         """
         body = await _body(request, openai=True)
         if isinstance(body, Response):
@@ -477,7 +479,7 @@ def make_app(service: SearchService, api_key: str | None = None):
     schemas = SchemaGenerator({"openapi": "3.0.0", "info": {"title": "embedfleet serve", "version": "1"}})
 
     async def openapi(request: Request) -> Response:
-        return JSONResponse(schemas.get_schema(routes=request.app.routes))
+        return JSONResponse(_described(schemas.get_schema(routes=request.app.routes), api_key is not None))
 
     async def not_found(request: Request, exc: HTTPException) -> JSONResponse:
         if exc.status_code == 404:
@@ -521,6 +523,24 @@ def make_app(service: SearchService, api_key: str | None = None):
 
 
 ROUTES = ("/search", "/v1/embeddings", "/health", "/metrics", "/openapi.json")
+
+def _described(schema: dict, keyed: bool) -> dict:
+    """Starlette's schema from the routes' docstrings, completed: POST /search takes its parameters as a JSON
+    body, and with an API key every route but /health names the bearer scheme and its 401."""
+    search = schema.get("paths", {}).get("/search", {})
+    if "post" in search:
+        post = search["post"]
+        props = {p["name"]: {**p["schema"], **({"description": p["description"]} if "description" in p else {})}
+                 for p in post.pop("parameters", [])}
+        post["requestBody"] = {"required": True, "content": {"application/json": {"schema": {
+            "type": "object", "required": ["q"], "properties": props}}}}
+    if keyed:
+        schema.setdefault("components", {})["securitySchemes"] = {"bearer": {"type": "http", "scheme": "bearer"}}
+        for path, operations in schema.get("paths", {}).items():
+            for operation in operations.values() if path != "/health" else ():
+                operation["security"] = [{"bearer": []}]
+                operation.setdefault("responses", {})[401] = {"description": "no API key, or a wrong one"}
+    return schema
 
 
 def _metrics(service) -> Metrics | None:
