@@ -8,6 +8,7 @@ import json
 
 import numpy as np
 import pytest
+from conftest import one_line_error
 
 from embedfleet.query.search import Searcher
 
@@ -101,3 +102,6 @@ def test_percent_in_where_for_search_and_queries(cli, dsn, tmp_path):
     assert p.returncode == 0, p.stderr
     lines = [json.loads(line) for line in p.stdout.splitlines()]
     assert [[r["content"] for r in line["results"]] for line in lines] == [["charging cable 100% copper"]] * 2
+    # a field filtered by its own name, not promoted with --columns: where it is instead
+    one_line_error(cli("search", "cable", "--table", "products", "--db", dsn, "--where", "title = 'HDMI cable'"),
+                   "are in the jsonb column record: record->>'name'")

@@ -232,7 +232,10 @@ class Searcher:
                     psycopg.errors.ProgrammingError) as e:
                 if not where:
                     raise
-                raise InputError(f"--where {where!r}: {e.diag.message_primary or e}") from None
+                rest = next((c for c in ("record", "extra") if c in self.columns), None)
+                hint = (f" (fields not given with --columns at ingest are in the jsonb column {rest}: "
+                        f"{rest}->>'name')" if rest and isinstance(e, psycopg.errors.UndefinedColumn) else "")
+                raise InputError(f"--where {where!r}: {e.diag.message_primary or e}{hint}") from None
 
     @staticmethod
     def _row(r: dict) -> dict:

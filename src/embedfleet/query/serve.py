@@ -319,7 +319,8 @@ def make_app(service: SearchService, api_key: str | None = None):
         responses:
           200: {description: "the served table, the model, its path (packed or generic), device and dimensions"}
         """
-        return JSONResponse(service.describe())
+        info = service.describe()  # open without a key: the model's name, not where it lies on this machine
+        return JSONResponse({**info, "model": info.get("name", info["model"])})
 
     async def params_of(request: Request) -> dict | JSONResponse:
         params = dict(request.query_params)
