@@ -191,10 +191,20 @@ def test_the_applications_writes_never_wait_for_or_fail_because_of_sync(cli, dsn
     app.execute("DELETE FROM app_src WHERE review_id = 3")
     assert conn.execute("SELECT count(*) FROM app_src").fetchone()[0] == 21
     p = cli("sync", "--from-table", "app_src", "--uninstall", "--db", dsn, "--json", check=True)
-    assert orjson.loads(p.stdout)["uninstalled"] is False  # the queue was already gone; the triggers go now
+    assert orjson.loads(p.stdout)["uninstalled"] is True  # the queue was already gone; the triggers go now
     assert conn.execute("SELECT count(*) FROM pg_trigger WHERE tgrelid = 'app_src'::regclass AND NOT tgisinternal"
                         ).fetchone()[0] == 0
     assert conn.execute("SELECT count(*) FROM app_src_embeddings").fetchone()[0] == 20  # the vectors stay
+
+
+def test_uninstall_by_the_source_alone_finds_a_sync_made_with_its_own_table_name(cli, dsn, conn, tmp_path):
+    _source(conn, "papers", 5)
+    cli(*_sync_args(dsn, "papers", "--table", "papers_sync")[3:], check=True)
+    p = cli(*_sync_args(dsn, "papers", "--uninstall", "--json")[3:], check=True)
+    assert orjson.loads(p.stdout)["job"] == "papers_sync" and orjson.loads(p.stdout)["uninstalled"] is True
+    assert conn.execute("SELECT count(*) FROM pg_trigger WHERE tgrelid = 'papers'::regclass AND NOT tgisinternal"
+                        ).fetchone()[0] == 0
+    assert conn.execute("SELECT count(*) FROM papers_sync").fetchone()[0] == 5  # the vectors stay
 
 
 def test_a_role_without_trigger_privilege_is_told_the_grant(cli, dsn, conn, tmp_path):

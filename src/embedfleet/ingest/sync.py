@@ -462,6 +462,14 @@ def uninstall_sync(spec: JobSpec, settings: Settings) -> dict:
         ledger = Ledger.connect(dsn, settings.db_patience_seconds, host=settings.host_id)
         try:
             row = ledger.sync_of(job)
+            if row is None and not (spec.job or spec.table):  # made with another --table: found by its source
+                jobs = [j for (j,) in ledger.conn.execute("SELECT job FROM embedfleet.syncs WHERE source = %s "
+                                                          "ORDER BY job", [name])]
+                if len(jobs) > 1:
+                    raise InputError(f"--uninstall: {len(jobs)} syncs follow {name} ({', '.join(jobs)}); name the "
+                                     "one to remove with --table")
+                if jobs:
+                    job, row = jobs[0], ledger.sync_of(jobs[0])
             if row is None and source is None:
                 raise InputError(f"--from-table {spec.source_table}: no such table, and no sync job {job!r} "
                                  "follows it; name the sync's target with --table or --job")
