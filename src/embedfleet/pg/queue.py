@@ -75,8 +75,8 @@ def _check_privileges(conn: psycopg.Connection, q: Queue) -> None:
     role, quoted = conn.execute("SELECT current_user, quote_ident(current_user)").fetchone()
     trigger, schema, usage, create, db_create, db = conn.execute(
         "SELECT has_table_privilege(%s::regclass, 'TRIGGER'), to_regnamespace('embedfleet') IS NOT NULL, "
-        "to_regnamespace('embedfleet') IS NOT NULL AND has_schema_privilege('embedfleet', 'USAGE'), "
-        "to_regnamespace('embedfleet') IS NOT NULL AND has_schema_privilege('embedfleet', 'CREATE'), "
+        "CASE WHEN to_regnamespace('embedfleet') IS NULL THEN false ELSE has_schema_privilege('embedfleet', 'USAGE') END, "
+        "CASE WHEN to_regnamespace('embedfleet') IS NULL THEN false ELSE has_schema_privilege('embedfleet', 'CREATE') END, "
         "has_database_privilege(current_database(), 'CREATE'), quote_ident(current_database())",
         [q.source]).fetchone()
     grants = [] if trigger else [f"GRANT TRIGGER ON {q.source} TO {quoted}"]
@@ -92,8 +92,8 @@ def _check_privileges(conn: psycopg.Connection, q: Queue) -> None:
 def install(conn: psycopg.Connection, q: Queue, watched: list[str]) -> bool:
     """The queue, the trigger function and the source's triggers, made once (an installed queue is left as it
     is). `watched`: the columns whose UPDATE can change a target row. Returns whether anything was made."""
-    usable = conn.execute("SELECT to_regnamespace('embedfleet') IS NULL OR has_schema_privilege('embedfleet', "
-                          "'USAGE')").fetchone()[0]
+    usable = conn.execute("SELECT CASE WHEN to_regnamespace('embedfleet') IS NULL THEN true "
+                          "ELSE has_schema_privilege('embedfleet', 'USAGE') END").fetchone()[0]
     if usable and installed(conn, q):  # (where the role may not use the schema, it cannot look)
         return False
     _check_privileges(conn, q)
@@ -120,8 +120,9 @@ def install(conn: psycopg.Connection, q: Queue, watched: list[str]) -> bool:
         with conn.transaction():
             conn.execute(sql.SQL("SET LOCAL lock_timeout = {}").format(sql.Literal(LOCK_TIMEOUT)))
             conn.execute("SELECT pg_advisory_xact_lock(hashtext('embedfleet.ledger'))")  # the schema, made once
+            # only where it is missing: even IF NOT EXISTS needs CREATE on the database (the ledger may make it meanwhile)
             if not conn.execute("SELECT to_regnamespace('embedfleet') IS NOT NULL").fetchone()[0]:
-                conn.execute("CREATE SCHEMA embedfleet")  # IF NOT EXISTS would need CREATE on the database anyway
+                conn.execute("CREATE SCHEMA IF NOT EXISTS embedfleet")
             conn.execute(sql.SQL("CREATE UNLOGGED TABLE IF NOT EXISTS {} (seq bigserial, key text, "
                                  "queued timestamptz NOT NULL DEFAULT clock_timestamp())").format(q.table))
             conn.execute(sql.SQL(
