@@ -120,7 +120,7 @@ print(json.dumps({"dir": os.environ["TORCHINDUCTOR_CACHE_DIR"], "inductor": "tor
 def test_a_compile_waits_while_a_call_runs_and_finishes_after(tmp_path, monkeypatch):
     """The compile's thread, started while a caller's call runs, pauses at its next Python call until the call
     ends (it would take the GIL from it), then compiles; encode() holds the compile back for short calls only, and
-embed() for its batch."""
+    embed() for its batch."""
     import time
 
     monkeypatch.setenv("EMBEDFLEET_HOME", str(tmp_path / "home"))
