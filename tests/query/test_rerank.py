@@ -71,6 +71,14 @@ def test_rerank_orders_by_the_cross_encoders_scores(cli, dsn, conn, cross_encode
         bad = cli("search", query, "--table", "docs", "--db", dsn, "-k", "5", "--rerank", cross_encoder,
                   "--rerank-depth", depth)
         assert bad.returncode != 0 and f"--rerank-depth {depth}" in bad.stderr
+    text = cli("search", query, "--table", "docs", "--db", dsn, "-k", "5", "--rerank", cross_encoder,
+               "--rerank-depth", "30", check=True).stdout.splitlines()  # led by the score the rows are ordered by
+    assert [float(line.split()[0]) for line in text] == pytest.approx([r["rerank_score"] for r in got], abs=1e-4)
+    assert [line.split()[2] for line in text] == [r["id"] for r in got]
+    for knob in (["--rerank-depth", "30"], ["--rrf-k", "10"], ["--rescore", "100"]):  # each without what it tunes
+        bad = cli("search", query, "--table", "docs", "--db", dsn, *knob)
+        assert bad.returncode != 0 and f"{knob[0]} {knob[1]}" in bad.stderr and "Traceback" not in bad.stderr
+        assert len(bad.stderr.strip().splitlines()) == 1
     missing = cli("search", query, "--table", "docs", "--db", dsn, "--rerank", tmp_path / "no-such-model")
     assert missing.returncode != 0 and "Pass a local path with --rerank" in missing.stderr
     assert len(missing.stderr.strip().splitlines()) == 1

@@ -29,12 +29,14 @@ def search(
     statement_timeout: float = typer.Option(5.0, "--statement-timeout", help="seconds a search may run on the server"),
     hybrid: bool = typer.Option(False, "--hybrid", help="also rank by full-text match of the query (the table's "
                                 "full-text index: `embedfleet index --fts`), the two rankings fused by RRF"),
-    rrf_k: int = typer.Option(60, "--rrf-k", help="with --hybrid: reciprocal rank fusion's constant"),
+    rrf_k: Optional[int] = typer.Option(None, "--rrf-k", help="with --hybrid: reciprocal rank fusion's constant "
+                                        "(default 60)"),
     rescore: Optional[int] = typer.Option(None, "--rescore", help="a binary index's candidates ranked by the full "
                                           "vectors (default 10 × k, at least 40)"),
     rerank: Optional[str] = typer.Option(None, "--rerank", help="a cross-encoder (sentence-transformers CrossEncoder "
                                          "directory or hub id) that reorders the first --rerank-depth rows"),
-    rerank_depth: int = typer.Option(50, "--rerank-depth", help="with --rerank: the rows it scores"),
+    rerank_depth: Optional[int] = typer.Option(None, "--rerank-depth", help="with --rerank: the rows it scores "
+                                               "(default 50)"),
     json_out: bool = typer.Option(False, "--json"),
 ) -> None:
     """Nearest rows to QUERY (cosine), embedded with the table's own model and query prompt."""
@@ -67,7 +69,8 @@ def search(
         else:
             for r in results:
                 line = " ".join(str(r["content"]).split())
-                lead = f"{r['score']:.4f}  " if hybrid else ""
+                # the score the rows are ordered by comes first: the cross-encoder's, else the fused one
+                lead = f"{r['rerank_score']:.4f}  " if rerank else f"{r['score']:.4f}  " if hybrid else ""
                 typer.echo(f"{lead}{r['distance']:.4f}  {r['id']}  {line[:120]}")
 
 

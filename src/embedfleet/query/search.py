@@ -297,18 +297,28 @@ def search_queries(conn: psycopg.Connection, table: str, queries: Iterable[str],
                    where: str | None = None, model: str | None = None, device: str = "cpu",
                    group_by_parent: bool = False, statement_timeout: float = DEFAULT_STATEMENT_TIMEOUT,
                    settings=None, trust_remote_code: bool = False, hybrid: bool = False,
-                   rrf_k: int = RRF_K, rescore: int | None = None, rerank: str | None = None,
+                   rrf_k: int | None = None, rescore: int | None = None, rerank: str | None = None,
                    rerank_depth: int | None = None) -> Iterator[tuple[str, list[dict], str]]:
     """(query, its top-k, how they were found) for each query, in order: the model loaded once, queries
     embedded QUERY_BATCH at a time (the same vectors as one at a time). `hybrid`: each query's text also
-    ranked by the table's full-text index, the two rankings fused (Searcher.hybrid). `rerank`: a cross-encoder
-    that reorders the first `rerank_depth` rows (query/rerank.py)."""
+    ranked by the table's full-text index, the two rankings fused (Searcher.hybrid) with `rrf_k` (None: RRF_K).
+    `rerank`: a cross-encoder that reorders the first `rerank_depth` rows (query/rerank.py). A knob given
+    without what it tunes is refused, not ignored."""
     from embedfleet.query.rerank import RERANK_DEPTH
 
+    if rrf_k is not None and not hybrid:
+        raise InputError(f"--rrf-k {rrf_k} tunes --hybrid's fusion: add --hybrid, or leave --rrf-k out")
+    if rerank_depth is not None and not rerank:
+        raise InputError(f"--rerank-depth {rerank_depth} is how many rows --rerank MODEL scores: add --rerank, "
+                         "or leave --rerank-depth out")
     depth = RERANK_DEPTH if rerank_depth is None else rerank_depth
     if rerank and depth < k:
         raise InputError(f"--rerank-depth {depth}: rerank at least the k = {k} rows asked for")
     searcher = Searcher(conn, table, statement_timeout, rescore)  # a missing table fails here, before any model
+    if rescore is not None and searcher.index_kind != "bit":
+        raise InputError(f"--rescore {rescore} applies to a binary-quantized index, and table {table!r} has "
+                         f"{'an index on the full vectors' if searcher.indexed else 'no index'}: its search ranks "
+                         f"by the full vectors already (`embedfleet index --table {table} --index binary` makes one)")
     if hybrid and searcher.fts is None:  # said before a model is loaded
         raise InputError(f"--hybrid: table {table!r} has no full-text index; `embedfleet index --table {table} "
                          "--fts` adds one (or ingest with --fts)")
@@ -323,7 +333,7 @@ def search_queries(conn: psycopg.Connection, table: str, queries: Iterable[str],
         def each(batch: list[str]) -> Iterator[tuple[str, list[dict], str]]:
             for text, vec in zip(batch, encoder.encode(batch)):
                 results = searcher.search(vec, depth if reranker else k, where, None, group_by_parent,
-                                          text if hybrid else None, rrf_k)
+                                          text if hybrid else None, RRF_K if rrf_k is None else rrf_k)
                 if reranker is not None:
                     results = reranker.rerank(text, results, k)
                 yield text, results, searcher.scan
@@ -344,7 +354,7 @@ def run_search(dsn: str, table: str, queries: Iterable[str], k: int = 10, where:
                model: str | None = None, device: str = "cpu", group_by_parent: bool = False,
                statement_timeout: float = DEFAULT_STATEMENT_TIMEOUT, settings=None,
                trust_remote_code: bool = False, hybrid: bool = False,
-               rrf_k: int = RRF_K, rescore: int | None = None, rerank: str | None = None,
+               rrf_k: int | None = None, rescore: int | None = None, rerank: str | None = None,
                rerank_depth: int | None = None) -> Iterator[tuple[str, list[dict], str]]:
     """`embedfleet search`: (query, its top-k, the scan) for each query, on one connection."""
     from embedfleet.pg.connect import connect
