@@ -181,8 +181,38 @@ def test_listening_beyond_loopback_wants_a_key(server, cli):
                        "--device", "cpu"), "--api-key")
 
 
+def test_a_search_waits_for_one_slice_of_a_long_embedding_request_not_all_of_it(server):
+    import re
+    import time
+
+    texts = [f"review {i}: the charger and the cable broke after {i % 97} days, naïve café Straße {i}" for i in
+             range(2048)]
+    embedded: list = []
+    finished = threading.Event()
+
+    def embed():
+        embedded.append(_call(server["base"] + "/v1/embeddings", json.dumps({"input": texts}).encode()))
+        finished.set()
+
+    t = threading.Thread(target=embed)
+    t.start()
+    deadline = time.monotonic() + 60
+    while not finished.is_set() and time.monotonic() < deadline:  # until the request is being encoded
+        metrics = _call(server["base"] + "/metrics")[1].decode()
+        if re.search(r"^embedfleet_queue_depth 1\.0$", metrics, re.M):
+            break
+        time.sleep(0.01)
+    assert not finished.is_set(), "the request was encoded before the search could start: give it more texts"
+    status, body = _call(server["base"] + "/search?q=a%20broken%20charger&k=3")
+    assert status == 200 and len(json.loads(body)["results"]) == 3
+    # the search came back between two slices of the request: it is still being encoded
+    assert re.search(r"^embedfleet_queue_depth 1\.0$", _call(server["base"] + "/metrics")[1].decode(), re.M)
+    t.join(120)
+    assert embedded[0][0] == 200 and len(json.loads(embedded[0][1])["data"]) == len(texts)
+
+
 def test_requests_that_queue_while_a_batch_runs_are_encoded_together_each_getting_its_own_rows():
-    from embedfleet.query.serve import Batcher
+    from embedfleet.query.serve import Batcher, Turns
 
     calls, started, release = [], threading.Event(), threading.Event()
 
@@ -193,7 +223,7 @@ def test_requests_that_queue_while_a_batch_runs_are_encoded_together_each_gettin
             release.wait(10)
         return np.array([[float(ord(t[0]))] for t in texts]), np.array([len(t) for t in texts])
 
-    batcher = Batcher(encode, threading.Lock())
+    batcher = Batcher(encode, Turns())
     first = batcher.submit(["a"])
     assert started.wait(10)
     rest = [batcher.submit(texts) for texts in (["bb"], ["c", "ddd"], ["e"])]

@@ -29,6 +29,7 @@ import sys
 import threading
 import time
 from concurrent.futures import Future
+from contextlib import contextmanager
 from typing import Callable
 
 import numpy as np
@@ -43,7 +44,9 @@ log = logging.getLogger(__name__)
 MAX_K = 1000
 MAX_REQUEST_BYTES = 4 << 20  # a request's body
 MAX_INPUTS = 2048  # texts in one /v1/embeddings request
-BATCH_TEXTS = 4096  # texts the batcher encodes at once at most
+BATCH_TEXTS = 4096  # texts the batcher takes together at most
+# texts the batcher encodes in one turn on the device: a search waits for at most one slice
+SLICE_TEXTS_CPU, SLICE_TEXTS_GPU = 32, 512
 LOOPBACK = ("127.0.0.1", "::1", "localhost")
 CONNECTIONS = 4  # database connections kept for searches, per pool (requests beyond wait for one)
 DISCONNECT_POLL_S = 0.05  # how often a request's client is checked while its search runs
@@ -80,12 +83,44 @@ class Running:
             (getattr(conn, "cancel_safe", None) or conn.cancel)()
 
 
+class Turns:
+    """The query encoder, one call at a time, in the order the calls asked for it (a ticket each): a long
+    embedding request goes slice by slice, each slice asking again, so a search that arrives meanwhile waits
+    for one slice, not the whole request, and a stream of searches cannot starve the request either."""
+
+    def __init__(self):
+        self._cv = threading.Condition()
+        self._next = 0  # the next ticket handed out
+        self._serving = 0  # the ticket whose turn it is
+        self._gone: set[int] = set()  # tickets whose holder stopped waiting
+
+    @contextmanager
+    def turn(self):
+        with self._cv:
+            mine, self._next = self._next, self._next + 1
+            try:
+                self._cv.wait_for(lambda: self._serving == mine)
+            except BaseException:
+                self._gone.add(mine)
+                raise
+        try:
+            yield
+        finally:
+            with self._cv:
+                self._serving += 1
+                while self._serving in self._gone:
+                    self._gone.discard(self._serving)
+                    self._serving += 1
+                self._cv.notify_all()
+
+
 class Batcher:
     """Embedding requests encoded on a thread of its own, those that arrived while the last batch ran as one batch
-    (continuous batching): each request's texts get their vectors and token counts back through a future."""
+    (continuous batching): each request's texts get their vectors and token counts back through a future. A batch
+    is encoded `slice_texts` at a time, each slice taking its turn on the encoder (Turns)."""
 
-    def __init__(self, encode: Callable, lock: threading.Lock):
-        self._encode, self._lock = encode, lock
+    def __init__(self, encode: Callable, turns: Turns, slice_texts: int = BATCH_TEXTS):
+        self._encode, self._turns, self._slice = encode, turns, slice_texts
         self._todo: queue.Queue = queue.Queue()
         self.waiting = 0  # requests queued or in the batch being encoded (a gauge)
         self._count = threading.Lock()  # `waiting` changes on the server's thread and on this one
@@ -98,6 +133,15 @@ class Batcher:
             self.waiting += 1
         self._todo.put((texts, fut))
         return fut
+
+    def _encode_sliced(self, texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
+        parts = []
+        for at in range(0, len(texts), self._slice):
+            with self._turns.turn():
+                parts.append(self._encode(texts[at:at + self._slice]))
+        if len(parts) == 1:
+            return parts[0]
+        return np.concatenate([v for v, _ in parts]), np.concatenate([n for _, n in parts])
 
     def _run(self) -> None:
         while True:
@@ -118,8 +162,7 @@ class Batcher:
                 n += len(item[0])
             texts = [t for item, _ in batch for t in item]
             try:
-                with self._lock:
-                    vectors, lengths = self._encode(texts)
+                vectors, lengths = self._encode_sliced(texts)
             except BaseException as e:  # noqa: BLE001 - every request of the batch hears it
                 for _, fut in batch:
                     fut.set_exception(e)
@@ -231,7 +274,7 @@ class SearchService:
         self._plain = _Pool(opener(dsn), connections)
         self._plain.put_first(first)
         self._filtered = _Pool(opener(where_dsn), connections) if where_dsn else None
-        self._encode_lock = threading.Lock()  # the query encoder: one call at a time
+        self._turns = Turns()  # the query encoder: one call at a time, in turn
         self.reranker = None
         if rerank:
             from embedfleet.query.rerank import Reranker
@@ -239,7 +282,8 @@ class SearchService:
             self.reranker = Reranker(rerank, device=self.encoder.device, trust_remote_code=trust_remote_code)
         self._rerank_lock = threading.Lock()
         # /v1/embeddings: documents, with the model's default prompt
-        self.batcher = Batcher(lambda texts: self.encoder.encode_counted(texts, prompt=None), self._encode_lock)
+        self.batcher = Batcher(lambda texts: self.encoder.encode_counted(texts, prompt=None), self._turns,
+                               SLICE_TEXTS_CPU if self.encoder.device == "cpu" else SLICE_TEXTS_GPU)
 
     def describe(self) -> dict:
         return {"table": self.table, **self.encoder.describe()}
@@ -252,7 +296,7 @@ class SearchService:
             raise InputError("filters are off on this server: start `embedfleet serve` with --allow-where")
         if rerank and self.reranker is None:
             raise InputError("reranking is off on this server: start `embedfleet serve` with --rerank MODEL")
-        with self._encode_lock:
+        with self._turns.turn():
             vec = self.encoder.encode([q])[0]
         pool = self._filtered if where else self._plain
         searcher = pool.take()
