@@ -872,6 +872,8 @@ def table_job(conn: psycopg.Connection, table: str) -> dict | None:
     """What made `table`: the newest job that wrote it (job, model, dim, the model and --dim as requested,
     prompt, template, preset, task), from the ledger; None with no ledger or no such job (a table written by
     something else). Read by search (the query's model) and train (the head's record)."""
+    from embedfleet.pg.ddl import spellings
+
     if not ledger_exists(conn):
         return None
     with conn.cursor(row_factory=dict_row) as cur:
@@ -879,5 +881,18 @@ def table_job(conn: psycopg.Connection, table: str) -> dict | None:
             "SELECT job, model, dim, config->>'model' AS requested, config->>'dim' AS requested_dim, "
             "config->>'prompt' AS prompt, config->>'text_template' AS text_template, config->>'preset' AS preset, "
             "config->>'task' AS task "
-            "FROM embedfleet.jobs WHERE table_name = %s ORDER BY created DESC LIMIT 1", [table]).fetchone()
+            "FROM embedfleet.jobs WHERE table_name = ANY(%s) ORDER BY created DESC LIMIT 1",
+            [spellings(conn, table)]).fetchone()
     return dict(row) if row else None
+
+
+def job_for_table(conn: psycopg.Connection, table: str) -> tuple[str, str] | None:
+    """(job, its table as recorded) of the job named for `table` however it was spelled (`t` or `public.t`), so
+    one table is one job; None where there is none."""
+    from embedfleet.pg.ddl import spellings
+
+    if not ledger_exists(conn):
+        return None
+    names = spellings(conn, table)
+    return conn.execute("SELECT job, table_name FROM embedfleet.jobs WHERE job = ANY(%s) "
+                        "ORDER BY array_position(%s, job) LIMIT 1", [names, names]).fetchone()

@@ -207,6 +207,25 @@ def test_uninstall_by_the_source_alone_finds_a_sync_made_with_its_own_table_name
     assert conn.execute("SELECT count(*) FROM papers_sync").fetchone()[0] == 5  # the vectors stay
 
 
+def test_the_target_spelled_with_or_without_its_schema_is_one_sync(cli, dsn, conn, tmp_path):
+    _source(conn, "notes", 6)
+    first = orjson.loads(cli(*_sync_args(dsn, "notes", "--json")[3:], check=True).stdout)
+    assert first["job"] == "public.notes_embeddings"
+    conn.execute("UPDATE notes SET body = 'rewritten' WHERE review_id = 2")
+    again = orjson.loads(cli(*_sync_args(dsn, "notes", "--table", "notes_embeddings", "--json")[3:],
+                             check=True).stdout)
+    assert again["job"] == first["job"] and again["installed"] is False and again["embedded"] == 1
+    triggers = "SELECT count(*) FROM pg_trigger WHERE tgrelid = 'notes'::regclass AND NOT tgisinternal"
+    assert conn.execute(triggers).fetchone()[0] == 2  # one row trigger, one TRUNCATE trigger: one sync
+    assert conn.execute("SELECT count(*) FROM embedfleet.jobs WHERE table_name LIKE '%%notes_embeddings'"
+                        ).fetchone()[0] == 1
+    _assert_equal_to_source(conn, "notes", "notes_embeddings")
+    gone = orjson.loads(cli(*_sync_args(dsn, "notes", "--table", "notes_embeddings", "--uninstall", "--json")[3:],
+                            check=True).stdout)
+    assert gone["job"] == first["job"] and gone["uninstalled"] is True
+    assert conn.execute(triggers).fetchone()[0] == 0
+
+
 def test_a_role_without_trigger_privilege_is_told_the_grant(cli, dsn, conn, tmp_path):
     _source(conn, "guarded", 5)
     role = f"r_{os.getpid()}_{int(time.time())}"

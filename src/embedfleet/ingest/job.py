@@ -198,7 +198,12 @@ def check_job(spec: JobSpec, conn, settings: Settings) -> JobSpec:
     else:
         inputs = tuple(expand_inputs(list(spec.inputs)))
     table = check_identifier(spec.table or table_name_for(inputs[0]))
-    cfg = spec.replace(inputs=inputs, table=table, job=spec.job or table, model=spec.model or settings.model)
+    job = spec.job
+    if job is None:  # named after its table: `t` and `public.t` are one job (one trigger, one resume)
+        from embedfleet.ledger import job_for_table
+
+        job, table = job_for_table(conn, table) or (table, table)
+    cfg = spec.replace(inputs=inputs, table=table, job=job, model=spec.model or settings.model)
     check_server(conn, cfg.dtype)
     from embedfleet.encode.models import check_model
 

@@ -39,6 +39,25 @@ def split_table(conn: psycopg.Connection, table: str) -> tuple[str | None, str]:
     return None, table
 
 
+def qualified(conn: psycopg.Connection, table: str) -> str:
+    """`table` schema-qualified: in the schema it is in, else the one CREATE TABLE would put it in."""
+    if split_table(conn, table)[0] is not None:
+        return table
+    schema = conn.execute("SELECT coalesce((SELECT n.nspname FROM pg_class c JOIN pg_namespace n ON "
+                          "n.oid = c.relnamespace WHERE c.oid = to_regclass(%s)), current_schema())",
+                          [_regclass(conn, table)]).fetchone()[0]
+    return f"{schema}.{table}" if schema else table
+
+
+def spellings(conn: psycopg.Connection, table: str) -> list[str]:
+    """The names one table goes by: as given, schema-qualified, and bare where its schema is the search
+    path's first."""
+    full = qualified(conn, table)
+    schema, name = split_table(conn, full)
+    bare = name if schema is not None and schema == conn.execute("SELECT current_schema()").fetchone()[0] else None
+    return list(dict.fromkeys(n for n in (table, full, bare) if n))
+
+
 def table_sql(conn: psycopg.Connection, table: str) -> sql.Identifier:
     """The table's identifier, schema-qualified where `table` names an existing schema."""
     return sql.Identifier(*(p for p in split_table(conn, table) if p is not None))
