@@ -7,7 +7,7 @@ changing.
 
 - trigger: pgbench (the server's own), single-row INSERTs from --clients connections for --pgbench-seconds,
   alternating no trigger / sync's trigger (`pg.queue.install`, nobody draining) --rounds times; the overhead is
-  1 - median(with) / median(without).
+  1 - median(with) / median(without), and `overhead_paired` 1 - the median of each round's with / without.
 - backfill: --rows rows written both as a table and as a JSONL file of the same records; `ingest FILE` and
   `ingest --from-table` each into a new table (no index), alternated, rows/s over the wall and over the workers'
   loops (steady).
@@ -97,8 +97,10 @@ def trigger_cost(conn, dsn: str, clients: int, seconds: int, rounds: int) -> dic
             conn.execute("TRUNCATE bench_trig")
             say(f"trigger round {r}: {mode} {value:,.0f} inserts/s")
     without, with_ = statistics.median(tps["without"]), statistics.median(tps["with"])
+    # each round's two runs side by side: a host's drift between rounds (its disk, its neighbours) cancels
+    paired = statistics.median(w / wo for w, wo in zip(tps["with"], tps["without"]))
     return {"clients": clients, "seconds": seconds, "inserts_s": tps, "median_without": without,
-            "median_with": with_, "overhead": round(1 - with_ / without, 4)}
+            "median_with": with_, "overhead": round(1 - with_ / without, 4), "overhead_paired": round(1 - paired, 4)}
 
 
 def backfill(conn, n: int, common: list[str], work: Path, rounds: int) -> dict:

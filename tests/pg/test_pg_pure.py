@@ -111,3 +111,12 @@ def test_a_filter_is_one_expression_whatever_its_literals_hold():
                        ("a = $$x", "dollar quote"), ('"a = 1', "double quote")):
         with pytest.raises(InputError, match=why):
             one_expression(where)
+
+
+def test_the_names_a_filter_reads_are_its_words_outside_literals_folded_as_sql_folds_them():
+    from embedfleet.pg.scan import filter_names
+
+    assert filter_names("Stars >= 4 AND \"Lang\" = 'Title' AND body ~ $$kind$$") == {"stars", "and", "Lang", "body"}
+    assert filter_names("x = E'it''s' AND 1e5 < n_2 AND \"we\"\"ird\" > 0 AND Été_X = 1") == {"x", "and", "n_2",
+                                                                                           'we"ird', "Été_x"}
+    assert filter_names("lower(title) LIKE 'a%'") == {"lower", "title", "like"}

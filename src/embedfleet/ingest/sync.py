@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import hashlib
 import logging
-import re
 import signal
 import threading
 import time
@@ -30,12 +29,12 @@ from psycopg.types.json import Jsonb
 from embedfleet.errors import InputError
 from embedfleet.ingest.commit import TableSink
 from embedfleet.ingest.prepare import PrepareContext, Preparer
-from embedfleet.ledger import Ledger, sync_overview
+from embedfleet.ledger import Ledger, job_for_table, sync_overview
 from embedfleet.pg import queue
 from embedfleet.pg.connect import connect
 from embedfleet.pg.copyin import assemble, vector_fields
-from embedfleet.pg.ddl import embedding_info, table_exists, table_sql
-from embedfleet.pg.scan import user_filter
+from embedfleet.pg.ddl import embedding_info, qualified, table_exists, table_sql
+from embedfleet.pg.scan import filter_names, user_filter
 from embedfleet.settings import JobSpec, Settings
 from embedfleet.sources.base import RawRecord
 from embedfleet.sources.presets import table_columns
@@ -88,9 +87,7 @@ def watched_columns(spec: JobSpec, source_columns=()) -> list[str]:
 
     text = template_fields(spec.text_template) if spec.text_template else [spec.text_field]
     copied = [c.split(":")[0] for c in spec.columns or ()]
-    where = re.sub(r"'(?:[^']|'')*'", " ", spec.where or "")  # string literals name no column
-    words = re.findall(r'"((?:[^"]|"")+)"|([A-Za-z_][A-Za-z0-9_$]*)', where)
-    named = {q.replace('""', '"') for q, _ in words if q} | {w.lower() for _, w in words if w}  # as SQL folds them
+    named = filter_names(spec.where) if spec.where else set()
     filtered = [c for c in source_columns if c in named]
     return [c.split(".")[0] for c in dict.fromkeys([*text, *copied, *filtered]) if c]
 
@@ -457,10 +454,12 @@ def uninstall_sync(spec: JobSpec, settings: Settings) -> dict:
             source = describe(src, spec.source_table)
             name, job = source.name, spec.job or spec.table or f"{source.schema}.{source.table}_embeddings"
         except InputError:  # dropped or renamed since: the sync's record says what to remove
-            source, name = None, spec.source_table if "." in spec.source_table else f"public.{spec.source_table}"
+            source, name = None, spec.source_table if "." in spec.source_table else qualified(src, spec.source_table)
             job = spec.job or spec.table or f"{name}_embeddings"
         ledger = Ledger.connect(dsn, settings.db_patience_seconds, host=settings.host_id)
         try:
+            if not spec.job and spec.table and (known := job_for_table(ledger.conn, spec.table)):
+                job = known[0]  # made with the table spelled another way (`t`, `public.t`)
             row = ledger.sync_of(job)
             if row is None and not (spec.job or spec.table):  # made with another --table: found by its source
                 jobs = [j for (j,) in ledger.conn.execute("SELECT job FROM embedfleet.syncs WHERE source = %s "

@@ -12,7 +12,7 @@ from psycopg import sql
 
 from embedfleet.errors import InputError
 
-__all__ = ["begin_snapshot", "export_snapshot", "one_expression", "page_spans", "span_sql", "user_filter"]
+__all__ = ["begin_snapshot", "export_snapshot", "filter_names", "one_expression", "page_spans", "span_sql", "user_filter"]
 
 # What a physical read sets: the heap's order, the same on every connection and every rank (no index or bitmap
 # scan a filter might invite, no parallel workers, no scan joining one already running elsewhere).
@@ -65,6 +65,7 @@ def user_filter(where: str, placeholders: bool = False) -> sql.Composable:
 
 
 _DOLLAR = re.compile(r"\$([A-Za-z_][A-Za-z0-9_]*)?\$")
+_WORD = re.compile(r"[^\W][\w$]*(?=[^'\w$]|$)")  # not the E of E'...', which the literal's branch reads
 
 
 def one_expression(where: str) -> str:
@@ -72,7 +73,18 @@ def one_expression(where: str) -> str:
     dollar quotes it may hold no `;`, no comment and no parenthesis it does not close: pasted between the
     statement's own, it can then neither end the statement (and the READ ONLY transaction with a COMMIT) nor
     cut off the ORDER BY and LIMIT that follow it."""
-    depth, i, n = 0, 0, len(where)
+    _scan(where)
+    return where
+
+
+def filter_names(where: str) -> set[str]:
+    """The names a filter (one expression) reads, as SQL folds them: bare words lower-cased, quoted ones as
+    written; literals name nothing. Columns among them, and keywords and functions besides."""
+    return _scan(where)
+
+
+def _scan(where: str) -> set[str]:
+    depth, i, n, names = 0, 0, len(where), set()
 
     def refuse(why: str) -> InputError:
         return InputError(f"--where {where!r}: {why}; give one condition, as after WHERE")
@@ -87,16 +99,22 @@ def one_expression(where: str) -> str:
             if i >= n:
                 raise refuse("a quote is not closed")
         elif c == '"':
+            start = i + 1
             i += 1
             while i < n and where[i] != '"' or where.startswith('""', i):
                 i += 2 if where.startswith('""', i) else 1
             if i >= n:
                 raise refuse("a double quote is not closed")
+            names.add(where[start:i].replace('""', '"'))
         elif c == "$" and (m := _DOLLAR.match(where, i)) and not (i > 0 and (where[i - 1].isalnum() or where[i - 1] == "_")):
             end = where.find(m.group(0), m.end())
             if end < 0:
                 raise refuse("a dollar quote is not closed")
             i = end + len(m.group(0)) - 1
+        elif m := _WORD.match(where, i):  # a name, or a number (whose letters name nothing)
+            if not c.isdigit():  # PostgreSQL folds only ASCII letters of a bare name
+                names.add("".join(ch.lower() if ch.isascii() else ch for ch in m.group(0)))
+            i = m.end() - 1
         elif c == ";":
             raise refuse("a ';' would end the statement")
         elif where.startswith("--", i) or where.startswith("/*", i):
@@ -110,4 +128,4 @@ def one_expression(where: str) -> str:
         i += 1
     if depth:
         raise refuse("a '(' is not closed")
-    return where
+    return names
