@@ -161,14 +161,25 @@ def _writer(dsn: str, rate: float, seconds: float, first_id: int, stop, changes,
             time.sleep(max(0.0, t_next - time.perf_counter()))
 
 
+def _forget_sync(conn, job: str, db: list[str]) -> None:
+    from embedfleet.ledger import ledger_exists, remove_job
+
+    if not ledger_exists(conn) or not conn.execute("SELECT 1 FROM embedfleet.jobs WHERE job = %s", [job]).fetchone():
+        return
+    if conn.execute("SELECT 1 FROM embedfleet.syncs WHERE job = %s", [job]).fetchone():
+        run_json(["sync", "--from-table", "bench_lag", "--job", job, "--uninstall", "--quiet", "--json", *db])
+    remove_job(conn, job, drop_table=True)
+
+
 def lag(conn, dsn: str, n: int, rates: list[float], seconds: float, common: list[str], writers: int,
         extra: list[str] = ()) -> dict:
+    job = "public.bench_lag_embeddings"
+    _forget_sync(conn, job, common[:2] if common[:1] == ["--db"] else [])  # each run from nothing: no queue, job or target left by an earlier one
     _write_source(conn, "bench_lag", n, seed=1)
     args = [sys.executable, "-m", "embedfleet.cli", "sync", "--from-table", "bench_lag", "--text-field", "body",
             "--follow", "--quiet", "--json", *common, *extra]
     t0 = time.perf_counter()
     proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    job = "public.bench_lag_embeddings"
     while True:
         if proc.poll() is not None:
             raise SystemExit(f"sync --follow ended: {proc.stderr.read()[-3000:]}")
