@@ -113,7 +113,8 @@ def main() -> None:
                                                     "(FORMAT BINARY)") as copy:
                     copy.write(base)
                 t0 = time.perf_counter()
-                if efc != "none":
+                if efc != "none":  # the graph in memory, as embedfleet builds it (pg/index_build.py)
+                    conn.execute("SET maintenance_work_mem = '4GB'")
                     conn.execute(f"CREATE INDEX ON {table} USING hnsw (embedding vector_cosine_ops) "
                                  f"WITH (m = 16, ef_construction = {int(efc)})")
                 build_s = time.perf_counter() - t0
