@@ -211,6 +211,32 @@ def test_a_search_waits_for_one_slice_of_a_long_embedding_request_not_all_of_it(
     assert embedded[0][0] == 200 and len(json.loads(embedded[0][1])["data"]) == len(texts)
 
 
+def test_the_encoder_is_taken_in_turn_in_the_order_it_was_asked_for():
+    import time
+
+    from embedfleet.query.serve import Turns
+
+    turns, order, threads = Turns(), [], []
+
+    def call(i: int) -> None:
+        with turns.turn():
+            order.append(i)
+
+    with turns.turn():  # held: every caller queues
+        for i in range(8):
+            threads.append(threading.Thread(target=call, args=(i,)))
+            threads[-1].start()
+            deadline = time.monotonic() + 10
+            while len(turns._waiting) < i + 1 and time.monotonic() < deadline:
+                time.sleep(0.001)
+        assert order == []
+    for t in threads:
+        t.join(10)
+    assert order == list(range(8))
+    with turns.turn():  # free again: taken at once
+        pass
+
+
 def test_requests_that_queue_while_a_batch_runs_are_encoded_together_each_getting_its_own_rows():
     from embedfleet.query.serve import Batcher, Turns
 

@@ -28,6 +28,7 @@ import socket
 import sys
 import threading
 import time
+from collections import deque
 from concurrent.futures import Future
 from contextlib import contextmanager
 from typing import Callable
@@ -84,34 +85,45 @@ class Running:
 
 
 class Turns:
-    """The query encoder, one call at a time, in the order the calls asked for it (a ticket each): a long
-    embedding request goes slice by slice, each slice asking again, so a search that arrives meanwhile waits
-    for one slice, not the whole request, and a stream of searches cannot starve the request either."""
+    """The query encoder, one call at a time, in the order the calls asked for it, each handed the turn by the
+    one before (no thundering herd): a long embedding request goes slice by slice, each slice asking again, so a
+    search that arrives meanwhile waits for one slice, not the whole request, and a stream of searches cannot
+    starve the request either."""
 
     def __init__(self):
-        self._cv = threading.Condition()
-        self._next = 0  # the next ticket handed out
-        self._serving = 0  # the ticket whose turn it is
-        self._gone: set[int] = set()  # tickets whose holder stopped waiting
+        self._lock = threading.Lock()
+        self._busy = False
+        self._waiting: deque[threading.Event] = deque()
 
     @contextmanager
     def turn(self):
-        with self._cv:
-            mine, self._next = self._next, self._next + 1
+        with self._lock:
+            mine = None if not self._busy else threading.Event()
+            if mine is None:
+                self._busy = True
+            else:
+                self._waiting.append(mine)
+        if mine is not None:
             try:
-                self._cv.wait_for(lambda: self._serving == mine)
+                mine.wait()
             except BaseException:
-                self._gone.add(mine)
+                with self._lock:
+                    if mine in self._waiting:  # never handed the turn: leave the line
+                        self._waiting.remove(mine)
+                        raise
+                self._pass()  # handed it meanwhile: hand it on
                 raise
         try:
             yield
         finally:
-            with self._cv:
-                self._serving += 1
-                while self._serving in self._gone:
-                    self._gone.discard(self._serving)
-                    self._serving += 1
-                self._cv.notify_all()
+            self._pass()
+
+    def _pass(self) -> None:
+        with self._lock:
+            if self._waiting:
+                self._waiting.popleft().set()  # still busy: the next caller has the turn
+            else:
+                self._busy = False
 
 
 class Batcher:
