@@ -113,6 +113,27 @@ def test_bad_sources_get_one_line_each(cli, dsn, conn, tmp_path):
     assert conn.execute("SELECT n, amount FROM num_t").fetchone() == (5, "12345678901234567.89")
 
 
+def test_sync_refuses_an_id_nothing_keeps_unique_and_a_template_reads_into_jsonb(cli, dsn, conn, tmp_path):
+    conn.execute("CREATE TABLE cats (aid int PRIMARY KEY, cat text, body text, meta jsonb)")
+    conn.execute("INSERT INTO cats SELECT g, 'xyz'::text || (g % 3), 'body ' || g, jsonb_build_object('tag', "
+                 "'t' || g) FROM generate_series(1, 9) g")
+    p = cli(*_sync_args(dsn, "cats", "--id-field", "cat", "--table", "cats_by_cat")[3:])
+    one_line_error(p, "--id-field 'cat': sync keeps one target row per id")
+    assert "CREATE UNIQUE INDEX ON public.cats (cat)" in p.stderr
+    assert conn.execute("SELECT count(*) FROM pg_trigger WHERE tgrelid = 'cats'::regclass AND NOT tgisinternal"
+                        ).fetchone()[0] == 0  # nothing installed, nothing recorded
+    if conn.execute("SELECT to_regclass('embedfleet.jobs')").fetchone()[0]:
+        assert conn.execute("SELECT count(*) FROM embedfleet.jobs WHERE job = 'cats_by_cat'").fetchone()[0] == 0
+    conn.execute("CREATE TABLE tags (name text, body text)")
+    conn.execute("INSERT INTO tags VALUES ('a', 'first'), ('b', 'second')")
+    conn.execute("CREATE UNIQUE INDEX ON tags (name)")  # no primary key: a unique index is enough
+    cli(*_sync_args(dsn, "tags", "--id-field", "name")[3:], check=True)
+    assert dict(conn.execute("SELECT id, content FROM tags_embeddings").fetchall()) == {"a": "first", "b": "second"}
+    cli("sync", "--from-table", "cats", "--text-template", "{body} [{meta.tag}]", "--db", dsn, "--devices", "cpu",
+        "--quiet", check=True)
+    assert conn.execute("SELECT content FROM cats_embeddings WHERE id = '4'").fetchone()[0] == "body 4 [t4]"
+
+
 def test_sync_follows_inserts_updates_deletes_and_truncate_then_stops_on_sigterm(cli, dsn, conn, tmp_path):
     _source(conn, "reviews", 5000)
     _source(conn, "notes", 40)

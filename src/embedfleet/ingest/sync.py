@@ -401,7 +401,12 @@ def run_sync(spec: JobSpec, settings: Settings, launcher, device: str, follow: b
         existed = table_exists(conn, cfg.table)
     q = queue.queue_for(cfg.source_table, cfg.id_field, cfg.job)
     with connect(src_dsn, what="--source-db") as src:
-        made = queue.install(src, q, watched_columns(cfg, describe(src, cfg.source_table).columns))
+        source = describe(src, cfg.source_table)
+        if cfg.id_field not in source.unique:  # two rows of one id would be one target row, now one text, now another
+            raise InputError(f"--id-field {cfg.id_field!r}: sync keeps one target row per id, and nothing keeps "
+                             f"{source.name}.{cfg.id_field} unique; name a column its primary key or a unique "
+                             f"index holds, or add one: CREATE UNIQUE INDEX ON {source.name} ({cfg.id_field})")
+        made = queue.install(src, q, watched_columns(cfg, source.columns))
         started = queue.server_started(src)
         if made and existed:  # rows written before the trigger (an earlier ingest, an uninstalled sync) may be stale
             n = queue.requeue_all(src, q)

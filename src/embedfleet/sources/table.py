@@ -47,6 +47,7 @@ class TableSource:
     table: str
     key: str | None  # the single-column primary key, if there is one
     columns: dict[str, str]  # every column: its type as format_type writes it
+    unique: frozenset[str] = frozenset()  # the columns a unique index (or the key) holds alone, for every row
 
 
 def table_line(block: int, item: int) -> int:
@@ -76,7 +77,12 @@ def describe(conn: psycopg.Connection, name: str) -> TableSource:
     keys = conn.execute(
         "SELECT a.attname FROM pg_index i JOIN pg_attribute a ON a.attrelid = i.indrelid AND a.attnum = ANY(i.indkey) "
         "WHERE i.indrelid = %s AND i.indisprimary", [oid]).fetchall()
-    return TableSource(qualified, schema, table, keys[0][0] if len(keys) == 1 else None, columns)
+    unique = conn.execute(  # one column, no expression, no predicate: unique over every row
+        "SELECT a.attname FROM pg_index i JOIN pg_attribute a ON a.attrelid = i.indrelid AND a.attnum = i.indkey[0] "
+        "WHERE i.indrelid = %s AND i.indisunique AND i.indnkeyatts = 1 AND i.indexprs IS NULL AND i.indpred IS NULL",
+        [oid]).fetchall()
+    return TableSource(qualified, schema, table, keys[0][0] if len(keys) == 1 else None, columns,
+                       frozenset(u for (u,) in unique))
 
 
 def text_columns(source: TableSource) -> list[str]:
@@ -92,8 +98,8 @@ def check_fields(source: TableSource, key: str | None, text_field: str | None, t
         raise InputError(f"--from-table {source.name}: no usable key (it has no single-column primary key); "
                          f"name a unique column with --id-field (columns: {have})")
     for flag, names in (("--id-field", [key]), ("--text-field", [text_field] if text_field else []),
-                        ("--text-template", template_fields), ("--columns", columns)):
-        for n in names:
+                        ("--text-template", [f.split(".")[0] for f in template_fields]), ("--columns", columns)):
+        for n in names:  # (a template's `meta.tag` is a path into the column meta, a jsonb)
             if n not in source.columns:
                 raise InputError(f"{flag} {n!r}: {source.name} has no such column (columns: {have})")
     if text_field and source.columns[text_field] not in _TEXT:
