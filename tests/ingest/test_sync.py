@@ -369,6 +369,9 @@ def test_the_queue_is_unlogged_and_a_restarted_server_has_every_key_compared_onc
     _assert_equal_to_source(conn, "crashy", "crashy_embeddings")
     again = orjson.loads(cli(*_sync_args(dsn, "crashy", "--json")[3:], check=True).stdout)
     assert again["keys"] == 0  # the start time is the known one now: nothing queued again
+    elsewhere = orjson.loads(cli(*_sync_args(dsn, "crashy", "--json")[3:], check=True,
+                                 extra_env={"PGTZ": "Asia/Tokyo"}).stdout)
+    assert elsewhere["keys"] == 0  # the same start, read in another time zone
 
 
 def test_a_worker_from_another_host_joins_a_table_backfill(cli, dsn, conn, tmp_path):

@@ -191,8 +191,9 @@ def forget(conn: psycopg.Connection, q: Queue, ctids: list[str]) -> None:
 
 
 def server_started(conn: psycopg.Connection) -> str:
-    """When the source's server started: a new value means the queue (unlogged) may have been emptied."""
-    return conn.execute("SELECT pg_postmaster_start_time()::text").fetchone()[0]
+    """When the source's server started: a new value means the queue (unlogged) may have been emptied. As
+    seconds since the epoch: the same whatever the session's time zone or date style."""
+    return conn.execute("SELECT extract(epoch FROM pg_postmaster_start_time())::text").fetchone()[0]
 
 
 def requeue_all(conn: psycopg.Connection, q: Queue) -> int:
