@@ -156,15 +156,17 @@ def verify(
         for report in doc.get("tables", [doc]):
             made = f", {report['model']}" + (f", prompt {report['prompt']!r}" if report["prompt"] else "") \
                 + (f", passages {report['passages']}" if report["passages"] else "") if report["model"] else ""
+            ledger = "no job of embedfleet's wrote it" if report["ledger_rows"] is None else \
+                f"ledger {report['ledger_rows']:,}"
             typer.echo(f"{report['table']}: {report['rows']:,} rows, dim {report['dim']} ({report['vector_type']}), "
-                       f"ledger {report['ledger_rows']}{made}")
+                       f"{ledger}{made}")
             for kind, ids in report["offending_ids"].items():
                 typer.echo(f"  {kind}: {report['problems'][kind]} rows, e.g. {', '.join(ids[:10])}")
             if report.get("sync"):
                 pending = report["sync"]["pending"]
                 typer.echo(f"  follows {report['sync']['source']} (sync): "
                            f"{'?' if pending is None else f'{pending:,}'} {'change' if pending == 1 else 'changes'} pending")
-            elif not report["count_matches_ledger"]:
+            elif report["count_matches_ledger"] is False:
                 typer.echo(f"  row count {report['rows']} differs from the ledger's {report['ledger_rows']}")
             if report["overwritten"]:
                 typer.echo(f"  {report['overwritten']:,} of the {report['ledger_records']:,} records written replaced "

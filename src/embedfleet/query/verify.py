@@ -8,7 +8,7 @@ import psycopg
 from psycopg import sql
 
 from embedfleet.ledger import ledger_exists
-from embedfleet.pg.ddl import embedding_info, table_sql
+from embedfleet.pg.ddl import embedding_info, spellings, table_sql
 
 __all__ = ["verify", "verify_together"]
 
@@ -21,10 +21,11 @@ def verify(conn: psycopg.Connection, table: str, tol: float = 1e-3, max_ids: int
     t = table_sql(conn, table)
     norm = sql.SQL("l2_norm(embedding)" if vtype == "halfvec" else "vector_norm(embedding)")
     rows = conn.execute(sql.SQL("SELECT count(*) FROM {}").format(t)).fetchone()[0]
+    names = spellings(conn, table)  # the jobs that wrote it, however they spelled it (`t`, `public.t`)
     per_job = conn.execute(
         "SELECT j.rows_before, coalesce(sum(c.rows_written), 0), coalesce(sum(c.rows_seen), 0) "
-        "FROM embedfleet.jobs j LEFT JOIN embedfleet.chunks c ON c.job = j.job WHERE j.table_name = %s "
-        "GROUP BY j.job ORDER BY min(j.created)", [table]).fetchall() if ledger_exists(conn) else []
+        "FROM embedfleet.jobs j LEFT JOIN embedfleet.chunks c ON c.job = j.job WHERE j.table_name = ANY(%s) "
+        "GROUP BY j.job ORDER BY min(j.created)", [names]).fetchall() if ledger_exists(conn) else []
     jobs = len(per_job)
     ledger_rows, records = sum(int(w) for _, w, _ in per_job), sum(int(r) for _, _, r in per_job)
     # A job's records that did not insert their id replaced a row: one the table held before the job (a later
@@ -55,15 +56,15 @@ def verify(conn: psycopg.Connection, table: str, tol: float = 1e-3, max_ids: int
             kind = "not_unit_norm"
         problems[kind].append(id_)
     counts = {k: len(v) for k, v in problems.items()}
-    sync = _sync_of(conn, table) if jobs else None
+    sync = _sync_of(conn, names) if jobs else None
     # a synced table follows its source, not its backfill's count: the ledger's rows say nothing of it
-    count_ok = jobs == 0 or int(ledger_rows) == rows or sync is not None
+    count_ok = jobs == 0 or int(ledger_rows) == rows or sync is not None  # (no job: nothing to compare)
     made = conn.execute(
         "SELECT coalesce(model, config->>'model'), config->>'prompt', config->>'passages' FROM embedfleet.jobs "
-        "WHERE table_name = %s ORDER BY created DESC LIMIT 1", [table]).fetchone() if jobs else None
+        "WHERE table_name = ANY(%s) ORDER BY created DESC LIMIT 1", [names]).fetchone() if jobs else None
     return {
         "table": table, "rows": rows, "ledger_rows": int(ledger_rows) if jobs else None,
-        "count_matches_ledger": None if sync is not None else count_ok,
+        "count_matches_ledger": None if sync is not None or not jobs else count_ok,
         "ledger_records": int(records) if jobs else None, "sync": sync,
         "overwritten": overwritten, "dim": dim, "vector_type": vtype,
         "problems": counts, "offending_ids": {k: v[:max_ids] for k, v in problems.items() if v},
@@ -73,14 +74,14 @@ def verify(conn: psycopg.Connection, table: str, tol: float = 1e-3, max_ids: int
     }
 
 
-def _sync_of(conn: psycopg.Connection, table: str) -> dict | None:
-    """The sync that keeps `table` (its source and what is queued), or None."""
+def _sync_of(conn: psycopg.Connection, names: list[str]) -> dict | None:
+    """The sync that keeps the table of these `names` (its source and what is queued), or None."""
     from embedfleet.ledger import sync_overview
 
     if conn.execute("SELECT to_regclass('embedfleet.syncs') IS NULL").fetchone()[0]:
         return None
     row = conn.execute("SELECT s.job FROM embedfleet.syncs s JOIN embedfleet.jobs j USING (job) "
-                       "WHERE j.table_name = %s", [table]).fetchone()
+                       "WHERE j.table_name = ANY(%s)", [names]).fetchone()
     return sync_overview(conn, row[0]) if row else None
 
 
