@@ -222,6 +222,8 @@ class Searcher:
                 raise InputError(f"the search is too complex for the server ({e.diag.message_primary}): "
                                  "shorten the query") from None
             except psycopg.errors.QueryCanceled as e:
+                if "statement timeout" not in (e.diag.message_primary or ""):  # cancelled: not a timeout
+                    raise DatabaseError(f"the search was cancelled on the server ({e.diag.message_primary})") from None
                 error = InputError if where else DatabaseError  # a filter's cost is the user's to change
                 what = f"--where {where!r}" if where else "the search"
                 raise error(f"{what}: stopped after the {self.statement_timeout:g} s statement timeout "

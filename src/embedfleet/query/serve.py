@@ -455,6 +455,7 @@ def make_app(service: SearchService, api_key: str | None = None):
             if not task.done() and await request.is_disconnected():
                 running.cancel()  # the server stops the statement; nobody waits for the answer
                 await asyncio.wait({task})
+                task.exception()  # heard (its statement cancelled): nothing to log for a client that left
                 return Response(status_code=499)
         try:
             results, scan = task.result()
