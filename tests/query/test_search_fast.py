@@ -111,6 +111,9 @@ def test_a_queries_file_gives_what_one_call_per_query_gives(cli, table_dsn, tmp_
             assert len(d["results"]) == 5 and (not extra or all(r["rating"] <= 2 for r in d["results"]))
     missing = cli("search", "--queries", tmp_path / "nope.txt", "--table", TABLE, "--db", table_dsn)
     assert missing.returncode == 2 and missing.stderr.strip().startswith("error: --queries")
+    none = cli("search", QUERIES[0], "--table", TABLE, "--db", table_dsn, "--where", "false", "--json")
+    assert none.returncode == 0 and json.loads(none.stdout)["results"] == []
+    assert "pass the filter" in none.stderr  # said, as without --json
 
 
 def _get(url: str) -> tuple[int, dict]:

@@ -61,11 +61,12 @@ def search(
                                           group_by_parent=group_by_parent, statement_timeout=statement_timeout):
         if queries is not None:
             sys.stdout.write(orjson.dumps({"query": text, "results": results, "scan": scan}, default=str).decode() + "\n")
-        elif json_out:
-            emit({"results": results, "scan": scan})
-        elif not results:
-            typer.echo(f"no rows of {table!r}" + (" pass the filter" if where else " to search (the table is empty)"),
-                       err=True)
+        elif json_out or not results:
+            if not results:  # said on stderr, as --json's empty list is on stdout
+                typer.echo(f"no rows of {table!r}" + (" pass the filter" if where else " to search (the table is empty)"),
+                           err=True)
+            if json_out:
+                emit({"results": results, "scan": scan})
         else:
             for r in results:
                 line = " ".join(str(r["content"]).split())
