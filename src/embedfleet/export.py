@@ -652,9 +652,11 @@ def _finish(target: _Target, tasks: list[Shard], fmt: str, rows: list[int]) -> l
     """Join the shards' id files (npy), or leave out the parts that hold no row (renumbering the rest); the
     export's files, relative to its directory."""
     if fmt != "npy":
+        if not target.is_dir:  # one file: named as it will be, not as it is being built
+            return [target.final.name]
         names = [os.path.basename(t.path) for t in tasks]
         kept = [name for name, n in zip(names, rows) if n] or names[:1]  # no row at all: one part, its schema
-        if len(kept) == len(names) or not target.is_dir:
+        if len(kept) == len(names):
             return names
         for name in set(names) - set(kept):
             os.unlink(target.file(name))

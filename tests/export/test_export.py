@@ -142,7 +142,11 @@ def test_shards_write_the_same_rows_as_one_file(cli, dsn, conn, tmp_path, fmt):
     for out, shards in ((one, 1), (four, 4)):
         p = cli("export", "--table", "t", "--format", fmt, "--out", out, "--db", dsn, "--shards", shards, "--json",
                 check=True)
-        assert orjson.loads(p.stdout)["rows"] == 1800
+        doc = orjson.loads(p.stdout)
+        assert doc["rows"] == 1800
+        assert all((out / f if out.is_dir() else out.parent / f).is_file() for f in doc["files"]), doc["files"]
+        if fmt != "npy" and shards == 1:
+            assert doc["files"] == [out.name]  # the file as it is, not as it was built
     ids1, vecs1, _ = _read(one, fmt)
     ids4, vecs4, _ = _read(four, fmt)
     assert len(ids4) == len(set(ids4)) == 1800 and set(ids4) == set(ids1)
