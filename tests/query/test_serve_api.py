@@ -158,6 +158,17 @@ def test_bodies_of_the_wrong_type_a_lower_case_scheme_and_a_huge_hybrid_query(se
         assert status == 400 and "is not" in json.loads(answer)["error"], (body, answer)
     status, answer = _call(base + "/v1/embeddings", json.dumps({"input": "hi", "dimensions": True}).encode())
     assert status == 400 and "dimensions True" in json.loads(answer)["error"]["message"]
+    for body, says in (({"input": ""}, "input[0] is empty"), ({"input": ["a", " "]}, "input[1] is empty"),
+                       ({"input": "hi", "model": 5}, "model 5")):
+        status, answer = _call(base + "/v1/embeddings", json.dumps(body).encode())
+        err = json.loads(answer)["error"]
+        assert status == 400 and says in err["message"] and err["type"] == "invalid_request_error", (body, answer)
+    status, answer = _call(base + "/v1/embeddings")  # a GET: in OpenAI's shape too
+    assert status == 405 and json.loads(answer)["error"]["type"] == "invalid_request_error"
+    import openai
+
+    with pytest.raises(openai.BadRequestError, match="is empty"):
+        openai.OpenAI(base_url=base + "/v1", api_key=KEY, max_retries=0).embeddings.create(model="m", input="")
     req = urllib.request.Request(base + "/search?q=battery&k=1", headers={"Authorization": f"bearer {KEY}"})
     with urllib.request.urlopen(req, timeout=60) as r:  # the scheme's name in any case
         assert r.status == 200

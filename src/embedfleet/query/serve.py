@@ -366,7 +366,8 @@ def make_app(service: SearchService, api_key: str | None = None):
         """One line; for the OpenAI route in OpenAI's shape (its clients read error.message)."""
         if openai:
             kind = "invalid_request_error" if status < 500 else "server_error"
-            return JSONResponse({"error": {"message": message, "type": kind, "code": status}}, status_code=status)
+            return JSONResponse({"error": {"message": message, "type": kind, "param": None, "code": None}},
+                                status_code=status)
         return JSONResponse({"error": message}, status_code=status)
 
     async def health(request: Request) -> JSONResponse:
@@ -498,6 +499,12 @@ def make_app(service: SearchService, api_key: str | None = None):
             return error(400, openai=True, message="input: a string or a list of strings (token arrays are not taken)")
         if not texts:
             return error(400, openai=True, message="input is empty")
+        if not all(t.strip() for t in texts):  # as OpenAI: an empty string has nothing to embed
+            at = next(i for i, t in enumerate(texts) if not t.strip())
+            return error(400, openai=True, message=f"input[{at}] is empty: give text to embed")
+        if not isinstance(body.get("model", ""), str):
+            return error(400, openai=True, message=f"model {body['model']!r}: a string (this server embeds with "
+                                                    f"{service.encoder.describe()['name']}, whatever it names)")
         if len(texts) > MAX_INPUTS:
             return error(413, openai=True, message=f"{len(texts):,} inputs: at most {MAX_INPUTS:,} a request")
         fmt = body.get("encoding_format") or "float"
@@ -542,7 +549,7 @@ def make_app(service: SearchService, api_key: str | None = None):
     async def not_found(request: Request, exc: HTTPException) -> JSONResponse:
         if exc.status_code == 404:
             return error(404, f"no {request.url.path}: GET /search?q=…, POST /v1/embeddings, GET /openapi.json")
-        return error(exc.status_code, exc.detail)
+        return error(exc.status_code, exc.detail, openai=request.url.path.startswith("/v1/"))
 
     class Guard:
         """The API key on every route but /health, and each request counted and timed: plain ASGI, so that a
