@@ -73,5 +73,20 @@ def user_line(e: BaseException) -> str | None:
     if connection_lost(e):
         return f"the database connection was lost ({first}); once the server is back, rerun the same command to resume"
     if isinstance(e, psycopg.errors.InsufficientPrivilege):
-        return f"the database refused: {first}; ask its admin for the privilege, or pass --db with a role that has it"
+        grant = _grant_for(first)
+        return (f"the database refused: {first}; " + (f"{grant}, " if grant else "ask its admin for the privilege, ")
+                + "or pass --db with a role that has it")
     return f"the database refused a statement: {first} (SQLSTATE {e.sqlstate}; rerun with --debug for the traceback)"
+
+
+def _grant_for(message: str) -> str | None:
+    """The GRANT a "permission denied for schema|table X" needs, said for the role the command ran as."""
+    import re
+
+    m = re.match(r"permission denied for (schema|table|sequence) (\S+)", message)
+    if m is None:
+        return None
+    kind, name = m.groups()
+    what = {"schema": "USAGE ON SCHEMA", "table": "SELECT ON TABLE", "sequence": "USAGE ON SEQUENCE"}[kind]
+    writes = " (and INSERT, UPDATE where the command writes it)" if kind == "table" else ""
+    return f"an admin can GRANT {what} {name}{writes} TO the role this command connects as"

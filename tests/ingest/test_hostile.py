@@ -130,6 +130,15 @@ def test_a_restricted_role_gets_one_line_naming_the_privilege_and_a_reader_can_r
     # …and cannot write: an ingest says which privilege is missing, no traceback.
     one_line_error(cli("ingest", REVIEWS, "--db", reader, "--table", "data.more", "--limit", "5", "--quiet"),
                     "reader")
+    # A role that may not even use the ledger's schema: each command names the GRANT.
+    conn.execute("CREATE ROLE outsider LOGIN")
+    conn.execute("GRANT USAGE ON SCHEMA data TO outsider")
+    conn.execute("GRANT SELECT ON data.reviews TO outsider")
+    outsider = _as_role(dsn, "outsider")
+    line = one_line_error(cli("ingest", REVIEWS, "--db", outsider, "--table", "data.more", "--limit", "5",
+                              "--quiet"), "GRANT USAGE ON SCHEMA embedfleet TO outsider")
+    assert "GRANT SELECT, INSERT, UPDATE, DELETE ON ALL TABLES IN SCHEMA embedfleet TO outsider" in line
+    one_line_error(cli("status", "--db", outsider), "GRANT USAGE ON SCHEMA embedfleet")
 
 
 def test_a_model_that_cannot_load_stops_before_planning(cli, dsn, conn, tmp_path):

@@ -198,12 +198,7 @@ def check_job(spec: JobSpec, conn, settings: Settings) -> JobSpec:
     else:
         inputs = tuple(expand_inputs(list(spec.inputs)))
     table = check_identifier(spec.table or table_name_for(inputs[0]))
-    job = spec.job
-    if job is None:  # named after its table: `t` and `public.t` are one job (one trigger, one resume)
-        from embedfleet.ledger import job_for_table
-
-        job, table = job_for_table(conn, table) or (table, table)
-    cfg = spec.replace(inputs=inputs, table=table, job=job, model=spec.model or settings.model)
+    cfg = spec.replace(inputs=inputs, table=table, job=spec.job or table, model=spec.model or settings.model)
     check_server(conn, cfg.dtype)
     from embedfleet.encode.models import check_model
 
@@ -241,6 +236,11 @@ def check_job(spec: JobSpec, conn, settings: Settings) -> JobSpec:
         check_table_columns(conn, cfg.table, table_columns(cfg.preset, bool(cfg.passages), cfg.columns))
     if not cfg.meta and not cfg.source_table:  # with --meta the text may come from the product fields, joined later
         check_inputs_have_text(cfg)
+    if spec.job is None:  # named after its table: `t` and `public.t` are one job (one trigger, one resume)
+        from embedfleet.ledger import job_for_table
+
+        if known := job_for_table(conn, table):
+            cfg = cfg.replace(job=known[0], table=known[1])
     return cfg
 
 

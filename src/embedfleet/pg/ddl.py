@@ -111,16 +111,21 @@ def check_write_privileges(conn: psycopg.Connection, table: str, index: bool) ->
 
     role, _ = role_and_database(conn)
     quote = lambda name: quote_ident(conn, name)  # noqa: E731
-    if ledger_version(conn) < LEDGER_VERSION:
+    usage = conn.execute("SELECT to_regnamespace(%s) IS NULL OR has_schema_privilege(%s, 'USAGE')",
+                         [SCHEMA, SCHEMA]).fetchone()[0]
+    if usage and ledger_version(conn) < LEDGER_VERSION:  # (its version is read in the schema)
         check_ledger_privileges(conn)
     else:
-        missing = [t for (t,) in conn.execute(
-            "SELECT t FROM unnest(ARRAY['jobs', 'chunks', 'rejects', 'workers', 'meta', 'meta_loaded']) t "
-            "WHERE NOT has_table_privilege('embedfleet.' || t, 'SELECT, INSERT, UPDATE')").fetchall()]
-        if missing:
-            raise DatabaseError(
-                f"role {role} cannot write the ledger (no SELECT, INSERT, UPDATE on embedfleet.{missing[0]}): "
-                f"GRANT SELECT, INSERT, UPDATE, DELETE ON ALL TABLES IN SCHEMA {SCHEMA} TO {quote(role)}")
+        missing = [t for (t,) in conn.execute(  # by oid: asking by name needs the schema's USAGE first
+            "SELECT c.relname FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace WHERE n.nspname = %s "
+            "AND c.relname = ANY(ARRAY['jobs', 'chunks', 'rejects', 'workers', 'meta', 'meta_loaded']) "
+            "AND NOT has_table_privilege(c.oid, 'SELECT, INSERT, UPDATE') ORDER BY c.relname", [SCHEMA]).fetchall()]
+        grants = ([] if usage else [f"GRANT USAGE ON SCHEMA {SCHEMA} TO {quote(role)}"]) + (
+            [f"GRANT SELECT, INSERT, UPDATE, DELETE ON ALL TABLES IN SCHEMA {SCHEMA} TO {quote(role)}"] if missing else [])
+        if grants:
+            lacks = ", ".join(([f"USAGE on schema {SCHEMA}"] if not usage else []) +
+                              ([f"SELECT, INSERT, UPDATE on {SCHEMA}.{missing[0]}"] if missing else []))
+            raise DatabaseError(f"role {role} cannot write the ledger (no {lacks}): {'; '.join(grants)}")
     schema, name = split_table(conn, table)
     target = table_sql(conn, table).as_string(conn)
     if table_exists(conn, table):
