@@ -121,6 +121,27 @@ def test_appended_lines_and_new_files_are_embedded_once_each(cli, dsn, conn, tmp
     _verify_ok(cli, dsn, "grow")
 
 
+def test_a_file_without_a_final_newline_then_appended_to_embeds_the_new_lines(cli, dsn, conn, tmp_path):
+    for name, ending in (("lf", "\n"), ("crlf", "\r\n")):
+        a = tmp_path / f"{name}.jsonl"
+        a.write_bytes(_lines("n", 0, 5).replace("\n", ending).encode()[:-len(ending)])  # no newline at the end
+        assert _ingest(cli, dsn, a, "--table", f"nonl_{name}").returncode == 0
+        with a.open("ab") as f:  # what `printf '\n{...}\n' >> file` does
+            f.write((ending + _lines("n", 5, 3).replace("\n", ending)).encode())
+        p = _ingest(cli, dsn, a, "--table", f"nonl_{name}")
+        assert p.returncode == 0, p.stderr
+        rows = _rows(conn, f"nonl_{name}")
+        assert len(rows) == 8 and rows[f"{name}.jsonl:5"].startswith("n review 4 ")
+        assert rows[f"{name}.jsonl:6"].startswith("n review 5 ") and rows[f"{name}.jsonl:8"].startswith("n review 7 ")
+        _verify_ok(cli, dsn, f"nonl_{name}")
+    c = tmp_path / "c.jsonl"  # a last line truly continued is still a change
+    c.write_text(_lines("c", 0, 3)[:-1])
+    assert _ingest(cli, dsn, c, "--table", "cont").returncode == 0
+    with c.open("a") as f:
+        f.write(' "more"\n')
+    assert "its last planned line was continued" in _ingest(cli, dsn, c, "--table", "cont").stderr
+
+
 def test_appended_gzip_members_and_csv_rows_are_embedded_with_their_line_numbers(cli, dsn, conn, tmp_path):
     gz, csv_path = tmp_path / "s.jsonl.gz", tmp_path / "t.csv"
     gz.write_bytes(gzip.compress(_lines("g", 0, 20).encode()))

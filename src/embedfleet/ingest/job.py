@@ -377,7 +377,7 @@ def plan_changes(cfg: JobSpec, ledger: Ledger, chunk_bytes: int) -> int:
     """A rerun of a planned job: chunks for bytes appended to its files and for files its inputs now match,
     and (--replace) its files planned anew, their chunks before dropped; a file whose planned bytes changed is
     refused before anything is added. Returns the chunks added."""
-    from embedfleet.sources.changes import next_line, survey
+    from embedfleet.sources.changes import appended_from, next_line, survey
 
     known = ledger.planned_files(cfg.job)
     replace = frozenset(expand_inputs(list(cfg.replacing or ())))
@@ -390,7 +390,8 @@ def plan_changes(cfg: JobSpec, ledger: Ledger, chunk_bytes: int) -> int:
     last = ledger.last_chunks(cfg.job)
     grown: list[ChunkSpec] = []
     for p, _ in sorted(found.grown, key=lambda g: g[0].source):
-        grown += plan_file(p.source, chunk_bytes, start=p.size, first_line=next_line(last[p.source][0]))
+        start, more = appended_from(p)
+        grown += plan_file(p.source, chunk_bytes, start=start, first_line=next_line(last[p.source][0]) + more)
     grown += [c for source in found.new for c in plan_file(source, chunk_bytes)]
     plan = apply_limit(grown, None if cfg.limit is None else max(0, cfg.limit - lines_planned(last)))
     replaced = []

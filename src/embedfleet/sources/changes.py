@@ -18,7 +18,7 @@ from embedfleet.sources import files
 from embedfleet.sources.base import STREAM_ERRORS, open_binary
 from embedfleet.sources.plan import ChunkSpec, input_kind
 
-__all__ = ["PlannedFile", "Survey", "digest", "planned_file", "next_line", "survey", "changed_line"]
+__all__ = ["PlannedFile", "Survey", "appended_from", "digest", "planned_file", "next_line", "survey", "changed_line"]
 
 WHOLE = 16 << 20
 EDGE = 1 << 20
@@ -105,13 +105,29 @@ def _changed(p: PlannedFile, size: int) -> str | None:
         return f"its first {p.size:,} bytes differ from those planned"
     if size > p.size and p.kind == "parquet":
         return "a Parquet file cannot be appended to"
-    if size > p.size and p.kind in ("jsonl", "csv") and p.size and _last_byte(p) != b"\n":
+    if size > p.size and p.kind in ("jsonl", "csv") and p.size and _last_byte(p) != b"\n" and not _ending(p):
         return "its last planned line was continued"
     return None
 
 
+def appended_from(p: PlannedFile) -> tuple[int, int]:
+    """(the byte the appended part starts at, lines to add to its first line's number): where the file's last
+    planned line had no newline and the append begins with one, that newline ends the planned line (a file
+    written without a final newline, then appended to)."""
+    if p.kind not in ("jsonl", "csv") or not p.size or _last_byte(p) == b"\n":
+        return p.size, 0
+    ending = _ending(p)
+    return p.size + ending, 1 if ending else 0
+
+
 def _last_byte(p: PlannedFile) -> bytes:
     return b"".join(files.read_range(p.source, p.size - 1, p.size))
+
+
+def _ending(p: PlannedFile) -> int:
+    """The bytes of the line ending the file has just past what was planned (0: none there)."""
+    after = b"".join(files.read_range(p.source, p.size, p.size + 2))
+    return 1 if after.startswith(b"\n") else 2 if after == b"\r\n" else 0
 
 
 def next_line(last: ChunkSpec) -> int:
