@@ -101,6 +101,9 @@ def test_bad_sources_get_one_line_each(cli, dsn, conn, tmp_path):
         (("--from-table", "numbers", "--text-field", "note", "--columns", "n:bogus", "--table", "num_t"),
          "--columns 'n:bogus': give NAME:TYPE"),
     ]
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text('{"text": "a file"}\n')
+    cases.append(((rows, "--source-db", dsn), "--source-db is the database a --from-table source is in"))
     for args, message in cases:
         p = cli("ingest", *args, "--db", dsn, "--devices", "cpu", "--quiet")
         one_line_error(p, message)

@@ -10,7 +10,7 @@ from typing import List, Optional
 import typer
 
 from embedfleet.cli.app import DbOpt, TrustOpt, app, emit, jobs_app, knobs, state, stopped_on_purpose, with_flags
-from embedfleet.errors import EmbedfleetError
+from embedfleet.errors import EmbedfleetError, InputError
 
 
 def shell_escapes(template: str | None) -> str | None:
@@ -107,6 +107,9 @@ def ingest(
         replacing=tuple(replace) if replace else None, source_table=from_table, where=where,
         trust_remote_code=trust_remote_code or None, fts=fts or None, fts_config=fts_config, index=index, task=task,
     ), config)
+    if source_db and not cfg.source_table:
+        raise InputError("--source-db is the database a --from-table source is in; files are read where they are: "
+                         "leave it out, or add --from-table")
     settings = with_flags(knobs(), metrics_port=metrics_port, source_db=source_db)
     if not cfg.source_table:  # a missing file fails before any server starts
         cfg = cfg.replace(inputs=tuple(expand_inputs(list(cfg.inputs))))
