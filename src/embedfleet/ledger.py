@@ -886,6 +886,14 @@ def table_job(conn: psycopg.Connection, table: str) -> dict | None:
     return dict(row) if row else None
 
 
+def job_named(conn: psycopg.Connection, name: str) -> str:
+    """The job a user names: by its name, else by its table's name however spelled (`t` for job `public.t`)."""
+    if not ledger_exists(conn) or conn.execute("SELECT 1 FROM embedfleet.jobs WHERE job = %s", [name]).fetchone():
+        return name
+    known = job_for_table(conn, name)
+    return known[0] if known else name
+
+
 def job_for_table(conn: psycopg.Connection, table: str) -> tuple[str, str] | None:
     """(job, its table as recorded) of the job named for `table` however it was spelled (`t` or `public.t`), so
     one table is one job; None where there is none."""

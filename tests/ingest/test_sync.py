@@ -244,9 +244,10 @@ def test_the_target_spelled_with_or_without_its_schema_is_one_sync(cli, dsn, con
     assert conn.execute("SELECT count(*) FROM embedfleet.jobs WHERE table_name LIKE '%%notes_embeddings'"
                         ).fetchone()[0] == 1
     _assert_equal_to_source(conn, "notes", "notes_embeddings")
-    for spelled in ("notes_embeddings", "public.notes_embeddings"):  # verify finds its job and sync either way
+    for spelled in ("notes_embeddings", "public.notes_embeddings"):  # verify and status find it either way
         report = orjson.loads(cli("verify", "--table", spelled, "--db", dsn, "--json", check=True).stdout)
         assert report["sync"]["source"] == "public.notes" and report["model"] and report["ok"], report
+        assert _status(cli, dsn, spelled)["job"] == first["job"]
     gone = orjson.loads(cli(*_sync_args(dsn, "notes", "--table", "notes_embeddings", "--uninstall", "--json")[3:],
                             check=True).stdout)
     assert gone["job"] == first["job"] and gone["uninstalled"] is True

@@ -272,10 +272,11 @@ def status(
     """Jobs in the ledger: chunks, rows, rejects, state — and with --watch the fleet working on them."""
     from embedfleet.pg.embedded import resolve_dsn
     from embedfleet.pg.connect import connect
-    from embedfleet.ledger import jobs_overview
+    from embedfleet.ledger import job_named, jobs_overview
 
     settings = knobs()
     with connect(resolve_dsn(db, settings)) as conn:
+        job = job and job_named(conn, job)
         jobs = jobs_overview(conn, job, settings.source_db)
         if job and not jobs:
             raise EmbedfleetError(f"no job named {job!r}; `embedfleet status` lists them")
@@ -305,9 +306,10 @@ def jobs_rm(
     """Remove a job's ledger entries (chunks, rejects, workers); its table stays unless --drop-table."""
     from embedfleet.pg.embedded import resolve_dsn
     from embedfleet.pg.connect import connect
-    from embedfleet.ledger import remove_job
+    from embedfleet.ledger import job_named, remove_job
 
     with connect(resolve_dsn(db, knobs())) as conn:
+        job = job_named(conn, job)
         removed = remove_job(conn, job, drop_table=drop_table)
     if json_out:
         emit(removed)
