@@ -351,7 +351,8 @@ def plan_job(cfg: JobSpec, ledger: Ledger, device: str, source: "SourceSnapshot 
                      cfg.job, released, retried)
         added = 0 if cfg.source_table else plan_changes(cfg, ledger, chunk_bytes)
         if added:
-            log.info("job %s: %d new chunks for what was added to its inputs", cfg.job, added)
+            log.info("job %s: %d new chunks for %s", cfg.job, added, "the files given with --replace (and anything "
+                     "added to its inputs)" if cfg.replacing else "what was added to its inputs")
     if source is not None:
         ledger.set_snapshot(cfg.job, source.snapshot)
     return cfg
