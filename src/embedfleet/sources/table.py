@@ -62,7 +62,11 @@ def describe(conn: psycopg.Connection, name: str) -> TableSource:
     except (psycopg.errors.InvalidName, psycopg.errors.InvalidSchemaName):
         oid = None
     if oid is None:
-        raise InputError(f"--from-table {name}: no such table (as `{name}` reads in SQL: quote mixed-case names)")
+        db = conn.execute("SELECT current_database()").fetchone()[0]
+        hint = (f"as `{name}` reads in SQL, where unquoted letters fold to lower case: write '\"{name}\"' for the "
+                "name as written" if name != name.lower() and '"' not in name else
+                "a table in another database: --source-db DSN")
+        raise InputError(f"--from-table {name}: no such table in database {db} ({hint})")
     schema, table, kind, qualified = conn.execute(
         "SELECT n.nspname, c.relname, c.relkind, format('%%I.%%I', n.nspname, c.relname) FROM pg_class c "
         "JOIN pg_namespace n ON n.oid = c.relnamespace WHERE c.oid = %s", [oid]).fetchone()
