@@ -167,8 +167,15 @@ def test_bodies_of_the_wrong_type_a_lower_case_scheme_and_a_huge_hybrid_query(se
     assert status == 405 and json.loads(answer)["error"]["type"] == "invalid_request_error"
     import openai
 
+    client = openai.OpenAI(base_url=base + "/v1", api_key=KEY, max_retries=0)
     with pytest.raises(openai.BadRequestError, match="is empty"):
-        openai.OpenAI(base_url=base + "/v1", api_key=KEY, max_retries=0).embeddings.create(model="m", input="")
+        client.embeddings.create(model="m", input="")
+    assert [m.id for m in client.models.list()] == ["sentence-transformers/all-MiniLM-L6-v2"]  # the one it embeds with
+    for bad in ("/search?q=battery&hybird=true", "/search?q=battery&K=3"):  # a misspelt parameter is said
+        status, answer = _call(base + bad)
+        assert status == 400 and "not a parameter of /search" in json.loads(answer)["error"], answer
+    status, answer = _call(base + "/search", json.dumps({"q": "battery", "top_k": 3}).encode())
+    assert status == 400 and "top_k" in json.loads(answer)["error"]
     req = urllib.request.Request(base + "/search?q=battery&k=1", headers={"Authorization": f"bearer {KEY}"})
     with urllib.request.urlopen(req, timeout=60) as r:  # the scheme's name in any case
         assert r.status == 200

@@ -2,6 +2,7 @@
 
     GET|POST /search?q=TEXT[&k=N][&where=SQL][&hybrid=true]  ->  {"results": [{"id", "distance", "content", …}], "scan"}
     POST /v1/embeddings {"input": str | [str], "model", "encoding_format", "dimensions"}  ->  OpenAI's answer
+    GET /v1/models  ->  the one model, as OpenAI lists models
     GET /health  ->  {"table", "model", "path", "device", "dim"}      GET /metrics  ->  Prometheus text
     GET /openapi.json  ->  the routes, described
 
@@ -43,6 +44,7 @@ __all__ = ["SearchService", "make_app", "serve"]
 log = logging.getLogger(__name__)
 
 MAX_K = 1000
+SEARCH_PARAMS = frozenset({"q", "k", "where", "hybrid", "rerank"})
 MAX_REQUEST_BYTES = 4 << 20  # a request's body
 MAX_INPUTS = 2048  # texts in one /v1/embeddings request
 BATCH_TEXTS = 4096  # texts the batcher takes together at most
@@ -395,6 +397,9 @@ def make_app(service: SearchService, api_key: str | None = None):
                 return error(400, f"{wrong}: {body[wrong]!r} is not {want}")
             params.update({key: str(v).lower() if isinstance(v, bool) else str(v) for key, v in body.items()
                            if v is not None})
+        unknown = sorted(set(params) - SEARCH_PARAMS)
+        if unknown:  # a misspelt parameter (`hybird`) is said, not ignored
+            return error(400, f"{unknown[0]}: not a parameter of /search ({', '.join(sorted(SEARCH_PARAMS))})")
         return params
 
     async def _body(request: Request, openai: bool = False):
@@ -531,6 +536,16 @@ def make_app(service: SearchService, api_key: str | None = None):
                                "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}),
                         media_type="application/json")
 
+    async def models(request: Request) -> Response:
+        """
+        summary: the one model this server embeds with, as OpenAI lists models
+        responses:
+          200: {description: "{object: list, data: [{id, object: model, created, owned_by}]}"}
+        """
+        name = service.encoder.describe()["name"]
+        return Response(_json({"object": "list", "data": [{"id": name, "object": "model", "created": 0,
+                                                           "owned_by": "embedfleet"}]}), media_type="application/json")
+
     async def metrics_text(request: Request) -> Response:
         """
         summary: Prometheus metrics (requests, latency, queue depth, tokens)
@@ -548,7 +563,8 @@ def make_app(service: SearchService, api_key: str | None = None):
 
     async def not_found(request: Request, exc: HTTPException) -> JSONResponse:
         if exc.status_code == 404:
-            return error(404, f"no {request.url.path}: GET /search?q=…, POST /v1/embeddings, GET /openapi.json")
+            return error(404, f"no {request.url.path}: GET /search?q=…, POST /v1/embeddings, GET /v1/models, "
+                         "GET /openapi.json")
         return error(exc.status_code, exc.detail, openai=request.url.path.startswith("/v1/"))
 
     class Guard:
@@ -582,6 +598,7 @@ def make_app(service: SearchService, api_key: str | None = None):
             _observe(metrics, route, status[0], t0)
 
     routes = [Route("/search", search, methods=["GET", "POST"]), Route("/v1/embeddings", embeddings, methods=["POST"]),
+              Route("/v1/models", models),
               Route("/health", health), Route("/metrics", metrics_text), Route("/openapi.json", openapi,
                                                                                 include_in_schema=False)]
     return Starlette(routes=routes, exception_handlers={HTTPException: not_found}, middleware=[Middleware(Guard)])
