@@ -4,6 +4,7 @@ preset, so that --where, train and map use them as plain columns."""
 from __future__ import annotations
 
 import json
+from decimal import Decimal
 
 import orjson
 import pytest
@@ -52,6 +53,20 @@ def test_promoted_columns_serve_where_and_train(cli, dsn, conn, tmp_path):
             "--out", tmp_path / "run", "--json", check=True)
     doc = orjson.loads(t.stdout)
     assert doc["final"]["val_accuracy"] >= 0.9 and doc["batch_size"] == 16  # 180 train rows: auto batch 16
+
+
+def test_a_numeric_column_holds_amounts_exactly_and_a_bad_one_is_a_reject(cli, dsn, conn, tmp_path):
+    src = tmp_path / "prices.jsonl"
+    src.write_text("".join(orjson.dumps(r).decode() + "\n" for r in (
+        {"text": "a cable", "price": 0.1}, {"text": "a case", "price": "12345678901234567.89"},
+        {"text": "a charger", "price": 3}, {"text": "a screen", "price": "ten"})))
+    p = cli("ingest", src, "--columns", "price:numeric", "--db", dsn, "--devices", "cpu", "--quiet", check=True)
+    assert "3 rows" in p.stderr and "1 rejected" in p.stderr
+    prices = dict(conn.execute("SELECT content, price FROM prices").fetchall())
+    assert prices == {"a cable": Decimal("0.1"), "a case": Decimal("12345678901234567.89"), "a charger": Decimal(3)}
+    assert "price" in conn.execute("SELECT reason FROM embedfleet.rejects WHERE job = 'prices'").fetchone()[0]
+    s = cli("search", "cable", "--table", "prices", "--db", dsn, "--where", "price > 1", "--json", check=True)
+    assert {r["content"] for r in orjson.loads(s.stdout)["results"]} == {"a case", "a charger"}
 
 
 def test_an_existing_table_without_the_column_is_refused_before_planning(cli, dsn, conn, tmp_path):

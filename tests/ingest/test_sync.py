@@ -10,6 +10,7 @@ import signal
 import subprocess
 import sys
 import time
+from decimal import Decimal
 
 import numpy as np
 import orjson
@@ -113,7 +114,8 @@ def test_bad_sources_get_one_line_each(cli, dsn, conn, tmp_path):
     conn.execute("INSERT INTO numbers VALUES (1, 5, 'a note', 12345678901234567.89)")
     cli("ingest", "--from-table", "numbers", "--text-field", "note", "--columns", "n:int,amount", "--table", "num_t",
         "--db", dsn, "--devices", "cpu", "--quiet", check=True)
-    assert conn.execute("SELECT n, amount FROM num_t").fetchone() == (5, "12345678901234567.89")
+    assert conn.execute("SELECT n, amount FROM num_t").fetchone() == (5, Decimal("12345678901234567.89"))
+    assert conn.execute("SELECT count(*) FROM num_t WHERE amount > 100").fetchone()[0] == 1  # compares as a number
 
 
 def test_sync_refuses_an_id_nothing_keeps_unique_and_a_template_reads_into_jsonb(cli, dsn, conn, tmp_path):

@@ -77,6 +77,8 @@ def test_jsonable_sanitizes_nested_strings():
         ("", "date", None),
         ("hep-ph  astro-ph\n", "text[]", ["hep-ph", "astro-ph"]), (["a b", 3, None, "c\x00"], "text[]", ["a b", "3", "c"]),
         ("", "text[]", None), ("  ", "text[]", None), ([], "text[]", []), (("x",), "text[]", ["x"]),
+        (1.25, "numeric", Decimal("1.25")), ("12345678901234567.89", "numeric", Decimal("12345678901234567.89")),
+        (7, "numeric", Decimal(7)), (" -0.10 ", "numeric", Decimal("-0.10")), ("", "numeric", None),
     ],
 )
 def test_coerce(value, pgtype, expected):
@@ -90,7 +92,7 @@ def test_coerce(value, pgtype, expected):
         (2**63, "bigint"), (True, "integer"), ("yes", "boolean"), (2, "boolean"), ({"a": 1}, "text"),
         ("next tuesday", "timestamptz"), (True, "timestamptz"), (1e30, "timestamptz"),
         ("13/11/2008", "date"), (1226534400000, "date"), ({"a": 1}, "text[]"), ([["nested"]], "text[]"),
-        ([{"a": 1}], "text[]"),
+        ([{"a": 1}], "text[]"), ("ten", "numeric"), (True, "numeric"), (float("nan"), "numeric"), ("Infinity", "numeric"),
     ],
 )
 def test_coerce_rejects(value, pgtype):

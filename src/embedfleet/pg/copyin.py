@@ -27,7 +27,8 @@ except ImportError:  # pragma: no cover - a psycopg that moved it: RowEncoder fr
 
 # psycopg's type names for our column types.
 COPY_TYPES = {
-    "text": "text", "real": "float4", "double precision": "float8", "integer": "int4", "bigint": "int8",
+    "text": "text", "real": "float4", "double precision": "float8", "numeric": "numeric", "integer": "int4",
+    "bigint": "int8",
     "boolean": "bool", "timestamptz": "timestamptz", "date": "date", "jsonb": "jsonb", "text[]": "text[]",
 }
 SIGNATURE = b"PGCOPY\n\xff\r\n\x00" + struct.pack(">ii", 0, 0)  # magic, flags, header extension length

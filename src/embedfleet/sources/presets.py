@@ -241,7 +241,8 @@ FILE_PRESETS = tuple(p for p in PRESETS if p != "table")  # "table" is --from-ta
 # `--columns NAME:TYPE,…`: the types a promoted field may take, by the names a user would write.
 COLUMN_TYPES = {
     "int": "bigint", "integer": "integer", "bigint": "bigint", "real": "real", "float": "double precision",
-    "double": "double precision", "text": "text", "bool": "boolean", "boolean": "boolean", "date": "date",
+    "double": "double precision", "numeric": "numeric", "decimal": "numeric", "text": "text", "bool": "boolean",
+    "boolean": "boolean", "date": "date",
     "timestamp": "timestamptz", "timestamptz": "timestamptz", "json": "jsonb", "jsonb": "jsonb", "text[]": "text[]",
 }
 _NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,62}")

@@ -139,6 +139,14 @@ def _to_float(v: object) -> float | None:
     return float(v)
 
 
+def _to_decimal(v: object) -> Decimal | None:
+    """Exactly as written (a float as its shortest repr); NaN and infinities are no amounts here."""
+    if isinstance(v, bool) or not isinstance(v, (int, float, str, Decimal)):
+        return None
+    out = v if isinstance(v, Decimal) else Decimal(str(v))
+    return out if out.is_finite() else None
+
+
 def _to_int(v: object, bits_range: int) -> int | None:
     if isinstance(v, bool):
         return None
@@ -210,6 +218,7 @@ def _to_text_array(v: object, field: str) -> list[str] | None:
 _COERCE: dict[str, Callable[[object], object]] = {
     "real": _to_float,
     "double precision": _to_float,
+    "numeric": _to_decimal,
     "integer": lambda v: _to_int(v, _INT_RANGE["integer"]),
     "bigint": lambda v: _to_int(v, _INT_RANGE["bigint"]),
     "boolean": _to_bool,
@@ -250,6 +259,10 @@ def _bigint(value: object, field: str) -> object:
     return coerce(value, "bigint", field)
 
 
+def _numeric(value: object, field: str) -> object:
+    return value if type(value) is Decimal and value.is_finite() else coerce(value, "numeric", field)
+
+
 def _boolean(value: object, field: str) -> object:
     return value if type(value) is bool else coerce(value, "boolean", field)
 
@@ -278,7 +291,8 @@ def _jsonb(value: object, field: str) -> object:
 
 
 _COERCERS: dict[str, Callable[[object, str], object]] = {
-    "text": _text, "real": _real, "double precision": _double, "integer": _integer, "bigint": _bigint,
+    "text": _text, "real": _real, "double precision": _double, "numeric": _numeric, "integer": _integer,
+    "bigint": _bigint,
     "boolean": _boolean, "timestamptz": _timestamptz, "date": _date, "jsonb": _jsonb, "text[]": _text_array,
 }
 

@@ -33,6 +33,7 @@ _LINE = sql.SQL("(((ctid::text::point)[0])::bigint * 65536 + ((ctid::text::point
 # A source column's type as the target table's column type (`--columns`), by PostgreSQL's own type names.
 _TARGET = {
     "smallint": "integer", "integer": "integer", "bigint": "bigint", "real": "real", "double precision": "double",
+    "numeric": "numeric",
     "boolean": "bool", "date": "date", "timestamp with time zone": "timestamptz",
     "timestamp without time zone": "timestamptz", "json": "jsonb", "jsonb": "jsonb", "text[]": "text[]",
     "character varying[]": "text[]",
