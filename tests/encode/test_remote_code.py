@@ -110,6 +110,21 @@ def test_refused_without_the_flag_and_loaded_with_it(custom_model):
     enc.close()
 
 
+def test_a_custom_code_model_without_a_tokenizer_is_one_whole_line_and_no_prompt(custom_model, tmp_path, capfd):
+    from embedfleet.encode.encoder import Encoder
+    from embedfleet.errors import ModelError
+
+    bare = tmp_path / "bare"
+    shutil.copytree(custom_model, bare)
+    for f in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.txt"):
+        (bare / f).unlink()
+    with pytest.raises(ModelError, match="has no usable tokenizer") as err:
+        Encoder(str(bare), device="cpu", dtype="float32", trust_remote_code=True)
+    assert "\n" not in str(err.value) and not str(err.value).rstrip().endswith(":")  # the reason, whole
+    out, errs = capfd.readouterr()
+    assert "Do you wish to run the custom code" not in out + errs  # the flag reached transformers too
+
+
 def test_ingest_and_search_take_the_flag(cli, dsn, conn, custom_model, tmp_path):
     src = tmp_path / "docs.jsonl"
     src.write_text("".join(json.dumps({"text": t}) + "\n" for t in TEXTS))

@@ -345,12 +345,17 @@ def _tokenizer_json(spec) -> str:
     for d in (spec.hf_dir, spec.path):
         if (d / "tokenizer.json").exists():
             return (d / "tokenizer.json").read_text(encoding="utf-8")
+    from embedfleet.encode.models import remote_code
+
     try:  # a slow-only tokenizer: let transformers convert it
         from transformers import AutoTokenizer
 
-        return AutoTokenizer.from_pretrained(str(spec.hf_dir)).backend_tokenizer.to_str()
+        # a model with code of its own got here only with --trust-remote-code (models.check_remote_code)
+        custom = spec.custom is not None or remote_code(spec) is not None
+        return AutoTokenizer.from_pretrained(str(spec.hf_dir), trust_remote_code=custom).backend_tokenizer.to_str()
     except Exception as err:
-        raise ModelError(f"model {spec.path} has no usable tokenizer: {err}".splitlines()[0]) from None
+        why = " ".join(str(err).split())  # the whole reason, on one line
+        raise ModelError(f"model {spec.path} has no usable tokenizer: {why[:300]}") from None
 
 
 def model_tokenizer(spec, prompt: str | None = None, word_cache: int | None = None) -> TokenizerSpec:
