@@ -858,6 +858,16 @@ def remove_job(conn: psycopg.Connection, job: str, drop_table: bool = False) -> 
         if sync is not None:
             raise JobError(f"job {job!r} syncs {sync[0]}: its trigger would keep queueing changes; remove it with "
                            f"`embedfleet sync --from-table {sync[0]} --job {job} --uninstall` (the table stays)")
+        if drop_table:  # the table is not this job's alone to drop
+            from embedfleet.pg.ddl import spellings
+
+            others = [j for (j,) in conn.execute(
+                "SELECT job FROM embedfleet.jobs WHERE table_name = ANY(%s) AND job <> %s ORDER BY job",
+                [spellings(conn, row[0]), job])]
+            if others:
+                raise JobError(f"table {row[0]!r} also holds the rows of job{'s' if len(others) > 1 else ''} "
+                               f"{', '.join(map(repr, others))}: remove {'them' if len(others) > 1 else 'it'} first "
+                               "to drop the table, or leave out --drop-table to keep it")
         chunks, rejects = conn.execute(
             "SELECT (SELECT count(*) FROM embedfleet.chunks WHERE job = %s), "
             "(SELECT count(*) FROM embedfleet.rejects WHERE job = %s)", [job, job]).fetchone()

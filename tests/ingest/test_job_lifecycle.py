@@ -137,6 +137,12 @@ def test_checks_come_before_planning_and_jobs_rm_clears_the_ledger(cli, dsn, con
     assert conn.execute("SELECT count(*) FROM embedfleet.chunks WHERE job = 'dims'").fetchone()[0] == 0
     assert conn.execute("SELECT count(*) FROM dims").fetchone()[0] == 40  # the table stays
     cli("ingest", src, "--preset", "amazon-reviews", "--db", dsn, "--devices", "cpu", "--quiet", check=True)
+    more = write_amazon_reviews(tmp_path / "more.jsonl", 10, seed=7)
+    cli("ingest", more, "--preset", "amazon-reviews", "--db", dsn, "--devices", "cpu", "--quiet", "--table", "dims",
+        "--job", "dims_more", check=True)  # another job's rows in the same table
+    one_line_error(cli("jobs", "rm", "dims", "--db", dsn, "--drop-table"), "also holds the rows of job 'dims_more'")
+    assert conn.execute("SELECT count(*) FROM embedfleet.jobs WHERE job = 'dims'").fetchone()[0] == 1  # nothing gone
+    cli("jobs", "rm", "dims_more", "--db", dsn, check=True)
     cli("jobs", "rm", "dims", "--db", dsn, "--drop-table", check=True)
     assert conn.execute("SELECT to_regclass('dims')").fetchone()[0] is None
     one_line_error(cli("jobs", "rm", "dims", "--db", dsn), "no job named 'dims'")
