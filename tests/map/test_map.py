@@ -115,3 +115,14 @@ def test_an_empty_table_is_refused_with_one_line(cli, dsn, conn, tmp_path):
     p = cli("map", "--table", "empty", "--out", tmp_path / "m.png", "--db", dsn)
     assert p.returncode == 2 and "Traceback" not in p.stderr and not (tmp_path / "m.png").exists()
     assert p.stderr.strip().splitlines()[-1] == "error: table 'empty' has no rows to map (it is empty)"
+
+
+def test_a_numeric_column_colours_by_number_bins_not_by_each_value(conn):
+    from embedfleet.map import read_sample
+
+    conn.execute("CREATE EXTENSION IF NOT EXISTS vector")
+    conn.execute("CREATE TABLE priced (id text PRIMARY KEY, content text, embedding vector(3), price numeric(10,2))")
+    conn.execute("INSERT INTO priced SELECT 'p' || g, 'item ' || g, ARRAY[g, 1, 0]::float4[]::vector, g * 1.25 "
+                 "FROM generate_series(1, 60) g")
+    data = read_sample(conn, "priced", 100, "price")
+    assert sorted(data.color) == [g * 1.25 for g in range(1, 61)]  # numbers, as a double column's are

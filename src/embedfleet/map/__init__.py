@@ -122,6 +122,9 @@ def read_sample(conn: psycopg.Connection, table: str, sample: int, color_by: str
     if color_by:  # colours from the whole value (a text[] by its first element: arXiv's primary category)
         c = by_name[color_by]
         ident = sql.Identifier(c.name)
+        if c.regtype == "numeric":  # an amount is a number to bin, not a label: read as a double
+            c = Column(c.name, "double precision")
+            ident = sql.SQL("{}::float8").format(ident)
         exprs.append(sql.SQL("{}[1]").format(ident) if c.regtype == "text[]" else
                      ident if c.native else sql.SQL("{}::text").format(ident))
         as_read.append(_as_read(c))
