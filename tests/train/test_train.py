@@ -124,6 +124,14 @@ def test_train_beats_chance_and_predict_agrees_with_the_head(env):
         mine = dict(zip(ds.ids, model(ds.vectors().float()).argmax(1).tolist()))
     got = dict(zip(table.column("id").to_pylist(), probs.argmax(1).tolist()))
     assert mine == got
+    # rows with no label yet are what a head is for: predicted, with no accuracy to give
+    import psycopg
+
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        conn.execute("CREATE TABLE unrated AS SELECT * FROM reviews")
+        conn.execute("UPDATE unrated SET rating = NULL")
+    blind = json.loads(cli("predict", "--run", out, "--table", "unrated", "--db", dsn, "--json").stdout)
+    assert blind["rows"] == ROWS and sum(blind["predicted"].values()) == ROWS and blind["accuracy"] is None
     # the run without --out goes under $EMBEDFLEET_HOME/runs
     p = cli("train", "--table", "reviews", "--label", "helpful_vote", "--task", "regress", "--head", "mlp",
             "--epochs", "2", "--devices", "cpu", "--db", dsn)

@@ -797,7 +797,7 @@ class TableRead:
         if not has:
             raise InputError(f"the selection is empty: table {s.table!r} has no rows with a vector"
                              + (f" where {s.where}" if s.where else ""))
-        if s.label is not None and not labelled:
+        if s.label is not None and not labelled and not keep_null:  # (predictions want exactly those rows)
             raise InputError(f"--label {s.label!r} is NULL in all {sum(c for _, _, c in has):,} selected rows")
         classes = None
         if s.task == "classify":
