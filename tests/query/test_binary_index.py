@@ -55,6 +55,8 @@ def test_a_binary_index_finds_the_exact_top_10_and_is_used(cli, dsn, conn, clust
     assert recall >= 0.9, recall
     assert json.loads(cli("index", "--table", "vecs", "--index", "binary", "--db", dsn, "--json",
                           check=True).stdout)["index_built"] is False
+    orphan = cli("index", "--table", "vecs", "--index", "binary", "--fts-config", "german", "--db", dsn)
+    assert orphan.returncode != 0 and "--fts-config german configures --fts" in orphan.stderr  # not ignored
     back = json.loads(cli("index", "--table", "vecs", "--index", "hnsw", "--db", dsn, "--json", check=True).stdout)
     assert back["index_built"] and index_of(conn, "vecs")[1] == "direct"
     assert conn.execute("SELECT count(*) FROM pg_indexes WHERE tablename = 'vecs' AND indexdef ILIKE '%hnsw%'"

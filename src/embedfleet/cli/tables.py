@@ -68,7 +68,8 @@ def index(
     fts: bool = typer.Option(False, "--fts", help="add a full-text index of the content (for search --hybrid)"),
     index: Optional[str] = typer.Option(None, "--index", help="hnsw | binary: rebuild the vector index as HNSW (as the "
                                         "width allows) or over the binary-quantized vectors"),
-    fts_config: str = typer.Option("simple", "--fts-config", help="its text search configuration (simple, english…)"),
+    fts_config: Optional[str] = typer.Option(None, "--fts-config", help="its text search configuration (simple, "
+                                             "english…; default simple)"),
     db: Optional[str] = DbOpt,
     json_out: bool = typer.Option(False, "--json"),
 ) -> None:
@@ -77,6 +78,10 @@ def index(
 
     if not fts and index is None:
         raise EmbedfleetError("name the index: --fts (a full-text index of the content) or --index hnsw|binary")
+    if fts_config is not None and not fts:
+        raise EmbedfleetError(f"--fts-config {fts_config} configures --fts's full-text index: add --fts, or leave "
+                              "--fts-config out")
+    fts_config = fts_config or "simple"
     from embedfleet.pg.connect import connect
     from embedfleet.pg.ddl import embedding_info
     from embedfleet.pg.embedded import resolve_dsn
