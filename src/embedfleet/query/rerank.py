@@ -44,11 +44,16 @@ class Reranker:
             from transformers import AutoModelForSequenceClassification
 
             try:
-                self.model = AutoModelForSequenceClassification.from_pretrained(
-                    str(path), trust_remote_code=trust_remote_code).to(device).eval()
+                loaded, info = AutoModelForSequenceClassification.from_pretrained(
+                    str(path), trust_remote_code=trust_remote_code, output_loading_info=True)
             except (OSError, ValueError) as e:
                 raise ModelError(f"--rerank {model}: not a cross-encoder transformers can load "
                                  f"({str(e).splitlines()[0]})") from None
+            missing = [k for k in info.get("missing_keys") or () if not k.endswith("position_ids")]
+            if missing:  # random weights where the file has none: scores that order nothing
+                raise ModelError(f"--rerank {model}: its weights lack {len(missing)} of the model's parameters "
+                                 f"({missing[0]}, …): not a trained cross-encoder")
+            self.model = loaded.to(device).eval()
         limit = position_limit(cfg.to_dict())
         told = getattr(self.tokenizer, "model_max_length", limit)
         self.max_length = min(limit, told if isinstance(told, int) and told < 1_000_000 else limit, 512)
@@ -97,4 +102,7 @@ def _packed(path, cfg, device):
     import torch
 
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    return PackedCrossEncoder.create(cfg.to_dict(), state, device, dtype)
+    try:
+        return PackedCrossEncoder.create(cfg.to_dict(), state, device, dtype)
+    except KeyError as e:  # a parameter the file does not hold
+        raise ModelError(f"--rerank {path}: its weights lack {e.args[0]}, …: not a trained cross-encoder") from None
