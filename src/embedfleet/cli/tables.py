@@ -49,8 +49,9 @@ def map_(
     seed: int = typer.Option(0, "--seed", help="which random sample"),
     json_out: bool = typer.Option(False, "--json", help="print the summary as JSON"),
 ) -> None:
-    """A 2-D map of a table's vectors (UMAP; t-SNE up to 1,000 rows): hover a point for its row, click the
-    legend to toggle colours."""
+    """A 2-D map of a table's vectors (UMAP; t-SNE up to 1,000 rows): hover a point for its row.
+
+    Click the legend to toggle colours."""
     from embedfleet.pg.embedded import resolve_dsn
     from embedfleet.map import build_map, require_map_extra
 
