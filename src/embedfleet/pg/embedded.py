@@ -231,7 +231,8 @@ def start(settings: Settings) -> str:
     """Start (or find) the embedded server and return its DSN."""
     pgserver = _pgserver()
     data = data_dir(settings)
-    data.parent.mkdir(parents=True, exist_ok=True)
+    # made here, not by pgserver: it checks then creates, and of several processes starting at once all but one fail
+    data.mkdir(parents=True, exist_ok=True)
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
