@@ -61,3 +61,43 @@ def test_verify_catches_records_that_overwrote_each_other(cli, dsn, tmp_path):
     assert (report["rows"], report["ledger_records"], report["overwritten"]) == (30, 50, 20)
     text = cli("verify", "--table", "clash", "--db", dsn)
     assert "20 of the 50 records written replaced" in text.stdout and "PROBLEMS FOUND" in text.stdout
+
+
+def test_a_new_job_into_a_table_holding_its_ids_says_what_it_replaced_and_verify_counts_the_rows_it_found(
+        cli, dsn, tmp_path):
+    """The table's first jobs removed from the ledger (`jobs rm` keeps the table): a new job's records replace
+    rows it found, and `verify` counts those rows beside the ledger's instead of calling the table wrong."""
+    src = tmp_path / "ids.jsonl"
+    src.write_text("".join(orjson.dumps({"n": i, "text": f"récit {i}"}).decode() + "\n" for i in range(30)))
+    cli("ingest", src, "--id-field", "n", "--table", "held", "--job", "first", "--db", dsn, "--devices", "cpu",
+        "--quiet", check=True)
+    cli("jobs", "rm", "first", "--db", dsn, check=True)
+    src.write_text("".join(orjson.dumps({"n": i, "text": f"récit {i} bis"}).decode() + "\n" for i in range(20, 40)))
+    p = cli("ingest", src, "--id-field", "n", "--table", "held", "--job", "second", "--db", dsn, "--devices", "cpu",
+            "--quiet", check=True)
+    assert "10 new rows in table 'held', 10 of its 30 rows replaced, 40 in all" in p.stderr
+    v = cli("verify", "--table", "held", "--db", dsn, "--json")
+    report = orjson.loads(v.stdout)
+    assert v.returncode == 0, report
+    assert (report["rows"], report["ledger_rows"], report["rows_before_jobs"], report["overwritten"]) == (40, 10, 30, 0)
+    assert "ledger 10 + 30 before its first job" in cli("verify", "--table", "held", "--db", dsn).stdout
+
+
+def test_records_replacing_what_a_job_running_beside_them_wrote_are_not_duplicates():
+    """Two jobs at once, ids overlapping: each one's records that found the other's row inserted nothing, and
+    neither job's inputs held a duplicate. One job's own duplicates still count."""
+    from datetime import datetime, timedelta, timezone
+
+    from embedfleet.query.verify import JobCounts, overwritten_records
+
+    t0 = datetime(2026, 1, 1, tzinfo=timezone.utc)
+    s = timedelta(seconds=1)
+    a = JobCounts(before=0, written=50, seen=50, created=t0, started=t0 + s, finished=t0 + 9 * s)
+    b = JobCounts(before=0, written=25, seen=50, created=t0 + s, started=t0 + 2 * s, finished=t0 + 8 * s)
+    assert overwritten_records([a, b]) == 0
+    later = b._replace(created=t0 + 10 * s, started=t0 + 11 * s, finished=t0 + 12 * s)  # after a, yet found nothing
+    assert overwritten_records([a, later]) == 25
+    running = b._replace(finished=None)
+    assert overwritten_records([a, running]) == 0
+    own = a._replace(written=40)  # ten records of a's own inputs shared an id
+    assert overwritten_records([own]) == 10

@@ -139,9 +139,13 @@ def ingest(
     else:
         import shlex
 
-        merged = progress["rows_seen"] - progress["rows_written"] - progress["rows_before"]
+        before, written = progress["rows_before"], progress["rows_written"]
+        merged = progress["rows_seen"] - written - before
         same_id = f"; {merged:,} records shared an id with another, the table keeps the last" if merged > 0 else ""
-        typer.echo(f"{cfg.job}: {summary['rows_written']:,} rows in table {cfg.table!r} "
+        # a table that held rows: how many this job added and replaced, not only what it added ("0 rows")
+        held = f", {min(before, progress['rows_seen'] - written):,} of its {before:,} rows replaced, " \
+            f"{before + written:,} in all" if before else ""
+        typer.echo(f"{cfg.job}: {written:,} {'new ' if before else ''}rows in table {cfg.table!r}{held} "
                    f"({summary['rejected']} rejected{same_id}) — try: embedfleet search \"…\" --table "
                    f"{shlex.quote(cfg.table)}", err=True)
         if summary["time_shares"]:

@@ -157,8 +157,9 @@ def verify(
         for report in doc.get("tables", [doc]):
             made = f", {report['model']}" + (f", prompt {report['prompt']!r}" if report["prompt"] else "") \
                 + (f", passages {report['passages']}" if report["passages"] else "") if report["model"] else ""
+            before = f" + {report['rows_before_jobs']:,} before its first job" if report["rows_before_jobs"] else ""
             ledger = "no job of embedfleet's wrote it" if report["ledger_rows"] is None else \
-                f"ledger {report['ledger_rows']:,}"
+                f"ledger {report['ledger_rows']:,}{before}"
             typer.echo(f"{report['table']}: {report['rows']:,} rows, dim {report['dim']} ({report['vector_type']}), "
                        f"{ledger}{made}")
             for kind, ids in report["offending_ids"].items():
@@ -168,7 +169,8 @@ def verify(
                 typer.echo(f"  follows {report['sync']['source']} (sync): "
                            f"{'?' if pending is None else f'{pending:,}'} {'change' if pending == 1 else 'changes'} pending")
             elif report["count_matches_ledger"] is False:
-                typer.echo(f"  row count {report['rows']} differs from the ledger's {report['ledger_rows']}")
+                typer.echo(f"  row count {report['rows']:,} differs from the ledger's "
+                           f"{report['ledger_rows'] + report['rows_before_jobs']:,}")
             if report["overwritten"]:
                 typer.echo(f"  {report['overwritten']:,} of the {report['ledger_records']:,} records written replaced "
                            "the row of another record of their job with the same id (duplicate ids in the inputs): "

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import math
+from datetime import datetime, timezone
+from typing import NamedTuple
 
 import psycopg
 from psycopg import sql
@@ -11,6 +13,8 @@ from embedfleet.ledger import ledger_exists
 from embedfleet.pg.ddl import embedding_info, spellings, table_sql
 
 __all__ = ["verify", "verify_together"]
+
+_END = datetime.max.replace(tzinfo=timezone.utc)  # an unfinished job's end
 
 
 def verify(conn: psycopg.Connection, table: str, tol: float = 1e-3, max_ids: int = 100) -> dict:
@@ -22,17 +26,16 @@ def verify(conn: psycopg.Connection, table: str, tol: float = 1e-3, max_ids: int
     norm = sql.SQL("l2_norm(embedding)" if vtype == "halfvec" else "vector_norm(embedding)")
     rows = conn.execute(sql.SQL("SELECT count(*) FROM {}").format(t)).fetchone()[0]
     names = spellings(conn, table)  # the jobs that wrote it, however they spelled it (`t`, `public.t`)
-    per_job = conn.execute(
-        "SELECT j.rows_before, coalesce(sum(c.rows_written), 0), coalesce(sum(c.rows_seen), 0) "
+    per_job = [JobCounts(*r) for r in conn.execute(
+        "SELECT j.rows_before, coalesce(sum(c.rows_written), 0)::bigint, coalesce(sum(c.rows_seen), 0)::bigint, j.created, "
+        "coalesce(j.started, j.created), j.finished "
         "FROM embedfleet.jobs j LEFT JOIN embedfleet.chunks c ON c.job = j.job WHERE j.table_name = ANY(%s) "
-        "GROUP BY j.job ORDER BY min(j.created)", [names]).fetchall() if ledger_exists(conn) else []
+        "GROUP BY j.job ORDER BY min(j.created)", [names])] if ledger_exists(conn) else []
     jobs = len(per_job)
-    ledger_rows, records = sum(int(w) for _, w, _ in per_job), sum(int(r) for _, _, r in per_job)
-    # A job's records that did not insert their id replaced a row: one the table held before the job (a later
-    # job rewriting rows), else one of the job's own records (an overwrite). A ledger from before rows_before
-    # was kept says so only for a table's first job.
-    overwritten = sum(max(0, int(seen) - int(written) - (before if before is not None else 0 if i == 0 else seen))
-                      for i, (before, written, seen) in enumerate(per_job))
+    ledger_rows, records = sum(j.written for j in per_job), sum(j.seen for j in per_job)
+    # rows its first job found (written before the ledger knew the table, or by a job since removed)
+    rows_before_jobs = (per_job[0].before or 0) if per_job else 0
+    overwritten = overwritten_records(per_job)
     # One scan computes every per-row check.
     bad = conn.execute(
         sql.SQL(
@@ -58,20 +61,48 @@ def verify(conn: psycopg.Connection, table: str, tol: float = 1e-3, max_ids: int
     counts = {k: len(v) for k, v in problems.items()}
     sync = _sync_of(conn, names) if jobs else None
     # a synced table follows its source, not its backfill's count: the ledger's rows say nothing of it
-    count_ok = jobs == 0 or int(ledger_rows) == rows or sync is not None  # (no job: nothing to compare)
+    count_ok = jobs == 0 or rows_before_jobs + ledger_rows == rows or sync is not None  # (no job: nothing to compare)
     made = conn.execute(
         "SELECT coalesce(model, config->>'model'), config->>'prompt', config->>'passages' FROM embedfleet.jobs "
         "WHERE table_name = ANY(%s) ORDER BY created DESC LIMIT 1", [names]).fetchone() if jobs else None
     return {
-        "table": table, "rows": rows, "ledger_rows": int(ledger_rows) if jobs else None,
+        "table": table, "rows": rows, "ledger_rows": ledger_rows if jobs else None,
+        "rows_before_jobs": rows_before_jobs if jobs else None,
         "count_matches_ledger": None if sync is not None or not jobs else count_ok,
-        "ledger_records": int(records) if jobs else None, "sync": sync,
+        "ledger_records": records if jobs else None, "sync": sync,
         "overwritten": overwritten, "dim": dim, "vector_type": vtype,
         "problems": counts, "offending_ids": {k: v[:max_ids] for k, v in problems.items() if v},
         "model": made[0] if made else None, "prompt": made[1] if made else None,
         "passages": made[2] if made else None,
         "ok": count_ok and not overwritten and not any(counts.values()),
     }
+
+
+class JobCounts(NamedTuple):
+    before: int | None  # rows the table held when the job was planned (None: a ledger from before it was kept)
+    written: int  # ids the job inserted
+    seen: int  # records it wrote, inserted or not
+    created: datetime
+    started: datetime
+    finished: datetime | None
+
+
+def overwritten_records(jobs: list[JobCounts]) -> int:
+    """Records that replaced the row of another record of their own job (duplicate ids in its inputs), over
+    `jobs` in the order they were made. A job's record that inserted nothing replaced a row it could rightly
+    replace: one the table held when it was planned, or one a job running beside it inserted meanwhile; only
+    what goes past those counts. A ledger from before `before` was kept says so only for a table's first job."""
+    total = 0
+    for i, job in enumerate(jobs):
+        before = job.before if job.before is not None else 0 if i == 0 else job.seen
+        beside = sum(other.written for other in jobs if other is not job and overlapped(other, job))
+        total += max(0, job.seen - job.written - before - beside)
+    return total
+
+
+def overlapped(a: JobCounts, b: JobCounts) -> bool:
+    """Whether job `a` ran at some time between `b`'s planning and its end (either unfinished: to now)."""
+    return a.started <= (b.finished or _END) and (a.finished or _END) >= b.created
 
 
 def _sync_of(conn: psycopg.Connection, names: list[str]) -> dict | None:
