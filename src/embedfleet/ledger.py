@@ -431,6 +431,24 @@ class Ledger:
             self.conn.execute("UPDATE embedfleet.jobs SET rows_before = 0, error = NULL WHERE job = %s", [name])
         return n
 
+    def orphan_jobs(self, name: str) -> list[str]:
+        """The other jobs that wrote job `name`'s table, whose rows went with it when it was dropped: each is set
+        back to 'planned', every chunk pending (`restart_job`), with the reason, so its command embeds it again and
+        neither `status` nor `verify` counts rows that are gone. Returns their names."""
+        from embedfleet.pg.ddl import spellings
+
+        table = self.conn.execute("SELECT table_name FROM embedfleet.jobs WHERE job = %s", [name]).fetchone()[0]
+        others = [r[0] for r in self.conn.execute(
+            "SELECT job FROM embedfleet.jobs j WHERE table_name = ANY(%s) AND job <> %s AND EXISTS (SELECT 1 FROM "
+            "embedfleet.chunks c WHERE c.job = j.job AND (c.cursor_line > 0 OR c.state = 'done')) ORDER BY created",
+            [spellings(self.conn, table), name])]
+        for other in others:
+            self.restart_job(other)
+            self.conn.execute("UPDATE embedfleet.jobs SET state = 'planned', finished = NULL, error = %s WHERE job = %s",
+                              [f"its table {table} was dropped: rerun this job's command to embed its inputs again",
+                               other])
+        return others
+
     def made_progress(self, name: str) -> bool:
         """Whether any chunk of the job committed anything (rows, rejects, or its end)."""
         return self.conn.execute(
@@ -806,6 +824,8 @@ def jobs_overview(conn: psycopg.Connection, job: str | None = None, source_db: s
             "finished": r["finished"].isoformat() if r["finished"] else None,
             "chunks_failed": int(r["chunks_failed"]), "model": r["model"], "dim": r["dim"], "error": r["error"],
             "failures": r["failures"], "workers": r["workers"],
+            # a finished job whose table was dropped since (by hand, or by another job's --drop-table)
+            "table_exists": table_exists(conn, r["table"]),
         })
         sync = sync_overview(conn, r["job"], source_db)
         if sync is not None:

@@ -89,16 +89,32 @@ def test_nothing_embedded_exits_non_zero_with_one_line_the_same_for_empty_and_bl
 
 
 def test_a_rerun_after_the_table_was_dropped_embeds_every_row_again(cli, dsn, conn, tmp_path):
+    """Two jobs wrote the table; dropped by hand, `status` says so, and a rerun of either embeds its rows again
+    while the other is set back to be rerun (its rows went with the table): nothing counts rows that are gone."""
     src = write_amazon_reviews(tmp_path / "gone.jsonl", 300, seed=9)
+    more = write_amazon_reviews(tmp_path / "more.jsonl", 40, seed=10)
     args = ("ingest", src, "--preset", "amazon-reviews", "--db", dsn, "--devices", "cpu", "--quiet")
+    extra = ("ingest", more, "--preset", "amazon-reviews", "--table", "gone", "--job", "gone-more", "--db", dsn,
+             "--devices", "cpu", "--quiet")
     cli(*args, check=True)
+    cli(*extra, check=True)
     ids = {r[0] for r in conn.execute("SELECT id FROM gone").fetchall()}
+    assert len(ids) == 340
     conn.execute("DROP TABLE gone")
+    assert [j["table_exists"] for j in (_job(cli, dsn, "gone"), _job(cli, dsn, "gone-more"))] == [False, False]
+    assert "done, table gone" in cli("status", "--db", dsn, check=True).stdout
     p = cli(*args, check=True)
     assert "gone: 300 rows" in p.stderr and "again from the start" in p.stderr
+    assert "job gone-more also wrote table gone" in p.stderr
+    orphan = _job(cli, dsn, "gone-more")
+    assert (orphan["state"], orphan["rows_written"], orphan["chunks_done"]) == ("planned", 0, 0)
+    assert "rerun this job's command" in cli("status", "--db", dsn, check=True).stdout
+    assert orjson.loads(cli("verify", "--table", "gone", "--db", dsn, "--json").stdout)["ok"]
+    cli(*extra, check=True)
     assert {r[0] for r in conn.execute("SELECT id FROM gone").fetchall()} == ids
     assert orjson.loads(cli("verify", "--table", "gone", "--db", dsn, "--json").stdout)["ok"]
-    assert _job(cli, dsn, "gone")["rows_written"] == 300
+    assert [_job(cli, dsn, j)["rows_written"] for j in ("gone", "gone-more")] == [300, 40]
+    assert _job(cli, dsn, "gone-more")["state"] == "done"
 
 
 def test_a_finish_the_server_refuses_ends_the_job_failed_with_its_reason(cli, dsn, conn, tmp_path):

@@ -345,6 +345,9 @@ def plan_job(cfg: JobSpec, ledger: Ledger, device: str, source: "SourceSnapshot 
             chunks = ledger.restart_job(cfg.job)
             log.warning("table %s is gone: embedding job %s again from the start (%d chunks)", cfg.table, cfg.job,
                         chunks)
+            for other in ledger.orphan_jobs(cfg.job):
+                log.warning("job %s also wrote table %s: its rows went with it; rerun its command to embed them again",
+                            other, cfg.table)
         retried = ledger.retry_failed(cfg.job)
         if released or retried:
             log.info("resuming %s: %d chunks of dead workers re-queued, %d failed chunks retried",

@@ -137,12 +137,13 @@ def status_table(jobs: list[dict]) -> Group:
         t.add_column(name, no_wrap=True, justify="right" if name in ("chunks", "rows", "rejected") else "left")
     notes = []
     for j in jobs:
-        t.add_row(j["job"], *([j["table"]] if tables else []), j["state"], f"{j['chunks_done']}/{j['chunks_total']}",
+        state = j["state"] if j.get("table_exists", True) or j["state"] != "done" else "done, table gone"
+        t.add_row(j["job"], *([j["table"]] if tables else []), state, f"{j['chunks_done']}/{j['chunks_total']}",
                   f"{j['rows_written']:,}", str(j["rejected"]), _span(j["started"], j["finished"]))
         for f in j.get("failures") or []:
             notes.append(Text(f"{j['job']}: chunk {f['chunk']} ({f['source'].rsplit('/', 1)[-1]}) failed: {f['error']}",
                               style="red"))
-        if j["state"] == "failed" and not j.get("failures") and j.get("error"):
+        if j["state"] in ("failed", "planned") and not j.get("failures") and j.get("error"):
             notes.append(Text(f"{j['job']}: {j['error']}", style="red"))
         if "pending" in j:
             lag = "" if j["lag_s"] is None else f", the oldest {j['lag_s']:.1f} s old"
