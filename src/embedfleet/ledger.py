@@ -449,6 +449,19 @@ class Ledger:
                                other])
         return others
 
+    def discard_failed_start(self, name: str, cfg: JobSpec) -> bool:
+        """Remove job `name` if it failed before committing anything (a model that did not load, a device that
+        did not start) and `cfg` has other settings: nothing of it to keep, so it is not in their way. Not a
+        sync's job (its sync holds the name). Returns whether it was removed."""
+        with self.conn.transaction():
+            self.conn.execute("SELECT pg_advisory_xact_lock(hashtext(%s))", [f"embedfleet.job.{name}"])
+            return self.conn.execute(
+                "DELETE FROM embedfleet.jobs j WHERE job = %s AND state = 'failed' AND NOT fingerprint = ANY(%s) "
+                "AND NOT EXISTS (SELECT 1 FROM embedfleet.chunks c WHERE c.job = j.job "
+                "AND (c.cursor_line > 0 OR c.state = 'done')) "
+                "AND (to_regclass('embedfleet.syncs') IS NULL OR NOT EXISTS (SELECT 1 FROM embedfleet.syncs s "
+                "WHERE s.job = j.job))", [name, [cfg.fingerprint(), cfg.fingerprint(legacy=True)]]).rowcount > 0
+
     def made_progress(self, name: str) -> bool:
         """Whether any chunk of the job committed anything (rows, rejects, or its end)."""
         return self.conn.execute(

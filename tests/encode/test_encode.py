@@ -397,3 +397,23 @@ def test_tiny_mistral_is_the_llama_path_unless_its_window_is_shorter_than_the_te
     assert enc.path == ("generic" if window == 8 else "packed")
     for prompt in (None, "query"):
         _close(enc.encode(TEXTS, prompt=prompt), _st(path, prompt=prompt))
+
+
+@pytest.mark.parametrize("which", ["bert-cls", "electra"])
+def test_weights_missing_a_parameter_are_refused_in_one_line_not_filled_at_random(tiny, tmp_path, which):
+    """Packed or generic, a weights file without one of the model's tensors (another model's file, one saved
+    incompletely) is refused, naming what it lacks: transformers alone would fill it with random values."""
+    import shutil
+
+    from safetensors.numpy import load_file, save_file
+
+    from embedfleet.errors import ModelError
+
+    path = tmp_path / which
+    shutil.copytree(tiny[which], path)
+    sd = load_file(str(path / "model.safetensors"))
+    gone = next(k for k in sorted(sd) if k.endswith("attention.output.dense.weight"))
+    save_file({k: v for k, v in sd.items() if k != gone}, str(path / "model.safetensors"))
+    with pytest.raises(ModelError, match=r"its weights lack .*attention\.output\.dense\.weight") as e:
+        Encoder(str(path))
+    assert "\n" not in str(e.value)

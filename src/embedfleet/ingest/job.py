@@ -325,6 +325,8 @@ def plan_job(cfg: JobSpec, ledger: Ledger, device: str, source: "SourceSnapshot 
             n = ledger.load_meta(meta_id, meta_path, rows, lambda: len(skipped))
             log.info("loaded %d products from %s", n, meta_path)
     chunk_bytes = cfg.chunk_bytes or default_chunk_bytes(device)
+    if ledger.discard_failed_start(cfg.job, cfg):
+        log.info("job %s failed before embedding anything: planned again with these settings", cfg.job)
     exists = ledger.job(cfg.job) is not None
     plan, planned = [], []
     if not exists and cfg.source_table:

@@ -336,8 +336,9 @@ def main(argv: list[str] | None = None) -> int:
             waited = time.perf_counter() - t0
         Worker(a.job, a.db, a.worker_id, a.device, settings, registered_after=waited).run()
     except EmbedfleetError as e:
-        print(f"error: {e}", file=sys.stderr)
-        _record_failure(a.db, a.job, a.worker_id, str(e))
+        # a launcher reads it from the ledger and says it once, for the job; else (or no ledger) it is said here
+        if not (_record_failure(a.db, a.job, a.worker_id, str(e)) and a.launcher_pid):
+            print(f"error: {e}", file=sys.stderr)
         return e.exit_code
     except KeyboardInterrupt:  # Ctrl-C reaches the launcher's whole process group: the CLI says it once
         return 130
@@ -386,8 +387,9 @@ def _stop_now(dsn: str, job: str, worker: str, signum: int) -> None:
         exit_now(128 + signum)
 
 
-def _record_failure(dsn: str, job: str, worker: str, error: str) -> None:
-    """A worker that could not start (model, device) says why in the ledger, where the launcher reads it."""
+def _record_failure(dsn: str, job: str, worker: str, error: str) -> bool:
+    """A worker that could not start (model, device) says why in the ledger, where the launcher reads it.
+    Returns whether it could."""
     try:
         ledger = Ledger.connect(dsn)
         try:
@@ -395,7 +397,8 @@ def _record_failure(dsn: str, job: str, worker: str, error: str) -> None:
         finally:
             ledger.close()
     except EmbedfleetError:
-        pass  # the database itself is what failed: the launcher reports the exit code
+        return False  # the database itself is what failed
+    return True
 
 
 def leave(code: int) -> None:

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import torch
 
+from embedfleet.errors import ModelError
 from embedfleet.encode.models import (BERT_TYPES, DECODER_TYPES, GEMMA_TYPES, NOMIC_TYPES, ROPE_ENCODER_TYPES,
                                       packed_type, read_weights, strip_prefix)
 
@@ -57,12 +58,21 @@ def build(spec, device: torch.device, dtype: torch.dtype, state: dict[str, torch
     """The packed model on `device`, from `state` (the weights on the CPU; read here when None), or
     None when this model needs the generic path. `compile`: its glue may be compiled (Settings.compile);
     `triton`: Triton kernels where written (Settings.triton)."""
-    cfg, mtype = spec.config, spec.model_type
+    mtype = spec.model_type
     if not supports(spec):
         return None
     state = load_state(spec.hf_dir) if state is None else state
     if state is None:
         return None
+    try:
+        return _create(spec, device, dtype, state, compile, triton)
+    except KeyError as e:  # a model of another type's weights, or a file saved without some: never random ones
+        raise ModelError(f"model {spec.path}: its weights lack {e.args[0]!r} of a {mtype} model: not this config's "
+                         "trained weights, or saved incompletely") from None
+
+
+def _create(spec, device: torch.device, dtype: torch.dtype, state: dict, compile: bool, triton: bool):
+    cfg, mtype = spec.config, spec.model_type
     if mtype in BERT_TYPES:
         from embedfleet.encode.packed.bert import PackedBert
 
