@@ -15,6 +15,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from conftest import one_line_error
 
 ROWS, NULL_RATINGS = 400, 5
 PHRASES = {
@@ -89,7 +90,8 @@ def test_train_beats_chance_and_predict_agrees_with_the_head(env):
     assert final["val_accuracy"] >= 0.6 and final["val_macro_f1"] >= 0.5  # chance is 0.2
     assert doc["rows"]["skipped_null_label"] == NULL_RATINGS
     assert doc["rows"]["train"] + doc["rows"]["val"] == ROWS - NULL_RATINGS and doc["rows"]["val"] > 60
-    assert doc["cache"] == "ram" and doc["dtype"] == "float32" and doc["world_size"] == 1 and doc["classes"] == [1.0, 2.0, 3.0, 4.0, 5.0]
+    assert doc["cache"] == "ram" and doc["dtype"] == "float32" and doc["world_size"] == 1
+    assert doc["classes"] == [1, 2, 3, 4, 5]  # an integer column's classes, not 1.0…5.0
     assert len(doc["epochs"]) == 30
     for e in doc["epochs"]:
         assert {"train_loss", "val_accuracy", "val_macro_f1", "confusion", "seconds", "samples_per_s"} <= set(e)
@@ -97,7 +99,7 @@ def test_train_beats_chance_and_predict_agrees_with_the_head(env):
     assert doc["epochs"][-1]["train_loss"] < doc["epochs"][0]["train_loss"]
     head = json.loads((out / "head.json").read_text())
     assert head["task"] == "classify" and head["dim"] == 384 and head["table"] == "reviews"
-    assert head["classes"] == [1.0, 2.0, 3.0, 4.0, 5.0] and head["label_map"]["5.0"] == 4
+    assert head["classes"] == [1, 2, 3, 4, 5] and head["label_map"]["5"] == 4
     assert "MiniLM" in head["model"]["model"] and head["split"]["val_fraction"] == 0.3 and "md5" in head["split"]["rule"]
     assert (out / "head.safetensors").stat().st_size > 384 * 5 * 4
 
@@ -113,7 +115,8 @@ def test_train_beats_chance_and_predict_agrees_with_the_head(env):
     assert table.column_names == ["id", "prediction", "probabilities"] and table.num_rows == ROWS
     probs = np.array(table.column("probabilities").to_pylist())
     assert np.allclose(probs.sum(1), 1, atol=1e-5)
-    assert np.array_equal(np.array([1.0, 2.0, 3.0, 4.0, 5.0])[probs.argmax(1)], table.column("prediction").to_numpy())
+    assert np.array_equal(np.array([1, 2, 3, 4, 5])[probs.argmax(1)], table.column("prediction").to_numpy())
+    assert str(table.schema.field("prediction").type) == "int64" and set(summary["predicted"]) <= set("12345")
     # ... and with the head applied by hand to the stored vectors
     from embedfleet.train import EmbeddingDataset
     from embedfleet.train.predict import load_head
@@ -132,6 +135,10 @@ def test_train_beats_chance_and_predict_agrees_with_the_head(env):
         conn.execute("UPDATE unrated SET rating = NULL")
     blind = json.loads(cli("predict", "--run", out, "--table", "unrated", "--db", dsn, "--json").stdout)
     assert blind["rows"] == ROWS and sum(blind["predicted"].values()) == ROWS and blind["accuracy"] is None
+    # a run directory holding a run is not written over in silence
+    again = cli("train", "--table", "reviews", "--label", "rating", *TRAIN, "--db", dsn, "--out", out, check=False)
+    assert one_line_error(again, f"--out {out} holds a trained run already").startswith("error: ")
+    assert json.loads((out / "metrics.json").read_text()) == doc
     # the run without --out goes under $EMBEDFLEET_HOME/runs
     p = cli("train", "--table", "reviews", "--label", "helpful_vote", "--task", "regress", "--head", "mlp",
             "--epochs", "2", "--devices", "cpu", "--db", dsn)

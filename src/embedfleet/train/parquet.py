@@ -16,7 +16,7 @@ import torch
 
 from embedfleet.errors import InputError
 from embedfleet.train import order as ordering
-from embedfleet.train.read import MAX_CLASSES, Feature, Ids, Source, Split, _fill
+from embedfleet.train.read import MAX_CLASSES, Feature, Ids, Source, Split, _fill, numeric_classes
 
 __all__ = ["load_parquet", "parquet_files"]
 
@@ -184,7 +184,7 @@ def load_parquet(path: str, features: Sequence[str], label: str | None = None, c
         lab = sub.column(label).combine_chunks()
         if task == "classify":
             values = lab.to_pylist() if kind == "text" else pc.cast(lab, pa.float64()).to_numpy(zero_copy_only=False)
-            classes = sorted(set(values.tolist() if kind == "numeric" else values))
+            classes = numeric_classes(set(values.tolist())) if kind == "numeric" else sorted(set(values))
             if len(classes) > MAX_CLASSES:
                 raise InputError(f"label {label!r} has {len(classes):,} distinct values (more than {MAX_CLASSES:,}): "
                                  "use task regress for a numeric target")

@@ -88,7 +88,7 @@ def predict(run: str, table: str, where: str | None = None, out: str | None = No
         probs = torch.softmax(logits, 1).cpu().numpy()
         index = logits.argmax(1).cpu().numpy()
         classes = meta["classes"]
-        prediction = np.asarray(classes, dtype=object if meta["label_kind"] == "text" else np.float64)[index] \
+        prediction = np.asarray(classes, dtype=object if meta["label_kind"] == "text" else None)[index] \
             if len(index) else np.zeros(0)
         counts = np.bincount(index, minlength=len(classes)).tolist()
         summary["predicted"] = {str(c): k for c, k in zip(classes, counts)}

@@ -807,7 +807,7 @@ class TableRead:
                 if len(values) > MAX_CLASSES:
                     raise InputError(f"--label {s.label!r} has {len(values):,} distinct values (more than "
                                      f"{MAX_CLASSES:,}): use --task regress for a numeric target")
-                classes = sorted(values)
+                classes = numeric_classes(values) if s.label_kind == "numeric" else sorted(values)
         # per range, the rows the COPY will give (the same filters in the same snapshot)
         counts = [sum(c for lab, val, nv, c in res if not nv and on_side(val) and (keep_null or not null_label(lab)))
                   for res in per_range]
@@ -1013,6 +1013,13 @@ class TableRead:
 
 _CHANGED = ("the rows read differ from the rows counted in the same snapshot: is the --where filter "
             "volatile (random(), now())? Use a deterministic filter")
+
+
+def numeric_classes(values) -> list:
+    """A numeric label's distinct values, sorted, as ints where every one is whole (stars 1–5 read as float8:
+    shown 1…5, not 1.0…5.0)."""
+    classes = sorted(float(v) for v in values)
+    return [int(c) for c in classes] if all(c.is_integer() for c in classes) else classes
 
 
 def class_index(classes: np.ndarray, values: np.ndarray) -> np.ndarray:

@@ -63,6 +63,8 @@ def train(spec: TrainSpec, knobs: Settings) -> dict | None:
     """Run `spec` here (one device, or as a rank started by torchrun) or start one process per
     device and wait for them. Returns the metrics document where this process made it."""
     spec.checked()
+    if os.environ.get("RANK", "0") == "0":  # (rank 0 writes the run; `_launch`'s ranks were checked by their parent)
+        check_out(spec.out)
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # started by torchrun (or by us)
         return _as_rank(spec, knobs, None)
     from embedfleet.platform.devices import parse_devices
@@ -77,6 +79,12 @@ def train(spec: TrainSpec, knobs: Settings) -> dict | None:
         return run_rank(spec, devices[0], knobs)
     _launch(spec, devices, knobs)
     return None
+
+
+def check_out(out: str | None) -> None:
+    """A run directory given with --out must not hold another run's head: it would be overwritten in silence."""
+    if out and (Path(out) / "head.json").exists():
+        raise InputError(f"--out {out} holds a trained run already (head.json): pass another --out, or remove it first")
 
 
 def _as_rank(spec: TrainSpec, knobs: Settings, device: str | None) -> dict | None:
