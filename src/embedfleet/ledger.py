@@ -911,6 +911,16 @@ def remove_job(conn: psycopg.Connection, job: str, drop_table: bool = False) -> 
     return {"job": job, "table": row[0], "chunks": chunks, "rejects": rejects, "table_dropped": dropped}
 
 
+def job_rejects(conn: psycopg.Connection, job: str, limit: int | None = None) -> list[dict]:
+    """The records job `job` could not make rows of, in input order: source, line, reason, and the raw record's
+    first characters. Reads only."""
+    if not ledger_exists(conn):
+        return []
+    with conn.cursor(row_factory=dict_row) as cur:
+        return cur.execute("SELECT source, line, reason, raw FROM embedfleet.rejects WHERE job = %s "
+                           "ORDER BY source, line LIMIT %s", [job, limit]).fetchall()
+
+
 def table_job(conn: psycopg.Connection, table: str) -> dict | None:
     """What made `table`: the newest job that wrote it (job, model, dim, the model and --dim as requested,
     prompt, template, preset, task), from the ledger; None with no ledger or no such job (a table written by

@@ -74,10 +74,18 @@ def test_example_corpus_with_meta_then_search_and_verify(cli, dsn, conn):
 
 
 def test_faults_are_rejected_with_reasons_and_good_records_land(cli, dsn, conn):
-    cli("ingest", FAULTS, "--preset", "amazon-reviews", "--db", dsn, "--quiet", "--no-index", check=True)
+    p = cli("ingest", FAULTS, "--preset", "amazon-reviews", "--db", dsn, "--no-index", check=True)
+    assert "why each was rejected: embedfleet jobs rejects faults" in p.stderr
     j = status(cli, dsn, "faults")
     assert j["state"] == "done" and j["rejected"] == 6
     rejects = dict(conn.execute("SELECT line, reason FROM embedfleet.rejects WHERE job = 'faults'").fetchall())
+    listed = cli("jobs", "rejects", "faults", "--db", dsn, check=True).stdout.splitlines()
+    assert listed == [f"{FAULTS}:{line}: {rejects[line]}" for line in sorted(rejects)]
+    two = cli("jobs", "rejects", "faults", "--db", dsn, "--limit", "2", "--json", check=True)
+    doc = orjson.loads(two.stdout)
+    assert (doc["rejected"], [r["line"] for r in doc["rejects"]]) == (6, [5, 6])
+    assert "4 more" in cli("jobs", "rejects", "faults", "--db", dsn, "--limit", "2", check=True).stderr
+    assert doc["rejects"][0]["raw"].startswith("{") and "Cut off" in doc["rejects"][0]["raw"]
     assert set(rejects) == {5, 6, 7, 8, 9, 15}
     assert rejects[5].startswith("malformed JSON")
     assert "not an object" in rejects[6] and "not an object" in rejects[7]

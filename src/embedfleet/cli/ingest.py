@@ -148,6 +148,8 @@ def ingest(
         typer.echo(f"{cfg.job}: {written:,} {'new ' if before else ''}rows in table {cfg.table!r}{held} "
                    f"({summary['rejected']} rejected{same_id}) — try: embedfleet search \"…\" --table "
                    f"{shlex.quote(cfg.table)}", err=True)
+        if summary["rejected"]:
+            typer.echo(f"why each was rejected: embedfleet jobs rejects {shlex.quote(cfg.job)}", err=True)
         if summary["time_shares"]:
             ran = [s for s in progress["summaries"] if s.get("started_at", 0.0) >= begun]
             several = len(ran) > 1 and not progress["table_partitions"]
@@ -321,3 +323,33 @@ def jobs_rm(
         kept = "dropped" if removed["table_dropped"] else "kept"
         typer.echo(f"removed job {job!r} ({removed['chunks']} chunks, {removed['rejects']} rejects); "
                    f"table {removed['table']!r} {kept}", err=True)
+
+
+@jobs_app.command("rejects")
+def jobs_rejects(
+    job: str = typer.Argument(..., help="the job's name, as `embedfleet status` lists it"),
+    db: Optional[str] = DbOpt,
+    limit: Optional[int] = typer.Option(50, "--limit", help="at most this many (0: all)"),
+    json_out: bool = typer.Option(False, "--json", help="one JSON document: source, line, reason, raw each"),
+) -> None:
+    """The records a job rejected, in input order: the file and line of each, and why."""
+    from embedfleet.pg.embedded import resolve_dsn
+    from embedfleet.pg.connect import connect
+    from embedfleet.ledger import job_named, job_rejects, jobs_overview
+
+    with connect(resolve_dsn(db, knobs())) as conn:
+        job = job_named(conn, job)
+        known = jobs_overview(conn, job)
+        if not known:
+            raise EmbedfleetError(f"no job named {job!r}; `embedfleet status` lists them")
+        rejects = job_rejects(conn, job, limit or None)
+    if json_out:
+        emit({"job": job, "rejected": known[0]["rejected"], "rejects": rejects})
+        return
+    for r in rejects:
+        typer.echo(f"{r['source']}:{r['line']}: {r['reason']}")
+    total = known[0]["rejected"]
+    if total > len(rejects):
+        typer.echo(f"… {total - len(rejects):,} more (--limit 0 lists all)", err=True)
+    elif not total:
+        typer.echo(f"job {job!r} rejected no record", err=True)
