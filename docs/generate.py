@@ -21,11 +21,9 @@ def _cell(text: object) -> str:
 
 
 def _default(param) -> str:
-    import click
-
     if param.required:
         return "required"
-    if isinstance(param, click.Option) and param.is_flag:
+    if getattr(param, "is_flag", False):
         return "off"
     value = param.default
     if value is None or value == () or value == []:
@@ -33,9 +31,15 @@ def _default(param) -> str:
     return f"`{value}`"
 
 
-def _command_section(name: str, command) -> list[str]:
-    import click
+def _click(command):
+    """The click module `command`'s classes come from: click itself, or the copy a typer release vendors."""
+    import importlib
 
+    return importlib.import_module(next(c.__module__ for c in type(command).__mro__ if c.__name__ == "Command"))
+
+
+def _command_section(name: str, command) -> list[str]:
+    click = _click(command)
     lines = [f"## `{name}`", ""]
     doc = (command.help or "").replace("\\[", "[").strip()
     if doc:
@@ -46,8 +50,8 @@ def _command_section(name: str, command) -> list[str]:
     for p in command.params:
         if getattr(p, "hidden", False) or p.name == "help":
             continue
-        if isinstance(p, click.Argument):
-            rows.append((f"`{p.human_readable_name}`", _cell(getattr(p, "help", "") or ""), _default(p)))
+        if p.param_type_name == "argument":
+            rows.append((f"`{p.name.upper()}`", _cell(getattr(p, "help", "") or ""), _default(p)))
         else:
             names = ", ".join(f"`{o}`" for o in [*p.opts, *p.secondary_opts])
             rows.append((names, _cell(p.help or ""), _default(p)))
@@ -59,12 +63,12 @@ def _command_section(name: str, command) -> list[str]:
 
 
 def render_cli() -> str:
-    import click
     import typer
 
     from embedfleet.cli import app
 
     root = typer.main.get_command(app)
+    click = _click(root)
     out = ["# CLI reference", "",
            "Generated from the command line's own definitions (`python docs/generate.py`); every command also "
            "answers `--help`. With `--json`, stdout carries exactly one JSON document; errors a user can act on "
@@ -75,7 +79,7 @@ def render_cli() -> str:
         for name in group.list_commands(ctx):
             command = group.get_command(ctx, name)
             full = f"{prefix} {name}"
-            if isinstance(command, click.Group):
+            if hasattr(command, "list_commands"):
                 out.extend([f"## `{full}`", "", (command.help or "").strip(), ""])
                 walk(full, command)
             else:
