@@ -398,3 +398,17 @@ def test_a_worker_from_another_host_joins_a_table_backfill(cli, dsn, conn, tmp_p
     rows = dict(conn.execute("SELECT worker, rows FROM embedfleet.workers WHERE job = %s", [job]).fetchall())
     assert len(rows) == 2 and all(n > 0 for n in rows.values()), rows
     assert conn.execute("SELECT count(*), count(DISTINCT id) FROM joined_embeddings").fetchone() == (2500, 2500)
+
+
+def test_a_mixed_case_source_is_found_as_written_as_its_target_is(cli, dsn, conn):
+    """`--table Name` takes the name as written; `--from-table Name` finds "Name" too where SQL's spelling (name)
+    finds nothing, and a table that is name in SQL still wins."""
+    conn.execute('CREATE TABLE "Opinions" (id int PRIMARY KEY, body text)')
+    conn.execute("INSERT INTO \"Opinions\" SELECT g, 'avis n° ' || g FROM generate_series(1, 12) g")
+    cli("ingest", "--from-table", "Opinions", "--db", dsn, "--devices", "cpu", "--quiet", check=True)
+    assert conn.execute('SELECT count(*) FROM "Opinions_embeddings"').fetchone()[0] == 12
+    conn.execute("CREATE TABLE opinions (id int PRIMARY KEY, body text)")
+    conn.execute("INSERT INTO opinions VALUES (1, 'lower case wins, as in SQL')")
+    cli("ingest", "--from-table", "Opinions", "--table", "folded", "--db", dsn, "--devices", "cpu", "--quiet",
+        check=True)
+    assert conn.execute("SELECT content FROM folded").fetchall() == [("lower case wins, as in SQL",)]

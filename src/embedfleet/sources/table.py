@@ -55,19 +55,26 @@ def table_line(block: int, item: int) -> int:
     return block * LINE_ITEMS + item
 
 
-def describe(conn: psycopg.Connection, name: str) -> TableSource:
-    """The source table `name` ([SCHEMA.]NAME, as SQL reads it), or one line saying why it cannot be read."""
+def _oid(conn: psycopg.Connection, name: str) -> int | None:
     try:
         with conn.transaction():
-            oid = conn.execute("SELECT to_regclass(%s)::oid", [name]).fetchone()[0]
+            return conn.execute("SELECT to_regclass(%s)::oid", [name]).fetchone()[0]
     except (psycopg.errors.InvalidName, psycopg.errors.InvalidSchemaName):
-        oid = None
+        return None
+
+
+def describe(conn: psycopg.Connection, name: str) -> TableSource:
+    """The source table `name` ([SCHEMA.]NAME as SQL reads it, else as written: `Reviews` finds "Reviews" where
+    there is no reviews), or one line saying why it cannot be read."""
+    oid = _oid(conn, name)
+    if oid is None and '"' not in name:  # the name as written (`Reviews`), as --table takes it, where SQL finds none
+        from embedfleet.pg.ddl import table_sql
+
+        oid = _oid(conn, table_sql(conn, name).as_string(conn))
     if oid is None:
         db = conn.execute("SELECT current_database()").fetchone()[0]
-        hint = (f"as `{name}` reads in SQL, where unquoted letters fold to lower case: write '\"{name}\"' for the "
-                "name as written" if name != name.lower() and '"' not in name else
-                "a table in another database: --source-db DSN")
-        raise InputError(f"--from-table {name}: no such table in database {db} ({hint})")
+        raise InputError(f"--from-table {name}: no such table in database {db} (a table in another database: "
+                         "--source-db DSN)")
     schema, table, kind, qualified = conn.execute(
         "SELECT n.nspname, c.relname, c.relkind, format('%%I.%%I', n.nspname, c.relname) FROM pg_class c "
         "JOIN pg_namespace n ON n.oid = c.relnamespace WHERE c.oid = %s", [oid]).fetchone()
