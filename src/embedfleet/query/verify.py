@@ -27,8 +27,8 @@ def verify(conn: psycopg.Connection, table: str, tol: float = 1e-3, max_ids: int
     rows = conn.execute(sql.SQL("SELECT count(*) FROM {}").format(t)).fetchone()[0]
     names = spellings(conn, table)  # the jobs that wrote it, however they spelled it (`t`, `public.t`)
     per_job = [JobCounts(*r) for r in conn.execute(
-        "SELECT j.rows_before, coalesce(sum(c.rows_written), 0)::bigint, coalesce(sum(c.rows_seen), 0)::bigint, j.created, "
-        "coalesce(j.started, j.created), j.finished "
+        "SELECT j.rows_before, coalesce(sum(c.rows_written), 0)::bigint, coalesce(sum(c.rows_seen), 0)::bigint, "
+        "j.created, coalesce(j.started, j.created), j.finished "
         "FROM embedfleet.jobs j LEFT JOIN embedfleet.chunks c ON c.job = j.job WHERE j.table_name = ANY(%s) "
         "GROUP BY j.job ORDER BY min(j.created)", [names])] if ledger_exists(conn) else []
     jobs = len(per_job)
