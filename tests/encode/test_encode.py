@@ -417,3 +417,16 @@ def test_weights_missing_a_parameter_are_refused_in_one_line_not_filled_at_rando
     with pytest.raises(ModelError, match=r"its weights lack .*attention\.output\.dense\.weight") as e:
         Encoder(str(path))
     assert "\n" not in str(e.value)
+
+
+def test_one_string_is_one_vector_and_a_lone_surrogate_encodes_as_the_replacement_character(tiny):
+    """`encode("a text")` gives that text's vector (it gave one per character); a lone surrogate (a JSON
+    "\\ud83d" escape) encodes as U+FFFD, as ingest stores it; an item that is not a string is named."""
+    enc = Encoder(str(tiny["bert-cls"]))
+    one = enc.encode("a charger that stopped working")
+    assert one.shape == (enc.dim,)
+    np.testing.assert_array_equal(one, enc.encode(["a charger that stopped working"])[0])
+    odd = enc.encode(["\ud83d broke", "fine"])
+    np.testing.assert_allclose(odd, enc.encode(["\ufffd broke", "fine"]), atol=1e-6)
+    with pytest.raises(TypeError, match="item 1 is NoneType"):
+        enc.encode(["fine", None])

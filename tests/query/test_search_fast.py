@@ -201,3 +201,22 @@ def test_cache_clear_removes_the_compile_cache(cli, tmp_path):
     assert json.loads(p.stdout) == {"path": str(home / "cache"), "files": 3, "bytes": 30}
     assert not (home / "cache").exists()
     assert cli("cache", "clear").returncode == 0  # nothing there: still fine
+
+
+def test_query_bytes_that_are_not_utf8_search_as_the_replacement_character(table_dsn, tmp_path):
+    """A query argument or a --queries line from stdin with a byte that is not UTF-8 searches as U+FFFD, as
+    ingest stores such text (it stopped in a TypeError from the tokenizer, or from the JSON output)."""
+    env = dict(os.environ, EMBEDFLEET_HOME=str(tmp_path / "home"))
+    base = [sys.executable, "-m", "embedfleet.cli", "search", "--table", TABLE, "--db", table_dsn, "-k", "3"]
+    one = subprocess.run(base + [b"battery \xff dies", "--json"], capture_output=True, env=env, timeout=300,
+                         stdin=subprocess.DEVNULL)
+    assert one.returncode == 0, one.stderr.decode()
+    replaced = subprocess.run(base + ["battery \ufffd dies", "--json"], capture_output=True, env=env, timeout=300,
+                              stdin=subprocess.DEVNULL)
+    assert json.loads(one.stdout)["results"] == json.loads(replaced.stdout)["results"]
+    piped = subprocess.run(base + ["--queries", "-"], input=b"cable \xfe\xff broke\nscreen\n", capture_output=True,
+                           env=env, timeout=300)
+    assert piped.returncode == 0, piped.stderr.decode()
+    lines = [json.loads(line) for line in piped.stdout.decode().splitlines()]
+    assert [d["query"] for d in lines] == ["cable \ufffd\ufffd broke", "screen"]
+    assert all(len(d["results"]) == 3 for d in lines)

@@ -53,7 +53,10 @@ def search(
     from embedfleet.pg.embedded import resolve_dsn
     from embedfleet.query.search import query_lines, run_search
 
-    texts = query_lines(queries) if queries is not None else [query]
+    from embedfleet.sources.records import sanitize
+
+    # a query argument's bytes that are not UTF-8 reach Python as lone surrogates: U+FFFD, as ingest stores them
+    texts = query_lines(queries) if queries is not None else [sanitize(query)]
     for text, results, scan in run_search(resolve_dsn(db, knobs()), table, texts, k=k, where=where, model=model, device=device,
                                           settings=knobs(), trust_remote_code=trust_remote_code,
                                           hybrid=hybrid, rrf_k=rrf_k, rescore=rescore, rerank=rerank,

@@ -172,7 +172,12 @@ class Encoder:
     def tokenize(self, texts: list[str], prompt: str | None = None, pool: bool = True) -> Tokenized:
         if self.spec.custom:  # the task (or the one the prompt names) goes to the model's own module with these texts
             self.model.task = self.spec.task(prompt if prompt is not None else self.prompt, self.task)
-        return self._tok.tokenize(texts, self.spec.prompt_text(prompt if prompt is not None else self.prompt), pool)
+        prefix = self.spec.prompt_text(prompt if prompt is not None else self.prompt)
+        try:
+            return self._tok.tokenize(texts, prefix, pool)
+        except (TypeError, AttributeError):
+            _check_strings(texts)
+            raise
 
     def tokenizer_spec(self, prompt: str | None = None) -> TokenizerSpec:
         """This model's tokenizer and prompt, for tokenizing in another process."""
@@ -223,7 +228,11 @@ class Encoder:
         self._compile_if_due()
         return self._launch(tok)
 
-    def encode(self, texts: list[str], prompt: str | None = None) -> np.ndarray:
+    def encode(self, texts: list[str] | str, prompt: str | None = None) -> np.ndarray:
+        """Unit vectors [len(texts), dim] for `texts` (any iterable of strings); one string gives its vector [dim],
+        as sentence-transformers does."""
+        if isinstance(texts, str):
+            return self.encode([texts], prompt)[0]
         texts = list(texts)
         long = len(texts) >= LONG_CALL_TEXTS
         if self._compile is not None and long:
@@ -305,3 +314,10 @@ class Encoder:
 
     def __exit__(self, *exc):
         self.close()
+
+
+def _check_strings(texts: list) -> None:
+    """A TypeError naming the first item of `texts` that is not a string (the tokenizer's own says nothing of which)."""
+    for i, t in enumerate(texts):
+        if not isinstance(t, str):
+            raise TypeError(f"encode() takes strings: item {i} is {type(t).__name__}")

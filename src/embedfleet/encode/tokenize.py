@@ -190,7 +190,15 @@ class _Tokenizer:
 
 def _pack(tokenizer, texts: list[str], idx, pad_id: int) -> tuple[np.ndarray, np.ndarray]:
     """The library's ids of texts[i] for i in `idx`, packed."""
-    seqs = [e.ids or [pad_id] for e in tokenizer.encode_batch_fast([texts[i] for i in idx], add_special_tokens=True)]
+    batch = [texts[i] for i in idx]
+    try:
+        encoded = tokenizer.encode_batch_fast(batch, add_special_tokens=True)
+    except TypeError:  # a lone surrogate (a JSON "\ud83d" escape, bytes read with surrogateescape): U+FFFD, as stored
+        from embedfleet.sources.records import sanitize
+
+        encoded = tokenizer.encode_batch_fast([sanitize(t) if isinstance(t, str) else t for t in batch],
+                                              add_special_tokens=True)
+    seqs = [e.ids or [pad_id] for e in encoded]
     lengths = np.fromiter(map(len, seqs), dtype=np.int32, count=len(seqs))
     ids = np.fromiter(itertools.chain.from_iterable(seqs), dtype=np.int32, count=int(lengths.sum()))
     return ids, lengths

@@ -376,14 +376,20 @@ def query_lines(path: str) -> Iterator[str]:
 
 
 def _lines(path: str) -> Iterator[str]:
+    import io
     import sys
 
-    f = sys.stdin if path == "-" else open(path, encoding="utf-8", errors="replace")
+    # bytes that are not UTF-8 become U+FFFD, from a file or stdin alike (whose own decoding may keep them as
+    # lone surrogates, which nothing downstream can encode)
+    f = io.TextIOWrapper(sys.stdin.buffer, encoding="utf-8", errors="replace") if path == "-" else \
+        open(path, encoding="utf-8", errors="replace")
     try:
         for line in f:
             line = line.rstrip("\r\n")
             if line.strip():
                 yield line
     finally:
-        if f is not sys.stdin:
+        if path == "-":
+            f.detach()  # stdin stays open
+        else:
             f.close()
