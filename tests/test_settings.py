@@ -84,3 +84,43 @@ def test_every_knob_is_read_once_and_listed_in_the_configuration_reference():
                      ("EMBEDFLEET_HELPER_NICE", "20"), ("EMBEDFLEET_HELPER_NICE", "-1")):
         with pytest.raises(InputError, match=env):
             Settings.from_env({env: bad})
+
+
+def test_a_config_file_takes_the_flags_spellings_reads_paths_beside_it_and_gives_way_to_flags(tmp_path, monkeypatch):
+    """Keys spelled as the flags (`from-table`, `replace`, `source-db`, `metrics-port`, `ray`, `json`); a relative
+    input or model found in the file's folder, whatever the current one; a template's backslash-n a newline, as on
+    the command line; a flag that picks the other of two ways (--text-template, --from-table) wins."""
+    from embedfleet.settings import run_options
+
+    conf = tmp_path / "conf"
+    (conf / "data").mkdir(parents=True)
+    (conf / "data" / "items.jsonl").write_text('{"text": "x"}\n')
+    (conf / "model").mkdir()
+    y = conf / "job.yaml"
+    y.write_text("inputs: data/items.jsonl\nmodel: model\ntext_field: body\nreplace: [data/items.jsonl]\n"
+                 "source-db: postgresql://src/db\nmetrics-port: 9109\nray: auto\njson: true\n")
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    cfg = build_job({}, str(y))
+    assert cfg.inputs == (str(conf / "data" / "items.jsonl"),) and cfg.model == str(conf / "model")
+    assert cfg.replacing == ("data/items.jsonl",) and cfg.text_field == "body"
+    assert run_options(str(y)) == run_options(str(y)).__class__(source_db="postgresql://src/db", metrics_port=9109,
+                                                                  ray="auto", json=True)
+    assert build_job({"text_template": "{title}"}, str(y)).text_field is None  # the flag's way, not the file's
+    (conf / "f.yaml").write_text("inputs: data/items.jsonl\ntext_field: body\n")
+    assert build_job({"source_table": "items"}, str(conf / "f.yaml")).inputs == ("items",)
+    (conf / "t.yaml").write_text("inputs: data/items.jsonl\ntext_template: '{title}\\n\\n{body}'\n")
+    assert build_job({}, str(conf / "t.yaml")).text_template == "{title}\n\n{body}"
+    (conf / "bad.yaml").write_text("inputs: data/items.jsonl\nfrom-table: [a]\n")
+    with pytest.raises(InputError, match=r"key 'source_table' \(--from-table\)"):
+        build_job({}, str(conf / "bad.yaml"))
+
+
+def test_a_relative_model_folder_is_recorded_whole(tmp_path, monkeypatch):
+    """A job's model is read by workers and searches run from other folders: a relative folder is made absolute;
+    a hub id stays as given."""
+    (tmp_path / "models" / "mine").mkdir(parents=True)
+    monkeypatch.chdir(tmp_path)
+    assert build_job({"inputs": ["a.jsonl"], "model": "models/mine"}).model == str(tmp_path / "models" / "mine")
+    assert build_job({"inputs": ["a.jsonl"], "model": "org/some-model"}).model == "org/some-model"

@@ -284,6 +284,11 @@ class Ledger:
             self.conn.execute("SELECT pg_advisory_xact_lock(hashtext(%s))", [f"embedfleet.job.{name}"])
             existing = self.job(name)
             if existing is not None:
+                if existing["fingerprint"] in _as_recorded_relative(cfg, existing["config"].get("model")):
+                    # recorded with the model's folder relative (as given): now absolute, for workers run elsewhere
+                    self.conn.execute("UPDATE embedfleet.jobs SET fingerprint = %s, config = jsonb_set(config, "
+                                      "'{model}', to_jsonb(%s::text)) WHERE job = %s", [cfg.fingerprint(), cfg.model, name])
+                    existing["fingerprint"] = cfg.fingerprint()
                 if existing["fingerprint"] not in (cfg.fingerprint(), cfg.fingerprint(legacy=True)):
                     raise JobError(
                         f"job {name!r} already exists with other settings (model, table, template or fields "
@@ -788,6 +793,18 @@ class Ledger:
 for _name, _method in list(vars(Ledger).items()):  # every query method; _claim is wrapped above
     if callable(_method) and not _name.startswith("_") and _name not in ("connect", "close", "claim"):
         setattr(Ledger, _name, _resilient(_method))
+
+
+def _as_recorded_relative(cfg: JobSpec, recorded: str | None) -> tuple[str, ...]:
+    """`cfg`'s fingerprints with its model as a job recorded it before model folders were made absolute: the
+    relative folder that names the same one from here (none where it does not)."""
+    from pathlib import Path
+
+    if not recorded or not cfg.model or Path(recorded).is_absolute() or not Path(recorded).is_dir() \
+            or str(Path(recorded).resolve()) != cfg.model:
+        return ()
+    old = cfg.replace(model=recorded)
+    return old.fingerprint(), old.fingerprint(legacy=True)
 
 
 def jobs_overview(conn: psycopg.Connection, job: str | None = None, source_db: str | None = None) -> list[dict]:

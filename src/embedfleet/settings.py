@@ -24,7 +24,8 @@ import orjson
 
 from embedfleet.errors import InputError
 
-__all__ = ["JobSpec", "Settings", "TrainSpec", "build_job", "default_chunk_bytes", "load_yaml", "typed"]
+__all__ = ["JobSpec", "RunOptions", "Settings", "TrainSpec", "build_job", "default_chunk_bytes", "load_yaml",
+           "local_model", "run_options", "shell_escapes", "typed"]
 
 DEFAULT_CHUNK_BYTES = 2 << 20  # fine-grained claiming and a short pipeline fill on a GPU
 CPU_CHUNK_BYTES = 256 << 10  # a CPU embeds slowly: small chunks show progress and commit often
@@ -176,7 +177,7 @@ def typed(cls, values: dict[str, Any], source: str):
     except msgspec.ValidationError as e:
         msg, _, where = str(e).partition(" - at `$.")
         key = where.split("`")[0].split(".")[0].split("[")[0]
-        flag = key.replace("_", "-")
+        flag = {field: flag for flag, field in FLAG_FIELDS.items()}.get(key, key).replace("_", "-")
         raise InputError(f"{source}: key '{key}' (--{flag}): {msg[:1].lower()}{msg[1:].replace('`', '')}") from None
 
 
@@ -246,8 +247,30 @@ class JobSpec:
         return typed(cls, {k: v for k, v in d.items() if k in names}, "the ledger's job")
 
 
+def shell_escapes(template: str | None) -> str | None:
+    """A template typed in a shell (or a YAML string): its backslash-n and backslash-t as the newline and tab the
+    user meant."""
+    return template.replace("\\n", "\n").replace("\\t", "\t") if template else template
+
+
+# A flag whose field has another name: a --config file spells it as the flag.
+FLAG_FIELDS = {"from_table": "source_table", "replace": "replacing"}
+
+
+@dataclass(frozen=True)
+class RunOptions:
+    """The keys of a --config file that say how `ingest` runs, not what its job makes (flags win)."""
+
+    source_db: str | None = None
+    metrics_port: int | None = None
+    ray: str | None = None
+    json: bool = False
+
+
 def load_yaml(path: str | None) -> dict[str, Any]:
-    """Flags from a YAML file (keys spelled like the flags, `-` or `_`)."""
+    """Flags from a YAML file (keys spelled like the flags, `-` or `_`): a job's fields and RunOptions' keys. A
+    relative path in it (inputs, meta, model) is read from the file's folder where it is there; a template's
+    backslash-n is a newline, as on the command line."""
     if not path:
         return {}
     import yaml
@@ -261,20 +284,66 @@ def load_yaml(path: str | None) -> dict[str, Any]:
         raise InputError(f"{path}: not valid YAML ({str(e).splitlines()[0]})") from None
     if not isinstance(data, dict):
         raise InputError(f"{path}: expected a mapping of flag: value")
-    known = {f.name for f in dataclasses.fields(JobSpec)}
+    known = {f.name for f in dataclasses.fields(JobSpec)} | {f.name for f in dataclasses.fields(RunOptions)}
     out = {}
     for k, v in data.items():
         key = str(k).replace("-", "_")
+        key = FLAG_FIELDS.get(key, key)
         if key not in known:
             raise InputError(f"{path}: unknown key '{k}'")
         out[key] = v
+    if isinstance(out.get("text_template"), str):
+        out["text_template"] = shell_escapes(out["text_template"])
+    for key in ("inputs", "meta", "model"):
+        if isinstance(out.get(key), (str, list)):
+            out[key] = beside(p.parent, out[key])
     return out
+
+
+def beside(folder: Path, value: str | list) -> str | list:
+    """Relative local paths in `value` as found in `folder` (a config file's), where they are there; the rest
+    (absolute paths, URLs, hub ids, paths found only from the current directory) as given."""
+    import glob
+
+    def one(v):
+        if not isinstance(v, str) or "://" in v or Path(v).expanduser().is_absolute():
+            return v
+        there = folder / v
+        return str(there) if there.exists() or glob.has_magic(v) and glob.glob(str(there), recursive=True) else v
+
+    return [one(v) for v in value] if isinstance(value, list) else one(value)
+
+
+def run_options(yaml_path: str | None) -> RunOptions:
+    """RunOptions' keys from a --config file (defaults without one)."""
+    names = {f.name for f in dataclasses.fields(RunOptions)}
+    return typed(RunOptions, {k: v for k, v in load_yaml(yaml_path).items() if k in names}, yaml_path or "")
+
+
+def local_model(model: str | None) -> str | None:
+    """A model given as a relative local folder, made absolute: the job records it for every worker and later
+    search, which run from other folders. A hub id (or any name not a folder here) is kept."""
+    if not model or "://" in model or not Path(model).expanduser().is_dir():
+        return model
+    return str(Path(model).expanduser().resolve())
+
+
+# Flags that pick one of two ways: given on the command line, the other way's key in a --config file gives way.
+_EITHER = (("text_template", "text_field"), ("source_table", "inputs"))
 
 
 def build_job(flags: dict[str, Any], yaml_path: str | None = None) -> JobSpec:
     """Merge YAML and flags (flags win when given), check each value's type, then validate."""
-    merged = dataclasses.asdict(typed(JobSpec, load_yaml(yaml_path), yaml_path)) if yaml_path else {}
-    merged.update({k: v for k, v in flags.items() if v is not None and v != [] and v is not False})
+    names = {f.name for f in dataclasses.fields(JobSpec)}
+    loaded = {k: v for k, v in load_yaml(yaml_path).items() if k in names}
+    merged = dataclasses.asdict(typed(JobSpec, loaded, yaml_path)) if yaml_path else {}
+    given = {k: v for k, v in flags.items() if v is not None and v != [] and v != () and v is not False}
+    for a, b in _EITHER:
+        for mine, other in ((a, b), (b, a)):
+            if mine in given and other not in given and other in merged:
+                merged[other] = () if other == "inputs" else None
+    merged.update(given)
+    merged["model"] = local_model(merged.get("model"))
     if merged.get("source_table"):
         if merged.get("inputs"):
             raise InputError("give input files or --from-table, not both")

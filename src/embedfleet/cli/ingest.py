@@ -11,11 +11,7 @@ import typer
 
 from embedfleet.cli.app import DbOpt, TrustOpt, app, emit, jobs_app, knobs, state, stopped_on_purpose, with_flags
 from embedfleet.errors import EmbedfleetError, InputError
-
-
-def shell_escapes(template: str | None) -> str | None:
-    """A template typed in a shell: its backslash-n and backslash-t as the newline and tab the user meant."""
-    return template.replace("\\n", "\n").replace("\\t", "\t") if template else template
+from embedfleet.settings import shell_escapes
 
 
 # Flags `ingest` and `sync` share, declared once.
@@ -94,11 +90,14 @@ def ingest(
     New: files the inputs match now, lines appended to planned files (a file changed where it was embedded is
     refused: --replace it)."""
     state["resumes"] = True
-    from embedfleet.settings import build_job
+    from embedfleet.settings import build_job, run_options
     from embedfleet.ingest.bound import bound_line, host_shares, host_ticks, time_shares
     from embedfleet.ingest.job import run_job
     from embedfleet.sources.plan import expand_inputs
 
+    run = run_options(config)  # how it runs, from --config where no flag says
+    source_db, metrics_port = source_db or run.source_db, metrics_port if metrics_port is not None else run.metrics_port
+    ray, json_out = ray or run.ray, json_out or run.json
     cfg = build_job(dict(
         inputs=inputs, meta=meta, preset=preset, text_template=shell_escapes(text_template), text_field=text_field,
         id_field=id_field, model=model, db=db, table=table, job=job, devices=devices, workers=workers,
