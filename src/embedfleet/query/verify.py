@@ -63,8 +63,9 @@ def verify(conn: psycopg.Connection, table: str, tol: float = 1e-3, max_ids: int
     # a synced table follows its source, not its backfill's count: the ledger's rows say nothing of it
     count_ok = jobs == 0 or rows_before_jobs + ledger_rows == rows or sync is not None  # (no job: nothing to compare)
     made = conn.execute(
-        "SELECT coalesce(model, config->>'model'), config->>'prompt', config->>'passages' FROM embedfleet.jobs "
-        "WHERE table_name = ANY(%s) ORDER BY created DESC LIMIT 1", [names]).fetchone() if jobs else None
+        "SELECT coalesce(model, config->>'model'), config->>'prompt', config->>'passages', config->>'model_digest' "
+        "FROM embedfleet.jobs WHERE table_name = ANY(%s) ORDER BY created DESC LIMIT 1", [names]).fetchone() \
+        if jobs else None
     return {
         "table": table, "rows": rows, "ledger_rows": ledger_rows if jobs else None,
         "rows_before_jobs": rows_before_jobs if jobs else None,
@@ -73,7 +74,7 @@ def verify(conn: psycopg.Connection, table: str, tol: float = 1e-3, max_ids: int
         "overwritten": overwritten, "dim": dim, "vector_type": vtype,
         "problems": counts, "offending_ids": {k: v[:max_ids] for k, v in problems.items() if v},
         "model": made[0] if made else None, "prompt": made[1] if made else None,
-        "passages": made[2] if made else None,
+        "passages": made[2] if made else None, "model_digest": made[3] if made else None,
         "ok": count_ok and not overwritten and not any(counts.values()),
     }
 
@@ -120,5 +121,7 @@ def verify_together(conn: psycopg.Connection, tables: list[str]) -> dict:
     """Several tables meant to be searched against each other (documents, and questions embedded with the
     query prompt): each one's report, and whether they share a model and a dimension."""
     reports = [verify(conn, t) for t in tables]
-    same = len({(r["model"], r["dim"]) for r in reports}) == 1
+    # one model: by what it computes where every job recorded it, else by its name (a ledger from before)
+    by = "model_digest" if all(r["model_digest"] for r in reports) else "model"
+    same = len({(r[by], r["dim"]) for r in reports}) == 1
     return {"tables": reports, "same_model": same, "ok": same and all(r["ok"] for r in reports)}
