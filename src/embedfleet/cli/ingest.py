@@ -10,7 +10,7 @@ from typing import List, Optional
 import typer
 
 from embedfleet.cli.app import DbOpt, TrustOpt, app, emit, jobs_app, knobs, state, stopped_on_purpose, with_flags
-from embedfleet.errors import EmbedfleetError, InputError
+from embedfleet.errors import EmbedfleetError, InputError, JobError
 from embedfleet.settings import shell_escapes
 
 
@@ -263,6 +263,13 @@ def worker(
             serving = nullcontext()
         with serving:
             launcher.run(ledger, job, dsn, quiet)
+        # every worker of this host stopped on an error (a model it cannot load here) while work is left: say why
+        mine = launcher.worker_names()
+        errors = [e for w, e in ledger.worker_errors(job) if w in mine]
+        if errors and len(errors) == len(mine):
+            left = ledger.counts(job)
+            if left["pending"] or left["running"]:
+                raise JobError(f"this host's workers for job {job!r} stopped: {errors[0]}")
     finally:
         ledger.close()
 

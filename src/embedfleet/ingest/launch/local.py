@@ -57,6 +57,10 @@ class LocalLauncher(Launcher):
         self._running: tuple[Settings, int] | None = None  # the started workers' settings and threads
         self._dsn: str | None = None
 
+    def worker_names(self) -> set[str]:
+        """The names of the workers `start` ran."""
+        return {s.worker for s in self._slots}
+
     def _new_slots(self, count: int, suffix: str = "") -> list[Slot]:
         return [Slot(f"{self.prefix}-w{i}{suffix}", d) for i, d in enumerate(self.devices[:count])]
 
