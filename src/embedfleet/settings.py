@@ -151,6 +151,8 @@ def _checked(s: Settings) -> Settings:
         value = getattr(s, name)
         if value is not None and value < least:
             raise InputError(f"{_env_of(name)}={value}: expected a whole number ≥ {least}")
+    if s.metrics_port is not None and s.metrics_port > 65535:
+        raise InputError(f"EMBEDFLEET_METRICS_PORT={s.metrics_port}: expected a port number from 0 to 65535")
     if not 0 <= s.helper_nice <= 19:
         raise InputError(f"EMBEDFLEET_HELPER_NICE={s.helper_nice}: expected a whole number from 0 to 19")
     for name in ("lease_seconds", "db_patience_seconds", "switch_interval"):

@@ -388,3 +388,22 @@ def test_a_host_whose_workers_cannot_start_exits_non_zero_saying_why(cli, dsn, c
     line = one_line_error(p, "this host's workers for job 'away' stopped: model ")
     assert str(here) in line and p.returncode == 1
     assert conn.execute("SELECT count(*) FROM embedfleet.chunks WHERE job = 'away' AND state = 'pending'").fetchone()[0]
+
+
+def test_a_metrics_port_out_of_range_or_taken_is_one_line_before_any_job_is_planned(cli, dsn, conn, tmp_path):
+    """A port past 65535 (flag or variable) or one another program holds: one line naming it, and no job left
+    "running" in the ledger (the port was taken only after planning)."""
+    import socket
+
+    src = write_amazon_reviews(tmp_path / "port.jsonl", 20, seed=2)
+    base = ("ingest", src, "--preset", "amazon-reviews", "--table", "porty", "--db", dsn, "--devices", "cpu")
+    p = cli(*base, extra_env={"EMBEDFLEET_METRICS_PORT": "99999"})
+    one_line_error(p, "EMBEDFLEET_METRICS_PORT=99999: expected a port number from 0 to 65535")
+    assert cli(*base, "--metrics-port", "70000").returncode == 2
+    with socket.socket() as held:
+        held.bind(("0.0.0.0", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        one_line_error(cli(*base, "--metrics-port", port), f"--metrics-port {port}: cannot listen there")
+    ledger = conn.execute("SELECT to_regclass('embedfleet.jobs') IS NOT NULL").fetchone()[0]
+    assert not ledger or not conn.execute("SELECT 1 FROM embedfleet.jobs WHERE job = 'porty'").fetchone()

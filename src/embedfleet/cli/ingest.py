@@ -81,7 +81,8 @@ def ingest(
     config: Optional[str] = typer.Option(None, "--config", help="YAML file with any of these flags (flags win)"),
     ray: Optional[str] = typer.Option(None, "--ray", help="run the workers as Ray actors: auto (RAY_ADDRESS or a "
                                       "local cluster) or the cluster's ADDRESS; pip install embedfleet\\[ray]"),
-    metrics_port: Optional[int] = typer.Option(None, "--metrics-port", help="serve Prometheus metrics on this port"),
+    metrics_port: Optional[int] = typer.Option(None, "--metrics-port", min=0, max=65535,
+                                              help="serve Prometheus metrics on this port"),
     quiet: bool = QuietOpt,
     json_out: bool = typer.Option(False, "--json", help="print the final job summary as JSON"),
 ) -> None:
@@ -233,7 +234,8 @@ def worker(
     devices: str = typer.Option("auto", "--devices", "--device", help="auto | cpu | cuda | cuda:0,1,… (one worker each)"),
     workers: Optional[int] = typer.Option(None, "--workers", help="worker processes (default: one per device)"),
     worker_id: Optional[str] = typer.Option(None, "--worker-id", help="name prefix shown in status (default host-pid)"),
-    metrics_port: Optional[int] = typer.Option(None, "--metrics-port", help="serve Prometheus metrics on this port"),
+    metrics_port: Optional[int] = typer.Option(None, "--metrics-port", min=0, max=65535,
+                                              help="serve Prometheus metrics on this port"),
     source_db: Optional[str] = typer.Option(None, "--source-db", help="a --from-table job's source database "
                                             "(default: --db)"),
     quiet: bool = typer.Option(False, "--quiet", help="no progress display"),

@@ -12,7 +12,7 @@ import contextlib
 import hashlib
 import logging
 import time
-from contextlib import nullcontext
+from contextlib import ExitStack, nullcontext
 from pathlib import Path
 from typing import Callable
 
@@ -47,8 +47,11 @@ def run_job(spec: JobSpec, settings: Settings, launcher: Launcher, empty_ok: boo
     dsn = resolve_dsn(spec.db, settings)
     reconnect = Reconnect(dsn, settings.db_patience_seconds)
     conn = reconnect.first()
+    served = ExitStack()
     try:
         cfg = check_job(spec, conn, settings)  # before the ledger exists: a job that cannot run leaves nothing behind
+        # the metrics port taken before anything is planned, too: one it cannot have leaves no job behind
+        served.enter_context(_metrics(settings.metrics_port, dsn, cfg.job))
     except BaseException:
         conn.close()
         raise
@@ -67,8 +70,7 @@ def run_job(spec: JobSpec, settings: Settings, launcher: Launcher, empty_ok: boo
         counts = ledger.counts(job)
         if counts["pending"] or counts["running"]:
             ledger.set_job_state(job, "running")
-            with _metrics(settings.metrics_port, dsn, job):
-                launcher.run(ledger, job, dsn, cfg.quiet)
+            launcher.run(ledger, job, dsn, cfg.quiet)
         if source is not None:
             source = source.close()
         if early:
@@ -91,6 +93,7 @@ def run_job(spec: JobSpec, settings: Settings, launcher: Launcher, empty_ok: boo
             interrupted(ledger, job, launcher)
         raise
     finally:
+        served.close()
         if early:
             launcher.discard()  # also after an error planning the job, or Ctrl-C
         if source is not None:
