@@ -430,3 +430,16 @@ def test_one_string_is_one_vector_and_a_lone_surrogate_encodes_as_the_replacemen
     np.testing.assert_allclose(odd, enc.encode(["\ufffd broke", "fine"]), atol=1e-6)
     with pytest.raises(TypeError, match="item 1 is NoneType"):
         enc.encode(["fine", None])
+
+
+def test_a_wrong_dtype_or_device_and_a_closed_encoder_are_said_in_one_line(tiny):
+    from embedfleet.errors import ModelError
+
+    with pytest.raises(ModelError, match="dtype 'int8': use one of float32"):
+        Encoder(str(tiny["bert-cls"]), dtype="int8")
+    with pytest.raises(ModelError, match="device 'gpu': use auto, cpu, cuda or cuda:N"):
+        Encoder(str(tiny["bert-cls"]), device="gpu")
+    enc = Encoder(str(tiny["bert-cls"]), device="cpu")
+    enc.close()
+    with pytest.raises(ModelError, match="this Encoder is closed"):
+        enc.encode(["after close"])

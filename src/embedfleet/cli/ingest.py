@@ -232,7 +232,7 @@ def worker(
     job: str = typer.Option(..., "--job", help="the job to join"),
     db: Optional[str] = DbOpt,
     devices: str = typer.Option("auto", "--devices", "--device", help="auto | cpu | cuda | cuda:0,1,… (one worker each)"),
-    workers: Optional[int] = typer.Option(None, "--workers", help="worker processes (default: one per device)"),
+    workers: Optional[int] = typer.Option(None, "--workers", min=1, help="worker processes (default: one per device)"),
     worker_id: Optional[str] = typer.Option(None, "--worker-id", help="name prefix shown in status (default host-pid)"),
     metrics_port: Optional[int] = typer.Option(None, "--metrics-port", min=0, max=65535,
                                               help="serve Prometheus metrics on this port"),
@@ -337,7 +337,7 @@ def jobs_rm(
 def jobs_rejects(
     job: str = typer.Argument(..., help="the job's name, as `embedfleet status` lists it"),
     db: Optional[str] = DbOpt,
-    limit: Optional[int] = typer.Option(50, "--limit", help="at most this many (0: all)"),
+    limit: int = typer.Option(50, "--limit", min=0, help="at most this many (0: all)"),
     json_out: bool = typer.Option(False, "--json", help="one JSON document: source, line, reason, raw each"),
 ) -> None:
     """The records a job rejected, in input order: the file and line of each, and why."""

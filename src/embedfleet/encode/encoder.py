@@ -44,7 +44,12 @@ _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bf
 def _device(device: str) -> torch.device:
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
-    dev = torch.device(device)
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError):
+        raise ModelError(f"device {device!r}: use auto, cpu, cuda or cuda:N") from None
+    if dev.type not in ("cpu", "cuda"):
+        raise ModelError(f"device {device!r}: use auto, cpu, cuda or cuda:N")
     if dev.type == "cuda":
         if not torch.cuda.is_available():
             raise ModelError(f"device '{device}' asked for, but CUDA is not available here. Use --device cpu.")
@@ -89,6 +94,8 @@ class Encoder:
         spec.check_task(task)
         self.task = task  # for a model's own module that takes one (else the prompt's name is its task)
         self._dev = _device(device)
+        if isinstance(dtype, str) and dtype not in _DTYPES:
+            raise ModelError(f"dtype {dtype!r}: use one of {', '.join(_DTYPES)} (or a torch dtype)")
         self.dtype = _DTYPES[dtype] if isinstance(dtype, str) else dtype
         if self.dtype is None:
             self.dtype = torch.bfloat16 if self._dev.type == "cuda" else torch.float32
@@ -233,6 +240,7 @@ class Encoder:
         as sentence-transformers does."""
         if isinstance(texts, str):
             return self.encode([texts], prompt)[0]
+        self._open()
         texts = list(texts)
         long = len(texts) >= LONG_CALL_TEXTS
         if self._compile is not None and long:
@@ -308,6 +316,10 @@ class Encoder:
     def close(self) -> None:
         self._tok.close()
         self.model = None
+
+    def _open(self) -> None:
+        if self.model is None:
+            raise ModelError("this Encoder is closed: make a new one")
 
     def __enter__(self):
         return self

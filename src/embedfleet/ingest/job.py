@@ -118,7 +118,7 @@ class SourceSnapshot:
         from embedfleet.pg.connect import connect
         from embedfleet.pg.scan import begin_snapshot, export_snapshot
 
-        self.source, self.conn = source, connect(dsn, what="--source-db")
+        self.source, self.conn = source, connect(dsn, what="--source-db / EMBEDFLEET_SOURCE_DB")
         begin_snapshot(self.conn)
         self.snapshot = export_snapshot(self.conn)
 
@@ -281,7 +281,7 @@ def check_source(spec: JobSpec, dsn: str) -> JobSpec:
     from embedfleet.sources.records import template_fields
     from embedfleet.sources.table import check_fields, describe, resolve_columns, text_columns
 
-    with connect(dsn, what="--source-db") as conn:
+    with connect(dsn, what="--source-db / EMBEDFLEET_SOURCE_DB") as conn:
         source = describe(conn, spec.source_table)
         if spec.where:
             check_where(conn, source.name, spec.where)

@@ -109,7 +109,7 @@ class Lane:
         self.stats, self.stats_lock = stats, stats_lock
         self.target = connect(dsn)
         self.same_db = source_dsn == dsn
-        self.source = self.target if self.same_db else connect(source_dsn, what="--source-db")
+        self.source = self.target if self.same_db else connect(source_dsn, what="--source-db / EMBEDFLEET_SOURCE_DB")
         source = describe(self.source, spec.source_table)
         self.source_name, self.key_type = source.name, source.columns[spec.id_field]
         self.queue = queue.queue_for(source.name, spec.id_field, spec.job)
@@ -328,7 +328,7 @@ class Syncer:
                    for i, lane in enumerate(self.lanes)]
         listener = None
         if follow:
-            listener = connect(self.source_dsn, what="--source-db")
+            listener = connect(self.source_dsn, what="--source-db / EMBEDFLEET_SOURCE_DB")
             listener.execute(sql.SQL("LISTEN {}").format(sql.Identifier(self.queue.channel)))
         for t in threads:
             t.start()
@@ -400,7 +400,7 @@ def run_sync(spec: JobSpec, settings: Settings, launcher, device: str, follow: b
         cfg = check_job(spec, conn, settings)
         existed = table_exists(conn, cfg.table)
     q = queue.queue_for(cfg.source_table, cfg.id_field, cfg.job)
-    with connect(src_dsn, what="--source-db") as src:
+    with connect(src_dsn, what="--source-db / EMBEDFLEET_SOURCE_DB") as src:
         source = describe(src, cfg.source_table)
         if cfg.id_field not in source.unique:  # two rows of one id would be one target row, now one text, now another
             raise InputError(f"--id-field {cfg.id_field!r}: sync keeps one target row per id, and nothing keeps "
@@ -454,7 +454,7 @@ def uninstall_sync(spec: JobSpec, settings: Settings) -> dict:
     from embedfleet.pg.embedded import resolve_dsn
 
     dsn = resolve_dsn(spec.db, settings)
-    with connect(source_dsn(spec, settings), what="--source-db") as src:
+    with connect(source_dsn(spec, settings), what="--source-db / EMBEDFLEET_SOURCE_DB") as src:
         try:
             source = describe(src, spec.source_table)
             name, job = source.name, spec.job or spec.table or f"{source.schema}.{source.table}_embeddings"

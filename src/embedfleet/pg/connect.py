@@ -25,7 +25,7 @@ def connect(dsn: str, what: str = "--db / EMBEDFLEET_DB", **kw) -> psycopg.Conne
                             "give postgresql://USER@HOST:PORT/DATABASE") from None
     except psycopg.OperationalError as e:
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        db = "the database" if what.startswith("--db") else f"the {what} database"
+        db = "the database" if what.startswith("--db") else f"the {what.split(' /')[0]} database"
         raise DatabaseError(f"cannot connect to {db} ({first}); check {what}") from None
 
 
