@@ -36,6 +36,11 @@ MAX_FAILURES = 3
 FLEET_GAUGES = ("rows_s", "tokens_s", "gpu_util", "gpu_mem_used", "gpu_mem_total", "gpu_temp", "gpu_power")
 STALE_SECONDS = 120  # a running job with no heartbeat for this long is reported as interrupted
 ENDED_SECONDS = 5.0  # and one whose workers have all ended this long ago, with its launcher gone
+# A worker that has beaten (every few seconds) but not for this long is gone (killed, its host or the database
+# out of reach): shown "lost", not in the state of its last beat. One still loading its model has not beaten.
+LOST_SECONDS = 30
+_SHOWN_STATE = (f"CASE WHEN w.state NOT IN ('starting', 'finished', 'exited', 'failed') AND w.heartbeat < now() - "
+                f"interval '{LOST_SECONDS} seconds' THEN 'lost' ELSE w.state END")
 HOST = socket.gethostname()
 
 LEDGER_VERSION = 7  # bump with each change below; ensure_ledger brings an older ledger up to it
@@ -784,8 +789,8 @@ class Ledger:
                 [job],
             ).fetchone()
             workers = cur.execute(
-                "SELECT worker, host, pid, device, state, rows, tokens, rows_s, tokens_s, gpu_util, gpu_mem_used, "
-                "gpu_mem_total, gpu_temp, gpu_power, heartbeat, error FROM embedfleet.workers "
+                f"SELECT worker, host, pid, device, {_SHOWN_STATE} AS state, rows, tokens, rows_s, tokens_s, gpu_util, "
+                "gpu_mem_used, gpu_mem_total, gpu_temp, gpu_power, heartbeat, error FROM embedfleet.workers w "
                 "WHERE job = %s ORDER BY worker",
                 [job],
             ).fetchall()
@@ -817,7 +822,7 @@ def jobs_overview(conn: psycopg.Connection, job: str | None = None, source_db: s
         return []
     with conn.cursor(row_factory=dict_row) as cur:
         rows = cur.execute(
-            """
+            f"""
             SELECT j.job, j.table_name AS "table", j.state, j.model, j.dim, j.error,
                    count(c.chunk) AS chunks_total,
                    count(c.chunk) FILTER (WHERE c.state = 'done') AS chunks_done,
@@ -828,13 +833,14 @@ def jobs_overview(conn: psycopg.Connection, job: str | None = None, source_db: s
                    extract(epoch FROM now() - coalesce(
                        (SELECT max(heartbeat) FROM embedfleet.workers w WHERE w.job = j.job), j.started)) AS idle_s,
                    (SELECT count(*) FROM embedfleet.workers w WHERE w.job = j.job
-                       AND w.state NOT IN ('finished', 'exited', 'failed')) AS live_workers,
+                       AND {_SHOWN_STATE} NOT IN ('finished', 'exited', 'failed', 'lost')) AS live_workers,
                    (SELECT coalesce(jsonb_agg(jsonb_build_object('chunk', f.chunk, 'source', f.source,
                                                                  'error', f.error) ORDER BY f.chunk), '[]')
                       FROM embedfleet.chunks f WHERE f.job = j.job AND f.state = 'failed') AS failures,
                    -- every column a worker row has (older ledgers have fewer: to_jsonb takes what is there)
                    (SELECT coalesce(jsonb_agg((to_jsonb(w) - 'job' - 'summary')
-                                              || jsonb_build_object('beat_age_s', extract(epoch FROM now() - w.heartbeat))
+                                              || jsonb_build_object('beat_age_s', extract(epoch FROM now() - w.heartbeat),
+                                                                    'state', {_SHOWN_STATE})
                                               ORDER BY w.worker), '[]')
                       FROM embedfleet.workers w WHERE w.job = j.job) AS workers
               FROM embedfleet.jobs j LEFT JOIN embedfleet.chunks c ON c.job = j.job

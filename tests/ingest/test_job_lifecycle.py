@@ -217,3 +217,23 @@ def test_a_relative_model_folder_serves_searches_and_workers_run_from_elsewhere(
     cli(*args, check=True)  # the same command resumes (nothing new), not "other settings"
     assert conn.execute("SELECT config->>'model', fingerprint FROM embedfleet.jobs WHERE job = 'relmodel'").fetchone() \
         == (str(mine), spec.fingerprint())
+
+
+def test_a_worker_that_stopped_beating_is_shown_lost_and_a_job_of_lost_workers_interrupted(cli, dsn, conn, tmp_path):
+    """A worker killed with -9 on another host (or cut off from the database) stays in the state of its last beat:
+    `status` shows it lost once it misses its beats, and a running job with no other live worker interrupted. One
+    still loading its model (it has not beaten yet) is not lost."""
+    src = write_amazon_reviews(tmp_path / "ghost.jsonl", 10, seed=8)
+    cli("ingest", src, "--preset", "amazon-reviews", "--table", "ghosts", "--db", dsn, "--devices", "cpu", "--quiet",
+        check=True)
+    conn.execute("UPDATE embedfleet.jobs SET state = 'running', finished = NULL WHERE job = 'ghosts'")
+    conn.execute("UPDATE embedfleet.workers SET heartbeat = now() - interval '60 seconds' WHERE job = 'ghosts'")
+    conn.execute("INSERT INTO embedfleet.workers (job, worker, host, device, state, heartbeat) VALUES "
+                 "('ghosts', 'hostB-w0', 'hostB', 'cuda:0', 'chunk 8', now() - interval '60 seconds'), "
+                 "('ghosts', 'hostC-w0', 'hostC', 'cuda:0', 'starting', now() - interval '60 seconds')")
+    job = _job(cli, dsn, "ghosts")
+    states = {w["worker"]: w["state"] for w in job["workers"]}
+    assert (states["hostB-w0"], states["hostC-w0"]) == ("lost", "starting")
+    assert job["state"] == "running"  # hostC may still be loading its model
+    conn.execute("DELETE FROM embedfleet.workers WHERE worker = 'hostC-w0'")
+    assert _job(cli, dsn, "ghosts")["state"] == "interrupted"
