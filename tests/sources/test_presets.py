@@ -43,7 +43,7 @@ def test_wikipedia_preset():
     assert recs[0].content == "Anarchism\n\nAnarchism is a political philosophy.\n\nHistory\n..."
     assert recs[0].values == {"url": article["url"], "title": "Anarchism", "extra": None}
     assert recs[1].values["extra"] == {"lang": "en"}  # an unknown field is kept; the text is not
-    assert [(r.line, r.reason) for r in rejects] == [(3, "missing field 'id' needed for the id"),
+    assert [(r.line, r.reason) for r in rejects] == [(3, "field 'id' needed for the id is empty"),
                                                     (4, "template renders no text")]
 
 

@@ -76,7 +76,7 @@ class Preset:
         for key, col, is_time in self._id_columns:
             value = values.get(col)
             if value is None or value == "":
-                raise RecordError(f"missing field '{key}' needed for the id")
+                raise RecordError(_no_id(key, value))
             parts.append(str(epoch_millis(value)) if is_time else str(value))
         return "|".join(parts)
 
@@ -118,10 +118,15 @@ class Preset:
         return tuple((key, columns[key], self._types[columns[key]] == "timestamptz") for key in self.id_fields)
 
 
+def _no_id(field: str, value) -> str:
+    """Why a record has no id: its field absent (or null), or empty."""
+    return f"field '{field}' needed for the id is empty" if value == "" else f"missing field '{field}' needed for the id"
+
+
 def _field_id(data: dict, id_field: str) -> str:
     value = lookup(data, id_field)
     if value is None or value == "":
-        raise RecordError(f"missing field '{id_field}' needed for the id")
+        raise RecordError(_no_id(id_field, value))
     if isinstance(value, (dict, list)):
         raise RecordError(f"field '{id_field}' for the id is not a single value")
     return sanitize(str(value))
