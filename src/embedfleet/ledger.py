@@ -19,7 +19,7 @@ import psycopg
 from psycopg.rows import dict_row
 from psycopg.types.json import Jsonb
 
-from embedfleet.errors import DatabaseError, JobError
+from embedfleet.errors import DatabaseError, InputError, JobError
 from embedfleet.pg.connect import Reconnect, lost
 from embedfleet.pg.ddl import SCHEMA, quote_ident, role_and_database, schema_exists, table_exists, table_rows
 from embedfleet.pg.ddl import drop_table as drop_table_
@@ -902,11 +902,11 @@ def remove_job(conn: psycopg.Connection, job: str, drop_table: bool = False) -> 
     """`embedfleet jobs rm`: the job and all the ledger holds of it, in one transaction; its table too with
     `drop_table`. A job whose workers still beat is refused: it would be planned again under them."""
     if not ledger_exists(conn):
-        raise JobError(f"no job named {job!r}; `embedfleet status` lists them")
+        raise InputError(f"no job named {job!r}; `embedfleet status` lists them")
     with conn.transaction():
         row = conn.execute("SELECT table_name FROM embedfleet.jobs WHERE job = %s FOR UPDATE", [job]).fetchone()
-        if row is None:
-            raise JobError(f"no job named {job!r}; `embedfleet status` lists them")
+        if row is None:  # a name the user gave that is none, as `status --job` says it (exit 2)
+            raise InputError(f"no job named {job!r}; `embedfleet status` lists them")
         beating = conn.execute(
             "SELECT count(*) FROM embedfleet.workers WHERE job = %s AND state NOT IN ('finished', 'exited', 'failed') "
             "AND heartbeat >= now() - make_interval(secs => %s)", [job, STALE_SECONDS / 4]).fetchone()[0]

@@ -161,7 +161,7 @@ def test_checks_come_before_planning_and_jobs_rm_clears_the_ledger(cli, dsn, con
     cli("jobs", "rm", "dims_more", "--db", dsn, check=True)
     cli("jobs", "rm", "dims", "--db", dsn, "--drop-table", check=True)
     assert conn.execute("SELECT to_regclass('dims')").fetchone()[0] is None
-    one_line_error(cli("jobs", "rm", "dims", "--db", dsn), "no job named 'dims'")
+    assert one_line_error(gone := cli("jobs", "rm", "dims", "--db", dsn), "no job named 'dims'") and gone.returncode == 2
 
 
 def test_a_model_missing_weights_fails_in_one_line_and_the_same_job_then_runs_with_another_model(
