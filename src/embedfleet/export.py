@@ -432,7 +432,8 @@ def _target(out: str, fmt: str, shards: int) -> _Target:
     if not final.parent.is_dir():
         raise InputError(f"--out {out}: directory {final.parent} does not exist")
     if final.exists() and (final.is_dir() != is_dir or (is_dir and not _ours(final))):
-        what = "a directory that is not an embedfleet export" if final.is_dir() else "a file"
+        what = ("an earlier export as a directory (--format npy or shards): this one writes a file" if _ours(final)
+                else "a directory that is not an embedfleet export") if final.is_dir() else "a file"
         raise InputError(f"--out {out} is {what}; remove it or choose another --out")
     _remove_stale(final)
     tmp = final.parent / f".{final.name}.export-{os.getpid()}.tmp"

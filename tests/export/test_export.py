@@ -116,6 +116,13 @@ def test_columns_where_and_errors(dsn, conn, tmp_path):
     with pytest.raises(InputError, match="writes a directory"):
         export(dsn, "t", "npy", str(tmp_path / "x.npy"), progress=False)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["c.parquet"]
+    export(dsn, "t", "npy", str(tmp_path / "as_npy"), progress=False)
+    with pytest.raises(InputError, match="is an earlier export as a directory .*: this one writes a file"):
+        export(dsn, "t", "parquet", str(tmp_path / "as_npy"), progress=False)
+    (tmp_path / "mine").mkdir()
+    (tmp_path / "mine" / "notes.txt").write_text("kept")
+    with pytest.raises(InputError, match="is a directory that is not an embedfleet export"):
+        export(dsn, "t", "npy", str(tmp_path / "mine"), progress=False)
 
 
 def test_a_writing_where_is_refused_and_writes_nothing(cli, dsn, conn, tmp_path):
