@@ -8,6 +8,7 @@ from decimal import Decimal
 
 import orjson
 import pytest
+from conftest import one_line_error
 
 from embedfleet.errors import InputError
 from embedfleet.sources.presets import job_preset, parse_columns
@@ -78,3 +79,21 @@ def test_an_existing_table_without_the_column_is_refused_before_planning(cli, ds
     assert conn.execute("SELECT count(*) FROM embedfleet.jobs WHERE job = 'again'").fetchone()[0] == 0
     bad = cli("ingest", src, "--columns", "stars", "--table", "x", "--db", dsn, "--quiet")
     assert bad.returncode == 2 and "NAME:TYPE" in bad.stderr and "Traceback" not in bad.stderr
+
+
+def test_an_existing_column_of_another_type_is_refused_before_planning(cli, dsn, conn, tmp_path):
+    """Rows go in by binary COPY: a double's bytes landed in a bigint column as its bit pattern, and text's stopped
+    the COPY, the worker waiting for ever. Refused, naming both types; the table's own type goes in."""
+    src = _reviews(tmp_path / "typed.jsonl", 20)
+    cli("ingest", src, "--columns", "stars:int", "--table", "typed", "--db", dsn, "--devices", "cpu", "--quiet",
+        check=True)
+    before = conn.execute("SELECT count(*), sum(stars) FROM typed").fetchone()
+    for kind, shown in (("double", "double precision"), ("text", "text")):
+        p = cli("ingest", src, "--columns", f"stars:{kind}", "--table", "typed", "--job", f"as_{kind}", "--db", dsn,
+                "--devices", "cpu", "--quiet", timeout=120)
+        one_line_error(p, f"table 'typed' already has column 'stars' as bigint, not {shown}: give its type "
+                          "(--columns stars:bigint)")
+    assert conn.execute("SELECT count(*), sum(stars) FROM typed").fetchone() == before
+    cli("ingest", src, "--columns", "stars:bigint", "--table", "typed", "--job", "as_bigint", "--db", dsn,
+        "--devices", "cpu", "--quiet", check=True)
+    assert conn.execute("SELECT count(*), sum(stars) FROM typed").fetchone() == before

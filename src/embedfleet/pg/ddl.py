@@ -264,17 +264,24 @@ def check_embedding_column(conn: psycopg.Connection, table: str, dim: int, vtype
 
 
 def check_table_columns(conn: psycopg.Connection, table: str, columns: Sequence) -> None:
-    """An existing `table` must have every column the job writes (a --columns field it was made without)."""
-    have = {r[0] for r in conn.execute(
-        "SELECT attname FROM pg_attribute WHERE attrelid = %s::regclass AND attnum > 0 AND NOT attisdropped",
-        [table_sql(conn, table).as_string(conn)]).fetchall()}
-    missing = [c for c in columns if c.name not in have]
-    if missing:
-        c = missing[0]
-        target = table_sql(conn, table).as_string(conn)
-        raise DatabaseError(f"table {table!r} already exists without column {c.name!r}: pass another --table, or add "
-                            f"it first (ALTER TABLE {target} ADD COLUMN {sql.Identifier(c.name).as_string(conn)} "
-                            f"{c.pgtype})")
+    """An existing `table` must have every column the job writes (a --columns field it was made without), each of
+    the type the job writes: rows go in by binary COPY, where another type's bytes would be read as this one's
+    (a double's bits as a bigint) or stop the COPY."""
+    have = dict(conn.execute(
+        "SELECT attname, atttypid::regtype::text FROM pg_attribute WHERE attrelid = %s::regclass AND attnum > 0 "
+        "AND NOT attisdropped", [table_sql(conn, table).as_string(conn)]).fetchall())
+    target = table_sql(conn, table).as_string(conn)
+    for c in columns:
+        name = sql.Identifier(c.name).as_string(conn)
+        if c.name not in have:
+            raise DatabaseError(f"table {table!r} already exists without column {c.name!r}: pass another --table, or "
+                                f"add it first (ALTER TABLE {target} ADD COLUMN {name} {c.pgtype})")
+        wanted = conn.execute("SELECT %s::regtype::text", [c.pgtype]).fetchone()[0]
+        if have[c.name] != wanted:
+            spelled = {"double precision": "double", "timestamp with time zone": "timestamptz"}.get(have[c.name],
+                                                                                                  have[c.name])
+            raise InputError(f"table {table!r} already has column {c.name!r} as {have[c.name]}, not {wanted}: give "
+                             f"its type (--columns {c.name}:{spelled}), or pass another --table")
 
 
 def ensure_table(conn: psycopg.Connection, table: str, columns: Sequence, dim: int, vtype: str,
