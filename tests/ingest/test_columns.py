@@ -22,6 +22,9 @@ def test_column_specs_are_parsed_and_checked():
             parse_columns(bad)
     with pytest.raises(InputError, match="already has a column"):
         job_preset("amazon-reviews", ["rating:int"])
+    for later in ("content_tsv:text", "map_x:text"):  # columns --fts and map --store-coords add later
+        with pytest.raises(InputError, match=f"--columns '{later.split(':')[0]}': the name of "):
+            job_preset("generic", [later])
     preset = job_preset("generic", ["stars:int"])
     values = preset.values({"text": "t", "stars": "4", "other": 1}, "text")
     assert values == {"stars": 4, "record": {"other": 1}}  # promoted: out of `record`

@@ -126,3 +126,16 @@ def test_a_numeric_column_colours_by_number_bins_not_by_each_value(conn):
                  "FROM generate_series(1, 60) g")
     data = read_sample(conn, "priced", 100, "price")
     assert sorted(data.color) == [g * 1.25 for g in range(1, 61)]  # numbers, as a double column's are
+
+
+def test_store_coords_never_writes_over_a_column_of_the_users_own(cli, dsn, conn, tmp_path):
+    """A table whose own `map_x` holds the user's text: --store-coords refuses before laying anything out, and the
+    column keeps its values (they became coordinates, the column still text)."""
+    write_vector_table(conn, "own_xy", 40, dim=8)
+    conn.execute("ALTER TABLE own_xy ADD COLUMN map_x text")
+    conn.execute("UPDATE own_xy SET map_x = 'left'")
+    p = cli("map", "--table", "own_xy", "--out", tmp_path / "m.png", "--store-coords", "--db", dsn)
+    assert p.returncode == 2 and "Traceback" not in p.stderr, p.stderr
+    assert "has a column 'map_x' of its own" in p.stderr.strip().splitlines()[-1]
+    assert conn.execute("SELECT count(*) FROM own_xy WHERE map_x = 'left'").fetchone()[0] == 40
+    assert not (tmp_path / "m.png").exists()

@@ -353,6 +353,18 @@ def _write_atomically(path: str, data: bytes) -> None:
         raise
 
 
+def check_coord_columns(conn: psycopg.Connection, table: str) -> None:
+    """`map_x` and `map_y` are map's to write only where it made them (their comment says so) or they are not there:
+    a column of the user's own of that name is never written over."""
+    t = table_sql(conn, table).as_string(conn)
+    for col in COORD_COLUMNS:
+        row = conn.execute("SELECT format_type(atttypid, atttypmod), col_description(attrelid, attnum) FROM pg_attribute "
+                           "WHERE attrelid = %s::regclass AND attname = %s AND NOT attisdropped", [t, col]).fetchone()
+        if row and not (row[0] == "real" and (row[1] or "").startswith("embedfleet map:")):
+            raise InputError(f"--store-coords: table {table!r} has a column {col!r} of its own (not one map wrote): "
+                             "it would be written over; rename it, or leave out --store-coords")
+
+
 def store_coords(conn: psycopg.Connection, table: str, ids: list[str], coords: np.ndarray, note: str) -> None:
     """map_x, map_y (real) for the mapped rows, NULL for every other row, in one transaction."""
     t = table_sql(conn, table)
@@ -388,6 +400,8 @@ def build_map(dsn: str, table: str, outs: list[str], *, color_by: str | None = N
     times = {}
     t0 = time.perf_counter()
     with psycopg.connect(dsn, autocommit=True) as conn:
+        if store:
+            check_coord_columns(conn, table)
         with conn.transaction():
             conn.execute("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ READ ONLY")
             data = read_sample(conn, table, sample, color_by, seed)

@@ -243,6 +243,10 @@ PRESETS = {
 
 FILE_PRESETS = tuple(p for p in PRESETS if p != "table")  # "table" is --from-table's own
 
+# Columns embedfleet may add to a table later, not to be taken by a promoted field.
+RESERVED = {"content_tsv": "the full-text column (--fts, index --fts)", "map_x": "map --store-coords' column",
+            "map_y": "map --store-coords' column"}
+
 # `--columns NAME:TYPE,…`: the types a promoted field may take, by the names a user would write.
 COLUMN_TYPES = {
     "int": "bigint", "integer": "integer", "bigint": "bigint", "real": "real", "float": "double precision",
@@ -281,6 +285,10 @@ def job_preset(name: str, columns: list[str] | None = None) -> Preset:
     clash = [c.name for c in extra if c.name in taken]
     if clash:
         raise InputError(f"--columns {clash[0]!r}: preset {name} already has a column of that name")
+    kept = [c.name for c in extra if c.name in RESERVED]
+    if kept:
+        raise InputError(f"--columns {kept[0]!r}: the name of {RESERVED[kept[0]]}; promote the field under another "
+                         "name")
     return dataclasses.replace(preset, columns=preset.columns + extra,
                                fields=preset.fields + tuple((c.name, c.name) for c in extra))
 
