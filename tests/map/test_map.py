@@ -139,3 +139,12 @@ def test_store_coords_never_writes_over_a_column_of_the_users_own(cli, dsn, conn
     assert "has a column 'map_x' of its own" in p.stderr.strip().splitlines()[-1]
     assert conn.execute("SELECT count(*) FROM own_xy WHERE map_x = 'left'").fetchone()[0] == 40
     assert not (tmp_path / "m.png").exists()
+
+
+def test_a_small_sample_of_a_larger_table_has_as_many_rows_as_asked(conn):
+    """A sample of N rows is N rows, for any seed (a Bernoulli sample 2% over N gave one row for 10 of 600)."""
+    from embedfleet.map import read_sample
+
+    write_vector_table(conn, "many", 600, dim=8)
+    for sample in (1, 2, 10, 50):
+        assert {len(read_sample(conn, "many", sample, None, seed).ids) for seed in range(8)} == {sample}
