@@ -93,11 +93,14 @@ def test_coerce(value, pgtype, expected):
         ("next tuesday", "timestamptz"), (True, "timestamptz"), (1e30, "timestamptz"),
         ("13/11/2008", "date"), (1226534400000, "date"), ({"a": 1}, "text[]"), ([["nested"]], "text[]"),
         ([{"a": 1}], "text[]"), ("ten", "numeric"), (True, "numeric"), (float("nan"), "numeric"), ("Infinity", "numeric"),
+        (1e40, "real"), ("-1e39", "real"),  # past float4: it would be stored as Infinity
     ],
 )
 def test_coerce_rejects(value, pgtype):
     with pytest.raises(CoerceError, match=f"cannot coerce f=.* to {re.escape(pgtype)}"):
         coerce(value, pgtype, "f")
+    with pytest.raises(CoerceError, match=f"cannot coerce f=.* to {re.escape(pgtype)}"):
+        coercer(pgtype)(value, "f")  # the per-column fast path too
 
 
 def test_coerce_message():

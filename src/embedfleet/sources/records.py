@@ -139,6 +139,15 @@ def _to_float(v: object) -> float | None:
     return float(v)
 
 
+_REAL_MAX = 3.4028234663852886e38  # float4's largest finite value
+
+
+def _to_real(v: object) -> float | None:
+    """A float that fits float4: a finite value past its range is refused, not stored as Infinity."""
+    out = _to_float(v)
+    return None if out is not None and math.isfinite(out) and abs(out) > _REAL_MAX else out
+
+
 def _to_decimal(v: object) -> Decimal | None:
     """Exactly as written (a float as its shortest repr); NaN and infinities are no amounts here."""
     if isinstance(v, bool) or not isinstance(v, (int, float, str, Decimal)):
@@ -216,7 +225,7 @@ def _to_text_array(v: object, field: str) -> list[str] | None:
 
 
 _COERCE: dict[str, Callable[[object], object]] = {
-    "real": _to_float,
+    "real": _to_real,
     "double precision": _to_float,
     "numeric": _to_decimal,
     "integer": lambda v: _to_int(v, _INT_RANGE["integer"]),
@@ -240,7 +249,7 @@ def _text(value: object, field: str) -> object:
 
 
 def _real(value: object, field: str) -> object:
-    return value if type(value) is float else coerce(value, "real", field)
+    return value if type(value) is float and abs(value) <= _REAL_MAX else coerce(value, "real", field)
 
 
 def _double(value: object, field: str) -> object:
