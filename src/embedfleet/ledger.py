@@ -295,10 +295,8 @@ class Ledger:
                                       "'{model}', to_jsonb(%s::text)) WHERE job = %s", [cfg.fingerprint(), cfg.model, name])
                     existing["fingerprint"] = cfg.fingerprint()
                 if existing["fingerprint"] not in (cfg.fingerprint(), cfg.fingerprint(legacy=True)):
-                    raise JobError(
-                        f"job {name!r} already exists with other settings (model, table, template or fields "
-                        f"differ); pass --job NEWNAME to start a new one"
-                    )
+                    raise JobError(f"job {name!r} already exists with other settings ({_differences(existing['config'], cfg)}); "
+                                   "pass --job NEWNAME to start a new one")
                 planned_with = existing["config"].get("partitions")  # the layout its workers make the table with
                 if cfg.partitions is not None and cfg.partitions != planned_with:
                     raise JobError(f"job {name!r} was planned {f'with --partitions {planned_with}' if planned_with else 'as one relation'}, "
@@ -801,6 +799,21 @@ class Ledger:
 for _name, _method in list(vars(Ledger).items()):  # every query method; _claim is wrapped above
     if callable(_method) and not _name.startswith("_") and _name not in ("connect", "close", "claim"):
         setattr(Ledger, _name, _resilient(_method))
+
+
+def _differences(recorded: dict, cfg: JobSpec) -> str:
+    """What a job's recorded settings and `cfg` differ in, as flags: `--limit 7 then, 10 now`."""
+    from embedfleet.settings import FLAG_FIELDS
+
+    flags = {field: flag for flag, field in FLAG_FIELDS.items()}
+    shown = []
+    for key in JobSpec._IDENTITY:
+        then, now = recorded.get(key), getattr(cfg, key)
+        now = list(now) if isinstance(now, tuple) else now
+        if then != now:
+            shown.append(f"--{flags.get(key, key).replace('_', '-')} {then if then is not None else 'not given'} then, "
+                         f"{now if now is not None else 'not given'} now")
+    return "; ".join(shown[:3]) or "model, table, template or fields differ"
 
 
 def _as_recorded_relative(cfg: JobSpec, recorded: str | None) -> tuple[str, ...]:

@@ -237,3 +237,14 @@ def test_a_worker_that_stopped_beating_is_shown_lost_and_a_job_of_lost_workers_i
     assert job["state"] == "running"  # hostC may still be loading its model
     conn.execute("DELETE FROM embedfleet.workers WHERE worker = 'hostC-w0'")
     assert _job(cli, dsn, "ghosts")["state"] == "interrupted"
+
+
+def test_a_job_run_again_with_other_settings_is_told_which(cli, dsn, tmp_path):
+    """`--limit 3` then `--limit 5` is another job: the refusal names the flag and both values, not a guess."""
+    src = write_amazon_reviews(tmp_path / "lim.jsonl", 10, seed=1)
+    args = ("ingest", src, "--preset", "amazon-reviews", "--table", "limited", "--db", dsn, "--devices", "cpu",
+            "--quiet")
+    cli(*args, "--limit", "3", check=True)
+    one_line_error(cli(*args, "--limit", "5"), "already exists with other settings (--limit 3 then, 5 now); "
+                                               "pass --job NEWNAME")
+    one_line_error(cli(*args), "(--limit 3 then, not given now)")
