@@ -117,10 +117,12 @@ def _plain_spans(offsets, text, size, overlap, fits=None):
     import re
 
     sentence_end = re.compile(r"[.!?。！？…]['\"”’)\]]*$")
+    no_spaces = re.compile("[\u3000-\u30ff\u3400-\u4dbf\u4e00-\u9fff\uf900-\ufaff\uff00-\uffef]")  # CJK
     n = len(offsets)
 
-    def gap(c):
-        return c == 0 or offsets[c][0] > offsets[c - 1][1]
+    def gap(c):  # whitespace between tokens c-1 and c, or either of them Chinese or Japanese
+        return c == 0 or offsets[c][0] > offsets[c - 1][1] or bool(
+            no_spaces.match(text[offsets[c - 1][1] - 1]) or no_spaces.match(text[offsets[c][0]]))
 
     def cut(start, end):
         half = start + max(1, (end - start) // 2)
@@ -167,3 +169,23 @@ def test_spans_cut_where_a_walk_over_the_tokens_would(seed):
     overlap = int(rng.integers(0, size // 2))
     fits = (lambda piece: len(piece) <= 3 * size) if seed % 2 else None
     assert spans(offsets, text, size, overlap, fits) == _plain_spans(offsets, text, size, overlap, fits)
+
+
+@pytest.mark.parametrize("joiner", ["\n\n", ". "])
+def test_japanese_and_chinese_text_is_cut_at_its_sentence_ends_not_into_scraps(joiner):
+    """No spaces between their words or after a sentence: a heading before such text gave passages of the
+    heading's words alone ("Chapter 12", "12", "."), and cuts fell mid-sentence. Now each passage but the last
+    ends a sentence, and none is a scrap."""
+    from embedfleet.encode.models import resolve_model
+    from embedfleet.encode.passages import Splitter
+    from embedfleet.encode.tokenize import tokenizer_spec
+
+    spec = tokenizer_spec(resolve_model(None), None)
+    japanese = "東京の天気は晴れで、多くの人が公園を散歩していました。" + "新しい駅が来年に開業する予定です。"
+    chinese = "这家餐厅的菜很好吃，服务也很周到。" + "我们下周还会再来这里吃饭！"
+    for body in (japanese * 12, chinese * 12):
+        text = "Chapter 12" + joiner + body
+        passages = Splitter(spec.tokenizer_json, 128, 16).split(text)
+        assert len(passages) > 1 and all(len(p) >= 20 for p in passages), passages
+        assert all(p.endswith(("。", "！")) for p in passages[:-1]), passages
+        assert passages[0].startswith("Chapter 12") and all(p in text for p in passages)

@@ -26,6 +26,11 @@ _SENTENCE_END = re.compile(r"[.!?。！？…]['\"”’)\]]*$")
 _SENTENCE_TAIL = ".!?。！？…'\"”’)]"  # a token that ends a sentence ends with one of these
 _IS_TAIL = np.zeros(1 << 16, bool)  # by code point (any above the table's end is none of them)
 _IS_TAIL[[ord(c) for c in _SENTENCE_TAIL]] = True
+# Chinese and Japanese write no spaces between words or after a sentence's end: next to one of their characters
+# (kana, ideographs, their punctuation and full-width forms) a token starts a word as if a space were there.
+_NO_SPACES = np.zeros(1 << 16, bool)
+for _a, _b in ((0x3000, 0x30FF), (0x3400, 0x4DBF), (0x4E00, 0x9FFF), (0xF900, 0xFAFF), (0xFF00, 0xFFEF)):
+    _NO_SPACES[_a:_b + 1] = True
 _WINDOW_CHARS = 100_000  # a long text is tokenized a window at a time, each cut at whitespace
 # A slice tokenized on its own differs from its tokens in context only at its two ends (a word cut in two,
 # a BPE word without its leading space): a token or so each. Only pieces this near the limit are checked.
@@ -63,19 +68,20 @@ def room(tokenizer_json: str, max_length: int, prefix: str = "") -> int:
 class _Bounds:
     """A text's token boundaries as arrays, so each cut is a lookup, not a walk over tokens (the walk
     was a large share of a passage helper's time: docs/decisions/passage-splitting.md). Token c "starts a word" when whitespace (or nothing the
-    tokenizer kept) lies between it and token c-1, or c is 0; it "starts a sentence" when it starts a
-    word and token c-1 ends a sentence."""
+    tokenizer kept) lies between it and token c-1, or either is Chinese or Japanese, or c is 0; it "starts a
+    sentence" when it starts a word and token c-1 ends a sentence."""
 
     def __init__(self, offsets, text: str):
         o = np.asarray(offsets, dtype=np.int64).reshape(-1, 2)
         self.n = n = len(o)
         idx = np.arange(n)
-        word = np.ones(n, bool)
-        word[1:] = o[1:, 0] > o[:-1, 1]
-        sentence = np.zeros(n, bool)
         chars = np.frombuffer(text.encode("utf-32-le", "surrogatepass"), np.uint32)  # one per character
+        last_char = np.minimum(chars[o[:-1, 1] - 1], len(_IS_TAIL) - 1)  # of each token but the last
+        word = np.ones(n, bool)
+        word[1:] = (o[1:, 0] > o[:-1, 1]) | _NO_SPACES[last_char] | _NO_SPACES[np.minimum(chars[o[1:, 0]], 0xFFFF)]
+        sentence = np.zeros(n, bool)
         tail = np.zeros(n, bool)
-        tail[1:] = _IS_TAIL[np.minimum(chars[o[:-1, 1] - 1], len(_IS_TAIL) - 1)]
+        tail[1:] = _IS_TAIL[last_char]
         for c in np.flatnonzero(word & tail).tolist():  # a token ending in . ! ? (and their kin), then a gap
             sentence[c] = _SENTENCE_END.search(text[o[c - 1, 0]:o[c - 1, 1]]) is not None
         self.word = word
