@@ -75,7 +75,7 @@ def test_jsonable_sanitizes_nested_strings():
         ("2008-11-13", "date", date(2008, 11, 13)), (" 2008-11-13T10:00:00Z ", "date", date(2008, 11, 13)),
         (date(2008, 11, 13), "date", date(2008, 11, 13)), (datetime(2008, 11, 13, 23, 0), "date", date(2008, 11, 13)),
         ("", "date", None),
-        ("hep-ph  astro-ph\n", "text[]", ["hep-ph", "astro-ph"]), (["a b", 3, None, "c\x00"], "text[]", ["a b", "3", "c"]),
+        ("science fiction", "text[]", ["science fiction"]),  # one tag; arXiv's categories split: below (["a b", 3, None, "c\x00"], "text[]", ["a b", "3", "c"]),
         ("", "text[]", None), ("  ", "text[]", None), ([], "text[]", []), (("x",), "text[]", ["x"]),
         (1.25, "numeric", Decimal("1.25")), ("12345678901234567.89", "numeric", Decimal("12345678901234567.89")),
         (7, "numeric", Decimal(7)), (" -0.10 ", "numeric", Decimal("-0.10")), ("", "numeric", None),
@@ -264,3 +264,13 @@ def test_generic_id_field_and_template():
     assert [(r.id, r.content) for r in recs] == [("12", "t: b")]
     assert recs[0].values == {"record": {"doc": {"id": 12}, "body": "b", "title": "t"}}
     assert rejects[0].reason == "missing field 'doc.id' needed for the id"
+
+
+def test_a_space_separated_list_splits_only_where_the_column_says_so():
+    """arXiv's `categories` ("hep-ph astro-ph") is a list of words; a --columns NAME:text[] string is one value."""
+    from embedfleet.sources.presets import get_preset
+
+    assert coercer("text[]", words=True)("hep-ph  astro-ph\n", "categories") == ["hep-ph", "astro-ph"]
+    assert coercer("text[]")("science fiction", "tags") == ["science fiction"]
+    arxiv = dict((col, fn) for _, col, fn in get_preset("arxiv")._coercers)
+    assert arxiv["categories"]("cs.CL cs.LG", "categories") == ["cs.CL", "cs.LG"]

@@ -103,7 +103,8 @@ class Preset:
     @cached_property
     def _coercers(self) -> tuple[tuple[str, str, Callable[[object, str], object]], ...]:
         """(input field, column, its coercer) for every typed field."""
-        return tuple((key, col, coercer(self._types[col])) for key, col in self.fields)
+        words = {c.name for c in self.columns if c.words}
+        return tuple((key, col, coercer(self._types[col], col in words)) for key, col in self.fields)
 
     @cached_property
     def _field_keys(self) -> frozenset[str]:
@@ -180,7 +181,7 @@ _ARXIV = (
     ("journal-ref", Column("journal_ref", "text")),
     ("doi", Column("doi", "text")),
     ("report-no", Column("report_no", "text")),
-    ("categories", Column("categories", "text[]")),
+    ("categories", Column("categories", "text[]", words=True)),
     ("license", Column("license", "text")),
     ("abstract", Column("abstract", "text")),
     ("versions", Column("versions", "jsonb")),

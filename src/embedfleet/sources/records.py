@@ -35,6 +35,7 @@ _MILLISECOND = timedelta(milliseconds=1)  # made once: epoch_millis runs for eve
 class Column:
     name: str
     pgtype: str  # one of PGTYPES
+    words: bool = False  # text[] only: a string is a space-separated list (arXiv's categories), not one element
 
 
 @dataclass
@@ -211,10 +212,11 @@ def _to_date(v: object) -> date | None:
     return None
 
 
-def _to_text_array(v: object, field: str) -> list[str] | None:
-    """A list of scalars, each as text; a string is a space-separated list (arXiv's "hep-ph astro-ph")."""
+def _to_text_array(v: object, field: str, words: bool = False) -> list[str] | None:
+    """A list of scalars, each as text; a string is one element, or with `words` a space-separated list (arXiv's
+    "hep-ph astro-ph"); an empty one is NULL."""
     if isinstance(v, str):
-        return sanitize(v).split() or None
+        return (sanitize(v).split() if words else [sanitize(v)] if v.strip() else []) or None
     if isinstance(v, (list, tuple)):
         if any(isinstance(x, (dict, list, tuple)) for x in v):
             raise _coerce_error(field, v, "text[]")
@@ -293,6 +295,10 @@ def _text_array(value: object, field: str) -> object:
     return None if value is None else _to_text_array(value, field)
 
 
+def _text_array_words(value: object, field: str) -> object:
+    return None if value is None else _to_text_array(value, field, words=True)
+
+
 def _jsonb(value: object, field: str) -> object:
     if type(value) is list and not value:  # "images": [] on most reviews
         return []
@@ -306,9 +312,9 @@ _COERCERS: dict[str, Callable[[object, str], object]] = {
 }
 
 
-def coercer(pgtype: str) -> Callable[[object, str], object]:
-    """`coerce` for one column type, as `f(value, field)` (same results, faster per value)."""
-    return _COERCERS[pgtype]
+def coercer(pgtype: str, words: bool = False) -> Callable[[object, str], object]:
+    """`coerce` for one column type, as `f(value, field)` (same results, faster per value); `words`: Column.words."""
+    return _text_array_words if words and pgtype == "text[]" else _COERCERS[pgtype]
 
 
 def epoch_millis(dt: datetime) -> int:
