@@ -66,7 +66,7 @@ def ingest(
     prompt: Optional[str] = PromptOpt,
     task: Optional[str] = TaskOpt,
     passages: Optional[str] = typer.Option(None, "--passages", help="TOKENS\\[:OVERLAP]: each record as passages "
-                                           "of at most TOKENS tokens, overlapping by OVERLAP (e.g. 256:32)"),
+                                           "of at most TOKENS tokens, overlapping by OVERLAP (e.g. 200:32)"),
     partitions: Optional[int] = typer.Option(None, "--partitions", help="a new table as N hash partitions of its id, "
                                              "each growing under its own lock: for several GPUs (e.g. 8)"),
     columns: Optional[str] = typer.Option(None, "--columns", help="NAME:TYPE,…: record fields as typed columns of "

@@ -1,5 +1,5 @@
 """Passages: a long text cut into pieces of at most N tokens of the model's own tokenizer, so that every
-part of a Wikipedia article is embedded, not only its first 256 tokens (`ingest --passages 256:32`).
+part of a Wikipedia article is embedded, not only its first 256 tokens (`ingest --passages 200:32`).
 
 Cuts fall on sentence ends where one is near, else between words, and only inside a word when a single
 word is longer than a passage; consecutive passages share OVERLAP tokens. A passage's text is exactly a
@@ -43,7 +43,7 @@ def parse_passages(value: str | None) -> tuple[int, int] | None:
         return None
     tokens, _, overlap = str(value).partition(":")
     if not tokens.strip().isdigit() or (overlap and not overlap.strip().isdigit()):
-        raise InputError(f"--passages {value!r}: use TOKENS or TOKENS:OVERLAP, e.g. 256:32")
+        raise InputError(f"--passages {value!r}: use TOKENS or TOKENS:OVERLAP, e.g. 200:32")
     size, over = int(tokens), int(overlap or 0)
     if size < 8:
         raise InputError(f"--passages {value!r}: a passage needs at least 8 tokens")

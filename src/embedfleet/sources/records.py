@@ -112,6 +112,8 @@ def coerce(value: object, pgtype: str, field: str) -> object:
     if pgtype == "text":
         if isinstance(value, (dict, list)):
             raise _coerce_error(field, value, pgtype)
+        if isinstance(value, (bytes, bytearray, memoryview)):  # a Parquet binary column: its text, not b'…'
+            return sanitize(bytes(value).decode("utf-8", "replace"))
         return sanitize(value if isinstance(value, str) else str(value))
     if pgtype == "text[]":
         return _to_text_array(value, field)
