@@ -158,6 +158,13 @@ def test_csv_gz_and_long_field(tmp_path):
     assert len(rec.data["text"]) == 300_000 and rec.line == 2
 
 
+def test_csv_header_naming_a_column_twice_keeps_both(tmp_path):
+    path = tmp_path / "dup.csv"
+    path.write_text("text,dup,dup,dup\nhello,d1,d2,d3\n")
+    (rec,) = read_all(path)
+    assert rec.data == {"text": "hello", "dup": "d1", "dup_2": "d2", "dup_3": "d3"}
+
+
 def test_csv_header_only(tmp_path):
     path = tmp_path / "f.csv"
     path.write_text("a,b\n")

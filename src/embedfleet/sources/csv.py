@@ -84,8 +84,19 @@ def _open(stream: IO[bytes]) -> tuple[_Lines, list[str] | None]:
         if error is not None:
             raise csv.Error(f"the header row is malformed: {error}")
         if header:  # blank lines before the header are skipped
-            return lines, header
+            return lines, unique_names(header)
     return lines, None
+
+
+def unique_names(header: list[str]) -> list[str]:
+    """A header's names, a name given again numbered (`dup`, `dup_2`): each column keeps its values (as a dict's
+    key the last one alone was kept)."""
+    seen: dict[str, int] = {}
+    out = []
+    for name in header:
+        seen[name] = seen.get(name, 0) + 1
+        out.append(name if seen[name] == 1 else f"{name}_{seen[name]}")
+    return out
 
 
 def read_csv(spec: ChunkSpec, after_line: int = 0) -> Iterator[RawRecord]:
