@@ -145,7 +145,8 @@ def ingest(
         # a table that held rows: how many this job added and replaced, not only what it added ("0 rows")
         held = f", {min(before, progress['rows_seen'] - written):,} of its {before:,} rows replaced, " \
             f"{before + written:,} in all" if before else ""
-        typer.echo(f"{cfg.job}: {written:,} {'new ' if before else ''}rows in table {cfg.table!r}{held} "
+        typer.echo(f"{cfg.job}: {written:,} {'new ' if before else ''}row{'' if written == 1 else 's'} in table "
+                   f"{cfg.table!r}{held} "
                    f"({summary['rejected']} rejected{same_id}) — try: embedfleet search \"…\" --table "
                    f"{shlex.quote(cfg.table)}", err=True)
         if summary["rejected"]:

@@ -70,7 +70,7 @@ def expand(item: str) -> list[str]:
                 raise InputError(f"input not found: {item} (the pattern matches no files)")
             return sorted(files)
         if os.path.isdir(item):
-            raise InputError(f"input is a directory: {item} (pass its files, e.g. '{item}/*.jsonl')")
+            raise InputError(f"input is a directory: {item} (pass its files, e.g. '{item.rstrip('/')}/*.jsonl')")
         if not os.path.isfile(item):
             raise InputError(f"input not found: {item}")
         return [os.path.abspath(item)]
