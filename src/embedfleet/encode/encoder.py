@@ -313,6 +313,10 @@ class Encoder:
                 done.record()
         return _Pending(res, done)
 
+    def digest(self) -> str:
+        """What the model computes, whatever its folder's name: `ModelSpec.digest`."""
+        return self.spec.digest()
+
     def close(self) -> None:
         self._tok.close()
         self.model = None

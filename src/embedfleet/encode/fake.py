@@ -37,13 +37,17 @@ class _Done:
 
 
 class HashEncoder:
-    """What the worker needs of an encoder: `dim`, `name`, `device`, `embed_async(tok).result()`,
+    """What the worker needs of an encoder: `dim`, `name`, `device`, `digest()`, `embed_async(tok).result()`,
     `warmup()`, `compile_report()`, `close()`."""
 
     def __init__(self, dim: int = 384, name: str = "hash-encoder"):
         self.dim, self.name, self.device = dim, name, "cpu"
         self.small = True  # no forward pass at all
         self.texts = 0  # how many texts it embedded (tests read it)
+
+    def digest(self) -> str:
+        """What it computes: hashes of this width."""
+        return f"{self.name}-{self.dim}"
 
     def embed_async(self, tok) -> _Done:
         """Vectors of a `Tokenized` batch (longest first) back in input order."""

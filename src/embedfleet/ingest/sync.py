@@ -428,7 +428,7 @@ def run_sync(spec: JobSpec, settings: Settings, launcher, device: str, follow: b
             encoder = load_encoder(cfg, device, settings)
             ensure_table(ledger.conn, cfg.table, table_columns(cfg.preset, False, cfg.columns), encoder.dim,
                          vector_type(ledger.conn, cfg.dtype), cfg.partitions)
-            ledger.set_model(cfg.job, encoder.name, encoder.dim, encoder.spec.digest())
+            ledger.set_model(cfg.job, encoder.name, encoder.dim, encoder.digest())
             syncer = Syncer(cfg, settings, dsn, src_dsn, device, batch, encoder=encoder, lanes=lanes)
         try:
             if follow and stop is None:  # SIGINT/SIGTERM end the following once the batch in hand commits
