@@ -131,8 +131,8 @@ def read_sample(conn: psycopg.Connection, table: str, sample: int, color_by: str
     total = conn.execute(sql.SQL("SELECT count(*) FROM {}").format(table_sql(conn, table))).fetchone()[0]
     source = table_sql(conn, table)
     if total > sample:
-        # enough that a Bernoulli sample falls short of `sample` about never: four standard deviations and ten
-        # rows over (2% over gave a sample of 10 one row in a table of 600)
+        # enough that a Bernoulli sample falls short of `sample` about never, however small: four standard
+        # deviations and ten rows over (a fixed share over fell short for small samples)
         percent = min(100.0, 100.0 * (sample + 4 * sample ** 0.5 + 10) / total)
         source = sql.SQL("{} TABLESAMPLE BERNOULLI ({}) REPEATABLE ({})").format(
             source, sql.Literal(percent), sql.Literal(seed))
