@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import torch
 
+from embedfleet.encode.models import missing_parameters
 from embedfleet.encode.packed.attention import Packing
 from embedfleet.errors import ModelError
 
@@ -28,10 +29,10 @@ class GenericModel:
                                                         **trust)
         except Exception as err:
             raise ModelError(f"cannot load model {spec.path} with transformers: {err}".splitlines()[0]) from None
-        missing = [k for k in info.get("missing_keys") or () if not k.endswith("position_ids")]
-        if missing:  # transformers fills them with random values: vectors that mean nothing
+        missing = missing_parameters(info)
+        if missing:  # vectors that would mean nothing
             raise ModelError(f"model {spec.path}: its weights lack {len(missing)} of the model's parameters "
-                             f"({sorted(missing)[0]}, …): not this config's trained weights, or saved incompletely")
+                             f"({missing[0]}, …): not this config's trained weights, or saved incompletely")
         self.model = model.to(device).eval()
         self.hidden = int(spec.config.get("hidden_size") or spec.config.get("dim") or spec.config.get("d_model"))
         self.params = sum(p.numel() for n, p in model.named_parameters() if "embed" not in n)

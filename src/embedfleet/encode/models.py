@@ -135,6 +135,12 @@ def check_remote_code(spec: ModelSpec, trust_remote_code: bool) -> None:
                          "embedfleet runs it only with --trust-remote-code (Encoder(..., trust_remote_code=True))")
 
 
+def missing_parameters(info: dict) -> list[str]:
+    """The parameters transformers' loading info (`output_loading_info=True`) says the weights lacked, which it
+    filled with random values, sorted; a buffer it makes itself (`position_ids`) is none of them."""
+    return sorted(k for k in info.get("missing_keys") or () if not k.endswith("position_ids"))
+
+
 def check_model(model, trust_remote_code: bool = False) -> ModelSpec:
     """What a worker will need, checked without loading the weights: the directory, its config and
     tokenizer files, a weights file, and leave to run the model's own code where it has some. A job must not

@@ -28,7 +28,7 @@ class Reranker:
         import torch
         from transformers import AutoConfig, AutoTokenizer
 
-        from embedfleet.encode.models import position_limit, resolve_model
+        from embedfleet.encode.models import missing_parameters, position_limit, resolve_model
 
         path = resolve_model(model, flag="--rerank")
         try:
@@ -49,7 +49,7 @@ class Reranker:
             except (OSError, ValueError) as e:
                 raise ModelError(f"--rerank {model}: not a cross-encoder transformers can load "
                                  f"({str(e).splitlines()[0]})") from None
-            missing = [k for k in info.get("missing_keys") or () if not k.endswith("position_ids")]
+            missing = missing_parameters(info)
             if missing:  # random weights where the file has none: scores that order nothing
                 raise ModelError(f"--rerank {model}: its weights lack {len(missing)} of the model's parameters "
                                  f"({missing[0]}, …): not a trained cross-encoder")
