@@ -226,17 +226,36 @@ def test_verify_catches_a_corrupted_vector(cli, dsn, conn):
 
 def test_a_chunk_that_keeps_failing_is_marked_failed_and_the_rest_lands(cli, dsn, conn, tmp_path):
     good = write_amazon_reviews(tmp_path / "good.jsonl", 30, seed=1)
-    bad = tmp_path / "bad.jsonl.gz"
-    payload = gzip.compress(good.read_bytes())
-    bad.write_bytes(payload[: len(payload) // 2])  # truncated gzip: every read of it fails
+    bad = tmp_path / "bad.csv"
+    bad.write_text('"text,asin\nfine,B1\n')  # the header's quote never closes: every read of it fails
     p = cli("ingest", good, bad, "--preset", "amazon-reviews", "--db", dsn, "--quiet", "--table", "mixed", "--no-index")
     assert p.returncode == 1 and "Traceback" not in p.stderr
     assert "failed" in p.stderr.strip().splitlines()[-1]
+    assert "bad.csv: the header row is malformed: malformed CSV quoting (unexpected end of data)" in p.stderr
     j = status(cli, dsn, "mixed")
     assert j["state"] == "failed"
-    failures = conn.execute("SELECT failures, state FROM embedfleet.chunks WHERE source LIKE '%.gz'").fetchone()
+    failures = conn.execute("SELECT failures, state FROM embedfleet.chunks WHERE source LIKE '%.csv'").fetchone()
     assert failures == (3, "failed")
     assert conn.execute("SELECT count(*) FROM mixed").fetchone()[0] == 30
+
+
+def test_a_truncated_gz_lands_its_whole_lines_and_one_reject_saying_where(cli, dsn, conn, tmp_path):
+    """A .gz cut short (a download or copy stopped early) used to fail whole, its good lines embedded by none."""
+    whole = write_amazon_reviews(tmp_path / "whole.jsonl", 3000, seed=4)
+    cut = tmp_path / "cut.jsonl.gz"
+    payload = gzip.compress(whole.read_bytes())
+    cut.write_bytes(payload[: len(payload) * 2 // 3])
+    p = cli("ingest", cut, "--preset", "amazon-reviews", "--db", dsn, "--table", "cut", "--no-index", "--json")
+    assert p.returncode == 0, p.stderr
+    n = conn.execute("SELECT count(*) FROM cut").fetchone()[0]
+    report = orjson.loads(p.stdout)
+    assert n > 1000 and report["rows_written"] == n and report["rejected"] == 1 and report["chunks_done"] == 1
+    [(line, error)] = conn.execute("SELECT line, reason FROM embedfleet.rejects WHERE job = 'cut'").fetchall()
+    assert line == n + 1 and error.startswith(f"unreadable after line {n} (corrupt or truncated file?)")
+    # What landed is the file's first n lines, the last of them whole.
+    last = orjson.loads(whole.read_text().splitlines()[n - 1])["text"]
+    assert conn.execute("SELECT count(*) FROM cut WHERE right(content, length(%s)) = %s", (last, last)).fetchone()[0] == 1
+    assert cli("jobs", "rejects", "cut", "--db", dsn).stdout.count("unreadable after line") == 1
 
 
 def test_lease_of_a_worker_on_another_host_expires_and_is_reclaimed(cli, dsn, conn):

@@ -72,7 +72,7 @@ def test_limit_counts_lines_across_inputs_of_every_kind(tmp_path):
 
 
 def test_limit_goes_on_past_a_damaged_stream(tmp_path):
-    """A truncated .gz counts no lines (its chunk fails as a whole, saying why): the inputs after it are planned."""
+    """A truncated .gz counts no lines (its reader says where it is damaged): the inputs after it are planned."""
     before, after = tmp_path / "a.jsonl", tmp_path / "c.jsonl"
     for path in (before, after):
         path.write_text("\n".join(_lines_of(path, 10, 0)) + "\n")

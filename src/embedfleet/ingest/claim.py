@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from embedfleet.ingest.stages import IDLE, Failure, Task
 from embedfleet.ledger import Ledger
 from embedfleet.sources import RawRecord, read_chunk
+from embedfleet.sources.base import DamagedStream
 from embedfleet.sources.jsonl import block_lines, stream_blocks
 from embedfleet.sources.plan import ChunkSpec
 
@@ -105,12 +106,17 @@ def stream_tasks(spec: ChunkSpec, after_line: int, last_line: int | None,
 
 def _stream_pieces(spec: ChunkSpec, after_line: int, last_line: int | None, sizes: Iterator[int]) -> Iterator[Task]:
     if spec.kind == "stream":  # compressed JSONL: here only decompress and count lines; helpers parse
-        for first, block in stream_blocks(spec, after_line, sizes):
-            if last_line is not None and first > last_line:
-                return
-            end = first + block_lines(block) - 1
-            yield Task(spec, after_line, last_line, block=block, first_line=first,
-                       cursor_line=end if last_line is None else min(end, last_line), last=False)
+        try:
+            for first, block in stream_blocks(spec, after_line, sizes):
+                if last_line is not None and first > last_line:
+                    return
+                end = first + block_lines(block) - 1
+                yield Task(spec, after_line, last_line, block=block, first_line=first,
+                           cursor_line=end if last_line is None else min(end, last_line), last=False)
+        except DamagedStream as e:  # the lines before the damage land, the damage is a reject
+            line = e.reject.line
+            if line > after_line and (last_line is None or line <= last_line):
+                yield Task(spec, after_line, last_line, raws=[e.reject], cursor_line=line, last=False)
         return
     group: list[RawRecord] = []  # CSV, Parquet: records read here
     size, cursor, limit = 0, after_line, next(sizes)

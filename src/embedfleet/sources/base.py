@@ -33,6 +33,8 @@ BOM = b"\xef\xbb\xbf"
 _READ = 1 << 20
 # What a truncated or corrupt .gz/.zst stream raises while being read.
 STREAM_ERRORS = (OSError, EOFError, zlib.error) + ((zstandard.ZstdError,) if zstandard else ())
+# Of those, what says the stream's own bytes are damaged: reading it again reads the same (not a lost connection).
+DAMAGE_ERRORS = (EOFError, zlib.error, gzip.BadGzipFile) + ((zstandard.ZstdError,) if zstandard else ())
 _TYPE_NAMES = {list: "an array", str: "a string", int: "a number", float: "a number", bool: "a boolean"}
 
 
@@ -59,8 +61,80 @@ def open_binary(source: str, start: int = 0, end: int = -1) -> IO[bytes]:
     if lower.endswith(".gz"):
         return _GzipReader(raw)
     if lower.endswith(".zst"):
-        return zstandard.ZstdDecompressor().stream_reader(raw, read_across_frames=True, closefd=True)
+        return io.BufferedReader(_ZstdFrames(raw), _READ)
     return raw
+
+
+class _ZstdFrames(io.RawIOBase):
+    """A zstd stream's frames one after another, raising where the stream ends inside a frame (zstandard's own
+    stream reader ends there silently, so a truncated file read as a shorter one)."""
+
+    def __init__(self, raw: IO[bytes]):
+        self._raw, self._dctx, self._frame = raw, zstandard.ZstdDecompressor(), None
+        self._out, self._at = b"", 0
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, b) -> int:
+        while self._at >= len(self._out):
+            data = self._raw.read(_READ)
+            if not data:
+                if self._frame is not None and not self._frame.eof:
+                    raise zstandard.ZstdError("the stream ends inside a frame")
+                return 0
+            self._out, self._at = self._decompress(data), 0
+        n = min(len(b), len(self._out) - self._at)
+        b[:n] = self._out[self._at:self._at + n]
+        self._at += n
+        return n
+
+    def _decompress(self, data: bytes) -> bytes:
+        out = []
+        while data:
+            if self._frame is None or self._frame.eof:
+                self._frame = self._dctx.decompressobj()
+            out.append(self._frame.decompress(data))
+            data = self._frame.unused_data if self._frame.eof else b""
+        return b"".join(out)
+
+    def close(self) -> None:
+        try:
+            self._raw.close()
+        finally:
+            super().close()
+
+
+class Salvaging:
+    """A decompressed stream read in pieces, so that the lines before a corrupt or truncated point are read before
+    its error is raised (a plain `read(n)` drops the whole request's bytes with it)."""
+
+    def __init__(self, stream: IO[bytes]):
+        self._stream, self._error = stream, None
+
+    def read(self, size: int) -> bytes:
+        if self._error is not None:
+            raise self._error
+        parts, got = [], 0
+        while got < size:
+            try:
+                piece = self._stream.read1(size - got)
+            except STREAM_ERRORS as e:
+                if not parts:
+                    raise
+                self._error = e
+                break
+            if not piece:
+                break
+            parts.append(piece)
+            got += len(piece)
+        return b"".join(parts)
+
+    def __enter__(self) -> Salvaging:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stream.close()
 
 
 class _Span(io.RawIOBase):
@@ -152,6 +226,16 @@ def _type_name(value: object) -> str:
     return "null" if value is None else _TYPE_NAMES.get(type(value), type(value).__name__)
 
 
+class DamagedStream(InputError):
+    """A compressed stream whose bytes are damaged after `line`: a reader yields `reject` after the lines before
+    it (they land; reading again would read the same)."""
+
+    def __init__(self, message: str, source: str, line: int):
+        super().__init__(message)
+        self.reject = RawRecord(source, line + 1, None, "", message.removeprefix(f"{source}: "))
+
+
 def stream_error(path: str, line: int, err: Exception) -> InputError:
-    """A truncated or corrupt compressed stream: the chunk fails with a message naming where."""
-    return InputError(f"{path}: unreadable after line {line} (corrupt or truncated file?): {err}")
+    """A truncated or corrupt compressed stream, a message naming where; a DamagedStream where its bytes are."""
+    message = f"{path}: unreadable after line {line} (corrupt or truncated file?): {err}"
+    return DamagedStream(message, path, line) if isinstance(err, DAMAGE_ERRORS) else InputError(message)

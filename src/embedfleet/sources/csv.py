@@ -18,7 +18,7 @@ from typing import IO
 import orjson
 
 from embedfleet.errors import InputError
-from embedfleet.sources.base import STREAM_ERRORS, RawRecord, open_binary, stream_error
+from embedfleet.sources.base import STREAM_ERRORS, DamagedStream, RawRecord, open_binary, stream_error
 from embedfleet.sources.plan import ChunkSpec
 
 # Review texts are long; the csv module's default 128 KiB field limit would fail whole files.
@@ -82,7 +82,7 @@ def _open(stream: IO[bytes]) -> tuple[_Lines, list[str] | None]:
     records = _records(lines)
     for _, header, _, error in records:
         if error is not None:
-            raise csv.Error(f"the header row is malformed: {error}")
+            raise csv.Error(f"the header row is malformed: {error.split(';')[0]}")
         if header:  # blank lines before the header are skipped
             return lines, unique_names(header)
     return lines, None
@@ -124,7 +124,10 @@ def read_csv(spec: ChunkSpec, after_line: int = 0) -> Iterator[RawRecord]:
             raise InputError(f"{spec.source}: {e}") from e
         raise stream_error(spec.source, line, e) from e
     except STREAM_ERRORS as e:
-        raise stream_error(spec.source, line, e) from e
+        err = stream_error(spec.source, line, e)
+        if not isinstance(err, DamagedStream):
+            raise err from e
+        yield err.reject  # the rows before the damage were read
 
 
 def data_rows(stream: IO[bytes], most: int) -> int:

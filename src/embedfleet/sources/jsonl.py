@@ -10,8 +10,8 @@ from __future__ import annotations
 import itertools
 from collections.abc import Iterator
 
-from embedfleet.sources.base import (BOM, STREAM_ERRORS, RawRecord, iter_lines, open_binary, parse_line, split_lines,
-                                     stream_error)
+from embedfleet.sources.base import (BOM, STREAM_ERRORS, DamagedStream, RawRecord, Salvaging, iter_lines, open_binary,
+                                     parse_line, split_lines, stream_error)
 from embedfleet.sources.files import read_range
 from embedfleet.sources.plan import ChunkSpec
 
@@ -23,27 +23,31 @@ def read_jsonl(spec: ChunkSpec, after_line: int = 0) -> Iterator[RawRecord]:
 
 
 def read_stream(spec: ChunkSpec, after_line: int = 0) -> Iterator[RawRecord]:
-    """Records of lines numbered > `after_line` in a compressed chunk (a whole file, or a part appended later)."""
+    """Records of lines numbered > `after_line` in a compressed chunk (a whole file, or a part appended later);
+    where its bytes are damaged, the lines before and a reject saying where."""
     number = after_line
-    f = open_binary(spec.source, spec.start, spec.end)  # outside the try: a missing file is not a corrupt one
+    f = Salvaging(open_binary(spec.source, spec.start, spec.end))  # outside the try: a missing file is not corrupt
     try:
         with f:
             for rec in _records(spec.source, iter_lines(f), spec.first_line, after_line, spec.start == 0):
                 number = rec.line
                 yield rec
     except STREAM_ERRORS as e:
-        raise stream_error(spec.source, number, e) from e
+        err = stream_error(spec.source, number, e)
+        if not isinstance(err, DamagedStream):
+            raise err from e
+        yield err.reject
 
 
 def stream_blocks(spec: ChunkSpec, after_line: int = 0,
                   block_bytes: int | Iterator[int] = 2 << 20) -> Iterator[tuple[int, bytes]]:
     """(first line number, block of whole lines) of about `block_bytes` each (or each the next of an
     iterator of sizes) from a compressed chunk, skipping blocks whose lines are all <= `after_line`.
-    The last block may lack a final newline."""
+    The last block may lack a final newline. Damaged bytes raise DamagedStream after the whole lines before them."""
     sizes = itertools.repeat(block_bytes) if isinstance(block_bytes, int) else block_bytes
     size = next(sizes)  # the next size is drawn once a block is yielded: blocks skipped on resume take none
     number = spec.first_line  # the first line of the next block
-    f = open_binary(spec.source, spec.start, spec.end)  # outside the try: a missing file is not a corrupt one
+    f = Salvaging(open_binary(spec.source, spec.start, spec.end))  # outside the try: a missing file is not corrupt
     try:
         with f:
             tail = b""

@@ -159,7 +159,7 @@ def chunk_lines(spec: ChunkSpec, most: int) -> int | None:
             with open_binary(spec.source, spec.start, spec.end) as stream:
                 n = (data_rows(stream, most) if spec.kind == "csv" and spec.start == 0
                      else _lines(iter(lambda: stream.read(_BLOCK), b""), most))
-        except (csv.Error, *STREAM_ERRORS):  # damaged: it fails whole, saying why; the next input counts instead
+        except (csv.Error, *STREAM_ERRORS):  # damaged: counted as none (the reader says where); the next input counts
             n = 0
     return n if n <= most else None
 
