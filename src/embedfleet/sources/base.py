@@ -6,7 +6,9 @@ Fault semantics, the same for every reader:
 - malformed JSON and a JSON value that is not an object are yielded with `error` set (they become
   rejects; nothing stops);
 - invalid UTF-8 bytes are replaced with U+FFFD and the line is kept: one bad byte in a review
-  should not lose the review, and the replacement character makes the damage visible.
+  should not lose the review, and the replacement character makes the damage visible;
+- a compressed stream damaged or cut short yields its whole lines before the damage, then one reject saying
+  where (a file copied or downloaded only in part keeps what arrived).
 """
 
 from __future__ import annotations
