@@ -215,3 +215,25 @@ def test_replace_names_only_the_jobs_files(cli, dsn, tmp_path):
     assert _ingest(cli, dsn, a, "--table", "only").returncode == 0
     p = _ingest(cli, dsn, a, "--table", "only", "--replace", other)
     assert p.returncode != 0 and f"--replace {other}: not one of job 'only''s input files" in p.stderr
+
+
+def test_a_file_named_by_its_path_and_its_file_url_is_one_input_in_a_job_and_its_reruns(cli, dsn, conn, tmp_path):
+    """Named both ways in one command it was embedded twice (every id a duplicate); named the other way on a
+    rerun, it was a new input and embedded again."""
+    path = tmp_path / "a.jsonl"
+    path.write_text(_lines("a", 0, 40))
+    p = _ingest(cli, dsn, path, f"file://{path}", "--table", "twice", "--text-field", "text", "--json")
+    assert p.returncode == 0, p.stderr
+    assert orjson.loads(p.stdout)["rows_written"] == 40 and "shared an id" not in p.stderr
+    assert conn.execute("SELECT count(DISTINCT source) FROM embedfleet.chunks WHERE job = 'twice'").fetchone()[0] == 1
+    with path.open("a") as f:
+        f.write(_lines("a", 40, 7))
+    again = _ingest(cli, dsn, f"file://{path}", "--table", "twice", "--text-field", "text", "--json")
+    assert again.returncode == 0, again.stderr
+    assert orjson.loads(again.stdout)["rows_written"] == 47  # the table's rows: only the 7 appended were new
+    assert conn.execute("SELECT count(DISTINCT source) FROM embedfleet.chunks WHERE job = 'twice'").fetchone()[0] == 1
+    _verify_ok(cli, dsn, "twice")
+    replaced = _ingest(cli, dsn, f"file://{path}", "--replace", str(path), "--table", "twice", "--text-field", "text")
+    assert replaced.returncode == 0, replaced.stderr
+    assert len(_rows(conn, "twice")) == 47
+    _verify_ok(cli, dsn, "twice")

@@ -410,10 +410,16 @@ def plan_changes(cfg: JobSpec, ledger: Ledger, chunk_bytes: int) -> int:
     from embedfleet.sources.changes import appended_from, next_line, survey
 
     known = ledger.planned_files(cfg.job)
-    replace = frozenset(expand_inputs(list(cfg.replacing or ())))
-    for source in sorted(replace - set(known) - set(cfg.inputs)):
+    spelled = {files.same_file(s): s for s in known}  # a file named the other way now (path, file:// URL) is the same
+
+    def as_planned(sources) -> list[str]:
+        return [spelled.get(files.same_file(s), s) for s in sources]
+
+    inputs = as_planned(cfg.inputs)
+    replace = frozenset(as_planned(expand_inputs(list(cfg.replacing or ()))))
+    for source in sorted(replace - set(known) - set(inputs)):
         raise InputError(f"--replace {source}: not one of job {cfg.job!r}'s input files")
-    found = survey(known, list(cfg.inputs), replace)
+    found = survey(known, inputs, replace)
     if found.changed:
         more = f" ({len(found.changed) - 1} more files changed too)" if len(found.changed) > 1 else ""
         raise InputError(found.changed[0] + more)

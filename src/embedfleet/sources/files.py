@@ -23,7 +23,8 @@ from typing import IO
 
 from embedfleet.errors import InputError
 
-__all__ = ["absolute", "expand", "fingerprint", "is_url", "open_random", "open_sequential", "read_range", "size"]
+__all__ = ["absolute", "expand", "fingerprint", "is_url", "open_random", "open_sequential", "read_range", "same_file",
+           "size"]
 
 _URL = re.compile(r"[A-Za-z][A-Za-z0-9+.\-]*://")
 _LOCAL_READ = 1 << 20
@@ -40,6 +41,11 @@ def is_url(source: str) -> bool:
 def absolute(source: str) -> str:
     """A local path made absolute; a URL as it is."""
     return source if is_url(source) else os.path.abspath(source)
+
+
+def same_file(source: str) -> str:
+    """What names the file itself: a file:// URL's local path (so that a file named both ways is one input)."""
+    return _filesystem(source)[1] if source[:7].lower() == "file://" else source
 
 
 def _filesystem(url: str):

@@ -76,11 +76,13 @@ def table_name_for(path: str | os.PathLike) -> str:
 
 def expand_inputs(inputs: list[str]) -> list[str]:
     """Absolute, sorted, de-duplicated file paths and URLs; globs (with ** recursion) are expanded,
-    on URLs too ("s3://bucket/wiki/*.parquet")."""
-    found: set[str] = set()
+    on URLs too ("s3://bucket/wiki/*.parquet"). A file named by its path and by a file:// URL is kept once, as
+    first named."""
+    found: dict[str, str] = {}
     for item in inputs:
-        found.update(files.expand(item))
-    return sorted(found)
+        for source in files.expand(item):
+            found.setdefault(files.same_file(source), source)
+    return sorted(found.values())
 
 
 def id_root(sources: list[str]) -> str:
