@@ -108,6 +108,9 @@ def test_coerce_message():
         coerce("five", "real", "rating")
     assert str(e.value) == "cannot coerce rating='five' to real"
     assert isinstance(e.value, ValueError)
+    with pytest.raises(CoerceError) as e:  # an object or array as the input wrote it, not Python's repr
+        coerce({"a": [1, "é"], "b": None}, "bigint", "stars")
+    assert str(e.value) == 'cannot coerce stars={"a": [1, "é"], "b": null} to bigint'
 
 
 # Every type a JSON or Parquet value may have, in and out of each column's fast path.

@@ -8,6 +8,7 @@ why; it never stops the batch.
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import re
@@ -131,7 +132,8 @@ def coerce(value: object, pgtype: str, field: str) -> object:
 
 
 def _coerce_error(field: str, value: object, pgtype: str) -> CoerceError:
-    shown = repr(value)
+    # An object or array as the input wrote it (JSON), not as Python prints it.
+    shown = json.dumps(value, ensure_ascii=False, default=str) if isinstance(value, (dict, list)) else repr(value)
     shown = shown if len(shown) <= 60 else shown[:57] + "..."
     return CoerceError(f"cannot coerce {field}={shown} to {pgtype}")
 
