@@ -139,6 +139,22 @@ def test_a_finish_the_server_refuses_ends_the_job_failed_with_its_reason(cli, ds
     assert "50 rows" in done.stderr and _job(cli, dsn, "frozen")["state"] == "done"
 
 
+def test_dim_on_a_model_not_trained_for_shorter_vectors_says_so_before_planning(cli, dsn, tmp_path):
+    from embedfleet.encode.shapes import build_random_model
+
+    src = write_amazon_reviews(tmp_path / "short.jsonl", 8, seed=3)
+    args = ("--preset", "amazon-reviews", "--db", dsn, "--devices", "cpu", "--quiet", "--no-index", "--dim", "32")
+    p = cli("ingest", src, *args, "--table", "short_minilm", check=True)
+    [warned] = [line for line in p.stderr.splitlines() if "--dim 32:" in line]
+    assert "all-MiniLM-L6-v2 was not trained for shorter vectors" in warned and "all 384" in warned
+    model = build_random_model("bert-base", tmp_path / "mrl", tiny=True)  # 64 wide
+    p = cli("ingest", src, *args, "--table", "short_plain", "--model", model, check=True)
+    assert "--dim 32: mrl was not trained for shorter vectors" in p.stderr
+    (model / "README.md").write_text('#### MatryoshkaLoss\n```json\n{"matryoshka_dims": [64, 32]}\n```\n')
+    p = cli("ingest", src, *args, "--table", "short_mrl", "--model", model, check=True)
+    assert "--dim 32:" not in p.stderr  # its card says it was trained for them
+
+
 def test_checks_come_before_planning_and_jobs_rm_clears_the_ledger(cli, dsn, conn, tmp_path):
     src = write_amazon_reviews(tmp_path / "dims.jsonl", 40, seed=6)
     cli("ingest", src, "--preset", "amazon-reviews", "--db", dsn, "--devices", "cpu", "--quiet", check=True)

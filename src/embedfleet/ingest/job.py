@@ -203,25 +203,30 @@ def check_job(spec: JobSpec, conn, settings: Settings) -> JobSpec:
     table = check_identifier(spec.table or table_name_for(inputs[0]))
     cfg = spec.replace(inputs=inputs, table=table, job=spec.job or table, model=spec.model or settings.model)
     check_server(conn, cfg.dtype)
-    from embedfleet.encode.models import check_model
+    from embedfleet.encode.models import check_model, model_name
 
     model = check_model(cfg.model, cfg.trust_remote_code)  # an unusable model fails here, once, not in every worker after planning
     model.check_task(cfg.task)
     hidden = model.output_dim(model.hidden_size) if model.hidden_size else None  # a Dense module sets the width
+    name = model_name(spec.model, model.path)
     if cfg.dim is not None and hidden is not None and not 0 < cfg.dim <= hidden:
-        raise ModelError(f"--dim {cfg.dim} is out of range: {model.path.name} makes {hidden}-dimensional vectors")
+        raise ModelError(f"--dim {cfg.dim} is out of range: {name} makes {hidden}-dimensional vectors")
     if cfg.dim or hidden:  # the index a table of this width gets, decided and said before anything is planned
         from embedfleet.pg.ddl import index_plan
 
         _, words = index_plan(cfg.dim or hidden, "halfvec" if cfg.dtype == "half" else "vector", cfg.index)
         if not cfg.no_index:
             log.info("index: %s", words)
+    if cfg.dim is not None and cfg.dim < (hidden or 0) and model.matryoshka() is None:
+        log.warning("--dim %d: %s was not trained for shorter vectors (its model card names no Matryoshka training): "
+                    "its first %d dimensions may find worse neighbours than all %d", cfg.dim, name,
+                    cfg.dim, hidden)
     if cfg.dim is None and hidden and (widths := model.matryoshka()) is not None:
         from embedfleet.pg.ddl import HNSW_VECTOR_DIMS
 
         shorter = [w for w in widths if w < hidden]
         log.info("dim: %s was trained for shorter vectors (Matryoshka%s): --dim N keeps the first N, a smaller table "
-                 "and index%s", model.path.name, f": {', '.join(map(str, shorter))}" if shorter else "",
+                 "and index%s", name, f": {', '.join(map(str, shorter))}" if shorter else "",
                  f"; at most {HNSW_VECTOR_DIMS:,} get HNSW on the vectors themselves" if hidden > HNSW_VECTOR_DIMS else "")
     if cfg.passages:
         check_passages(cfg, model)
