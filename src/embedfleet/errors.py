@@ -76,7 +76,7 @@ def user_line(e: BaseException) -> str | None:
         grant = _grant_for(first)
         return (f"the database refused: {first}; " + (f"{grant}, " if grant else "ask its admin for the privilege, ")
                 + "or pass --db with a role that has it")
-    return f"the database refused a statement: {first} (SQLSTATE {e.sqlstate}; rerun with --debug for the traceback)"
+    return f"the database refused a statement: {first} (SQLSTATE {e.sqlstate}; rerun as `embedfleet --debug …` for the traceback)"
 
 
 def _grant_for(message: str) -> str | None:

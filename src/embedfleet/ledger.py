@@ -43,7 +43,7 @@ _SHOWN_STATE = (f"CASE WHEN w.state NOT IN ('starting', 'finished', 'exited', 'f
                 f"interval '{LOST_SECONDS} seconds' THEN 'lost' ELSE w.state END")
 HOST = socket.gethostname()
 
-LEDGER_VERSION = 7  # bump with each change below; ensure_ledger brings an older ledger up to it
+LEDGER_VERSION = 8  # bump with each change below; ensure_ledger brings an older ledger up to it
 # Every statement is idempotent: it creates a new ledger and brings an older one up to date.
 LEDGER_DDL = """
 CREATE TABLE IF NOT EXISTS embedfleet.jobs (
@@ -164,6 +164,8 @@ CREATE TABLE IF NOT EXISTS embedfleet.syncs (
 );
 -- version 7: the source server's start time a sync's (unlogged) queue was last known under
 ALTER TABLE embedfleet.syncs ADD COLUMN IF NOT EXISTS source_started text;
+-- version 8: the database a sync follows (its server's system identifier and its name): another is refused
+ALTER TABLE embedfleet.syncs ADD COLUMN IF NOT EXISTS source_db text;
 """
 
 
@@ -294,9 +296,8 @@ class Ledger:
                     self.conn.execute("UPDATE embedfleet.jobs SET fingerprint = %s, config = jsonb_set(config, "
                                       "'{model}', to_jsonb(%s::text)) WHERE job = %s", [cfg.fingerprint(), cfg.model, name])
                     existing["fingerprint"] = cfg.fingerprint()
-                if existing["fingerprint"] not in (cfg.fingerprint(), cfg.fingerprint(legacy=True)):
-                    raise JobError(f"job {name!r} already exists with other settings ({_differences(existing['config'], cfg)}); "
-                                   "pass --job NEWNAME to start a new one")
+                if (error := _other_settings(name, existing, cfg)) is not None:
+                    raise error
                 planned_with = existing["config"].get("partitions")  # the layout its workers make the table with
                 if cfg.partitions is not None and cfg.partitions != planned_with:
                     raise JobError(f"job {name!r} was planned {f'with --partitions {planned_with}' if planned_with else 'as one relation'}, "
@@ -401,13 +402,21 @@ class Ledger:
             [state, error, state, state, state, name],
         )
 
-    def record_sync(self, name: str, source: str, key: str, tag: str, same_db: bool, started: str) -> None:
+    def check_settings(self, name: str, cfg: JobSpec) -> None:
+        """Raise if job `name` exists with settings other than `cfg`'s: before anything is done for a rerun."""
+        existing = self.job(name)
+        if existing is not None and (error := _other_settings(name, existing, cfg)) is not None:
+            raise error
+
+    def record_sync(self, name: str, source: str, key: str, tag: str, same_db: bool, started: str,
+                    source_db: str) -> None:
         """A sync job, with the source server's start time when its queue was installed (kept if recorded)."""
-        self.conn.execute("INSERT INTO embedfleet.syncs (job, source, key, tag, same_db, source_started) "
-                          "VALUES (%s, %s, %s, %s, %s, %s) ON CONFLICT (job) DO UPDATE SET source = EXCLUDED.source, "
+        self.conn.execute("INSERT INTO embedfleet.syncs (job, source, key, tag, same_db, source_started, source_db) "
+                          "VALUES (%s, %s, %s, %s, %s, %s, %s) ON CONFLICT (job) DO UPDATE SET source = EXCLUDED.source, "
                           "key = EXCLUDED.key, tag = EXCLUDED.tag, same_db = EXCLUDED.same_db, "
-                          "source_started = coalesce(embedfleet.syncs.source_started, EXCLUDED.source_started)",
-                          [name, source, key, tag, same_db, started])
+                          "source_started = coalesce(embedfleet.syncs.source_started, EXCLUDED.source_started), "
+                          "source_db = EXCLUDED.source_db",
+                          [name, source, key, tag, same_db, started, source_db])
 
     def source_restarted(self, name: str, started: str) -> bool:
         """Record the source server's start time for sync job `name`; whether it differs from the one recorded
@@ -801,6 +810,15 @@ for _name, _method in list(vars(Ledger).items()):  # every query method; _claim 
         setattr(Ledger, _name, _resilient(_method))
 
 
+def _other_settings(name: str, existing: dict, cfg: JobSpec) -> JobError | None:
+    """The error for running job `name` (recorded as `existing`) with `cfg`'s other settings; None if the same."""
+    if existing["fingerprint"] in (cfg.fingerprint(), cfg.fingerprint(legacy=True),
+                                   *_as_recorded_relative(cfg, existing["config"].get("model"))):
+        return None
+    return JobError(f"job {name!r} already exists with other settings ({_differences(existing['config'], cfg)}); "
+                    "pass --job NEWNAME to start a new one")
+
+
 def _differences(recorded: dict, cfg: JobSpec) -> str:
     """What a job's recorded settings and `cfg` differ in, as flags: `--limit 7 then, 10 now`."""
     from embedfleet.settings import FLAG_FIELDS
@@ -984,6 +1002,16 @@ def job_named(conn: psycopg.Connection, name: str) -> str:
         return name
     known = job_for_table(conn, name)
     return known[0] if known else name
+
+
+def syncs_into(conn: psycopg.Connection, table: str) -> list[str]:
+    """The sync jobs whose target is `table`, however it was spelled."""
+    from embedfleet.pg.ddl import spellings
+
+    if not ledger_exists(conn):
+        return []
+    return [j for (j,) in conn.execute("SELECT s.job FROM embedfleet.syncs s JOIN embedfleet.jobs j USING (job) "
+                                       "WHERE j.table_name = ANY(%s) ORDER BY s.job", [spellings(conn, table)])]
 
 
 def job_for_table(conn: psycopg.Connection, table: str) -> tuple[str, str] | None:

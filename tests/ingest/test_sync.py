@@ -412,3 +412,118 @@ def test_a_mixed_case_source_is_found_as_written_as_its_target_is(cli, dsn, conn
     cli("ingest", "--from-table", "Opinions", "--table", "folded", "--db", dsn, "--devices", "cpu", "--quiet",
         check=True)
     assert conn.execute("SELECT content FROM folded").fetchall() == [("lower case wins, as in SQL",)]
+
+
+def _contents(conn, table):
+    return dict(conn.execute(f"SELECT id, content FROM {table}").fetchall())
+
+
+def test_keys_whose_text_python_spells_otherwise_are_followed_exactly(cli, dsn, conn):
+    """ids were Python's str() of the key, the queue PostgreSQL's key::text: a numeric `1E-10` and a char(8)'s
+    padding never matched, so deletes and updates were lost (and char(n) keys were cut to one character)."""
+    conn.execute("CREATE TABLE rch (code char(8) PRIMARY KEY, body text)")
+    conn.execute("INSERT INTO rch VALUES ('AB', 'code ab'), ('X1', 'code x1'), ('K9', 'code k9')")
+    conn.execute("CREATE TABLE rnum (k numeric PRIMARY KEY, body text)")
+    conn.execute("INSERT INTO rnum VALUES (1e-10, 'tiny'), (2.50, 'two and a half'), (3, 'three')")
+    for source in ("rch", "rnum"):
+        p = cli("sync", "--from-table", source, "--db", dsn, "--devices", "cpu", "--quiet")
+        assert p.returncode == 0, p.stderr
+    conn.execute("DELETE FROM rch WHERE code = 'AB'")
+    conn.execute("UPDATE rch SET body = 'x1 changed' WHERE code = 'X1'")
+    conn.execute("INSERT INTO rch VALUES ('NEW', 'brand new row')")
+    conn.execute("DELETE FROM rnum WHERE k = 1e-10")
+    conn.execute("UPDATE rnum SET body = 'two, changed' WHERE k = 2.5")
+    for source in ("rch", "rnum"):
+        p = cli("sync", "--from-table", source, "--db", dsn, "--devices", "cpu", "--quiet")
+        assert p.returncode == 0, p.stderr
+        want = dict(conn.execute(f"SELECT {'code' if source == 'rch' else 'k'}::text, body FROM {source}").fetchall())
+        assert _contents(conn, f"{source}_embeddings") == want
+    assert set(_contents(conn, "rch_embeddings")) == {"X1", "K9", "NEW"}
+    assert set(_contents(conn, "rnum_embeddings")) == {"2.50", "3"}
+    # A key whose text depends on the session that writes it is refused for sync, before anything is installed.
+    conn.execute("CREATE TABLE rts (k timestamptz PRIMARY KEY, body text)")
+    conn.execute("INSERT INTO rts VALUES ('2024-01-01 01:30:30.5+00', 'x')")
+    line = one_line_error(cli("sync", "--from-table", "rts", "--db", dsn, "--devices", "cpu", "--quiet"),
+                          "--id-field 'k': public.rts.k is timestamp with time zone, whose text depends on the session")
+    assert "ingest --from-table" in line
+    assert conn.execute("SELECT count(*) FROM pg_trigger WHERE tgrelid = 'rts'::regclass").fetchone()[0] == 0
+    p = cli("ingest", "--from-table", "rts", "--db", dsn, "--devices", "cpu", "--quiet", check=True)
+    assert list(_contents(conn, "rts_embeddings")) == [
+        conn.execute("SELECT k::text FROM rts").fetchone()[0]]  # as PostgreSQL writes it
+
+
+def test_a_partitioned_source_is_read_through_its_partitions(cli, dsn, conn):
+    """The parent of a partitioned table has no pages: its backfill read nothing and said 0 rows."""
+    conn.execute("CREATE TABLE rp (review_id int PRIMARY KEY, body text) PARTITION BY RANGE (review_id)")
+    conn.execute("CREATE TABLE rp_a PARTITION OF rp FOR VALUES FROM (0) TO (300)")
+    conn.execute("CREATE TABLE rp_b PARTITION OF rp FOR VALUES FROM (300) TO (100000)")
+    conn.execute("INSERT INTO rp SELECT i, 'partitioned row ' || i FROM generate_series(1, 700) i")
+    p = cli("sync", "--from-table", "rp", "--db", dsn, "--devices", "cpu", "--quiet", "--chunk-bytes", "8192",
+            "--where", "rp.review_id % 7 <> 0")  # the table's own name in --where, as in any SQL about it
+    assert p.returncode == 0, p.stderr
+    want = {str(i): f"partitioned row {i}" for i in range(1, 701) if i % 7}
+    assert _contents(conn, "rp_embeddings") == want
+    chunks = conn.execute("SELECT DISTINCT source FROM embedfleet.chunks WHERE job = 'public.rp_embeddings'").fetchall()
+    assert sorted(c for (c,) in chunks) == ["public.rp_a", "public.rp_b"]
+    conn.execute("UPDATE rp SET body = 'moved on' WHERE review_id = 5")
+    conn.execute("DELETE FROM rp WHERE review_id = 500")
+    p = cli("sync", "--from-table", "rp", "--db", dsn, "--devices", "cpu", "--quiet", "--chunk-bytes", "8192",
+            "--where", "rp.review_id % 7 <> 0")
+    assert p.returncode == 0, p.stderr
+    want["5"] = "moved on"
+    del want["500"]
+    assert _contents(conn, "rp_embeddings") == want
+
+
+def test_a_value_python_cannot_hold_rejects_its_row_only_where_the_row_uses_it(cli, dsn, conn):
+    """An `infinity` timestamp anywhere in a row failed the whole read: the backfill's chunk, or every drain."""
+    conn.execute("CREATE TABLE rinf (review_id int PRIMARY KEY, body text, valid_until timestamptz DEFAULT now())")
+    conn.execute("INSERT INTO rinf (review_id, body) SELECT i, 'row ' || i FROM generate_series(1, 20) i")
+    conn.execute("UPDATE rinf SET valid_until = 'infinity' WHERE review_id = 3")
+    common = ("--from-table", "rinf", "--text-field", "body", "--db", dsn, "--devices", "cpu", "--quiet")
+    cli("sync", *common, check=True)  # the column is not copied: row 3 is like any other
+    assert len(_contents(conn, "rinf_embeddings")) == 20
+    p = cli("sync", *common, "--columns", "valid_until", "--table", "rinf_copied", "--json")
+    assert p.returncode == 0, p.stderr
+    assert set(_contents(conn, "rinf_copied")) == {str(i) for i in range(1, 21)} - {"3"}
+    [(reason,)] = conn.execute("SELECT reason FROM embedfleet.rejects WHERE job = 'rinf_copied'").fetchall()
+    assert reason == "cannot coerce valid_until='infinity' to timestamptz"
+    conn.execute("UPDATE rinf SET body = 'changed two' WHERE review_id = 2")
+    conn.execute("UPDATE rinf SET valid_until = '-infinity' WHERE review_id = 4")
+    p = cli("sync", *common, "--columns", "valid_until", "--table", "rinf_copied", "--json")
+    assert p.returncode == 0, p.stderr
+    rows = _contents(conn, "rinf_copied")
+    assert rows["2"] == "changed two" and "4" not in rows and len(rows) == 18
+
+
+def test_a_rerun_against_another_database_or_into_a_followed_table_is_refused_before_anything_is_installed(
+        cli, dsn, conn):
+    other_db = "sync_other_db"
+    conn.execute(f"DROP DATABASE IF EXISTS {other_db}")
+    conn.execute(f"CREATE DATABASE {other_db}")
+    other = psycopg.conninfo.make_conninfo(dsn, dbname=other_db)
+    conn.execute("CREATE TABLE rsd (review_id int PRIMARY KEY, title text, body text)")
+    conn.execute("INSERT INTO rsd SELECT i, 'title ' || i, 'local row ' || i FROM generate_series(1, 10) i")
+    with psycopg.connect(other, autocommit=True) as o:
+        o.execute("CREATE TABLE rsd (review_id int PRIMARY KEY, title text, body text)")
+        o.execute("INSERT INTO rsd VALUES (1, 'other', 'OTHER DB row')")
+    common = ("--from-table", "rsd", "--text-field", "body", "--db", dsn, "--devices", "cpu", "--quiet")
+    cli("sync", *common, check=True)
+    one_line_error(cli("sync", *common, "--source-db", other),
+                   "sync job 'public.rsd_embeddings' follows public.rsd in another database than the one --source-db "
+                   f"names now ({conn.info.dbname} then, {other_db} now)")
+    with psycopg.connect(other, autocommit=True) as o:  # nothing installed there, nothing recorded here
+        assert o.execute("SELECT count(*) FROM pg_trigger WHERE tgname LIKE 'embedfleet%'").fetchone()[0] == 0
+    assert conn.execute("SELECT same_db FROM embedfleet.syncs WHERE job = 'public.rsd_embeddings'").fetchone()[0]
+    assert len(_contents(conn, "rsd_embeddings")) == 10
+    # Other settings are refused before the trigger is touched; the job's name alone does not make a second
+    # sync into the same table, whose rows would mix two texts.
+    one_line_error(cli("sync", *common[:2], "--text-field", "title", *common[4:]), "already exists with other settings")
+    one_line_error(cli("sync", *common[:2], "--text-field", "title", "--job", "rsd_titles", *common[4:]),
+                   "table public.rsd_embeddings is the target of sync job 'public.rsd_embeddings'")
+    assert set(_contents(conn, "rsd_embeddings").values()) == {f"local row {i}" for i in range(1, 11)}
+    triggers = conn.execute("SELECT count(*) FROM pg_trigger WHERE tgrelid = 'rsd'::regclass").fetchone()[0]
+    p = cli("sync", *common[:2], "--text-field", "title", "--job", "rsd_titles", "--table", "rsd_titles", *common[4:])
+    assert p.returncode == 0, p.stderr
+    assert set(_contents(conn, "rsd_titles").values()) == {f"title {i}" for i in range(1, 11)}
+    assert conn.execute("SELECT count(*) FROM pg_trigger WHERE tgrelid = 'rsd'::regclass").fetchone()[0] > triggers

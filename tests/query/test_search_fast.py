@@ -220,3 +220,21 @@ def test_query_bytes_that_are_not_utf8_search_as_the_replacement_character(table
     lines = [json.loads(line) for line in piped.stdout.decode().splitlines()]
     assert [d["query"] for d in lines] == ["cable \ufffd\ufffd broke", "screen"]
     assert all(len(d["results"]) == 3 for d in lines)
+
+
+def test_rows_without_a_vector_are_not_results_and_do_not_stop_a_search(cli, dsn, conn, tmp_path):
+    """A row without a vector (a hand-made row, a column cleared) stopped every search that would have reached it:
+    `float(None)` as its distance, a TypeError in one line."""
+    src = tmp_path / "two.jsonl"
+    src.write_text('{"id": "a", "text": "hello world"}\n{"id": "b", "text": "goodbye moon"}\n')
+    cli("ingest", src, "--table", "novec", "--id-field", "id", "--fts", "--db", dsn, "--devices", "cpu", "--quiet",
+        check=True)
+    conn.execute("UPDATE novec SET embedding = NULL WHERE id = 'b'")
+    for extra in ((), ("-k", "5"), ("--where", "id <> 'x'"), ("--hybrid",)):
+        p = cli("search", "goodbye moon", "--table", "novec", "--db", dsn, "--json", *extra)
+        assert p.returncode == 0, p.stderr
+        assert [r["id"] for r in json.loads(p.stdout)["results"]] == ["a"], extra
+    conn.execute("UPDATE novec SET embedding = NULL")
+    p = cli("search", "hello", "--table", "novec", "--db", dsn, "--json")
+    assert p.returncode == 0, p.stderr
+    assert json.loads(p.stdout)["results"] == [] and "none has a vector" in p.stderr

@@ -107,6 +107,6 @@ def main() -> None:
             raise
         from embedfleet.errors import user_line
 
-        line = user_line(e) or f"{type(e).__name__}: {e} (rerun with --debug for the traceback)"
+        line = user_line(e) or f"{type(e).__name__}: {e} (rerun as `embedfleet --debug …` for the traceback)"
         typer.echo(f"error: {line}", err=True)
         sys.exit(1)

@@ -66,7 +66,7 @@ def search(
             sys.stdout.write(orjson.dumps({"query": text, "results": results, "scan": scan}, default=str).decode() + "\n")
         elif json_out or not results:
             if not results:  # said on stderr, as --json's empty list is on stdout
-                typer.echo(f"no rows of {table!r}" + (" pass the filter" if where else " to search (the table is empty)"),
+                typer.echo(f"no rows of {table!r}" + (" pass the filter" if where else " to search (none has a vector)"),
                            err=True)
             if json_out:
                 emit({"results": results, "scan": scan})

@@ -312,11 +312,13 @@ def check_where(conn, source: str, where: str) -> None:
 
     from embedfleet.errors import first_line
     from embedfleet.pg.scan import user_filter
+    from embedfleet.sources.table import alias_of
 
     try:
         with conn.transaction():
             conn.execute("SET TRANSACTION READ ONLY")
-            conn.execute(sql.SQL("SELECT 1 FROM {} WHERE {} LIMIT 0").format(sql.SQL(source), user_filter(where)))
+            conn.execute(sql.SQL("SELECT 1 FROM {} AS {} WHERE {} LIMIT 0").format(
+                sql.SQL(source), sql.SQL(alias_of(source)), user_filter(where)))
     except psycopg.Error as e:
         raise InputError(f"--where {where!r}: {first_line(e)}") from None
 

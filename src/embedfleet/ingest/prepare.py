@@ -62,6 +62,7 @@ class PrepareContext:
     source_dsn: str | None = None  # --from-table: where the source is (each helper reads its spans itself)
     snapshot: str | None = None  # the snapshot the job's planner holds, to read the source in
     where: str | None = None  # which of the source's rows
+    source_table: str | None = None  # --from-table: the source's qualified name (a chunk may read one partition)
 
 
 @dataclass
@@ -158,7 +159,8 @@ class Preparer:
             if self._tables is None:
                 from embedfleet.sources.table import TableReader
 
-                self._tables = TableReader(self.ctx.source_dsn, self.ctx.snapshot, self.ctx.where)
+                self._tables = TableReader(self.ctx.source_dsn, self.ctx.source_table, self.ctx.id_field,
+                                           self.ctx.snapshot, self.ctx.where)
             raws = list(self._tables.read(task.spec, task.after_line))
             return raws, max((r.line for r in raws), default=task.after_line)
         if task.block is not None:

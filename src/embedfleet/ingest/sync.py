@@ -29,7 +29,7 @@ from psycopg.types.json import Jsonb
 from embedfleet.errors import InputError
 from embedfleet.ingest.commit import TableSink
 from embedfleet.ingest.prepare import PrepareContext, Preparer
-from embedfleet.ledger import Ledger, job_for_table, sync_overview
+from embedfleet.ledger import Ledger, job_for_table, sync_overview, syncs_into
 from embedfleet.pg import queue
 from embedfleet.pg.connect import connect
 from embedfleet.pg.copyin import assemble, vector_fields
@@ -38,7 +38,7 @@ from embedfleet.pg.scan import filter_names, user_filter
 from embedfleet.settings import JobSpec, Settings
 from embedfleet.sources.base import RawRecord
 from embedfleet.sources.presets import table_columns
-from embedfleet.sources.table import describe
+from embedfleet.sources.table import alias_of, describe, key_text, lenient_dates, read_rows
 
 __all__ = ["SyncStats", "Syncer", "watched_columns", "stop_on_signals"]
 
@@ -111,7 +111,8 @@ class Lane:
         self.same_db = source_dsn == dsn
         self.source = self.target if self.same_db else connect(source_dsn, what="--source-db / EMBEDFLEET_SOURCE_DB")
         source = describe(self.source, spec.source_table)
-        self.source_name, self.key_type = source.name, source.columns[spec.id_field]
+        lenient_dates(self.source)
+        self.source_name, self.key_type = source.name, source.typmods[spec.id_field]  # character(8), not char(1)
         self.queue = queue.queue_for(source.name, spec.id_field, spec.job)
         self.lock_space = int(self.queue.tag[:7], 16)  # the per-key advisory locks' first key: this job's
         self.prep = Preparer(PrepareContext(
@@ -177,14 +178,14 @@ class Lane:
         """The keys' source rows as they are now (those --where leaves out are as good as gone)."""
         if not keys:
             return []
-        cond = sql.SQL("{} = ANY(%s::{}[])").format(sql.Identifier(self.spec.id_field), sql.SQL(self.key_type))
+        key = self.spec.id_field
+        cond = sql.SQL("{} = ANY(%s::{}[])").format(sql.Identifier(key), sql.SQL(self.key_type))
         if self.spec.where:
             cond = sql.SQL("{} AND {}").format(cond, user_filter(self.spec.where, placeholders=True))
         try:
             with self.source.cursor() as cur:
-                cur.execute(sql.SQL("SELECT * FROM {} WHERE {}").format(sql.SQL(self.source_name), cond), [keys])
-                names = [d.name for d in cur.description]
-                rows = cur.fetchall()
+                names, rows = read_rows(cur, sql.SQL("SELECT {}, * FROM {} AS {} WHERE {}").format(
+                    key_text(key), sql.SQL(self.source_name), sql.SQL(alias_of(self.source_name)), cond), key, [keys])
         except (psycopg.errors.UndefinedTable, psycopg.errors.UndefinedColumn) as e:
             raise InputError(f"sync: the source {self.source_name} was dropped or renamed while following "
                              f"({str(e).splitlines()[0]}); its queue {self.queue.table_name} is kept: rerun sync "
@@ -245,10 +246,12 @@ class Lane:
         where = sql.SQL(" AND {}").format(user_filter(self.spec.where)) if self.spec.where else sql.SQL("")
         if self.same_db:
             return self.target.execute(sql.SQL(
-                "DELETE FROM {t} x WHERE NOT EXISTS (SELECT 1 FROM {s} WHERE {k}::text = x.id{w})").format(
-                    t=target, s=sql.SQL(self.source_name), k=key, w=where)).rowcount
-        alive = {k for (k,) in self.source.execute(sql.SQL("SELECT {}::text FROM {} WHERE true{}").format(
-            key, sql.SQL(self.source_name), where))}
+                "DELETE FROM {t} AS embedfleet_target WHERE NOT EXISTS (SELECT 1 FROM {s} AS {a} "
+                "WHERE {k}::text = embedfleet_target.id{w})").format(
+                    t=target, s=sql.SQL(self.source_name), a=sql.SQL(alias_of(self.source_name)), k=key,
+                    w=where)).rowcount
+        alive = {k for (k,) in self.source.execute(sql.SQL("SELECT {}::text FROM {} AS {} WHERE true{}").format(
+            key, sql.SQL(self.source_name), sql.SQL(alias_of(self.source_name)), where))}
         ids = [i for (i,) in self.target.execute(sql.SQL("SELECT id FROM {}").format(target)) if i not in alive]
         return self.target.execute(sql.SQL("DELETE FROM {} WHERE id = ANY(%s)").format(target), [ids]).rowcount
 
@@ -378,6 +381,11 @@ def stop_on_signals():
             signal.signal(s, handler)
 
 
+# Key types whose text is the same in every session: the trigger's `key::text` matches the ids sync writes.
+SYNC_KEYS = ("smallint", "integer", "bigint", "numeric", "text", "character varying", "character", "uuid", "citext",
+             "name")
+
+
 def default_lanes() -> int:
     """Half the cores, at most 8: the target's index takes rows on that many backends at once."""
     import os
@@ -399,9 +407,20 @@ def run_sync(spec: JobSpec, settings: Settings, launcher, device: str, follow: b
     with connect(dsn) as conn:
         cfg = check_job(spec, conn, settings)
         existed = table_exists(conn, cfg.table)
+        recorded = check_rerun(conn, cfg, settings)
     q = queue.queue_for(cfg.source_table, cfg.id_field, cfg.job)
     with connect(src_dsn, what="--source-db / EMBEDFLEET_SOURCE_DB") as src:
+        source_db = queue.database_identity(src)
+        if recorded and recorded.get("source_db") not in (None, source_db):
+            raise InputError(f"sync job {cfg.job!r} follows {recorded['source']} in another database than the one "
+                             f"--source-db names now ({recorded['source_db'].split('/', 1)[1]} then, "
+                             f"{source_db.split('/', 1)[1]} now); to follow this one, pass --job NEWNAME --table NEWTABLE")
         source = describe(src, cfg.source_table)
+        if source.columns[cfg.id_field] not in SYNC_KEYS:  # the queue's key::text is written in the application's session
+            raise InputError(f"--id-field {cfg.id_field!r}: {source.name}.{cfg.id_field} is {source.columns[cfg.id_field]}, "
+                             "whose text depends on the session writing it (its TimeZone, DateStyle or float digits): "
+                             f"sync needs a key of {', '.join(SYNC_KEYS[:-3])} or uuid; name one with --id-field "
+                             "(`ingest --from-table` takes any key)")
         if cfg.id_field not in source.unique:  # two rows of one id would be one target row, now one text, now another
             raise InputError(f"--id-field {cfg.id_field!r}: sync keeps one target row per id, and nothing keeps "
                              f"{source.name}.{cfg.id_field} unique; name a column its primary key or a unique "
@@ -416,7 +435,7 @@ def run_sync(spec: JobSpec, settings: Settings, launcher, device: str, follow: b
         log.info("sync: changes to %s are queued in %s from now on", cfg.source_table, q.table_name)
     ledger = Ledger.connect(dsn, settings.db_patience_seconds, host=settings.host_id)
     try:
-        ledger.record_sync(cfg.job, q.source, q.key, q.tag, src_dsn == dsn, started)
+        ledger.record_sync(cfg.job, q.source, q.key, q.tag, src_dsn == dsn, started, source_db)
         progress = run_job(spec, settings, launcher, empty_ok=True)
         cfg = progress["spec"]
         lanes, batch = lanes or default_lanes(), batch or BATCH_KEYS
@@ -445,6 +464,17 @@ def run_sync(spec: JobSpec, settings: Settings, launcher, device: str, follow: b
         ledger.close()
     return {"job": cfg.job, "table": cfg.table, "source": cfg.source_table, "queue": q.table_name,
             "installed": made, "backfill_rows": progress["rows_written"], **stats.as_dict(), **(state or {})}
+
+
+def check_rerun(conn, cfg: JobSpec, settings: Settings) -> dict | None:
+    """Before anything is installed: the job's settings are its recorded ones, and no other sync follows into its
+    table (two would mix their texts in it). Returns the job's sync record, if any."""
+    ledger = Ledger(conn, host=settings.host_id)
+    ledger.check_settings(cfg.job, cfg)
+    if others := [j for j in syncs_into(conn, cfg.table) if j != cfg.job]:
+        raise InputError(f"table {cfg.table} is the target of sync job {others[0]!r}: a second sync into it would mix "
+                         "the two jobs' rows; pass --table NEWTABLE (and --job NEWNAME) to follow into another table")
+    return ledger.sync_of(cfg.job)
 
 
 def uninstall_sync(spec: JobSpec, settings: Settings) -> dict:

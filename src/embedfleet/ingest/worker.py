@@ -149,7 +149,7 @@ class Worker:
                                  self.dsn if spec.meta else None, row["meta_id"] if spec.meta else None,
                                  s.db_patience_seconds, parse_passages(spec.passages), id_root(spec.inputs),
                                  spec.columns, (s.source_db or self.dsn) if spec.source_table else None,
-                                 row.get("snapshot"), spec.where)
+                                 row.get("snapshot"), spec.where, spec.source_table)
             pool = self._make_helpers(ctx, s.helpers, s.helper_nice)
             helpers_ready = pool.start_in_background()
             encoder = None

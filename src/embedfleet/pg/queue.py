@@ -190,6 +190,12 @@ def forget(conn: psycopg.Connection, q: Queue, ctids: list[str]) -> None:
     conn.execute(sql.SQL("DELETE FROM {} WHERE ctid = ANY(%s::tid[])").format(q.table), [ctids])
 
 
+def database_identity(conn: psycopg.Connection) -> str:
+    """The database `conn` is in, however reached: its server's system identifier and its name."""
+    return conn.execute("SELECT system_identifier::text || '/' || current_database() FROM pg_control_system()"
+                        ).fetchone()[0]
+
+
 def server_started(conn: psycopg.Connection) -> str:
     """When the source's server started: a new value means the queue (unlogged) may have been emptied. As
     seconds since the epoch: the same whatever the session's time zone or date style."""

@@ -123,8 +123,7 @@ class Searcher:
         not show whether the index can serve it)."""
         from pgvector import Vector
 
-        filt = sql.SQL("WHERE {}").format(user_filter(where, placeholders=True)) if where else sql.SQL("")
-        stmt = self.statements(filt)[0]
+        stmt = self.statements(sql.SQL("WHERE ") + _searchable(where))[0]
         with self.conn.transaction(), self.conn.cursor() as cur:
             cur.execute("SET LOCAL enable_seqscan = off")
             rows = cur.execute(sql.SQL("EXPLAIN ") + stmt, self._params(Vector(query_vec.astype(np.float32)), k)).fetchall()
@@ -183,7 +182,7 @@ class Searcher:
         depth = max(HYBRID_DEPTH, 4 * k)
         by_vector = self._nearest(query_vec, depth, where, ef_search)
         scan = self.scan
-        filt = sql.SQL(" AND {}").format(user_filter(where, placeholders=True)) if where else sql.SQL("")
+        filt = sql.SQL(" AND ") + _searchable(where)
         stmt = sql.SQL(
             "SELECT {cols}, embedding <=> %(q)s::{vt} AS distance, ts_rank_cd({c}, query) AS text_rank FROM {t}, "
             "websearch_to_tsquery({cfg}::regconfig, %(text)s) AS query WHERE {c} @@ query{filt} "
@@ -258,7 +257,7 @@ class Searcher:
         if time.monotonic() - self._index_read_at > INDEX_RECHECK_S:
             self._read_index()
         vec = Vector(query_vec.reshape(-1).astype(np.float32))
-        filt = sql.SQL("WHERE {}").format(user_filter(where, placeholders=True)) if where else sql.SQL("")
+        filt = sql.SQL("WHERE ") + _searchable(where)
         by_index, exact = self.statements(filt)
         params = self._params(vec, k)
         with self._guarded(where) as cur:
@@ -287,6 +286,12 @@ class Searcher:
         if self.index_kind == "halfvec" and scan != "exact":  # found by halfvec distances: ranked by the full ones
             rows.sort(key=lambda r: r["distance"])
         return [self._row(r) for r in rows]
+
+
+def _searchable(where: str | None) -> sql.Composable:
+    """The rows a search ranks: those with a vector (a row written without one has no distance), that --where keeps."""
+    has = sql.SQL("embedding IS NOT NULL")
+    return sql.SQL("{} AND {}").format(has, user_filter(where, placeholders=True)) if where else has
 
 
 def search(conn: psycopg.Connection, table: str, query_vec: np.ndarray, k: int = 10,

@@ -9,6 +9,7 @@ reject names the row.
 from __future__ import annotations
 
 import logging
+import re
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -49,6 +50,18 @@ class TableSource:
     key: str | None  # the single-column primary key, if there is one
     columns: dict[str, str]  # every column: its type as format_type writes it
     unique: frozenset[str] = frozenset()  # the columns a unique index (or the key) holds alone, for every row
+    leaves: tuple[str, ...] = ()  # a partitioned table's partitions that hold rows (qualified): what is read
+    typmods: dict[str, str] | None = None  # every column's type with its modifier (`character(8)`)
+
+
+_QUALIFIED = re.compile(r'^(?:"(?:[^"]|"")*"|[^".]+)\.("(?:[^"]|"")*"|[^".]+)$')
+
+
+def alias_of(qualified: str) -> str:
+    """The bare name (as SQL writes it) of a qualified `schema.table`: what a --where may call the table
+    (`reviews.stars`); every read of a source, and the check of its --where, names the table so."""
+    found = _QUALIFIED.match(qualified)
+    return found.group(1) if found else qualified
 
 
 def table_line(block: int, item: int) -> int:
@@ -80,12 +93,23 @@ def describe(conn: psycopg.Connection, name: str) -> TableSource:
         "JOIN pg_namespace n ON n.oid = c.relnamespace WHERE c.oid = %s", [oid]).fetchone()
     if kind not in ("r", "p"):
         raise InputError(f"--from-table {name}: is not a table (a view or foreign table has no pages to read)")
+    leaves = ()
+    if kind == "p":  # the parent holds no rows: its partitions' pages are read
+        parts = conn.execute(
+            "SELECT format('%%I.%%I', n.nspname, c.relname), c.relkind FROM pg_partition_tree(%s) p "
+            "JOIN pg_class c ON c.oid = p.relid JOIN pg_namespace n ON n.oid = c.relnamespace WHERE p.isleaf "
+            "ORDER BY 1", [oid]).fetchall()
+        if other := [p for p, k in parts if k != "r"]:
+            raise InputError(f"--from-table {name}: partition {other[0]} is not a table of this server (a foreign "
+                             "table has no pages to read); embed the other partitions by name")
+        leaves = tuple(p for p, _ in parts)
     if not conn.execute("SELECT has_table_privilege(%s, 'SELECT')", [oid]).fetchone()[0]:
         role = conn.execute("SELECT quote_ident(current_user)").fetchone()[0]
         raise InputError(f"--from-table {name}: role {role} cannot read it: GRANT SELECT ON {qualified} TO {role}")
-    columns = dict(conn.execute(
-        "SELECT attname, format_type(atttypid, NULL) FROM pg_attribute WHERE attrelid = %s AND attnum > 0 "
-        "AND NOT attisdropped ORDER BY attnum", [oid]).fetchall())
+    described = conn.execute(
+        "SELECT attname, format_type(atttypid, NULL), format_type(atttypid, atttypmod) FROM pg_attribute "
+        "WHERE attrelid = %s AND attnum > 0 AND NOT attisdropped ORDER BY attnum", [oid]).fetchall()
+    columns = {c: t for c, t, _ in described}
     keys = conn.execute(
         "SELECT a.attname FROM pg_index i JOIN pg_attribute a ON a.attrelid = i.indrelid AND a.attnum = ANY(i.indkey) "
         "WHERE i.indrelid = %s AND i.indisprimary", [oid]).fetchall()
@@ -94,7 +118,7 @@ def describe(conn: psycopg.Connection, name: str) -> TableSource:
         "WHERE i.indrelid = %s AND i.indisunique AND i.indnkeyatts = 1 AND i.indexprs IS NULL AND i.indpred IS NULL",
         [oid]).fetchall()
     return TableSource(qualified, schema, table, keys[0][0] if len(keys) == 1 else None, columns,
-                       frozenset(u for (u,) in unique))
+                       frozenset(u for (u,) in unique), leaves, {c: t for c, _, t in described})
 
 
 def text_columns(source: TableSource) -> list[str]:
@@ -136,22 +160,60 @@ def resolve_columns(source: TableSource, columns: tuple[str, ...] | None) -> tup
 
 
 def plan_table(conn: psycopg.Connection, source: TableSource, chunk_bytes: int) -> list[ChunkSpec]:
-    """Page spans of about `chunk_bytes` each, the last open-ended; a table of no pages gives none."""
-    pages = conn.execute("SELECT pg_relation_size(%s::regclass) / current_setting('block_size')::int",
-                         [source.name]).fetchone()[0]
-    if pages == 0:
-        return []
+    """Page spans of about `chunk_bytes` each, the last of each relation open-ended (of a partitioned table, its
+    partitions'); a relation of no pages gives none."""
     step = max(1, chunk_bytes // PAGE)
-    starts = list(range(0, pages, step))
-    return [ChunkSpec(source.name, "table", a, b, table_line(a, 0) + 1)
-            for a, b in zip(starts, starts[1:] + [-1])]
+    chunks = []
+    for relation in source.leaves or (source.name,):
+        pages = conn.execute("SELECT pg_relation_size(%s::regclass) / current_setting('block_size')::int",
+                             [relation]).fetchone()[0]
+        starts = list(range(0, pages, step))
+        chunks += [ChunkSpec(relation, "table", a, b, table_line(a, 0) + 1) for a, b in zip(starts, starts[1:] + [-1])]
+    return chunks
+
+
+def key_text(key: str) -> sql.Composable:
+    """A row's id: its key as PostgreSQL writes it as text, the spelling a sync's queue and its deletes use
+    (Python's would differ: `1E-10` against `0.0000000001`, a char(n)'s padding)."""
+    return sql.SQL("{}::text").format(sql.Identifier(key))
+
+
+def read_rows(cur: psycopg.Cursor, query: sql.Composable, key: str, params=None) -> tuple[list[str], list[tuple]]:
+    """(column names, rows) of a query selecting `key_text(key)` first, then the row's columns: each row with
+    its key's column holding that text."""
+    cur.execute(query, params)
+    names = [d.name for d in cur.description][1:]
+    at = names.index(key)
+    return names, [(*row[1:at + 1], row[0], *row[at + 2:]) for row in cur.fetchall()]
+
+
+class _Lenient:
+    """A loader that gives the text of a value Python cannot hold (a date past 9999 or BC, `infinity`) instead
+    of failing the whole read: a field the job uses then rejects its row, saying why; one it does not is no harm."""
+
+    def load(self, data):
+        try:
+            return super().load(data)
+        except psycopg.DataError:
+            return bytes(data).decode()
+
+
+def lenient_dates(conn: psycopg.Connection) -> psycopg.Connection:
+    """`conn` reading dates and timestamps Python cannot hold as their text (`_Lenient`)."""
+    from psycopg.types import datetime as dt
+
+    for name, base in (("date", dt.DateLoader), ("timestamp", dt.TimestampLoader),
+                       ("timestamptz", dt.TimestamptzLoader)):
+        conn.adapters.register_loader(name, type(f"Lenient{base.__name__}", (_Lenient, base), {}))
+    return conn
 
 
 class TableReader:
     """Reads page spans of one job's source on one connection, in the job's snapshot while it is held."""
 
-    def __init__(self, dsn: str, snapshot: str | None = None, where: str | None = None):
-        self.dsn, self.snapshot, self.where = dsn, snapshot, where
+    def __init__(self, dsn: str, table: str, key: str, snapshot: str | None = None, where: str | None = None):
+        self.dsn, self.snapshot, self.where, self.key = dsn, snapshot, where, key
+        self.alias = sql.SQL(alias_of(table))
         self.conn: psycopg.Connection | None = None
 
     def read(self, spec: ChunkSpec, after_line: int = 0) -> Iterator[RawRecord]:
@@ -159,7 +221,7 @@ class TableReader:
         from embedfleet.pg.connect import connect
 
         if self.conn is None or self.conn.closed:
-            self.conn = connect(self.dsn)
+            self.conn = lenient_dates(connect(self.dsn))
         conn = self.conn
         self._begin(conn)
         try:
@@ -169,16 +231,15 @@ class TableReader:
                 cond.append(sql.SQL("ctid < {}::tid").format(sql.Literal(f"({spec.end},0)")))
             if self.where:
                 cond.append(user_filter(self.where))
-            query = sql.SQL("SELECT {line} AS line, * FROM {src} t WHERE {cond}").format(
-                line=_LINE, src=sql.SQL(spec.source), cond=sql.SQL(" AND ").join(cond))
+            query = sql.SQL("SELECT {key}, {line} AS line, * FROM {src} AS {alias} WHERE {cond}").format(
+                key=key_text(self.key), line=_LINE, src=sql.SQL(spec.source), alias=self.alias,
+                cond=sql.SQL(" AND ").join(cond))
             with conn.cursor() as cur:
-                cur.execute(query)
-                names = [d.name for d in cur.description][1:]
-                rows = cur.fetchall()
+                names, rows = read_rows(cur, query, self.key)
         finally:
             conn.rollback()
         for line, *values in rows:
-            data = dict(zip(names, values))
+            data = dict(zip(names[1:], values))
             yield RawRecord(spec.source, line, data, orjson.dumps(data, default=str).decode(), None)
 
     def _begin(self, conn: psycopg.Connection) -> None:
