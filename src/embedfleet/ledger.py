@@ -968,14 +968,15 @@ def remove_job(conn: psycopg.Connection, job: str, drop_table: bool = False) -> 
     return {"job": job, "table": row[0], "chunks": chunks, "rejects": rejects, "table_dropped": dropped}
 
 
-def job_rejects(conn: psycopg.Connection, job: str, limit: int | None = None) -> list[dict]:
+def job_rejects(conn: psycopg.Connection, job: str, limit: int | None = None) -> tuple[list[dict], int]:
     """The records job `job` could not make rows of, in input order: source, line, reason, and the raw record's
-    first characters. Reads only."""
+    first characters; and how many there are (a sync's are those of rows it cannot write now). Reads only."""
     if not ledger_exists(conn):
-        return []
+        return [], 0
     with conn.cursor(row_factory=dict_row) as cur:
-        return cur.execute("SELECT source, line, reason, raw FROM embedfleet.rejects WHERE job = %s "
+        rows = cur.execute("SELECT source, line, reason, raw FROM embedfleet.rejects WHERE job = %s "
                            "ORDER BY source, line LIMIT %s", [job, limit]).fetchall()
+    return rows, conn.execute("SELECT count(*) FROM embedfleet.rejects WHERE job = %s", [job]).fetchone()[0]
 
 
 def table_job(conn: psycopg.Connection, table: str) -> dict | None:

@@ -527,3 +527,25 @@ def test_a_rerun_against_another_database_or_into_a_followed_table_is_refused_be
     assert p.returncode == 0, p.stderr
     assert set(_contents(conn, "rsd_titles").values()) == {f"title {i}" for i in range(1, 11)}
     assert conn.execute("SELECT count(*) FROM pg_trigger WHERE tgrelid = 'rsd'::regclass").fetchone()[0] > triggers
+
+
+def test_rows_the_drain_cannot_write_are_kept_as_rejects_until_they_can(cli, dsn, conn):
+    conn.execute("CREATE TABLE rj (review_id int PRIMARY KEY, body text)")
+    conn.execute("INSERT INTO rj VALUES (1, 'one'), (2, 'two')")
+    common = ("--from-table", "rj", "--db", dsn, "--devices", "cpu", "--quiet")
+    cli("sync", *common, check=True)
+    conn.execute("INSERT INTO rj VALUES (30, NULL), (40, '')")
+    conn.execute("UPDATE rj SET body = NULL WHERE review_id = 1")
+    p = cli("sync", *common, "--json", check=True)
+    assert orjson.loads(p.stdout)["rejected"] == 3
+    listed = orjson.loads(cli("jobs", "rejects", "public.rj_embeddings", "--db", dsn, "--json", check=True).stdout)
+    assert listed["rejected"] == 3
+    assert [(r["line"], r["reason"]) for r in listed["rejects"]] == [
+        (1, "field 'body' has no text"), (30, "field 'body' has no text"), (40, "field 'body' has no text")]
+    assert orjson.loads(listed["rejects"][1]["raw"]) == {"review_id": "30", "body": None}
+    assert set(_contents(conn, "rj_embeddings")) == {"2"}  # row 1's old text is gone with it
+    conn.execute("UPDATE rj SET body = 'fixed' WHERE review_id IN (1, 30)")
+    cli("sync", *common, check=True)
+    listed = orjson.loads(cli("jobs", "rejects", "public.rj_embeddings", "--db", dsn, "--json", check=True).stdout)
+    assert [r["line"] for r in listed["rejects"]] == [40] and listed["rejected"] == 1
+    assert _contents(conn, "rj_embeddings") == {"1": "fixed", "2": "two", "30": "fixed"}

@@ -351,13 +351,12 @@ def jobs_rejects(
         known = jobs_overview(conn, job)
         if not known:
             raise EmbedfleetError(f"no job named {job!r}; `embedfleet status` lists them")
-        rejects = job_rejects(conn, job, limit or None)
+        rejects, total = job_rejects(conn, job, limit or None)
     if json_out:
-        emit({"job": job, "rejected": known[0]["rejected"], "rejects": rejects})
+        emit({"job": job, "rejected": total, "rejects": rejects})
         return
     for r in rejects:
         typer.echo(f"{r['source']}:{r['line']}: {r['reason']}")
-    total = known[0]["rejected"]
     if total > len(rejects):
         typer.echo(f"… {total - len(rejects):,} more (--limit 0 lists all)", err=True)
     elif not total:

@@ -22,6 +22,7 @@ import time
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 
+import orjson
 import psycopg
 from psycopg import sql
 from psycopg.types.json import Jsonb
@@ -190,13 +191,22 @@ class Lane:
             raise InputError(f"sync: the source {self.source_name} was dropped or renamed while following "
                              f"({str(e).splitlines()[0]}); its queue {self.queue.table_name} is kept: rerun sync "
                              "with the table's name now, or `sync --uninstall`") from None
-        return [RawRecord(self.source_name, 0, dict(zip(names, row)), "", None) for row in rows]
+        key_at = names.index(key)
+        return [RawRecord(self.source_name, self.key_line(row[key_at]), dict(zip(names, row)),
+                          orjson.dumps(dict(zip(names, row)), default=str).decode(), None) for row in rows]
+
+    def key_line(self, key: str) -> int:
+        """Where a key's reject is kept (the rejects' `line`): an integer key itself, another key's hash."""
+        if self.key_type in ("smallint", "integer", "bigint"):
+            return int(key)
+        return int.from_bytes(hashlib.blake2b(key.encode(), digest_size=6).digest(), "big")
 
     def _write(self, keys: list[str], raws: list[RawRecord], truncated: bool, stats: SyncStats) -> None:
         conn, target = self.target, table_sql(self.target, self.spec.table)
         t0 = time.perf_counter()
         records, rejects = self.prep.records(raws)
         stats.rejected += len(rejects)
+        self._record_rejects(keys, rejects)
         present = {r.id for r in records}
         stored = {row[0]: row[1:] for row in conn.execute(
             sql.SQL("SELECT id, content{} FROM {} WHERE id = ANY(%s)").format(
@@ -239,6 +249,14 @@ class Lane:
         if truncated:
             stats.deleted += self._delete_missing(target)
         stats.write_s += time.perf_counter() - t1
+
+    def _record_rejects(self, keys: list[str], rejects: list) -> None:
+        """The batch's rejects kept for `jobs rejects`, one per key; a key written or deleted now has none."""
+        with self.target.cursor() as cur:
+            cur.execute("DELETE FROM embedfleet.rejects WHERE job = %s AND source = %s AND line = ANY(%s)",
+                        [self.spec.job, self.source_name, [self.key_line(k) for k in keys]])
+            cur.executemany("INSERT INTO embedfleet.rejects (job, source, line, reason, raw) VALUES (%s, %s, %s, %s, %s)",
+                            [(self.spec.job, r.source, r.line, r.reason, r.raw) for r in rejects])
 
     def _delete_missing(self, target: sql.Composable) -> int:
         """After a TRUNCATE: every target row whose source row is not there now."""
