@@ -549,3 +549,29 @@ def test_rows_the_drain_cannot_write_are_kept_as_rejects_until_they_can(cli, dsn
     listed = orjson.loads(cli("jobs", "rejects", "public.rj_embeddings", "--db", dsn, "--json", check=True).stdout)
     assert [r["line"] for r in listed["rejects"]] == [40] and listed["rejected"] == 1
     assert _contents(conn, "rj_embeddings") == {"1": "fixed", "2": "two", "30": "fixed"}
+
+
+def test_a_trigger_dropped_with_a_column_stops_the_follower_and_a_rerun_makes_it_again(cli, dsn, conn, tmp_path):
+    """PostgreSQL's own hint (DROP COLUMN … CASCADE) dropped the row trigger: the follower went on saying
+    "0 changes pending" while no change was queued, and the next sync failed on the trigger left."""
+    _source(conn, "casc", 30)
+    proc = _start(_sync_args(dsn, "casc", "--columns", "stars", "--follow"), tmp_path)
+    wait_for(conn, "SELECT synced_at FROM embedfleet.syncs WHERE job = 'public.casc_embeddings'", timeout=300)
+    conn.execute("ALTER TABLE casc DROP COLUMN stars CASCADE")
+    conn.execute("UPDATE casc SET body = 'changed after the drop' WHERE review_id = 1")
+    _, err = proc.communicate(timeout=120)
+    lines = [x for x in err.strip().splitlines() if x.startswith("error:")]
+    assert proc.returncode != 0 and len(lines) == 1 and "was dropped while following" in lines[0], err
+    one_line_error(cli(*_sync_args(dsn, "casc", "--columns", "stars")[3:]), "--columns 'stars'")
+    # A trigger dropped by hand: the next sync makes both again (one was left) and compares every row once.
+    _source(conn, "manual", 20)
+    cli(*_sync_args(dsn, "manual")[3:], check=True)
+    tag = conn.execute("SELECT tag FROM embedfleet.syncs WHERE job = 'public.manual_embeddings'").fetchone()[0]
+    conn.execute(f"DROP TRIGGER embedfleet_row_{tag} ON manual")
+    conn.execute("UPDATE manual SET body = 'changed while no trigger' WHERE review_id = 1")
+    p = cli(*_sync_args(dsn, "manual")[3:])
+    assert p.returncode == 0, p.stderr
+    assert _contents(conn, "manual_embeddings")["1"] == "changed while no trigger"
+    conn.execute("UPDATE manual SET body = 'queued again' WHERE review_id = 2")
+    cli(*_sync_args(dsn, "manual")[3:], check=True)
+    assert _contents(conn, "manual_embeddings")["2"] == "queued again"

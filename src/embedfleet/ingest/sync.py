@@ -276,6 +276,10 @@ class Lane:
     def source_gone(self) -> bool:
         return self.source.execute("SELECT to_regclass(%s) IS NULL", [self.source_name]).fetchone()[0]
 
+    def trigger_gone(self) -> bool:
+        """The source's changes no longer reach the queue (a column dropped with CASCADE took the trigger)."""
+        return not queue.installed(self.source, self.queue)
+
 
 class Syncer:
     """Drains one sync job's queue on one device with `lanes` connections side by side: `step()` is one batch on
@@ -365,6 +369,10 @@ class Syncer:
                             raise InputError(f"sync: the source {self.lanes[0].source_name} was dropped or renamed "
                                              f"while following; its queue {self.queue.table_name} is kept: rerun "
                                              "sync with the table's name now, or `sync --uninstall`")
+                        if self.lanes[0].trigger_gone():
+                            raise InputError(f"sync: the trigger that queues {self.lanes[0].source_name}'s changes "
+                                             "was dropped while following (a column dropped with CASCADE?): rerun "
+                                             "sync to make it again; every row is then compared once")
                         if not self.requeue_after_restart(ledger):
                             ledger.synced(self.spec.job)
                         marked = time.monotonic()

@@ -65,9 +65,10 @@ def queue_for(source: str, key: str, job: str) -> Queue:
 
 
 def installed(conn: psycopg.Connection, q: Queue) -> bool:
-    return conn.execute("SELECT to_regclass(%s) IS NOT NULL", [q.table_name]).fetchone()[0] and bool(
-        conn.execute("SELECT 1 FROM pg_trigger WHERE tgrelid = %s::regclass AND tgname = %s",
-                     [q.source, f"embedfleet_row_{q.tag}"]).fetchone())
+    """The queue and both triggers are there (a column dropped with CASCADE drops the row trigger with it)."""
+    return conn.execute("SELECT to_regclass(%s) IS NOT NULL", [q.table_name]).fetchone()[0] and conn.execute(
+        "SELECT count(*) = 2 FROM pg_trigger WHERE tgrelid = %s::regclass AND tgname IN (%s, %s)",
+        [q.source, f"embedfleet_row_{q.tag}", f"embedfleet_truncate_{q.tag}"]).fetchone()[0]
 
 
 def _check_privileges(conn: psycopg.Connection, q: Queue) -> None:
@@ -130,6 +131,8 @@ def install(conn: psycopg.Connection, q: Queue, watched: list[str]) -> bool:
                 "SET search_path = pg_catalog, pg_temp AS {}").format(
                     q._function("enqueue"), sql.Literal(body.as_string(conn))))
             src = sql.SQL(q.source)
+            for kind in ("row", "truncate"):  # one left of an earlier install is made again with the other
+                conn.execute(sql.SQL("DROP TRIGGER IF EXISTS {} ON {}").format(q._trigger(kind), src))
             conn.execute(sql.SQL("CREATE TRIGGER {} AFTER INSERT OR UPDATE OF {} OR DELETE ON {} FOR EACH ROW "
                                  "EXECUTE FUNCTION {}()").format(q._trigger("row"), columns, src, q._function("enqueue")))
             conn.execute(sql.SQL("CREATE TRIGGER {} AFTER TRUNCATE ON {} FOR EACH STATEMENT EXECUTE FUNCTION {}()")
