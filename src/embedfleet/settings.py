@@ -454,5 +454,5 @@ class TrainSpec:
             raise InputError(f"--tier {self.cache!r}: use auto, gpu, ram or stream")
         validate_devices(self.devices)
         if self.workers is not None and self.workers < 1:
-            raise InputError("--workers must be at least 1")
+            raise InputError(f"--ranks {self.workers}: train on at least 1")
         return self

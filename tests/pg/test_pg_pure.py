@@ -108,7 +108,7 @@ def test_a_filter_is_one_expression_whatever_its_literals_hold():
                        ("true) --", "closes a parenthesis"), ("a = 1; delete from t", "';'"),
                        ("a = 1 -- x", "comment"), ("a = 1 /* x */", "comment"), ("(a = 1", "not closed"),
                        ("a = 'x", "quote is not closed"), ("x = E'a\\'", "quote is not closed"),
-                       ("a = $$x", "dollar quote"), ('"a = 1', "double quote")):
+                       ("a = $$x", "dollar quote"), ('"a = 1', "double quote"), ("  ", "it is empty"), ("", "it is empty")):
         with pytest.raises(InputError, match=why):
             one_expression(where)
 

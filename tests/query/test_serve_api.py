@@ -194,6 +194,12 @@ def test_a_default_k_out_of_range_is_refused_at_start(server, cli):
                            "-k", k), f"-k {k}: a whole number from 1 to")
 
 
+def test_a_port_out_of_range_is_a_usage_error(server, cli):
+    for port in ("99999", "-1"):
+        p = cli("serve", "--table", "docs", "--db", server["dsn"], "--port", port, "--device", "cpu")
+        assert p.returncode == 2 and "Invalid value for '--port'" in p.stderr and "Traceback" not in p.stderr, p.stderr
+
+
 def test_listening_beyond_loopback_wants_a_key(server, cli):
     one_line_error(cli("serve", "--table", "docs", "--db", server["dsn"], "--host", "0.0.0.0", "--port", "0",
                        "--device", "cpu"), "--api-key")

@@ -138,6 +138,10 @@ def test_train_beats_chance_and_predict_agrees_with_the_head(env):
     # a run directory holding a run is not written over in silence
     again = cli("train", "--table", "reviews", "--label", "rating", *TRAIN, "--db", dsn, "--out", out, check=False)
     assert one_line_error(again, f"--out {out} holds a trained run already").startswith("error: ")
+    afile = out.parent / "afile"
+    afile.write_text("not a run")
+    one_line_error(cli("train", "--table", "reviews", "--label", "rating", *TRAIN, "--db", dsn, "--out", afile),
+                   f"--out {afile} is a file")
     assert json.loads((out / "metrics.json").read_text()) == doc
     # the run without --out goes under $EMBEDFLEET_HOME/runs
     p = cli("train", "--table", "reviews", "--label", "helpful_vote", "--task", "regress", "--head", "mlp",

@@ -83,7 +83,7 @@ def serve(
     table: str = typer.Option(..., "--table"),
     db: Optional[str] = DbOpt,
     host: str = typer.Option("127.0.0.1", "--host", help="address to listen on (default: this machine only)"),
-    port: int = typer.Option(8000, "--port", help="0: any free port"),
+    port: int = typer.Option(8000, "--port", min=0, max=65535, help="0: any free port"),
     k: int = typer.Option(10, "-k", "--k", help="results when a request gives no k"),
     model: Optional[str] = typer.Option(None, "--model", help="default: the model the table was built with"),
     trust_remote_code: bool = TrustOpt,

@@ -89,6 +89,9 @@ def _scan(where: str) -> set[str]:
     def refuse(why: str) -> InputError:
         return InputError(f"--where {where!r}: {why}; give one condition, as after WHERE")
 
+    if not where.strip():
+        raise refuse("it is empty")
+
     while i < n:
         c = where[i]
         if c == "'":  # a literal; in E'...' a backslash escapes the next character

@@ -83,6 +83,8 @@ def train(spec: TrainSpec, knobs: Settings) -> dict | None:
 
 def check_out(out: str | None) -> None:
     """A run directory given with --out must not hold another run's head: it would be overwritten in silence."""
+    if out and Path(out).exists() and not Path(out).is_dir():
+        raise InputError(f"--out {out} is a file: a run is a directory; pass another --out")
     if out and (Path(out) / "head.json").exists():
         raise InputError(f"--out {out} holds a trained run already (head.json): pass another --out, or remove it first")
 
