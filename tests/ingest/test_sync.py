@@ -575,3 +575,15 @@ def test_a_trigger_dropped_with_a_column_stops_the_follower_and_a_rerun_makes_it
     conn.execute("UPDATE manual SET body = 'queued again' WHERE review_id = 2")
     cli(*_sync_args(dsn, "manual")[3:], check=True)
     assert _contents(conn, "manual_embeddings")["2"] == "queued again"
+
+
+def test_a_column_the_target_has_already_is_refused_before_anything_is_installed(cli, dsn, conn):
+    """It was refused after the trigger and the job were made, so every later command met "other settings"."""
+    conn.execute("CREATE TABLE rco (pk int PRIMARY KEY, body text, content text)")
+    conn.execute("INSERT INTO rco SELECT i, 'body ' || i, 'c ' || i FROM generate_series(1, 5) i")
+    common = ("--from-table", "rco", "--text-field", "body", "--db", dsn, "--devices", "cpu", "--quiet")
+    one_line_error(cli("sync", *common, "--columns", "content"),
+                   "--columns 'content': the table embedfleet writes has a column of that name of its own")
+    assert conn.execute("SELECT count(*) FROM pg_trigger WHERE tgrelid = 'rco'::regclass").fetchone()[0] == 0
+    cli("sync", *common, check=True)
+    assert _contents(conn, "rco_embeddings") == {str(i): f"body {i}" for i in range(1, 6)}

@@ -203,6 +203,10 @@ def check_job(spec: JobSpec, conn, settings: Settings) -> JobSpec:
     table = check_identifier(spec.table or table_name_for(inputs[0]))
     cfg = spec.replace(inputs=inputs, table=table, job=spec.job or table, model=spec.model or settings.model)
     check_server(conn, cfg.dtype)
+    if cfg.columns:
+        from embedfleet.sources.presets import job_preset
+
+        job_preset(cfg.preset, list(cfg.columns))  # a name the table has already: one line now, nothing installed
     from embedfleet.encode.models import check_model, model_name
 
     model = check_model(cfg.model, cfg.trust_remote_code)  # an unusable model fails here, once, not in every worker after planning
