@@ -93,6 +93,14 @@ def watched_columns(spec: JobSpec, source_columns=()) -> list[str]:
     return [c.split(".")[0] for c in dict.fromkeys([*text, *copied, *filtered]) if c]
 
 
+def source_gone_error(source: str, q: queue.Queue, why: str = "") -> InputError:
+    """A source dropped or renamed under a follower: what is kept, and the two ways on."""
+    return InputError(f"sync: the source {source} was dropped or renamed while following{f' ({why})' if why else ''}; "
+                      f"its queue {q.table_name} is kept: rename the table back and rerun sync to go on from there, "
+                      f"or `sync --from-table {source} --uninstall` (its target stays) and sync the table by its name "
+                      "now into a new target")
+
+
 class Lane:
     """One connection's drain: a batch claimed, its keys locked, read, embedded (on the shared encoder), written
     and forgotten, in one transaction. Lanes run side by side so the target's index takes rows on several
@@ -188,9 +196,7 @@ class Lane:
                 names, rows = read_rows(cur, sql.SQL("SELECT {}, * FROM {} AS {} WHERE {}").format(
                     key_text(key), sql.SQL(self.source_name), sql.SQL(alias_of(self.source_name)), cond), key, [keys])
         except (psycopg.errors.UndefinedTable, psycopg.errors.UndefinedColumn) as e:
-            raise InputError(f"sync: the source {self.source_name} was dropped or renamed while following "
-                             f"({str(e).splitlines()[0]}); its queue {self.queue.table_name} is kept: rerun sync "
-                             "with the table's name now, or `sync --uninstall`") from None
+            raise source_gone_error(self.source_name, self.queue, str(e).splitlines()[0]) from None
         key_at = names.index(key)
         return [RawRecord(self.source_name, self.key_line(row[key_at]), dict(zip(names, row)),
                           orjson.dumps(dict(zip(names, row)), default=str).decode(), None) for row in rows]
@@ -366,9 +372,7 @@ class Syncer:
                             self._wake.notify_all()
                     if all(idle) and time.monotonic() - marked > 1.0:
                         if self.lanes[0].source_gone():
-                            raise InputError(f"sync: the source {self.lanes[0].source_name} was dropped or renamed "
-                                             f"while following; its queue {self.queue.table_name} is kept: rerun "
-                                             "sync with the table's name now, or `sync --uninstall`")
+                            raise source_gone_error(self.lanes[0].source_name, self.queue)
                         if self.lanes[0].trigger_gone():
                             raise InputError(f"sync: the trigger that queues {self.lanes[0].source_name}'s changes "
                                              "was dropped while following (a column dropped with CASCADE?): rerun "
@@ -462,6 +466,7 @@ def run_sync(spec: JobSpec, settings: Settings, launcher, device: str, follow: b
     ledger = Ledger.connect(dsn, settings.db_patience_seconds, host=settings.host_id)
     try:
         ledger.record_sync(cfg.job, q.source, q.key, q.tag, src_dsn == dsn, started, source_db)
+        before = ledger.progress(cfg.job)["rows_written"] if ledger.job(cfg.job) else 0  # an earlier run's backfill
         progress = run_job(spec, settings, launcher, empty_ok=True)
         cfg = progress["spec"]
         lanes, batch = lanes or default_lanes(), batch or BATCH_KEYS
@@ -489,7 +494,7 @@ def run_sync(spec: JobSpec, settings: Settings, launcher, device: str, follow: b
     finally:
         ledger.close()
     return {"job": cfg.job, "table": cfg.table, "source": cfg.source_table, "queue": q.table_name,
-            "installed": made, "backfill_rows": progress["rows_written"], **stats.as_dict(), **(state or {})}
+            "installed": made, "backfill_rows": progress["rows_written"] - before, **stats.as_dict(), **(state or {})}
 
 
 def check_rerun(conn, cfg: JobSpec, settings: Settings) -> dict | None:
