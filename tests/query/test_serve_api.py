@@ -283,3 +283,30 @@ def test_requests_that_queue_while_a_batch_runs_are_encoded_together_each_gettin
     assert calls == [["a"], ["bb", "c", "ddd", "e"]]  # a lone request went alone; the queued ones as one batch
     assert [v[:, 0].tolist() for v, _ in got] == [[97.0], [98.0], [99.0, 100.0], [101.0]]
     assert [tokens for _, tokens in got] == [1, 2, 4, 1]
+
+
+def test_post_with_its_query_in_the_url_and_a_table_dropped_while_serving(server, tmp_path):
+    """POST /search?q=… with no body was "the body is not JSON"; a dropped table was a 500 with PostgreSQL's
+    words and a CONTEXT line."""
+    import psycopg
+
+    src = tmp_path / "gone.jsonl"
+    src.write_text("".join(json.dumps({"id": f"g{i}", "text": t}) + "\n" for i, t in enumerate(TEXTS)))
+    subprocess.run([sys.executable, "-m", "embedfleet.cli", "ingest", str(src), "--db", server["dsn"], "--devices",
+                    "cpu", "--quiet", "--id-field", "id", "--table", "gone"], env=server["env"], check=True,
+                   capture_output=True, timeout=600)
+    proc = subprocess.Popen([sys.executable, "-m", "embedfleet.cli", "serve", "--table", "gone", "--db", server["dsn"],
+                             "--port", "0", "--device", "cpu"], env=server["env"], stderr=subprocess.PIPE, text=True)
+    try:
+        line = proc.stderr.readline()
+        assert "serving" in line, line
+        base = "http://" + line.split("http://")[1].split("/search")[0]
+        status, answer = _call(base + "/search?q=battery&k=2", b"", key=None)
+        assert status == 200 and [r["id"] for r in json.loads(answer)["results"]][0] == "g0", answer
+        with psycopg.connect(server["dsn"], autocommit=True) as conn:
+            conn.execute("DROP TABLE gone")
+        status, answer = _call(base + "/search?q=battery", key=None)
+        assert status == 503 and json.loads(answer)["error"] == "table gone is gone (dropped or renamed while serving)"
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)

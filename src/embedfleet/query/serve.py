@@ -336,6 +336,10 @@ class SearchService:
 
             if where and isinstance(e, psycopg.Error) and searcher.conn.broken:
                 raise InputError(f"--where {where!r} ended its own database connection") from None
+            if isinstance(e, psycopg.OperationalError):  # the server went away (its next searcher reconnects)
+                raise DatabaseError(f"the database did not answer: {str(e).splitlines()[0]}") from None
+            if isinstance(e, psycopg.errors.UndefinedTable):
+                raise DatabaseError(f"table {self.table} is gone (dropped or renamed while serving)") from None
             raise
         finally:
             pool.give(searcher, healthy)
@@ -387,6 +391,7 @@ def make_app(service: SearchService, api_key: str | None = None):
             body = await _body(request)
             if isinstance(body, Response):
                 return body
+            body = {} if body is None else body
             if not isinstance(body, dict):
                 return error(400, "POST /search takes a JSON object: {\"q\": …, \"k\": …}")
             kinds = {"q": (str,), "where": (str,), "k": (int,), "hybrid": (bool,), "rerank": (bool,)}
@@ -414,6 +419,8 @@ def make_app(service: SearchService, api_key: str | None = None):
         if seen > MAX_REQUEST_BYTES:
             return error(413, f"the request is over {MAX_REQUEST_BYTES >> 20} MiB", openai)
         raw = b"".join(parts)
+        if not raw.strip():
+            return None  # no body: a POST with its parameters in the URL
         import orjson
 
         try:
