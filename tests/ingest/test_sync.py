@@ -587,3 +587,6 @@ def test_a_column_the_target_has_already_is_refused_before_anything_is_installed
     assert conn.execute("SELECT count(*) FROM pg_trigger WHERE tgrelid = 'rco'::regclass").fetchone()[0] == 0
     cli("sync", *common, check=True)
     assert _contents(conn, "rco_embeddings") == {str(i): f"body {i}" for i in range(1, 6)}
+    p = cli("sync", *common, "--follow", "--uninstall")  # it uninstalled without a word about --follow
+    assert p.returncode == 2 and "give one of them" in p.stderr
+    assert conn.execute("SELECT count(*) FROM pg_trigger WHERE tgrelid = 'rco'::regclass").fetchone()[0] == 2

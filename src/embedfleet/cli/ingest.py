@@ -207,6 +207,8 @@ def sync(
     settings = with_flags(knobs(), source_db=source_db)
     if (batch is not None and batch < 1) or (lanes is not None and lanes < 1):
         raise typer.BadParameter("--batch and --lanes must be at least 1")
+    if uninstall and follow:
+        raise typer.BadParameter("--uninstall removes the sync that --follow would run: give one of them")
     with contextlib.redirect_stdout(sys.stderr):
         if uninstall:
             summary = uninstall_sync(cfg, settings)

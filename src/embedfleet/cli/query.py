@@ -37,7 +37,8 @@ def search(
                                          "directory or hub id) that reorders the first --rerank-depth rows"),
     rerank_depth: Optional[int] = typer.Option(None, "--rerank-depth", help="with --rerank: the rows it scores "
                                                "(default 50)"),
-    json_out: bool = typer.Option(False, "--json"),
+    json_out: bool = typer.Option(False, "--json", help="one JSON document (with --queries: a line of "
+                                  "JSON for each query)"),
 ) -> None:
     """Nearest rows to QUERY (cosine), embedded with the table's own model and query prompt."""
     if (query is None) == (queries is None):
