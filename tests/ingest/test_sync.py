@@ -590,3 +590,17 @@ def test_a_column_the_target_has_already_is_refused_before_anything_is_installed
     p = cli("sync", *common, "--follow", "--uninstall")  # it uninstalled without a word about --follow
     assert p.returncode == 2 and "give one of them" in p.stderr
     assert conn.execute("SELECT count(*) FROM pg_trigger WHERE tgrelid = 'rco'::regclass").fetchone()[0] == 2
+
+
+def test_a_row_sync_embeds_again_loses_the_map_coordinates_of_its_old_vector(cli, dsn, conn):
+    from embedfleet.map import store_coords
+
+    _source(conn, "mapped", 10)
+    cli(*_sync_args(dsn, "mapped")[3:], check=True)
+    ids = [str(i) for i in range(10)]
+    store_coords(conn, "mapped_embeddings", ids, np.arange(20, dtype=np.float32).reshape(10, 2), "umap")
+    conn.execute("UPDATE mapped SET body = 'a new text, so a new vector' WHERE review_id = 3")
+    conn.execute("UPDATE mapped SET stars = 5 WHERE review_id = 4")  # not a watched column: nothing to do
+    cli(*_sync_args(dsn, "mapped")[3:], check=True)
+    coords = dict(conn.execute("SELECT id, map_x FROM mapped_embeddings").fetchall())
+    assert coords["3"] is None and coords["4"] == 8.0 and coords["0"] == 0.0

@@ -65,8 +65,13 @@ class TableSink:
         self.copy_direct_sql = sql.SQL("COPY {} ({}) FROM STDIN (FORMAT BINARY)").format(target, ident)
         # Safe: a crash loses at most the last moments of commits, rows and ledger mark together.
         conn.execute("SET synchronous_commit = off")
+        # A map's coordinates (columns map made, by their comment) place the old vector: a row rewritten loses them.
+        stale = [c for c in ("map_x", "map_y") if c not in names and conn.execute(
+            "SELECT 1 FROM pg_attribute WHERE attrelid = %s::regclass AND attname = %s AND NOT attisdropped "
+            "AND col_description(attrelid, attnum) LIKE 'embedfleet map:%%'", [target.as_string(conn), c]).fetchone()]
         updates = sql.SQL(", ").join(
-            sql.SQL("{0} = EXCLUDED.{0}").format(sql.Identifier(n)) for n in names if n != "id"
+            [sql.SQL("{0} = EXCLUDED.{0}").format(sql.Identifier(n)) for n in names if n != "id"]
+            + [sql.SQL("{} = NULL").format(sql.Identifier(c)) for c in stale]
         )
         # xmax = 0 only for rows this statement inserted: that is how we count new ids exactly.
         self.upsert_sql = sql.SQL(
