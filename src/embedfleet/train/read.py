@@ -327,8 +327,8 @@ def describe(conn: psycopg.Connection, table: str, label: str | None = None, whe
         if fill_null is not None:
             raise InputError("fill_null applies to features: name them (features=[...], --features)")
         if not vectors:
-            raise DatabaseError(f"table {table!r} has no vector or halfvec column to train on; name the columns "
-                                "to train on with features=[...] (--features a,b,c)")
+            raise DatabaseError(f"table {table!r} has no vector or halfvec column: a head is trained on a table's "
+                                "vectors, or on the columns it names (features=[...], train --features a,b,c)")
         column = "embedding" if "embedding" in vectors else vectors[0]
         if len(vectors) > 1 and column != "embedding":
             raise DatabaseError(f"table {table!r} has several vector columns ({', '.join(vectors)}) and none is "
@@ -856,10 +856,11 @@ class TableRead:
         at = f"row {s.id_column or 'ctid'} {row[0]}" if row else "a row"
         col = f"feature column {f.name!r} ({f.type})"
         if what == "null":
-            return InputError(f"{col} is NULL in {at}: pass fill_null (--fill-null) to use a value instead, "
-                              "or filter such rows out with where")
+            return InputError(f"{col} is NULL in {at}: filter such rows out (where, --where), or train with a "
+                              "value for NULLs (fill_null, train --fill-null)")
         if what == "element":
-            return InputError(f"{col} has a NULL element in {at}: pass fill_null (--fill-null) or filter such rows out")
+            return InputError(f"{col} has a NULL element in {at}: filter such rows out (where, --where), or train "
+                              "with a value for NULLs (fill_null, train --fill-null)")
         got = row[1] if row else None
         unit = {"array": "values", "vector": "dimensions", "bytea": "bytes"}[f.kind]
         want = 4 * f.width if f.kind == "bytea" else f.width
