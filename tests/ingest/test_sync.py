@@ -412,6 +412,9 @@ def test_a_mixed_case_source_is_found_as_written_as_its_target_is(cli, dsn, conn
     cli("ingest", "--from-table", "Opinions", "--table", "folded", "--db", dsn, "--devices", "cpu", "--quiet",
         check=True)
     assert conn.execute("SELECT content FROM folded").fetchall() == [("lower case wins, as in SQL",)]
+    for spelled in ("Opinions_embeddings", '"Opinions_embeddings"', 'public."Opinions_embeddings"'):  # as SQL quotes it
+        p = cli("search", "avis", "--table", spelled, "--db", dsn, "--json", "-k", "2")
+        assert p.returncode == 0 and len(orjson.loads(p.stdout)["results"]) == 2, (spelled, p.stderr)
 
 
 def _contents(conn, table):

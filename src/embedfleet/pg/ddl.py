@@ -4,6 +4,7 @@ psycopg's `sql.Identifier`; names we cannot use are refused with a clear message
 from __future__ import annotations
 
 import os
+import re
 import time
 from typing import Sequence
 
@@ -30,9 +31,19 @@ def check_identifier(name: str, what: str = "table") -> str:
     return name
 
 
+_QUOTED = re.compile(r'^(?:("(?:[^"]|"")*"|[^".]+)\.)?("(?:[^"]|"")*"|[^".]+)$')
+
+
+def _unquoted(part: str) -> str:
+    return part[1:-1].replace('""', '"') if len(part) > 1 and part[0] == part[-1] == '"' else part
+
+
 def split_table(conn: psycopg.Connection, table: str) -> tuple[str | None, str]:
     """(schema, name): `schema.name` where `schema` exists in the database, else the whole string is one
-    name in the search path (a file stem such as "reviews.v2" stays one table name)."""
+    name in the search path (a file stem such as "reviews.v2" stays one table name). Written as SQL quotes it
+    (`"MixedCase"`, `public."My Table"`), the quoted parts are the names."""
+    if '"' in table and (found := _QUOTED.match(table)) and '"' in (found.group(1) or "") + found.group(2)[:1] + found.group(2)[-1:]:
+        return (_unquoted(found.group(1)) if found.group(1) else None), _unquoted(found.group(2))
     schema, dot, name = table.partition(".")
     if dot and name and conn.execute("SELECT 1 FROM pg_namespace WHERE nspname = %s", [schema]).fetchone():
         return schema, name
