@@ -48,3 +48,11 @@ def test_train_takes_its_clear_flag_names_and_still_the_old_hidden_ones():
     r = CliRunner().invoke(app, ["train", "--table", "t", "--label", "l", "--task", "classify",
                                  "--ranks", "2", "--workers", "3"])
     assert r.exit_code == 2 and "--ranks and its old name --workers disagree" in r.output
+
+
+def test_version_is_the_installed_packages():
+    from importlib.metadata import version
+
+    out = subprocess.run([sys.executable, "-m", "embedfleet.cli", "--version"], capture_output=True, text=True,
+                         timeout=60, check=True).stdout
+    assert out == f"embedfleet {version('embedfleet')}\n"

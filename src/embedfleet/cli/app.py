@@ -49,8 +49,18 @@ def emit(doc) -> None:
     sys.stdout.write(orjson.dumps(doc, option=orjson.OPT_INDENT_2, default=str).decode() + "\n")
 
 
+def _version(shown: bool) -> None:
+    if shown:
+        from importlib.metadata import version
+
+        typer.echo(f"embedfleet {version('embedfleet')}")
+        raise typer.Exit()
+
+
 @app.callback()
-def _root(debug: bool = typer.Option(False, "--debug", help="Show tracebacks.")) -> None:
+def _root(debug: bool = typer.Option(False, "--debug", help="Show tracebacks."),
+          _: bool = typer.Option(False, "--version", callback=_version, is_eager=True,
+                                 help="Print the version and exit.")) -> None:
     from embedfleet.logs import setup_logging
     from embedfleet.platform.bytecode import keep_bytecode
 
