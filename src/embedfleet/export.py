@@ -118,9 +118,10 @@ def table_columns(conn: psycopg.Connection, table: str) -> list[Column]:
 
 
 def pick_columns(available: list[Column], wanted: list[str] | None) -> tuple[Column, ...]:
-    """--columns a,b as Columns (id and embedding always come, so naming them is a no-op)."""
+    """--columns a,b as Columns (id and embedding always come, so naming them is a no-op). By default every column
+    but the full-text index's tsvector, which only restates `content` (named, it comes too)."""
     if wanted is None:
-        return tuple(available)
+        return tuple(c for c in available if c.name != "content_tsv")
     by_name = {c.name: c for c in available}
     out: list[Column] = []
     for name in wanted:

@@ -116,6 +116,14 @@ def test_columns_where_and_errors(dsn, conn, tmp_path):
     with pytest.raises(InputError, match="writes a directory"):
         export(dsn, "t", "npy", str(tmp_path / "x.npy"), progress=False)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["c.parquet"]
+    conn.execute("ALTER TABLE t ADD COLUMN content_tsv tsvector GENERATED ALWAYS AS (to_tsvector('simple', content)) "
+                 "STORED")  # the full-text index's column restates content: out unless named
+    export(dsn, "t", "parquet", str(tmp_path / "all.parquet"), progress=False)
+    assert "content_tsv" not in pq.read_schema(tmp_path / "all.parquet").names
+    export(dsn, "t", "parquet", str(tmp_path / "tsv.parquet"), columns=["content_tsv"], progress=False)
+    assert pq.read_schema(tmp_path / "tsv.parquet").names == ["id", "content_tsv", "embedding"]
+    for name in ("all.parquet", "tsv.parquet"):
+        (tmp_path / name).unlink()
     export(dsn, "t", "npy", str(tmp_path / "as_npy"), progress=False)
     with pytest.raises(InputError, match="is an earlier export as a directory .*: this one writes a file"):
         export(dsn, "t", "parquet", str(tmp_path / "as_npy"), progress=False)

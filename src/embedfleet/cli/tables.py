@@ -17,7 +17,7 @@ def export(
     db: Optional[str] = DbOpt,
     where: Optional[str] = typer.Option(None, "--where", help="SQL filter, e.g. \"rating <= 2\" (read-only)"),
     columns: Optional[str] = typer.Option(None, "--columns", help="a,b: columns besides id and embedding "
-                                                                  "(default: all; npy: none)"),
+                                                                  "(default: all but content_tsv; npy: none)"),
     dtype: Optional[str] = typer.Option(None, "--dtype", help="float32 | float16 (default: as stored)"),
     shards: int = typer.Option(1, "--shards", help="N files written in parallel, under one snapshot"),
     quiet: bool = typer.Option(False, "--quiet", help="no progress bar"),
