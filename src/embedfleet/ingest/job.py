@@ -38,7 +38,7 @@ __all__ = ["run_job", "check_job", "plan_job", "finalize", "apply_limit"]
 log = logging.getLogger("embedfleet")
 
 
-def run_job(spec: JobSpec, settings: Settings, launcher: Launcher, empty_ok: bool = False) -> dict:
+def run_job(spec: JobSpec, settings: Settings, launcher: Launcher, empty_ok: bool = False, said: bool = False) -> dict:
     """Run one ingest job to its end. Returns the job's final progress (each worker's summary under
     "summaries", the checked spec under "spec"). A job that ends with failed chunks, stops with chunks left, embeds nothing, or whose
     table cannot be finished is a JobError, and the ledger says the same (state and error). An interrupt
@@ -49,7 +49,7 @@ def run_job(spec: JobSpec, settings: Settings, launcher: Launcher, empty_ok: boo
     conn = reconnect.first()
     served = ExitStack()
     try:
-        cfg = check_job(spec, conn, settings)  # before the ledger exists: a job that cannot run leaves nothing behind
+        cfg = check_job(spec, conn, settings, say=not said)  # before the ledger exists: a job that cannot run leaves nothing behind
         # the metrics port taken before anything is planned, too: one it cannot have leaves no job behind
         served.enter_context(_metrics(settings.metrics_port, dsn, cfg.job))
     except BaseException:
@@ -191,10 +191,11 @@ def meta_identity(path: str) -> str:
     return hashlib.sha256(files.fingerprint(path).encode()).hexdigest()[:16]
 
 
-def check_job(spec: JobSpec, conn, settings: Settings) -> JobSpec:
+def check_job(spec: JobSpec, conn, settings: Settings, say: bool = True) -> JobSpec:
     """Everything that can be known wrong before a job exists: names, the server (PostgreSQL, pgvector,
     privileges), the model and the inputs' text. Returns the spec with its inputs expanded and its table and
-    job named; an error here leaves no job behind."""
+    job named; an error here leaves no job behind. `say`: the index it gets and the --dim notes are logged
+    (a caller that checked the job already has said them)."""
     if spec.source_table:
         spec = check_source(spec, source_dsn(spec, settings))
         inputs = spec.inputs
@@ -215,17 +216,16 @@ def check_job(spec: JobSpec, conn, settings: Settings) -> JobSpec:
     name = model_name(spec.model, model.path)
     if cfg.dim is not None and hidden is not None and not 0 < cfg.dim <= hidden:
         raise ModelError(f"--dim {cfg.dim} is out of range: {name} makes {hidden}-dimensional vectors")
-    if cfg.dim or hidden:  # the index a table of this width gets, decided and said before anything is planned
+    if say and (cfg.dim or hidden):  # the index a table of this width gets, decided and said before anything is planned
         from embedfleet.pg.ddl import index_plan
 
         _, words = index_plan(cfg.dim or hidden, "halfvec" if cfg.dtype == "half" else "vector", cfg.index)
         if not cfg.no_index:
             log.info("index: %s", words)
-    if cfg.dim is not None and cfg.dim < (hidden or 0) and model.matryoshka() is None:
+    if say and cfg.dim is not None and cfg.dim < (hidden or 0) and model.matryoshka() is None:
         log.warning("--dim %d: %s was not trained for shorter vectors (its model card names no Matryoshka training): "
-                    "its first %d dimensions may find worse neighbours than all %d", cfg.dim, name,
-                    cfg.dim, hidden)
-    if cfg.dim is None and hidden and (widths := model.matryoshka()) is not None:
+                    "its first %d dimensions may find worse neighbours than all %d", cfg.dim, name, cfg.dim, hidden)
+    if say and cfg.dim is None and hidden and (widths := model.matryoshka()) is not None:
         from embedfleet.pg.ddl import HNSW_VECTOR_DIMS
 
         shorter = [w for w in widths if w < hidden]

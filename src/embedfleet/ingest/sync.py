@@ -467,7 +467,7 @@ def run_sync(spec: JobSpec, settings: Settings, launcher, device: str, follow: b
     try:
         ledger.record_sync(cfg.job, q.source, q.key, q.tag, src_dsn == dsn, started, source_db)
         before = ledger.progress(cfg.job)["rows_written"] if ledger.job(cfg.job) else 0  # an earlier run's backfill
-        progress = run_job(spec, settings, launcher, empty_ok=True)
+        progress = run_job(spec, settings, launcher, empty_ok=True, said=True)
         cfg = progress["spec"]
         lanes, batch = lanes or default_lanes(), batch or BATCH_KEYS
         syncer = Syncer(cfg, settings, dsn, src_dsn, device, batch, lanes=lanes) if table_exists(
