@@ -13,7 +13,9 @@ changing.
   loops (steady).
 - lag: `sync --follow` on a source of --rows rows; then --writers processes change it at each --rates changes/s
   (inserts, updates of the text, deletes: 5:3:2, in transactions of a 20 ms tick's changes) for --seconds; `lag_s`
-  (the oldest queued change's age) sampled every 0.25 s: median, p95, max, and the seconds to drain at the end.
+  (the oldest queued change's age) sampled every 0.25 s: median, p95, max, and the seconds to drain at the end;
+  then the target's recall@10 against exact search. `--live-efc N`: the target index's ef_construction for the
+  rows that arrive after the backfill.
 One JSON document on stdout (the environment stamp first); progress on stderr.
 """
 
@@ -171,8 +173,38 @@ def _forget_sync(conn, job: str, db: list[str]) -> None:
     remove_job(conn, job, drop_table=True)
 
 
+def recall_at_10(conn, table: str, queries: int = 100, ef_search: int = 200, seed: int = 7) -> dict:
+    """Recall@10 of the table's HNSW index against the exact top 10 (no index), for queries midway between two
+    random rows' vectors, at `ef_search`; and the index's ef_construction as it stands."""
+    from pgvector.psycopg import register_vector
+
+    register_vector(conn)
+    ids = [i for (i,) in conn.execute(f"SELECT id FROM {table}")]
+    rng = np.random.default_rng(seed)
+    pairs = rng.choice(len(ids), size=(queries, 2), replace=False if len(ids) >= 2 * queries else True)
+    vec = {i: v for i, v in conn.execute(f"SELECT id, embedding FROM {table} WHERE id = ANY(%s)",
+                                         [[ids[j] for j in pairs.ravel()]])}
+    hits = 0
+    for a, b in pairs:
+        q = vec[ids[a]].to_numpy() + vec[ids[b]].to_numpy()
+        q = q / np.linalg.norm(q)
+        top = {}
+        for scan in ("exact", "index"):
+            with conn.transaction():
+                conn.execute(f"SET LOCAL hnsw.ef_search = {ef_search}")
+                if scan == "exact":
+                    conn.execute("SET LOCAL enable_indexscan = off")
+                top[scan] = {i for (i,) in conn.execute(f"SELECT id FROM {table} ORDER BY embedding <=> %s LIMIT 10",
+                                                        [q])}
+        hits += len(top["exact"] & top["index"])
+    efc = conn.execute("SELECT reloptions FROM pg_class WHERE relname = %s",
+                       [f"{table}_embedding_idx"]).fetchone()
+    return {"recall_at_10": round(hits / (10 * queries), 4), "ef_search": ef_search, "queries": queries,
+            "index_options": efc[0] if efc else None}
+
+
 def lag(conn, dsn: str, n: int, rates: list[float], seconds: float, common: list[str], writers: int,
-        extra: list[str] = ()) -> dict:
+        extra: list[str] = (), live_efc: int | None = None) -> dict:
     job = "public.bench_lag_embeddings"
     _forget_sync(conn, job, common[:2] if common[:1] == ["--db"] else [])  # each run from nothing: no queue, job or target left by an earlier one
     _write_source(conn, "bench_lag", n, seed=1)
@@ -191,6 +223,8 @@ def lag(conn, dsn: str, n: int, rates: list[float], seconds: float, common: list
         time.sleep(0.5)
     backfill_s = time.perf_counter() - t0
     tag = conn.execute("SELECT tag FROM embedfleet.syncs WHERE job = %s", [job]).fetchone()[0]
+    if live_efc:  # the rows that arrive from now on are linked into the graph with a shorter candidate list
+        conn.execute(f"ALTER INDEX bench_lag_embeddings_embedding_idx SET (ef_construction = {int(live_efc)})")
     say(f"lag: backfill and first drain took {backfill_s:.1f} s")
     out = {"rows": n, "backfill_and_start_s": round(backfill_s, 2), "rates": []}
     next_first = 10 * n
@@ -229,6 +263,8 @@ def lag(conn, dsn: str, n: int, rates: list[float], seconds: float, common: list
     counts = conn.execute("SELECT (SELECT count(*) FROM bench_lag), (SELECT count(*) FROM bench_lag_embeddings)"
                           ).fetchone()
     out["source_rows"], out["target_rows"] = counts
+    out["search"] = recall_at_10(conn, "bench_lag_embeddings")
+    say(f"lag: search {out['search']}")
     return out
 
 
@@ -245,6 +281,8 @@ def main() -> None:
     ap.add_argument("--model", default=None)
     ap.add_argument("--lanes", type=int, default=None, help="sync --lanes for the lag part (default: sync's)")
     ap.add_argument("--batch", type=int, default=None, help="sync --batch for the lag part (default: sync's)")
+    ap.add_argument("--live-efc", type=int, default=None, help="the lag part: the target index's ef_construction "
+                    "for the rows that arrive after its backfill (default: as built)")
     ap.add_argument("--devices", default=None)
     ap.add_argument("--db", default=None)
     ap.add_argument("--work", default=None, help="folder for the JSONL file (default: a temporary one)")
@@ -268,7 +306,7 @@ def main() -> None:
         if "lag" in parts:
             extra = (["--lanes", str(a.lanes)] if a.lanes else []) + (["--batch", str(a.batch)] if a.batch else [])
             doc["lag"] = lag(conn, dsn, a.rows, [float(r) for r in a.rates.split(",")], a.seconds, common, a.writers,
-                             extra)
+                             extra, a.live_efc)
     print(harness.record(doc, a.out, dsn))
 
 
