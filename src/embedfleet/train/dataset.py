@@ -84,10 +84,10 @@ def choose_tier(cache: str, device: torch.device, nbytes: int, local_ranks: int 
     fits (device memory for them and their indices with GPU_HEADROOM to spare; RAM_SHARE of available
     host memory for every rank of this host; else the database)."""
     if cache not in TIERS:
-        raise InputError(f"cache {cache!r}: use {', '.join(TIERS)}")
+        raise InputError(f"cache {cache!r} (--tier): use {', '.join(TIERS)}")
     if cache == "gpu" and device.type != "cuda":
         none = "" if torch.cuda.is_available() else " and this machine has none"
-        raise InputError(f"cache 'gpu' needs a CUDA device{none}; use cache 'ram' or 'auto'")
+        raise InputError(f"the gpu tier (cache='gpu', --tier gpu) needs a CUDA device{none}; use ram or auto")
     if cache != "auto":
         return cache
     if device.type == "cuda":
@@ -725,7 +725,7 @@ def load(table: str, label: str | None = None, where: str | None = None, db: str
     from embedfleet.pg.connect import connect
 
     if cache not in TIERS:
-        raise InputError(f"cache {cache!r}: use {', '.join(TIERS)}")
+        raise InputError(f"cache {cache!r} (--tier): use {', '.join(TIERS)}")
     if isinstance(split, str):
         split = Split(split)
     dev = resolve_device(device)
