@@ -586,7 +586,7 @@ def test_a_column_the_target_has_already_is_refused_before_anything_is_installed
     conn.execute("INSERT INTO rco SELECT i, 'body ' || i, 'c ' || i FROM generate_series(1, 5) i")
     common = ("--from-table", "rco", "--text-field", "body", "--db", dsn, "--devices", "cpu", "--quiet")
     one_line_error(cli("sync", *common, "--columns", "content"),
-                   "--columns 'content': the table embedfleet writes has a column of that name of its own")
+                   "--columns 'content': the table embedfleet writes (id, content, embedding")
     assert conn.execute("SELECT count(*) FROM pg_trigger WHERE tgrelid = 'rco'::regclass").fetchone()[0] == 0
     cli("sync", *common, check=True)
     assert _contents(conn, "rco_embeddings") == {str(i): f"body {i}" for i in range(1, 6)}

@@ -285,8 +285,9 @@ def job_preset(name: str, columns: list[str] | None = None) -> Preset:
     taken = {"id", "content", "embedding", *(c.name for c in preset.columns), *(c.name for c in PASSAGE_COLUMNS)}
     clash = [c.name for c in extra if c.name in taken]
     if clash:
-        raise InputError(f"--columns {clash[0]!r}: the table embedfleet writes has a column of that name of its own "
-                         f"({', '.join(sorted(taken))})")
+        whose = f"preset {name}" if clash[0] in {c.name for c in preset.columns} else \
+            "the table embedfleet writes (id, content, embedding; parent_id, passage with --passages)"
+        raise InputError(f"--columns {clash[0]!r}: {whose} already has a column of that name")
     kept = [c.name for c in extra if c.name in RESERVED]
     if kept:
         raise InputError(f"--columns {kept[0]!r}: the name of {RESERVED[kept[0]]}; promote the field under another "
