@@ -64,13 +64,19 @@ def test_a_numeric_column_holds_amounts_exactly_and_a_bad_one_is_a_reject(cli, d
     src.write_text("".join(orjson.dumps(r).decode() + "\n" for r in (
         {"text": "a cable", "price": 0.1}, {"text": "a case", "price": "12345678901234567.89"},
         {"text": "a charger", "price": 3}, {"text": "a screen", "price": "ten"})))
+    with src.open("a") as f:  # JSON numbers with more digits than a float holds: as written, not rounded
+        f.write('{"text": "a phone", "price": 12345678901234567890.123456789}\n'
+                '{"text": "a strap", "price": 0.1000000000000000055511151231257827}\n'
+                '{"text": "a stand", "price": 1e400}\n')
     p = cli("ingest", src, "--columns", "price:numeric", "--db", dsn, "--devices", "cpu", "--quiet", check=True)
-    assert "3 rows" in p.stderr and "1 rejected" in p.stderr
+    assert "6 rows" in p.stderr and "1 rejected" in p.stderr
     prices = dict(conn.execute("SELECT content, price FROM prices").fetchall())
-    assert prices == {"a cable": Decimal("0.1"), "a case": Decimal("12345678901234567.89"), "a charger": Decimal(3)}
+    assert prices == {"a cable": Decimal("0.1"), "a case": Decimal("12345678901234567.89"), "a charger": Decimal(3),
+                      "a phone": Decimal("12345678901234567890.123456789"),
+                      "a strap": Decimal("0.1000000000000000055511151231257827"), "a stand": Decimal("1e400")}
     assert "price" in conn.execute("SELECT reason FROM embedfleet.rejects WHERE job = 'prices'").fetchone()[0]
     s = cli("search", "cable", "--table", "prices", "--db", dsn, "--where", "price > 1", "--json", check=True)
-    assert {r["content"] for r in orjson.loads(s.stdout)["results"]} == {"a case", "a charger"}
+    assert {r["content"] for r in orjson.loads(s.stdout)["results"]} == {"a case", "a charger", "a phone", "a stand"}
 
 
 def test_an_existing_table_without_the_column_is_refused_before_planning(cli, dsn, conn, tmp_path):

@@ -107,6 +107,11 @@ class Preset:
         return tuple((key, col, coercer(self._types[col], col in words)) for key, col in self.fields)
 
     @cached_property
+    def exact_keys(self) -> frozenset[str]:
+        """Input fields of numeric columns: a JSON number there is read as written, not through a float."""
+        return frozenset(key for key, col in self.fields if self._types[col] == "numeric")
+
+    @cached_property
     def _field_keys(self) -> frozenset[str]:
         """Input fields that rest_column leaves out: typed fields, the id field, text-only fields."""
         keys = {key for key, _ in self.fields} | set(self.text_fields)

@@ -224,7 +224,7 @@ def _to_text_array(v: object, field: str, words: bool = False) -> list[str] | No
     if isinstance(v, (list, tuple)):
         if any(isinstance(x, (dict, list, tuple)) for x in v):
             raise _coerce_error(field, v, "text[]")
-        return [sanitize(x if isinstance(x, str) else str(x)) for x in v if x is not None]
+        return [None if x is None else sanitize(x if isinstance(x, str) else str(x)) for x in v]  # null: a NULL element
     if isinstance(v, dict):
         raise _coerce_error(field, v, "text[]")
     return [sanitize(str(v))]
@@ -471,6 +471,9 @@ def _lookup_products(raws: list, preset, meta_lookup) -> dict[str, dict]:
 def _to_record(raw, preset, product: dict, template: str | None, text_field: str | None, id_field: str | None,
                source_name: Callable[[str], str]) -> Record:
     data = raw.data
+    if preset.exact_keys and any(type(data.get(k)) is float for k in preset.exact_keys) and raw.raw[:1] == "{":
+        exact = json.loads(raw.raw, parse_float=Decimal)  # 12345678901234567890.123456789, not its nearest float
+        data = {**data, **{k: exact[k] for k in preset.exact_keys if type(data.get(k)) is float}}
     values = preset.values(data, text_field)
     for col in preset.meta_columns:
         values[col.name] = product.get(col.name)
