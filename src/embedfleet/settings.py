@@ -371,8 +371,8 @@ def validated(spec: JobSpec) -> JobSpec:
         raise InputError(f"--batch-tokens {bt!r}: use auto or a number of tokens ≥ 16")
     if spec.chunk_bytes is not None and spec.chunk_bytes < 1024:
         raise InputError("--chunk-bytes must be at least 1024")
-    if spec.limit is not None and spec.limit < 0:
-        raise InputError("--limit must be ≥ 0")
+    if spec.limit is not None and spec.limit < 1:
+        raise InputError(f"--limit {spec.limit}: embed at least 1 record (leave --limit out for all of them)")
     if spec.dtype not in ("float", "half"):
         raise InputError(f"--dtype {spec.dtype!r}: use float (vector) or half (halfvec)")
     if spec.partitions is not None and not 2 <= spec.partitions <= MAX_PARTITIONS:

@@ -282,3 +282,13 @@ def test_csv_stray_quote_rejects_its_line_and_reads_the_next_ones(tmp_path):
     # a quote left open to the end of the file: the same, and nothing after it is lost
     path.write_text('id,text\n1,"never closed\n2,b\n3,c\n')
     assert [(r.line, r.error is None) for r in read_all(path)] == [(2, False), (3, True), (4, True)]
+
+
+@pytest.mark.parametrize("encoding,name", [("utf-16", "UTF-16"), ("utf-32", "UTF-32")])
+def test_a_utf16_or_utf32_file_is_refused_in_one_line_naming_its_encoding(tmp_path, encoding, name):
+    """Read as UTF-8, every record was a reject about surrogates, and the count was off by one."""
+    for suffix in ("jsonl", "csv"):
+        path = tmp_path / f"wide.{suffix}"
+        path.write_bytes('{"text": "one"}\r\n{"text": "two"}\r\n'.encode(encoding))
+        with pytest.raises(InputError, match=rf"wide\.{suffix}: is {name} .*iconv -f {name} -t UTF-8"):
+            plan_chunks([str(path)])

@@ -130,6 +130,8 @@ def plan_file(path: str, chunk_bytes: int, start: int = 0, first_line: int | Non
         size = files.size(path)
         if size <= start:
             return []
+        if start == 0 and kind in ("jsonl", "csv") and not files.is_url(path):
+            _check_utf8(path)
         if kind == "jsonl" and not files.is_url(path):
             if counters is None:
                 with ThreadPoolExecutor(_COUNTERS, thread_name_prefix="embedfleet-plan") as own:
@@ -143,6 +145,22 @@ def plan_file(path: str, chunk_bytes: int, start: int = 0, first_line: int | Non
         return [ChunkSpec(path, kind, start, size, first_line or (CSV_FIRST_LINE if kind == "csv" else 1))]
     except OSError as e:
         raise InputError(f"cannot read input {path}: {e.strerror or e}") from e
+
+
+_WIDE_BOMS = ((b"\xff\xfe\x00\x00", "UTF-32"), (b"\x00\x00\xfe\xff", "UTF-32"), (b"\xff\xfe", "UTF-16"),
+              (b"\xfe\xff", "UTF-16"))
+
+
+def _check_utf8(path: str) -> None:
+    """A text file in UTF-16 or UTF-32 (by its byte-order mark) is refused in one line: read as UTF-8, each of its
+    records would be a reject that does not say why."""
+    with open(path, "rb") as f:
+        head = f.read(4)
+    for bom, name in _WIDE_BOMS:
+        if head.startswith(bom):
+            raise InputError(f"{path}: is {name} (it starts with a {name} byte-order mark); embedfleet reads UTF-8: "
+                             f"convert it first, e.g. iconv -f {name} -t UTF-8 {path} > {Path(path).stem}.utf8"
+                             f"{''.join(Path(path).suffixes)}")
 
 
 def chunk_lines(spec: ChunkSpec, most: int) -> int | None:
