@@ -264,3 +264,16 @@ def test_a_job_run_again_with_other_settings_is_told_which(cli, dsn, tmp_path):
     one_line_error(cli(*args, "--limit", "5"), "already exists with other settings (--limit 3 then, 5 now); "
                                                "pass --job NEWNAME")
     one_line_error(cli(*args), "(--limit 3 then, not given now)")
+
+
+def test_a_file_fixed_after_every_record_was_rejected_is_embedded_by_the_same_command(cli, dsn, conn, tmp_path):
+    """The job made an empty table and dropped it; the fixed file was then "changed where it was already embedded"."""
+    src = tmp_path / "fix.jsonl"
+    src.write_text("not json\nalso not json\n")
+    args = ("ingest", src, "--db", dsn, "--devices", "cpu", "--quiet")
+    one_line_error(cli(*args), "all 2 records were rejected")
+    src.write_text('{"text": "now valid one"}\n{"text": "now valid two"}\n')
+    p = cli(*args)
+    assert p.returncode == 0, p.stderr
+    assert sorted(c for (c,) in conn.execute("SELECT content FROM fix")) == ["now valid one", "now valid two"]
+    assert _job(cli, dsn, "fix")["state"] == "done"

@@ -363,6 +363,17 @@ def plan_job(cfg: JobSpec, ledger: Ledger, device: str, source: "SourceSnapshot 
     if ledger.discard_failed_start(cfg.job, cfg):
         log.info("job %s failed before embedding anything: planned again with these settings", cfg.job)
     exists = ledger.job(cfg.job) is not None
+    if exists and not cfg.source_table and not table_exists(ledger.conn, cfg.table) and ledger.made_progress(cfg.job):
+        # nothing of it is left: planned again from its files as they are now (they may have changed meanwhile)
+        log.warning("table %s is gone: job %s is planned again from the start, from its inputs as they are now",
+                    cfg.table, cfg.job)
+        for other in ledger.orphan_jobs(cfg.job):
+            log.warning("job %s also wrote table %s: its rows went with it; rerun its command to embed them again",
+                        other, cfg.table)
+        from embedfleet.ledger import remove_job
+
+        remove_job(ledger.conn, cfg.job)
+        exists = False
     plan, planned = [], []
     if not exists and cfg.source_table:
         plan = [(c, None) for c in plan_table(source.conn, describe(source.conn, source.source), chunk_bytes)]
