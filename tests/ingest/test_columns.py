@@ -106,3 +106,13 @@ def test_an_existing_column_of_another_type_is_refused_before_planning(cli, dsn,
     cli("ingest", src, "--columns", "stars:bigint", "--table", "typed", "--job", "as_bigint", "--db", dsn,
         "--devices", "cpu", "--quiet", check=True)
     assert conn.execute("SELECT count(*), sum(stars) FROM typed").fetchone() == before
+
+
+def test_a_column_whose_field_no_record_has_is_said(cli, dsn, conn, tmp_path):
+    """A typo or another case (`Stars` for `stars`) made a column of NULLs without a word."""
+    src = tmp_path / "cs.jsonl"
+    src.write_text('{"text": "a cable", "stars": 5}\n{"text": "a case", "stars": 1}\n')
+    p = cli("ingest", src, "--columns", "Stars:int,stars:int", "--db", dsn, "--devices", "cpu", "--quiet", check=True)
+    warned = [line for line in p.stderr.splitlines() if "missing or null in every row" in line]
+    assert len(warned) == 1 and "--columns Stars:" in warned[0]
+    assert conn.execute('SELECT count("Stars"), count(stars) FROM cs').fetchone() == (0, 2)

@@ -85,6 +85,10 @@ def run_job(spec: JobSpec, settings: Settings, launcher: Launcher, empty_ok: boo
         progress["table_partitions"] = partition_count(ledger.conn, cfg.table) if loaded else 0
         progress["rows_before"] = (ledger.job(job) or {}).get("rows_before") or 0  # rows a rewrite may replace
         progress["spec"] = cfg
+        if loaded and cfg.columns and not cfg.source_table:
+            for name in columns_never_given(ledger.conn, cfg):
+                log.warning("--columns %s: the field is missing or null in every row the table's statistics "
+                            "sampled; check its name as the input writes it, case included", name)
         errors = ledger.worker_errors(job)
         if not (counts["failed"] or counts["pending"] or counts["running"] or empty_ok):
             nothing_embedded(ledger, job, cfg, progress, existed)
@@ -222,6 +226,10 @@ def check_job(spec: JobSpec, conn, settings: Settings, say: bool = True) -> JobS
         _, words = index_plan(cfg.dim or hidden, "halfvec" if cfg.dtype == "half" else "vector", cfg.index)
         if not cfg.no_index:
             log.info("index: %s", words)
+    if say and cfg.prompt in ("query", "document", "passage") and model.prompt_name(cfg.prompt) is None:
+        log.warning("--prompt %s: %s has no prompts, so none is added (it embeds queries and documents alike); "
+                    "to prefix a text of your own, give the text itself, e.g. --prompt '%s: '", cfg.prompt, name,
+                    cfg.prompt)
     if say and cfg.dim is not None and cfg.dim < (hidden or 0) and model.matryoshka() is None:
         log.warning("--dim %d: %s was not trained for shorter vectors (its model card names no Matryoshka training): "
                     "its first %d dimensions may find worse neighbours than all %d", cfg.dim, name, cfg.dim, hidden)
@@ -481,6 +489,17 @@ def lines_planned(last: dict) -> int:
             end = min(end, cap + 1)
         total += end - (CSV_FIRST_LINE if spec.kind == "csv" else 1)
     return total
+
+
+def columns_never_given(conn, cfg: JobSpec) -> list[str]:
+    """The --columns whose field no row had: NULL in every row, by the statistics the job's end gathered."""
+    from embedfleet.pg.ddl import split_table
+
+    schema, name = split_table(conn, cfg.table)
+    wanted = [c.split(":")[0].strip() for c in cfg.columns or ()]
+    rows = conn.execute("SELECT attname FROM pg_stats WHERE tablename = %s AND schemaname = coalesce(%s, "
+                        "current_schema()) AND attname = ANY(%s) AND null_frac = 1", [name, schema, wanted]).fetchall()
+    return [c for c in wanted if (c,) in rows]
 
 
 def finalize(ledger: Ledger, job: str, cfg: JobSpec, timings: dict | None = None) -> tuple[dict, bool]:
