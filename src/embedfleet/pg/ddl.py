@@ -31,7 +31,8 @@ def check_identifier(name: str, what: str = "table") -> str:
     return name
 
 
-_QUOTED = re.compile(r'^(?:("(?:[^"]|"")*"|[^".]+)\.)?("(?:[^"]|"")*"|[^".]+)$')
+# [schema.]name, each part bare or double-quoted as SQL writes it
+QUALIFIED = re.compile(r'^(?:("(?:[^"]|"")*"|[^".]+)\.)?("(?:[^"]|"")*"|[^".]+)$')
 
 
 def _unquoted(part: str) -> str:
@@ -42,7 +43,7 @@ def split_table(conn: psycopg.Connection, table: str) -> tuple[str | None, str]:
     """(schema, name): `schema.name` where `schema` exists in the database, else the whole string is one
     name in the search path (a file stem such as "reviews.v2" stays one table name). Written as SQL quotes it
     (`"MixedCase"`, `public."My Table"`), the quoted parts are the names."""
-    if '"' in table and (found := _QUOTED.match(table)) and '"' in (found.group(1) or "") + found.group(2)[:1] + found.group(2)[-1:]:
+    if '"' in table and (found := QUALIFIED.match(table)) and '"' in (found.group(1) or "") + found.group(2)[:1] + found.group(2)[-1:]:
         return (_unquoted(found.group(1)) if found.group(1) else None), _unquoted(found.group(2))
     schema, dot, name = table.partition(".")
     if dot and name and conn.execute("SELECT 1 FROM pg_namespace WHERE nspname = %s", [schema]).fetchone():

@@ -472,7 +472,7 @@ def _to_record(raw, preset, product: dict, template: str | None, text_field: str
                source_name: Callable[[str], str]) -> Record:
     data = raw.data
     if preset.exact_keys and any(type(data.get(k)) is float for k in preset.exact_keys) and raw.raw[:1] == "{":
-        exact = json.loads(raw.raw, parse_float=Decimal)  # 12345678901234567890.123456789, not its nearest float
+        exact = json.loads(raw.raw, parse_float=Decimal)  # the digits as written, not the nearest float
         data = {**data, **{k: exact[k] for k in preset.exact_keys if type(data.get(k)) is float}}
     values = preset.values(data, text_field)
     for col in preset.meta_columns:

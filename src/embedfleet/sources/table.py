@@ -9,7 +9,6 @@ reject names the row.
 from __future__ import annotations
 
 import logging
-import re
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -54,14 +53,13 @@ class TableSource:
     typmods: dict[str, str] | None = None  # every column's type with its modifier (`character(8)`)
 
 
-_QUALIFIED = re.compile(r'^(?:"(?:[^"]|"")*"|[^".]+)\.("(?:[^"]|"")*"|[^".]+)$')
-
-
 def alias_of(qualified: str) -> str:
     """The bare name (as SQL writes it) of a qualified `schema.table`: what a --where may call the table
     (`reviews.stars`); every read of a source, and the check of its --where, names the table so."""
-    found = _QUALIFIED.match(qualified)
-    return found.group(1) if found else qualified
+    from embedfleet.pg.ddl import QUALIFIED
+
+    found = QUALIFIED.match(qualified)
+    return found.group(2) if found else qualified
 
 
 def table_line(block: int, item: int) -> int:
