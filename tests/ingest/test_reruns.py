@@ -237,3 +237,25 @@ def test_a_file_named_by_its_path_and_its_file_url_is_one_input_in_a_job_and_its
     assert replaced.returncode == 0, replaced.stderr
     assert len(_rows(conn, "twice")) == 47
     _verify_ok(cli, dsn, "twice")
+
+
+def test_replace_of_a_file_whose_ids_come_from_its_records_is_refused_before_anything_changes(cli, dsn, conn, tmp_path):
+    """It upserted the records still in the file and kept the row of one that had left it: search found a review
+    the file no longer has, and verify's count was off by one."""
+    a = tmp_path / "a.jsonl"
+    a.write_text("".join(orjson.dumps({"rid": f"r{i}", "text": f"review {i} — ünïcode"}).decode() + "\n"
+                         for i in range(6)))
+    args = ("--table", "byid", "--text-field", "text", "--id-field", "rid")
+    assert _ingest(cli, dsn, a, *args).returncode == 0
+    before = _rows(conn, "byid")
+    a.write_text("".join(orjson.dumps({"rid": f"r{i}", "text": f"edited {i}"}).decode() + "\n" for i in range(5)))
+    p = _ingest(cli, dsn, a, *args, "--replace", a)
+    assert p.returncode != 0
+    (line,) = [x for x in p.stderr.strip().splitlines() if x.startswith("error:")]
+    assert f"--replace {a}: job" in line and "--id-field rid" in line and "jobs rm" in line and "--drop-table" in line
+    assert _rows(conn, "byid") == before  # nothing written
+    job = conn.execute("SELECT job FROM embedfleet.jobs WHERE table_name = 'byid'").fetchone()[0]
+    assert cli("jobs", "rm", job, "--drop-table", "--db", dsn).returncode == 0
+    assert _ingest(cli, dsn, a, *args).returncode == 0  # as the line says: the file as it is now, and only it
+    assert _rows(conn, "byid") == {f"r{i}": f"edited {i}" for i in range(5)}
+    _verify_ok(cli, dsn, "byid")

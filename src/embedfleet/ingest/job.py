@@ -433,6 +433,16 @@ def files_planned(inputs, chunks: list[ChunkSpec]) -> list:
     return out
 
 
+def record_ids(cfg: JobSpec) -> str | None:
+    """How a job's ids come from its records, as a user would name it, or None where they are the file and line."""
+    from embedfleet.sources.presets import job_preset
+
+    preset = job_preset(cfg.preset, list(cfg.columns or ()))
+    if cfg.id_field or preset.id_field:
+        return f"--id-field {cfg.id_field or preset.id_field}"
+    return f"preset {preset.name}'s fields {', '.join(preset.id_fields)}" if preset.id_fields else None
+
+
 def plan_changes(cfg: JobSpec, ledger: Ledger, chunk_bytes: int) -> int:
     """A rerun of a planned job: chunks for bytes appended to its files and for files its inputs now match,
     and (--replace) its files planned anew, their chunks before dropped; a file whose planned bytes changed is
@@ -449,6 +459,12 @@ def plan_changes(cfg: JobSpec, ledger: Ledger, chunk_bytes: int) -> int:
     replace = frozenset(as_planned(expand_inputs(list(cfg.replacing or ()))))
     for source in sorted(replace - set(known) - set(inputs)):
         raise InputError(f"--replace {source}: not one of job {cfg.job!r}'s input files")
+    if replace and (named := record_ids(cfg)):
+        # Rows carry no file of their own: a record that left the file would keep its row, unseen by verify's count.
+        raise InputError(f"--replace {sorted(replace)[0]}: job {cfg.job!r} takes its ids from the records ({named}), "
+                         "so the rows of records no longer in the file cannot be found; to embed it again, remove the "
+                         f"job and its table (embedfleet jobs rm {cfg.job} --drop-table) and run the command without "
+                         "--replace")
     found = survey(known, inputs, replace)
     if found.changed:
         more = f" ({len(found.changed) - 1} more files changed too)" if len(found.changed) > 1 else ""
