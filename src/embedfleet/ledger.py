@@ -900,6 +900,10 @@ def jobs_overview(conn: psycopg.Connection, job: str | None = None, source_db: s
         sync = sync_overview(conn, r["job"], source_db)
         if sync is not None:
             out[-1].update(sync)
+            # a followed table's rows are the source's now, not what its backfill wrote
+            out[-1]["backfill_rows"] = out[-1]["rows_written"]
+            if out[-1]["table_exists"]:
+                out[-1]["rows_written"] = table_rows(conn, r["table"])
     return out
 
 
@@ -909,24 +913,32 @@ def sync_overview(conn: psycopg.Connection, job: str, source_db: str | None = No
     elsewhere pending and lag_s are None."""
     if conn.execute("SELECT to_regclass('embedfleet.syncs') IS NULL").fetchone()[0]:
         return None
-    row = conn.execute("SELECT source, key, tag, same_db, synced_at FROM embedfleet.syncs WHERE job = %s",
-                       [job]).fetchone()
+    row = conn.execute("SELECT source, key, tag, same_db, synced_at, source_started FROM embedfleet.syncs "
+                       "WHERE job = %s", [job]).fetchone()
     if row is None:
         return None
     from embedfleet.pg import queue
 
-    source, key, tag, same_db, synced_at = row
-    q, n, age = queue.Queue(source, key, tag), None, None
+    source, key, tag, same_db, synced_at, started = row
+    q, n, age, restarted = queue.Queue(source, key, tag), None, None, False
+
+    def look(src: psycopg.Connection) -> tuple[int | None, float | None, bool]:
+        # A server started since sync last looked may have emptied the (unlogged) queue: its count means nothing
+        # until the next sync queues every key again.
+        if started is not None and queue.server_started(src) != started:
+            return None, None, True
+        return (*queue.pending(src, q), False)
+
     try:
         if same_db:
-            n, age = queue.pending(conn, q)
+            n, age, restarted = look(conn)
         elif source_db:
             with psycopg.connect(source_db, autocommit=True) as src:
-                n, age = queue.pending(src, q)
+                n, age, restarted = look(src)
     except psycopg.Error:  # the source's server cannot be reached now: status still answers
         pass
     return {"source": source, "pending": n, "lag_s": None if age is None else round(age, 3),
-            "synced_at": synced_at.isoformat() if synced_at else None}
+            "synced_at": synced_at.isoformat() if synced_at else None, "restarted": restarted}
 
 
 def remove_job(conn: psycopg.Connection, job: str, drop_table: bool = False) -> dict:

@@ -371,11 +371,19 @@ def test_the_queue_is_unlogged_and_a_restarted_server_has_every_key_compared_onc
     conn.execute("DELETE FROM crashy WHERE review_id BETWEEN 10 AND 12")
     conn.execute(f"TRUNCATE embedfleet.queue_{tag}")
     conn.execute("UPDATE embedfleet.syncs SET source_started = '2000-01-01 00:00:00+00'")
+    job = conn.execute("SELECT job FROM embedfleet.syncs").fetchone()[0]
+    crashed = _status(cli, dsn, job)  # it said "0 pending" until the next sync
+    assert crashed["restarted"] is True and crashed["pending"] is None and crashed["lag_s"] is None
+    shown = cli("status", "--db", dsn, extra_env={"COLUMNS": "250"}).stdout
+    assert "changes pending unknown: the source's server started again" in " ".join(shown.split())
     p = cli(*_sync_args(dsn, "crashy", "--json")[3:], check=True)
     summary = orjson.loads(p.stdout)
     assert summary["keys"] == 77 + 1 and (summary["embedded"], summary["deleted"]) == (5, 3)
     assert "started again since its queue was last seen" in p.stderr
     _assert_equal_to_source(conn, "crashy", "crashy_embeddings")
+    after = _status(cli, dsn, job)
+    assert (after["restarted"], after["pending"]) == (False, 0)
+    assert (after["rows_written"], after["backfill_rows"]) == (77, 80)  # the rows the table holds now
     again = orjson.loads(cli(*_sync_args(dsn, "crashy", "--json")[3:], check=True).stdout)
     assert again["keys"] == 0  # the start time is the known one now: nothing queued again
     elsewhere = orjson.loads(cli(*_sync_args(dsn, "crashy", "--json")[3:], check=True,

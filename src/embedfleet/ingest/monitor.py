@@ -147,8 +147,13 @@ def status_table(jobs: list[dict]) -> Group:
             notes.append(Text(f"{j['job']}: {j['error']}", style="red"))
         if "pending" in j:
             lag = "" if j["lag_s"] is None else f", the oldest {j['lag_s']:.1f} s old"
-            pending = "? pending (its queue is in another database)" if j["pending"] is None else \
-                f"{j['pending']:,} {'change' if j['pending'] == 1 else 'changes'} pending{lag}"
+            if j.get("restarted"):
+                pending = ("changes pending unknown: the source's server started again since sync last looked, which "
+                           "may have emptied its queue; the next sync compares every row")
+            elif j["pending"] is None:
+                pending = "? pending (its queue is in another database)"
+            else:
+                pending = f"{j['pending']:,} {'change' if j['pending'] == 1 else 'changes'} pending{lag}"
             notes.append(Text(f"{j['job']}: follows {j['source']}: {pending}; last in sync "
                               f"{(j['synced_at'] or 'never')[:19].replace('T', ' ')}"))
     return Group(t, *notes)
