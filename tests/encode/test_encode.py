@@ -102,6 +102,23 @@ def test_query_prompt_changes_vectors_and_literal_prompt(tiny):
     np.testing.assert_allclose(enc.encode(["battery life"], prompt=literal), q, atol=1e-6)
 
 
+def test_a_role_prompt_on_a_model_without_prompts_is_said_once_and_changes_nothing():
+    """`encode(prompt="query")` on MiniLM (no prompts) was silent: a user believed queries were prefixed."""
+    import warnings
+
+    enc = Encoder(device="cpu")
+    with pytest.warns(UserWarning, match=r"prompt='query': .* has no prompts, so none is added") as seen:
+        q = enc.encode(["battery life — naïve"], prompt="query")
+        enc.encode(["again"], prompt="query")
+    assert len([w for w in seen if "has no prompts" in str(w.message)]) == 1  # once per name
+    np.testing.assert_allclose(q, enc.encode(["battery life — naïve"]), atol=1e-6)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        enc.encode(["a literal prefix"], prompt="query: ")  # a text of one's own: nothing to say
+    with pytest.warns(UserWarning, match="prompt='document'"):
+        Encoder(device="cpu", prompt="document")
+
+
 def test_tiny_qwen3_mean_and_matryoshka(tiny):
     enc = Encoder(str(tiny["qwen3-mean"]), dim=24)
     assert enc.dim == 24

@@ -147,6 +147,7 @@ def test_dim_on_a_model_not_trained_for_shorter_vectors_says_so_before_planning(
     p = cli("ingest", src, *args, "--table", "short_minilm", "--prompt", "query", check=True)
     [prompt] = [line for line in p.stderr.splitlines() if "--prompt query:" in line]  # it was ignored in silence
     assert "has no prompts, so none is added" in prompt and "--prompt 'query: '" in prompt
+    assert p.stderr.count("has no prompts") == 1  # the command says it, its workers do not again
     [warned] = [line for line in p.stderr.splitlines() if "--dim 32:" in line]
     assert "all-MiniLM-L6-v2 was not trained for shorter vectors" in warned and "all 384" in warned
     model = build_random_model("bert-base", tmp_path / "mrl", tiny=True)  # 64 wide

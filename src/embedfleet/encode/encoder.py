@@ -15,6 +15,7 @@ in the background once enough work has come (`compile.py`).
 from __future__ import annotations
 
 import threading
+import warnings
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import nullcontext
 from dataclasses import dataclass
@@ -142,6 +143,8 @@ class Encoder:
         self.max_seq_length = spec.max_seq_length
         self.name = model_name(model, spec.path)
         self.prompt = prompt
+        self._warned: set[str] = set()
+        self._check_prompt(prompt)
         if batch_tokens == "auto":
             per = activation_bytes_per_token(hidden, int(spec.config.get("intermediate_size", 4 * hidden)), self.dtype)
             batch_tokens = probe_batch_tokens(self._dev, per, self.max_seq_length, hidden)
@@ -235,12 +238,22 @@ class Encoder:
         self._compile_if_due()
         return self._launch(tok)
 
+    def _check_prompt(self, prompt: str | None) -> None:
+        """A role's name on a model without prompts adds nothing: said once per name, as the CLI says it."""
+        if prompt in ("query", "document", "passage") and prompt not in self._warned \
+                and self.spec.prompt_name(prompt) is None:
+            self._warned.add(prompt)
+            warnings.warn(f"prompt={prompt!r}: {self.name} has no prompts, so none is added (it embeds queries and "
+                          f"documents alike); to prefix a text of your own, give the text itself, e.g. "
+                          f"prompt='{prompt}: '", UserWarning, stacklevel=3)
+
     def encode(self, texts: list[str] | str, prompt: str | None = None) -> np.ndarray:
         """Unit vectors [len(texts), dim] for `texts` (any iterable of strings); one string gives its vector [dim],
         as sentence-transformers does."""
         if isinstance(texts, str):
             return self.encode([texts], prompt)[0]
         self._open()
+        self._check_prompt(prompt)
         texts = list(texts)
         long = len(texts) >= LONG_CALL_TEXTS
         if self._compile is not None and long:

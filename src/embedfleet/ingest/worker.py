@@ -24,6 +24,7 @@ import signal
 import sys
 import threading
 import time
+import warnings
 from typing import Callable
 
 import orjson
@@ -106,9 +107,11 @@ def load_encoder(spec: JobSpec, device: str, settings: Settings):
     """The real encoder for a job (imports torch): the helpers tokenize, so it needs no tokenizer pool."""
     from embedfleet.encode.encoder import Encoder
 
-    return Encoder(spec.model, device=device, batch_tokens=spec.batch_tokens, dim=spec.dim, tokenizer_workers=0,
-                   settings=settings, trust_remote_code=spec.trust_remote_code, prompt=spec.prompt,
-                   task=spec.task)  # a model's own module takes the task (else the prompt's name)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="prompt=.* has no prompts")  # the command said it once, not each worker
+        return Encoder(spec.model, device=device, batch_tokens=spec.batch_tokens, dim=spec.dim, tokenizer_workers=0,
+                       settings=settings, trust_remote_code=spec.trust_remote_code, prompt=spec.prompt,
+                       task=spec.task)  # a model's own module takes the task (else the prompt's name)
 
 
 class Worker:
