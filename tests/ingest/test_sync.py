@@ -615,3 +615,23 @@ def test_a_row_sync_embeds_again_loses_the_map_coordinates_of_its_old_vector(cli
     cli(*_sync_args(dsn, "mapped")[3:], check=True)
     coords = dict(conn.execute("SELECT id, map_x FROM mapped_embeddings").fetchall())
     assert coords["3"] is None and coords["4"] == 8.0 and coords["0"] == 0.0
+
+
+def test_a_numeric_column_holding_nan_or_infinity_is_copied_as_the_source_holds_it(cli, dsn, conn):
+    """A source row whose numeric column held 'NaN' was rejected ("cannot coerce"): PostgreSQL holds it, and so
+    does the target's column of the same type."""
+    conn.execute("CREATE TABLE rnan (review_id int PRIMARY KEY, body text, price numeric)")
+    conn.execute("INSERT INTO rnan SELECT i, 'review ' || i || ' — café', i * 1.25 FROM generate_series(1, 12) i")
+    conn.execute("UPDATE rnan SET price = 'NaN' WHERE review_id = 3")
+    conn.execute("UPDATE rnan SET price = 'Infinity' WHERE review_id = 4")
+    conn.execute("UPDATE rnan SET price = '-Infinity' WHERE review_id = 5")
+    conn.execute("UPDATE rnan SET price = 12345678901234567890.123456789 WHERE review_id = 6")
+    common = ("--from-table", "rnan", "--text-field", "body", "--columns", "price", "--db", dsn, "--devices", "cpu",
+              "--quiet")
+    cli("sync", *common, check=True)
+    want = dict(conn.execute("SELECT review_id::text, price::text FROM rnan").fetchall())
+    assert dict(conn.execute("SELECT id, price::text FROM rnan_embeddings").fetchall()) == want
+    assert conn.execute("SELECT count(*) FROM embedfleet.rejects WHERE job LIKE '%rnan%'").fetchone()[0] == 0
+    conn.execute("UPDATE rnan SET price = 'NaN', body = 'now NaN' WHERE review_id = 7")
+    cli("sync", *common, check=True)
+    assert conn.execute("SELECT price::text FROM rnan_embeddings WHERE id = '7'").fetchone()[0] == "NaN"

@@ -275,7 +275,9 @@ def _bigint(value: object, field: str) -> object:
 
 
 def _numeric(value: object, field: str) -> object:
-    return value if type(value) is Decimal and value.is_finite() else coerce(value, "numeric", field)
+    # A Decimal is a numeric already (a source table's, or a JSON number read as written): NaN and ±Infinity
+    # included, as PostgreSQL's numeric holds them; only text and floats must be amounts.
+    return value if type(value) is Decimal and not value.is_snan() else coerce(value, "numeric", field)
 
 
 def _boolean(value: object, field: str) -> object:
