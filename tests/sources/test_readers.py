@@ -292,3 +292,22 @@ def test_a_utf16_or_utf32_file_is_refused_in_one_line_naming_its_encoding(tmp_pa
         path.write_bytes('{"text": "one"}\r\n{"text": "two"}\r\n'.encode(encoding))
         with pytest.raises(InputError, match=rf"wide\.{suffix}: is {name} .*iconv -f {name} -t UTF-8"):
             plan_chunks([str(path)])
+
+
+def test_a_latin1_file_is_said_once_with_its_first_line_and_how_to_convert_it(tmp_path, caplog):
+    """Its é and ü became U+FFFD in every row without a word: search for "café" then found none of them."""
+    import gzip
+    import logging
+
+    lines = ['{"text": "plain ascii"}', '{"text": "café crème"}', '{"text": "ok — utf8 here"}', '{"text": "über"}']
+    body = "\n".join(lines).encode("utf-8").replace("café crème".encode(), "café crème".encode("latin-1"))
+    body = body.replace("über".encode(), "über".encode("latin-1")) + b"\n"
+    for name, data in (("l1.jsonl", body), ("l1.jsonl.gz", gzip.compress(body)), ("fine.jsonl", "\n".join(lines).encode())):
+        (tmp_path / name).write_bytes(data)
+    with caplog.at_level(logging.WARNING, logger="embedfleet"):
+        plan_chunks([str(tmp_path / "l1.jsonl"), str(tmp_path / "l1.jsonl.gz"), str(tmp_path / "fine.jsonl")])
+    said = [r.getMessage() for r in caplog.records if "not UTF-8" in r.getMessage()]
+    assert len(said) == 2 and all("line 2 (and 1 more of its first MiB's lines) has bytes" in m for m in said)
+    assert "iconv -f WINDOWS-1252 -t UTF-8" in said[0] and "l1.utf8.jsonl" in said[0]
+    records = read_all(tmp_path / "l1.jsonl")
+    assert [r.data["text"] for r in records] == ["plain ascii", "caf\ufffd cr\ufffdme", "ok — utf8 here", "\ufffdber"]

@@ -11,6 +11,7 @@ and CSV cannot be entered mid-way and are one chunk each; Parquet is cut at row-
 from __future__ import annotations
 
 import csv
+import logging
 import os
 import posixpath
 from concurrent.futures import ThreadPoolExecutor
@@ -23,6 +24,8 @@ import pyarrow.parquet as pq
 from embedfleet.errors import InputError
 from embedfleet.sources import files
 from embedfleet.sources.base import STREAM_ERRORS, open_binary
+
+log = logging.getLogger(__name__)
 
 _BLOCK = 4 << 20  # read size while counting lines: big blocks keep the count in C
 _CUT_READ = 64 << 10  # read size while looking for the newline after a cut's mark: a few lines
@@ -130,7 +133,7 @@ def plan_file(path: str, chunk_bytes: int, start: int = 0, first_line: int | Non
         size = files.size(path)
         if size <= start:
             return []
-        if start == 0 and kind in ("jsonl", "csv") and not files.is_url(path):
+        if start == 0 and kind in ("jsonl", "stream", "csv") and not files.is_url(path):
             _check_utf8(path)
         if kind == "jsonl" and not files.is_url(path):
             if counters is None:
@@ -147,20 +150,52 @@ def plan_file(path: str, chunk_bytes: int, start: int = 0, first_line: int | Non
         raise InputError(f"cannot read input {path}: {e.strerror or e}") from e
 
 
+_SNIFF = 1 << 20  # how much of a text file is read for its encoding
 _WIDE_BOMS = ((b"\xff\xfe\x00\x00", "UTF-32"), (b"\x00\x00\xfe\xff", "UTF-32"), (b"\xff\xfe", "UTF-16"),
               (b"\xfe\xff", "UTF-16"))
 
 
 def _check_utf8(path: str) -> None:
     """A text file in UTF-16 or UTF-32 (by its byte-order mark) is refused in one line: read as UTF-8, each of its
-    records would be a reject that does not say why."""
+    records would be a reject that does not say why. One whose first MiB has lines that are not UTF-8 (Latin-1,
+    Windows-1252) is said once: those bytes are stored as U+FFFD, which no search then finds."""
     with open(path, "rb") as f:
         head = f.read(4)
+    converted = f"{Path(path).stem}.utf8{''.join(Path(path).suffixes)}"
     for bom, name in _WIDE_BOMS:
         if head.startswith(bom):
             raise InputError(f"{path}: is {name} (it starts with a {name} byte-order mark); embedfleet reads UTF-8: "
-                             f"convert it first, e.g. iconv -f {name} -t UTF-8 {path} > {Path(path).stem}.utf8"
-                             f"{''.join(Path(path).suffixes)}")
+                             f"convert it first, e.g. iconv -f {name} -t UTF-8 {path} > {converted}")
+    bad = not_utf8_lines(path)
+    if bad:
+        more = f" (and {len(bad) - 1} more of its first MiB's lines)" if len(bad) > 1 else ""
+        log.warning("%s: line %d%s has bytes that are not UTF-8, stored as U+FFFD; if the file is Latin-1 or "
+                    "Windows-1252, convert it first: iconv -f WINDOWS-1252 -t UTF-8 %s > %s", path, bad[0], more,
+                    path, converted)
+
+
+def not_utf8_lines(path: str, most: int = _SNIFF) -> list[int]:
+    """The numbers of the lines, among the whole ones in the first `most` bytes of `path` (decompressed), that
+    are not UTF-8."""
+    try:
+        with open_binary(path) as stream:
+            sample = stream.read(most)
+    except (OSError, *STREAM_ERRORS):  # unreadable or damaged: the reader says where
+        return []
+    if len(sample) == most:
+        sample = sample[:sample.rfind(b"\n") + 1]
+    try:
+        sample.decode("utf-8")
+        return []
+    except UnicodeDecodeError:
+        pass
+    out = []
+    for number, line in enumerate(sample.split(b"\n"), 1):
+        try:
+            line.decode("utf-8")
+        except UnicodeDecodeError:
+            out.append(number)
+    return out
 
 
 def chunk_lines(spec: ChunkSpec, most: int) -> int | None:
