@@ -15,6 +15,7 @@ import uuid
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Iterable
 
+import orjson
 import psycopg
 from psycopg.rows import dict_row
 from psycopg.types.json import Jsonb
@@ -988,6 +989,14 @@ def job_rejects(conn: psycopg.Connection, job: str, limit: int | None = None) ->
     with conn.cursor(row_factory=dict_row) as cur:
         rows = cur.execute("SELECT source, line, reason, raw FROM embedfleet.rejects WHERE job = %s "
                            "ORDER BY source, line LIMIT %s", [job, limit]).fetchall()
+    key = conn.execute("SELECT config->>'id_field' FROM embedfleet.jobs WHERE job = %s AND config->>'source_table' "
+                       "IS NOT NULL", [job]).fetchone()
+    if key is not None:  # a table's rows are named by their keys (`line` keeps a hash of one that is no integer)
+        for r in rows:
+            try:
+                r["key"] = orjson.loads(r["raw"]).get(key[0])
+            except (orjson.JSONDecodeError, AttributeError):  # cut to its first characters
+                r["key"] = None
     return rows, conn.execute("SELECT count(*) FROM embedfleet.rejects WHERE job = %s", [job]).fetchone()[0]
 
 

@@ -169,8 +169,9 @@ def test_sync_follows_inserts_updates_deletes_and_truncate_then_stops_on_sigterm
     outs = [proc.communicate(timeout=120) for proc in (main, second)]
     assert [proc.returncode for proc in (main, second)] == [0, 0], outs[0][1][-2000:] + outs[1][1][-2000:]
     summary = orjson.loads(outs[0][0])
-    # every change once: 500 inserts and 200 edits embedded, the 100 rewrites of the same text not
-    assert (summary["embedded"], summary["unchanged"], summary["deleted"]) == (700, 100, 200)
+    # every change once: 500 inserts and 200 edits embedded; the 100 rewrites of the same text not even queued
+    assert (summary["embedded"], summary["unchanged"], summary["deleted"]) == (700, 0, 200)
+    assert summary["keys"] == 900
     _assert_equal_to_source(conn, "reviews", "reviews_embeddings", [str(i) for i in (0, 199, 10_000, 10_499)])
     _assert_equal_to_source(conn, "notes", "notes_embeddings")
     status = _status(cli, dsn, "public.reviews_embeddings")
@@ -242,7 +243,7 @@ def test_the_target_spelled_with_or_without_its_schema_is_one_sync(cli, dsn, con
                              check=True).stdout)
     assert again["job"] == first["job"] and again["installed"] is False and again["embedded"] == 1
     triggers = "SELECT count(*) FROM pg_trigger WHERE tgrelid = 'notes'::regclass AND NOT tgisinternal"
-    assert conn.execute(triggers).fetchone()[0] == 2  # one row trigger, one TRUNCATE trigger: one sync
+    assert conn.execute(triggers).fetchone()[0] == 3  # a row, an UPDATE and a TRUNCATE trigger: one sync
     assert conn.execute("SELECT count(*) FROM embedfleet.jobs WHERE table_name LIKE '%%notes_embeddings'"
                         ).fetchone()[0] == 1
     _assert_equal_to_source(conn, "notes", "notes_embeddings")
@@ -374,8 +375,8 @@ def test_the_queue_is_unlogged_and_a_restarted_server_has_every_key_compared_onc
     job = conn.execute("SELECT job FROM embedfleet.syncs").fetchone()[0]
     crashed = _status(cli, dsn, job)  # it said "0 pending" until the next sync
     assert crashed["restarted"] is True and crashed["pending"] is None and crashed["lag_s"] is None
-    shown = cli("status", "--db", dsn, extra_env={"COLUMNS": "250"}).stdout
-    assert "changes pending unknown: the source's server started again" in " ".join(shown.split())
+    shown = cli("status", "--db", dsn).stdout  # piped: nothing wrapped
+    assert "changes pending unknown: the source's server started again" in shown
     p = cli(*_sync_args(dsn, "crashy", "--json")[3:], check=True)
     summary = orjson.loads(p.stdout)
     assert summary["keys"] == 77 + 1 and (summary["embedded"], summary["deleted"]) == (5, 3)
@@ -542,8 +543,19 @@ def test_a_rerun_against_another_database_or_into_a_followed_table_is_refused_be
 
 def test_rows_the_drain_cannot_write_are_kept_as_rejects_until_they_can(cli, dsn, conn):
     conn.execute("CREATE TABLE rj (review_id int PRIMARY KEY, body text)")
-    conn.execute("INSERT INTO rj VALUES (1, 'one'), (2, 'two')")
+    conn.execute("INSERT INTO rj VALUES (1, 'one'), (2, 'two'), (77, NULL)")
     common = ("--from-table", "rj", "--db", dsn, "--devices", "cpu", "--quiet")
+    cli("sync", *common, check=True)
+    # the backfill's reject is named by the row's key (it was its place in the heap, 1 × 65536 + 3)
+    listed = orjson.loads(cli("jobs", "rejects", "public.rj_embeddings", "--db", dsn, "--json", check=True).stdout)
+    assert [(r["line"], r["key"]) for r in listed["rejects"]] == [(77, "77")]
+    shown = cli("jobs", "rejects", "public.rj_embeddings", "--db", dsn, check=True).stdout
+    assert shown.strip() == "public.rj key 77: field 'body' has no text"
+    conn.execute("UPDATE rj SET body = 'seventy-seven' WHERE review_id = 77")
+    cli("sync", *common, check=True)  # and a sync that writes the row now clears it
+    assert orjson.loads(cli("jobs", "rejects", "public.rj_embeddings", "--db", dsn, "--json",
+                            check=True).stdout)["rejected"] == 0
+    conn.execute("DELETE FROM rj WHERE review_id = 77")
     cli("sync", *common, check=True)
     conn.execute("INSERT INTO rj VALUES (30, NULL), (40, '')")
     conn.execute("UPDATE rj SET body = NULL WHERE review_id = 1")
@@ -562,19 +574,38 @@ def test_rows_the_drain_cannot_write_are_kept_as_rejects_until_they_can(cli, dsn
     assert _contents(conn, "rj_embeddings") == {"1": "fixed", "2": "two", "30": "fixed"}
 
 
-def test_a_trigger_dropped_with_a_column_stops_the_follower_and_a_rerun_makes_it_again(cli, dsn, conn, tmp_path):
-    """PostgreSQL's own hint (DROP COLUMN … CASCADE) dropped the row trigger: the follower went on saying
-    "0 changes pending" while no change was queued, and the next sync failed on the trigger left."""
+def test_a_watched_column_changes_type_or_is_dropped_under_the_follower_and_the_applications_ddl_goes_through(
+        cli, dsn, conn, tmp_path):
+    """The trigger named the text's columns in its definition: `ALTER COLUMN body TYPE` failed ("used in a trigger
+    definition"), and dropping a copied column needed CASCADE, which took the trigger with it."""
     _source(conn, "casc", 30)
+    conn.execute("ALTER TABLE casc ADD COLUMN views int DEFAULT 0")
     proc = _start(_sync_args(dsn, "casc", "--columns", "stars", "--follow"), tmp_path)
-    wait_for(conn, "SELECT synced_at FROM embedfleet.syncs WHERE job = 'public.casc_embeddings'", timeout=300)
-    conn.execute("ALTER TABLE casc DROP COLUMN stars CASCADE")
-    conn.execute("UPDATE casc SET body = 'changed after the drop' WHERE review_id = 1")
-    _, err = proc.communicate(timeout=120)
+    try:
+        wait_for(conn, "SELECT synced_at FROM embedfleet.syncs WHERE job = 'public.casc_embeddings'", timeout=300)
+        tag = conn.execute("SELECT tag FROM embedfleet.syncs WHERE job = 'public.casc_embeddings'").fetchone()[0]
+        conn.execute("ALTER TABLE casc ALTER COLUMN body TYPE varchar(500)")  # the application's migration
+        conn.execute("UPDATE casc SET body = 'changed after the new type — ünï' WHERE review_id = 1")
+        wait_for(conn, "SELECT 1 FROM casc_embeddings WHERE id = '1' AND content = 'changed after the new type — ünï'",
+                 timeout=120)
+        with conn.transaction():  # counted before the commit, where no follower can have taken it yet
+            conn.execute("UPDATE casc SET views = views + 1")  # a column sync does not read: nothing queued
+            assert conn.execute(f"SELECT count(*) FROM embedfleet.queue_{tag}").fetchone()[0] == 0
+            conn.execute("UPDATE casc SET stars = 5 WHERE review_id = 3")  # one it copies: queued
+            assert conn.execute(f"SELECT count(*) FROM embedfleet.queue_{tag}").fetchone()[0] == 1
+        conn.execute("ALTER TABLE casc DROP COLUMN stars")  # no CASCADE needed, no trigger lost
+        conn.execute("UPDATE casc SET body = 'changed after the drop' WHERE review_id = 2")
+        _, err = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
     lines = [x for x in err.strip().splitlines() if x.startswith("error:")]
-    assert proc.returncode != 0 and len(lines) == 1 and "was dropped while following" in lines[0], err
+    assert proc.returncode != 0 and len(lines) == 1, err
+    assert "column 'stars' of public.casc, which sync reads, was dropped or renamed while following" in lines[0]
+    assert conn.execute("SELECT count(*) FROM pg_trigger WHERE tgname LIKE %s", [f"embedfleet_%_{tag}"]).fetchone()[0] == 3
     one_line_error(cli(*_sync_args(dsn, "casc", "--columns", "stars")[3:]), "--columns 'stars'")
-    # A trigger dropped by hand: the next sync makes both again (one was left) and compares every row once.
+    cli("sync", "--from-table", "casc", "--uninstall", "--db", dsn, check=True)
+    assert conn.execute("SELECT count(*) FROM pg_trigger WHERE tgname LIKE %s", [f"embedfleet_%_{tag}"]).fetchone()[0] == 0
+    # A trigger dropped by hand: the next sync makes them all again and compares every row once.
     _source(conn, "manual", 20)
     cli(*_sync_args(dsn, "manual")[3:], check=True)
     tag = conn.execute("SELECT tag FROM embedfleet.syncs WHERE job = 'public.manual_embeddings'").fetchone()[0]
@@ -600,7 +631,7 @@ def test_a_column_the_target_has_already_is_refused_before_anything_is_installed
     assert _contents(conn, "rco_embeddings") == {str(i): f"body {i}" for i in range(1, 6)}
     p = cli("sync", *common, "--follow", "--uninstall")  # it uninstalled without a word about --follow
     assert p.returncode == 2 and "give one of them" in p.stderr
-    assert conn.execute("SELECT count(*) FROM pg_trigger WHERE tgrelid = 'rco'::regclass").fetchone()[0] == 2
+    assert conn.execute("SELECT count(*) FROM pg_trigger WHERE tgrelid = 'rco'::regclass").fetchone()[0] == 3
 
 
 def test_a_row_sync_embeds_again_loses_the_map_coordinates_of_its_old_vector(cli, dsn, conn):

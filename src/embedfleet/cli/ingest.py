@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import os
 import sys
 import time
 from typing import List, Optional
@@ -308,7 +309,9 @@ def status(
             watch_fleet(lambda: jobs_overview(conn, job, settings.source_db))
             stopped_on_purpose()
             return
-        Console().print(status_table(jobs) if jobs else "no jobs yet: embedfleet ingest FILE")
+        # piped or redirected: each job on one line, whatever its names' length (grep finds it)
+        wide = None if sys.stdout.isatty() or os.environ.get("COLUMNS") else 100_000
+        Console(width=wide).print(status_table(jobs) if jobs else "no jobs yet: embedfleet ingest FILE")
 
 
 
@@ -358,7 +361,8 @@ def jobs_rejects(
         emit({"job": job, "rejected": total, "rejects": rejects})
         return
     for r in rejects:
-        typer.echo(f"{r['source']}:{r['line']}: {r['reason']}")
+        where = f"{r['source']} key {r['key']}" if r.get("key") is not None else f"{r['source']}:{r['line']}"
+        typer.echo(f"{where}: {r['reason']}")
     if total > len(rejects):
         typer.echo(f"… {total - len(rejects):,} more (--limit 0 lists all)", err=True)
     elif not total:

@@ -178,7 +178,10 @@ class Preparer:
 
     def __call__(self, task: Task) -> Prepared:
         raws, cursor = self._read(task)
-        return self.prepare(*self.records(raws), cursor)
+        records, rejects = self.records(raws)
+        if task.spec.kind == "table":
+            rejects = self._tables.name_rejects(raws, rejects)
+        return self.prepare(records, rejects, cursor)
 
     def records(self, raws: list[RawRecord]) -> tuple[list, list[Reject]]:
         """Raw records as the job's records (passages, with --passages) and rejects."""

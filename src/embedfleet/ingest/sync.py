@@ -39,7 +39,7 @@ from embedfleet.pg.scan import filter_names, user_filter
 from embedfleet.settings import JobSpec, Settings
 from embedfleet.sources.base import RawRecord
 from embedfleet.sources.presets import table_columns
-from embedfleet.sources.table import alias_of, describe, key_text, lenient_dates, read_rows
+from embedfleet.sources.table import alias_of, describe, key_line, key_text, lenient_dates, read_rows
 
 __all__ = ["SyncStats", "Syncer", "watched_columns", "stop_on_signals"]
 
@@ -123,6 +123,7 @@ class Lane:
         lenient_dates(self.source)
         self.source_name, self.key_type = source.name, source.typmods[spec.id_field]  # character(8), not char(1)
         self.queue = queue.queue_for(source.name, spec.id_field, spec.job)
+        self.watched = watched_columns(spec, source.columns)
         self.lock_space = int(self.queue.tag[:7], 16)  # the per-key advisory locks' first key: this job's
         self.prep = Preparer(PrepareContext(
             spec.preset, spec.text_template, spec.text_field, spec.id_field,
@@ -202,10 +203,7 @@ class Lane:
                           orjson.dumps(dict(zip(names, row)), default=str).decode(), None) for row in rows]
 
     def key_line(self, key: str) -> int:
-        """Where a key's reject is kept (the rejects' `line`): an integer key itself, another key's hash."""
-        if self.key_type in ("smallint", "integer", "bigint"):
-            return int(key)
-        return int.from_bytes(hashlib.blake2b(key.encode(), digest_size=6).digest(), "big")
+        return key_line(key, self.key_type)
 
     def _write(self, keys: list[str], raws: list[RawRecord], truncated: bool, stats: SyncStats) -> None:
         conn, target = self.target, table_sql(self.target, self.spec.table)
@@ -283,8 +281,11 @@ class Lane:
         return self.source.execute("SELECT to_regclass(%s) IS NULL", [self.source_name]).fetchone()[0]
 
     def trigger_gone(self) -> bool:
-        """The source's changes no longer reach the queue (a column dropped with CASCADE took the trigger)."""
+        """The source's changes no longer reach the queue (its key dropped with CASCADE took the trigger)."""
         return not queue.installed(self.source, self.queue)
+
+    def columns_gone(self) -> list[str]:
+        return queue.columns_gone(self.source, self.queue, self.watched)
 
 
 class Syncer:
@@ -375,8 +376,13 @@ class Syncer:
                             raise source_gone_error(self.lanes[0].source_name, self.queue)
                         if self.lanes[0].trigger_gone():
                             raise InputError(f"sync: the trigger that queues {self.lanes[0].source_name}'s changes "
-                                             "was dropped while following (a column dropped with CASCADE?): rerun "
+                                             "was dropped while following (its key dropped with CASCADE?): rerun "
                                              "sync to make it again; every row is then compared once")
+                        if gone := self.lanes[0].columns_gone():
+                            raise InputError(f"sync: column {gone[0]!r} of {self.lanes[0].source_name}, which sync "
+                                             "reads, was dropped or renamed while following; its queue is kept: "
+                                             "put the column back and rerun sync, or sync the columns the table "
+                                             "has now into a new --table")
                         if not self.requeue_after_restart(ledger):
                             ledger.synced(self.spec.job)
                         marked = time.monotonic()

@@ -29,7 +29,7 @@ from psycopg import sql
 
 from embedfleet.errors import DatabaseError, InputError
 
-__all__ = ["Queue", "queue_for", "install", "uninstall", "installed", "pending", "claim", "forget", "requeue_all",
+__all__ = ["Queue", "queue_for", "install", "uninstall", "installed", "columns_gone", "pending", "claim", "forget", "requeue_all",
            "server_started"]
 
 LOCK_TIMEOUT = "5s"
@@ -53,6 +53,10 @@ class Queue:
     def channel(self) -> str:
         return f"embedfleet_{self.tag}"
 
+    @property
+    def trigger_names(self) -> list[str]:
+        return [f"embedfleet_{kind}_{self.tag}" for kind in TRIGGERS]
+
     def _function(self, kind: str) -> sql.Composable:
         return sql.Identifier("embedfleet", f"{kind}_{self.tag}")
 
@@ -64,11 +68,22 @@ def queue_for(source: str, key: str, job: str) -> Queue:
     return Queue(source, key, hashlib.sha1(job.encode()).hexdigest()[:12])
 
 
+TRIGGERS = ("row", "update", "truncate")
+
+
 def installed(conn: psycopg.Connection, q: Queue) -> bool:
-    """The queue and both triggers are there (a column dropped with CASCADE drops the row trigger with it)."""
+    """The queue and its three triggers are there (the key dropped with CASCADE drops the row trigger with it;
+    an install of an earlier version had two)."""
     return conn.execute("SELECT to_regclass(%s) IS NOT NULL", [q.table_name]).fetchone()[0] and conn.execute(
-        "SELECT count(*) = 2 FROM pg_trigger WHERE tgrelid = %s::regclass AND tgname IN (%s, %s)",
-        [q.source, f"embedfleet_row_{q.tag}", f"embedfleet_truncate_{q.tag}"]).fetchone()[0]
+        "SELECT count(*) = %s FROM pg_trigger WHERE tgrelid = %s::regclass AND tgname = ANY(%s)",
+        [len(TRIGGERS), q.source, q.trigger_names]).fetchone()[0]
+
+
+def columns_gone(conn: psycopg.Connection, q: Queue, watched: list[str]) -> list[str]:
+    """The watched columns the source no longer has (dropped or renamed: nothing stops that DDL)."""
+    have = {a for (a,) in conn.execute("SELECT attname FROM pg_attribute WHERE attrelid = %s::regclass AND attnum > 0 "
+                                       "AND NOT attisdropped", [q.source])}
+    return [c for c in watched if c not in have]
 
 
 def _check_privileges(conn: psycopg.Connection, q: Queue) -> None:
@@ -116,7 +131,27 @@ def install(conn: psycopg.Connection, q: Queue, watched: list[str]) -> bool:
             END IF;
             RETURN NULL;
         END""").format(name=sql.Literal(q.table_name), queue=q.table, key=key)
-    columns = sql.SQL(", ").join(sql.Identifier(c) for c in dict.fromkeys([q.key, *watched]))
+    # An UPDATE's trigger names the watched columns in its body, not in its definition: a column a trigger's
+    # definition names cannot change type. A column dropped since, or one whose type changed under this session's
+    # cached plan, queues the key: the application's UPDATE goes on, and sync compares the row.
+    others = [c for c in dict.fromkeys(watched) if c != q.key]
+    old = sql.SQL(", ").join([*(sql.SQL("OLD.{}").format(sql.Identifier(c)) for c in others), sql.NULL])
+    new = sql.SQL(", ").join([*(sql.SQL("NEW.{}").format(sql.Identifier(c)) for c in others), sql.NULL])
+    changed = sql.SQL("""
+        BEGIN
+            IF to_regclass({name}) IS NULL THEN
+                RETURN NULL;
+            END IF;
+            BEGIN
+                IF ROW({old}) IS NOT DISTINCT FROM ROW({new}) THEN
+                    RETURN NULL;
+                END IF;
+            EXCEPTION WHEN undefined_column OR datatype_mismatch THEN
+                NULL;
+            END;
+            INSERT INTO {queue} (key) VALUES (NEW.{key}::text);
+            RETURN NULL;
+        END""").format(name=sql.Literal(q.table_name), queue=q.table, key=key, old=old, new=new)
     try:
         with conn.transaction():
             conn.execute(sql.SQL("SET LOCAL lock_timeout = {}").format(sql.Literal(LOCK_TIMEOUT)))
@@ -126,15 +161,19 @@ def install(conn: psycopg.Connection, q: Queue, watched: list[str]) -> bool:
                 conn.execute("CREATE SCHEMA IF NOT EXISTS embedfleet")
             conn.execute(sql.SQL("CREATE UNLOGGED TABLE IF NOT EXISTS {} (seq bigserial, key text, "
                                  "queued timestamptz NOT NULL DEFAULT clock_timestamp())").format(q.table))
-            conn.execute(sql.SQL(
-                "CREATE OR REPLACE FUNCTION {}() RETURNS trigger LANGUAGE plpgsql SECURITY DEFINER "
-                "SET search_path = pg_catalog, pg_temp AS {}").format(
-                    q._function("enqueue"), sql.Literal(body.as_string(conn))))
+            for kind, text in (("enqueue", body), ("changed", changed)):
+                conn.execute(sql.SQL(
+                    "CREATE OR REPLACE FUNCTION {}() RETURNS trigger LANGUAGE plpgsql SECURITY DEFINER "
+                    "SET search_path = pg_catalog, pg_temp AS {}").format(
+                        q._function(kind), sql.Literal(text.as_string(conn))))
             src = sql.SQL(q.source)
-            for kind in ("row", "truncate"):  # one left of an earlier install is made again with the other
+            for kind in TRIGGERS:  # one left of an earlier install is made again with the others
                 conn.execute(sql.SQL("DROP TRIGGER IF EXISTS {} ON {}").format(q._trigger(kind), src))
+            # the key in the definition: its type cannot change, nor can it be dropped, under a sync keyed by it
             conn.execute(sql.SQL("CREATE TRIGGER {} AFTER INSERT OR UPDATE OF {} OR DELETE ON {} FOR EACH ROW "
-                                 "EXECUTE FUNCTION {}()").format(q._trigger("row"), columns, src, q._function("enqueue")))
+                                 "EXECUTE FUNCTION {}()").format(q._trigger("row"), key, src, q._function("enqueue")))
+            conn.execute(sql.SQL("CREATE TRIGGER {} AFTER UPDATE ON {} FOR EACH ROW EXECUTE FUNCTION {}()").format(
+                q._trigger("update"), src, q._function("changed")))
             conn.execute(sql.SQL("CREATE TRIGGER {} AFTER TRUNCATE ON {} FOR EACH STATEMENT EXECUTE FUNCTION {}()")
                          .format(q._trigger("truncate"), src, q._function("enqueue")))
     except psycopg.errors.LockNotAvailable:
@@ -153,11 +192,12 @@ def uninstall(conn: psycopg.Connection, q: Queue) -> bool:
         conn.execute(sql.SQL("SET LOCAL lock_timeout = {}").format(sql.Literal(LOCK_TIMEOUT)))
         # the triggers wherever they are now: on the source, or on it renamed since
         for tgname, relation in conn.execute(
-                "SELECT tgname, tgrelid::regclass::text FROM pg_trigger WHERE tgname IN (%s, %s)",
-                [f"embedfleet_row_{q.tag}", f"embedfleet_truncate_{q.tag}"]).fetchall():
+                "SELECT tgname, tgrelid::regclass::text FROM pg_trigger WHERE tgname = ANY(%s)",
+                [q.trigger_names]).fetchall():
             conn.execute(sql.SQL("DROP TRIGGER {} ON {}").format(sql.Identifier(tgname), sql.SQL(relation)))
             had = True
-        conn.execute(sql.SQL("DROP FUNCTION IF EXISTS {}()").format(q._function("enqueue")))
+        for kind in ("enqueue", "changed"):
+            conn.execute(sql.SQL("DROP FUNCTION IF EXISTS {}()").format(q._function(kind)))
         conn.execute(sql.SQL("DROP TABLE IF EXISTS {}").format(q.table))
     return had
 

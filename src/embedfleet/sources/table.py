@@ -8,6 +8,8 @@ reject names the row.
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
 import logging
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -22,7 +24,7 @@ from embedfleet.sources.base import RawRecord
 from embedfleet.sources.plan import ChunkSpec
 
 __all__ = ["TableSource", "TableReader", "describe", "check_fields", "resolve_columns", "text_columns", "plan_table",
-           "LINE_ITEMS", "table_line"]
+           "LINE_ITEMS", "table_line", "key_line"]
 
 log = logging.getLogger(__name__)
 
@@ -170,6 +172,17 @@ def plan_table(conn: psycopg.Connection, source: TableSource, chunk_bytes: int) 
     return chunks
 
 
+_INTEGER_KEYS = ("smallint", "integer", "bigint")
+
+
+def key_line(key: str, key_type: str) -> int:
+    """Where a row's reject is kept (the rejects' `line`), by its key, so the backfill's and a sync's drain's
+    rejects of one row are one: an integer key itself, another key's hash."""
+    if key_type in _INTEGER_KEYS:
+        return int(key)
+    return int.from_bytes(hashlib.blake2b(key.encode(), digest_size=6).digest(), "big")
+
+
 def key_text(key: str) -> sql.Composable:
     """A row's id: its key as PostgreSQL writes it as text, the spelling a sync's queue and its deletes use
     (Python's would differ: `1E-10` against `0.0000000001`, a char(n)'s padding)."""
@@ -210,9 +223,10 @@ class TableReader:
     """Reads page spans of one job's source on one connection, in the job's snapshot while it is held."""
 
     def __init__(self, dsn: str, table: str, key: str, snapshot: str | None = None, where: str | None = None):
-        self.dsn, self.snapshot, self.where, self.key = dsn, snapshot, where, key
+        self.dsn, self.table, self.snapshot, self.where, self.key = dsn, table, snapshot, where, key
         self.alias = sql.SQL(alias_of(table))
         self.conn: psycopg.Connection | None = None
+        self.key_type: str | None = None
 
     def read(self, spec: ChunkSpec, after_line: int = 0) -> Iterator[RawRecord]:
         """Rows of the span whose line is > `after_line`, in heap order."""
@@ -239,6 +253,20 @@ class TableReader:
         for line, *values in rows:
             data = dict(zip(names[1:], values))
             yield RawRecord(spec.source, line, data, orjson.dumps(data, default=str).decode(), None)
+
+    def name_rejects(self, raws: list[RawRecord], rejects: list) -> list:
+        """The span's rejects kept by their rows' keys (`key_line`), not by where the rows lay in the heap: what
+        `jobs rejects` shows, and what a later sync of the row clears."""
+        if not rejects:
+            return rejects
+        if self.key_type is None:
+            self.key_type = self.conn.execute(
+                "SELECT format_type(atttypid, NULL) FROM pg_attribute WHERE attrelid = %s::regclass AND attname = %s",
+                [self.table, self.key]).fetchone()[0]
+            self.conn.rollback()  # a span's read begins its own transaction, in the job's snapshot
+        keys = {r.line: r.data[self.key] for r in raws if r.data is not None}
+        return [dataclasses.replace(j, line=key_line(keys[j.line], self.key_type)) if j.line in keys else j
+                for j in rejects]
 
     def _begin(self, conn: psycopg.Connection) -> None:
         if self.snapshot:
