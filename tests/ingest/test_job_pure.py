@@ -24,6 +24,25 @@ def _c(src, first, kind="jsonl"):
     return ChunkSpec(src, kind, 0, 0, first)
 
 
+def test_limit_counts_a_csv_files_records_not_its_lines(tmp_path):
+    """Each review's quoted text ran over two lines: `--limit 5` embedded 3 of them."""
+    a, b = tmp_path / "a.csv", tmp_path / "b.csv"
+    a.write_text("id,text\n" + "".join(f'{i},"review {i}\nits second line — ünï"\n' for i in range(6)))
+    b.write_text("id,text\n" + "".join(f"b{i},one line {i}\n" for i in range(4)))
+    chunks = plan_chunks([str(a), str(b)])
+
+    def rows(limit):
+        out = []
+        for spec, cap in apply_limit(chunks, limit):
+            out += [r.data["id"] for r in read_chunk(spec) if cap is None or r.line <= cap]
+        return out
+
+    assert rows(5) == ["0", "1", "2", "3", "4"]
+    assert rows(6) == [str(i) for i in range(6)]
+    assert rows(8) == [str(i) for i in range(6)] + ["b0", "b1"]
+    assert rows(100) == [str(i) for i in range(6)] + [f"b{i}" for i in range(4)]
+
+
 def _lines_of(path: Path, n: int, start: int) -> list[str]:
     return [json.dumps({"id": f"{path.name}-{i}", "text": f"line {i}"}) for i in range(start, start + n)]
 
@@ -58,15 +77,15 @@ def test_limit_counts_lines_across_inputs_of_every_kind(tmp_path):
 
     def kept(limit):
         return [(Path(r.source).suffix, r.line) for c, last in apply_limit(chunks, limit)
-                for r in read_chunk(c) if r.line <= last]
+                for r in read_chunk(c) if last is None or r.line <= last]
 
     # past the first three files, into the Parquet file's third row group; each CSV record spans two lines
-    # (its quoted newline), and lines are counted as an editor shows them
-    got = kept(31 + 20 + 50 + 17)
+    # (its quoted newline) and counts once, numbered by the line it starts on as an editor shows it
+    got = kept(31 + 20 + 25 + 17)
     assert len(got) == 30 + 20 + 25 + 17  # a.jsonl's blank 31st line holds no record
     assert [line for ext, line in got if ext == ".csv"] == list(range(2, 52, 2))
     assert [line for ext, line in got if ext == ".parquet"] == list(range(1, 18))
-    assert len(kept(31 + 20 + 9)) == 30 + 20 + 5  # records starting on the CSV's first 9 lines of data
+    assert len(kept(31 + 20 + 9)) == 30 + 20 + 9  # the CSV's first 9 records
     assert kept(40) == [(".jsonl", i) for i in range(1, 31)] + [(".gz", i) for i in range(1, 10)]
     assert len(kept(10_000)) == 30 + 20 + 25 + 40
 

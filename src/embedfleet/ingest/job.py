@@ -173,10 +173,17 @@ def apply_limit(chunks: list[ChunkSpec], limit: int | None,
     (`count`: its lines, or None when more than are left, so the cap falls inside it and planning stops)."""
     if limit is None:
         return [(c, None) for c in chunks]
+    from embedfleet.sources.csv import record_cap
+
     out, remaining = [], limit
     for i, c in enumerate(chunks):
         if remaining <= 0:
             break
+        if c.kind == "csv":  # a quoted field may run over lines: the cap is where the last record kept starts
+            records, cap = record_cap(c, remaining)
+            out.append((c, cap))
+            remaining -= records
+            continue
         out.append((c, c.first_line + remaining - 1))
         if i + 1 == len(chunks):
             break

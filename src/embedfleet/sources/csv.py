@@ -143,6 +143,28 @@ def data_rows(stream: IO[bytes], most: int) -> int:
     return lines.number - first
 
 
+def record_cap(spec: ChunkSpec, most: int) -> tuple[int, int | None]:
+    """(records read, the line the `most`-th starts on; None when the chunk holds fewer): where --limit's cap
+    falls in a CSV chunk, whose records may run over several lines. Blank lines count, as blank JSONL lines do."""
+    n = 0
+    try:
+        with open_binary(spec.source, spec.start, spec.end) as stream:
+            if spec.start == 0:
+                lines, header = _open(stream)
+                if header is None:
+                    return 0, None
+            else:
+                lines = _Lines(_text(stream))
+                lines.number = spec.first_line - 1
+            for line, *_ in _records(lines):
+                n += 1
+                if n == most:
+                    return n, line
+    except (csv.Error, *STREAM_ERRORS):  # damaged: what was read counts (the reader says where)
+        pass
+    return n, None
+
+
 def _record(source: str, line: int, header: list[str], row: list[str], text: str) -> RawRecord:
     if len(row) != len(header):
         return RawRecord(source, line, None, text, f"CSV row has {len(row)} fields, the header has {len(header)}")
