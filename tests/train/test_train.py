@@ -407,6 +407,22 @@ def test_a_parent_by_inheritance_with_rows_of_its_own_streams_them_and_its_child
             conn.execute("DROP TABLE reviews_kid, reviews_base")
 
 
+def test_classify_on_a_label_that_is_a_measurement_says_so_and_regress_does_not(env):
+    """A price as `--task classify`: 400 classes of one row each, trained without a word."""
+    import psycopg
+
+    with psycopg.connect(env["dsn"], autocommit=True) as conn:
+        conn.execute("CREATE TABLE priced AS SELECT id, embedding, rating, "
+                     "round((hashtext(id) & 65535)::numeric / 100, 2)::float8 AS price FROM reviews")
+    common = ("train", "--table", "priced", "--epochs", "1", "--devices", "cpu", "--db", env["dsn"])
+    said = env["cli"](*common, "--label", "price", "--task", "classify", "--out", env["root"] / "price-c").stderr
+    [line] = [x for x in said.splitlines() if "--label price:" in x]
+    assert "distinct values among" in line and "not whole numbers" in line and "--task regress" in line
+    for label, task in (("price", "regress"), ("rating", "classify")):  # what a user means: nothing to say
+        p = env["cli"](*common, "--label", label, "--task", task, "--out", env["root"] / f"{label}-{task}")
+        assert "--task regress" not in p.stderr, p.stderr
+
+
 def test_bad_inputs_give_one_line_errors(env):
     procs = []
     for args, _ in BAD:  # in parallel: most of each is starting Python and torch

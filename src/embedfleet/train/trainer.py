@@ -222,6 +222,18 @@ def run_rank(spec: TrainSpec, device: str, knobs: Settings) -> dict | None:
             torch.distributed.destroy_process_group()
 
 
+def continuous_label(classes: list | None, rows: int) -> str | None:
+    """Why a numeric label looks like a measurement rather than classes (values not whole, or about as many
+    values as rows), or None."""
+    if not classes or not all(isinstance(c, (int, float)) for c in classes):
+        return None
+    if any(isinstance(c, float) for c in classes):
+        return f"{len(classes):,} distinct values among {rows:,} rows, not whole numbers"
+    if len(classes) > 100 and len(classes) * 20 > rows:
+        return f"{len(classes):,} distinct values among {rows:,} rows"
+    return None
+
+
 def _train(spec: TrainSpec, dev, rank: int, world: int, dsn: str, knobs: Settings) -> dict | None:
     import torch
 
@@ -239,6 +251,9 @@ def _train(spec: TrainSpec, dev, rank: int, world: int, dsn: str, knobs: Setting
                          f"(--val-fraction {spec.val_fraction})")
     task = ds.task
     classes = len(ds.classes) if task == "classify" else 0
+    if rank == 0 and task == "classify" and (why := continuous_label(ds.classes, len(ds))):
+        log.warning("--label %s: %s; --task classify trains each value as a class of its own: for a numeric target "
+                    "pass --task regress", spec.label, why)
     target = (0.0, 1.0)
     if task == "regress":
         y = train_ds.labels.double()
