@@ -53,6 +53,7 @@ def test_map_page_in_headless_chromium(cli, dsn, conn, tmp_path):
             "--store-coords", "--db", dsn, "--json", check=True, extra_env={"NUMBA_CACHE_DIR": NUMBA_CACHE})
     summary = orjson.loads(p.stdout)
     assert (summary["rows"], summary["total"], summary["stored"]) == (2000, 2500, ["map_x", "map_y"])
+    assert summary["layout_s"] == summary["umap_s"] > 0 and summary["method"]  # one time, whichever layout ran
     mapped = dict(conn.execute("SELECT id, content FROM docs WHERE map_x IS NOT NULL AND map_y IS NOT NULL").fetchall())
     assert len(mapped) == 2000 and conn.execute("SELECT count(*) FROM docs WHERE map_x IS NULL").fetchone()[0] == 500
     topic = dict(conn.execute("SELECT id, topic FROM docs").fetchall())
