@@ -69,6 +69,20 @@ def test_filters_over_http_run_as_a_role_that_reads_the_table_only(embedded_tabl
             assert status == 400 and "statement timeout" in doc["error"] and seconds < 10
             assert admin.execute("SELECT count(*) FROM pg_stat_activity WHERE query LIKE '%%pg_sleep(30)%%' "
                                  "AND state = 'active' AND pid <> pg_backend_pid()").fetchone()[0] == 0
+        # errors in the client's words (`where=`, not the CLI's `--where`), and a parameter given twice refused
+        status, doc, _ = _get(base, q="cable", where="no_such_column > 1")
+        assert status == 400 and doc["error"].startswith("where='no_such_column > 1': "), doc
+        status, doc, _ = _get(base, q="cable", hybrid="true")
+        assert status == 400 and doc["error"].startswith("hybrid=true: table 'docs' has no full-text index"), doc
+        with pytest.raises(urllib.error.HTTPError) as twice:
+            urllib.request.urlopen(f"{base}/search?q=cable&k=2&k=50", timeout=60)
+        assert twice.value.code == 400 and json.loads(twice.value.read())["error"] == \
+            "k: given 2 times; give each parameter once"
+        body = json.dumps({"q": "cable", "k": 3}).encode()
+        request = urllib.request.Request(f"{base}/search?k=5", data=body, headers={"Content-Type": "application/json"})
+        with pytest.raises(urllib.error.HTTPError) as both:
+            urllib.request.urlopen(request, timeout=60)
+        assert both.value.code == 400 and "k: given both in the URL and in the body" in json.loads(both.value.read())["error"]
     finally:
         proc.terminate()
         proc.wait(timeout=30)

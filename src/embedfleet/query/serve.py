@@ -45,6 +45,16 @@ log = logging.getLogger(__name__)
 
 MAX_K = 1000
 SEARCH_PARAMS = frozenset({"q", "k", "where", "hybrid", "rerank"})
+# The search's own errors name its CLI flags; over HTTP the client gave these parameters.
+_AS_PARAMS = {"--where ": "where=", "--hybrid:": "hybrid=true:", "--group-by-parent:": "group-by-parent:"}
+
+
+def as_http(message: str) -> str:
+    """A search error's words as an HTTP client gave them: `where='…': …`, not `--where '…': …`."""
+    for flag, param in _AS_PARAMS.items():
+        if message.startswith(flag):
+            return param + message[len(flag):]
+    return message
 MAX_REQUEST_BYTES = 4 << 20  # a request's body
 MAX_INPUTS = 2048  # texts in one /v1/embeddings request
 BATCH_TEXTS = 4096  # texts the batcher takes together at most
@@ -329,13 +339,13 @@ class SearchService:
         except EmbedfleetError:  # the user's input (a bad where): the connection rolled back, still good
             healthy = not searcher.conn.broken
             if where and not healthy:
-                raise InputError(f"--where {where!r} ended its own database connection") from None
+                raise InputError(f"where={where!r} ended its own database connection") from None
             raise
         except Exception as e:
             import psycopg
 
             if where and isinstance(e, psycopg.Error) and searcher.conn.broken:
-                raise InputError(f"--where {where!r} ended its own database connection") from None
+                raise InputError(f"where={where!r} ended its own database connection") from None
             if isinstance(e, psycopg.OperationalError):  # the server went away (its next searcher reconnects)
                 raise DatabaseError(f"the database did not answer: {str(e).splitlines()[0]}") from None
             if isinstance(e, psycopg.errors.UndefinedTable):
@@ -387,6 +397,10 @@ def make_app(service: SearchService, api_key: str | None = None):
 
     async def params_of(request: Request) -> dict | JSONResponse:
         params = dict(request.query_params)
+        given = [key for key, _ in request.query_params.multi_items()]
+        twice = next((key for key in given if given.count(key) > 1), None)
+        if twice:  # `?q=a&q=b`: which one was meant is not ours to pick
+            return error(400, f"{twice}: given {given.count(twice)} times; give each parameter once")
         if request.method == "POST":
             body = await _body(request)
             if isinstance(body, Response):
@@ -400,6 +414,9 @@ def make_app(service: SearchService, api_key: str | None = None):
             if wrong:
                 want = {"q": "a string", "where": "a string", "k": "a whole number"}.get(wrong, "true or false")
                 return error(400, f"{wrong}: {body[wrong]!r} is not {want}")
+            both = next((key for key, v in body.items() if v is not None and key in params), None)
+            if both:
+                return error(400, f"{both}: given both in the URL and in the body; give it once")
             params.update({key: str(v).lower() if isinstance(v, bool) else str(v) for key, v in body.items()
                            if v is not None})
         unknown = sorted(set(params) - SEARCH_PARAMS)
@@ -473,7 +490,7 @@ def make_app(service: SearchService, api_key: str | None = None):
         try:
             results, scan = task.result()
         except InputError as e:
-            return error(400, str(e))
+            return error(400, as_http(str(e)))
         except DatabaseError as e:
             return error(503, str(e))
         except Exception as e:  # noqa: BLE001 - the server stays up; the client hears what failed
