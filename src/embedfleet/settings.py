@@ -410,7 +410,7 @@ class TrainSpec:
     head: str = "linear"
     epochs: int = 10
     batch_size: int | None = None  # global, across ranks (None: an eighth of the train split, see trainer)
-    lr: float = 1e-3
+    lr: float | None = None  # None: auto_lr of the run's steps
     weight_decay: float = 0.01
     where: str | None = None
     val_fraction: float = 0.1
@@ -446,7 +446,7 @@ class TrainSpec:
             raise InputError(f"--head {self.head!r}: use {' or '.join(HEADS)}")
         if self.epochs < 1 or (self.batch_size is not None and self.batch_size < 1):
             raise InputError("--epochs and --batch-size must be at least 1")
-        if not self.lr > 0:
+        if self.lr is not None and not self.lr > 0:
             raise InputError(f"--lr {self.lr}: use a positive learning rate")
         if not 0.0 <= self.val_fraction < 1.0:
             raise InputError(f"--val-fraction {self.val_fraction}: use a value in [0, 1)")

@@ -228,3 +228,11 @@ def test_the_default_batch_takes_at_least_eight_steps_an_epoch():
     assert [auto_batch(n) for n in (1, 7, 8, 169, 180, 1000)] == [1, 1, 1, 16, 16, 64]
     assert auto_batch(10**6) == MAX_AUTO_BATCH == 4096
     assert all(-(-n // auto_batch(n)) >= 8 for n in range(8, 40_000, 7))
+
+
+def test_the_default_learning_rate_is_raised_only_for_short_runs():
+    from embedfleet.train.trainer import auto_lr
+
+    assert auto_lr(140) == 0.01 and auto_lr(1) == 0.01  # a few steps: at most 0.01
+    assert auto_lr(1000) == pytest.approx(0.002)
+    assert auto_lr(2000) == auto_lr(100_000) == 0.001  # AdamW's usual rate for a run of any length

@@ -24,7 +24,7 @@ def train(
     epochs: int = typer.Option(10, "--epochs"),
     batch_size: Optional[int] = typer.Option(None, "--batch-size", help="rows a step, across all devices (default: "
                                              "an eighth of the train rows as a power of two, at most 4096)"),
-    lr: float = typer.Option(1e-3, "--lr", help="AdamW learning rate (warm-up, then cosine decay)"),
+    lr: Optional[float] = typer.Option(None, "--lr", help="AdamW learning rate (warm-up, then cosine decay); default 0.001, more for a run of under 2,000 steps (at most 0.01)"),
     where: Optional[str] = typer.Option(None, "--where", help="SQL filter on the rows (read-only)"),
     val_fraction: float = typer.Option(0.1, "--val-fraction", help="share of rows, by id hash, kept for validation"),
     devices: str = typer.Option("auto", "--devices", help="auto | cpu | cuda | cuda:0,1,… (one process each)"),

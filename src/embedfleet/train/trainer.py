@@ -33,7 +33,7 @@ from embedfleet.logs import setup_logging
 from embedfleet.platform.processes import die_with_parent, exit_now, first_failure, spawn, stop
 from embedfleet.settings import Settings, TrainSpec
 
-__all__ = ["auto_batch", "train", "run_rank", "lr_factor", "default_out"]
+__all__ = ["auto_batch", "auto_lr", "train", "run_rank", "lr_factor", "default_out"]
 
 log = logging.getLogger("embedfleet")
 
@@ -145,6 +145,15 @@ def _made_by(dsn: str, table: str) -> dict | None:
     if made is not None:
         made.pop("requested_dim", None)
     return made
+
+
+DEFAULT_LR = 1e-3
+
+
+def auto_lr(total_steps: int) -> float:
+    """The default learning rate: AdamW's usual 0.001, raised for a short run (a small table) so that its
+    steps together can still move a weight by about 2 (AdamW moves each by about lr a step), at most 0.01."""
+    return min(1e-2, max(DEFAULT_LR, 2.0 / max(total_steps, 1)))
 
 
 def lr_factor(step: int, total_steps: int) -> float:
@@ -268,7 +277,11 @@ def _train(spec: TrainSpec, dev, rank: int, world: int, dsn: str, knobs: Setting
                  batch, len(train_ds), MAX_AUTO_BATCH)
     per_rank = -(-batch // world)
     total_steps = spec.epochs * len(ordering.step_sizes(len(train_ds), per_rank, world))
-    lrs = [spec.lr * lr_factor(s, total_steps) for s in range(total_steps)]
+    lr = spec.lr or auto_lr(total_steps)
+    if spec.lr is None and rank == 0 and lr != DEFAULT_LR:
+        log.info("learning rate %g (the default %g, raised for a run of only %d steps so that it still learns; --lr "
+                 "sets it)", lr, DEFAULT_LR, total_steps)
+    lrs = [lr * lr_factor(s, total_steps) for s in range(total_steps)]
     loop = TrainLoop(model, train_ds, per_rank, rank, world, task, target, lrs, spec.weight_decay,
                      graph=knobs.train_graph, triton=knobs.triton)
     epochs = []
@@ -287,7 +300,7 @@ def _train(spec: TrainSpec, dev, rank: int, world: int, dsn: str, knobs: Setting
         epochs.append(row)
         if rank == 0 and not spec.json:
             log.info(_epoch_line(row, spec.epochs, task))
-    doc = _metrics(spec, ds, train_ds, val_ds, epochs, world, dev, per_rank)
+    doc = _metrics(spec, ds, train_ds, val_ds, epochs, world, dev, per_rank, lr)
     doc["step"] = loop.mode
     if rank == 0:
         _save(spec, dsn, ds, model, doc, target)
@@ -332,7 +345,7 @@ def _epoch_line(row: dict, epochs: int, task: str) -> str:
     return head + f" ({row['seconds']:.2f} s, {row['samples_per_s']:,.0f} samples/s)"
 
 
-def _metrics(spec, ds, train_ds, val_ds, epochs, world, dev, per_rank) -> dict:
+def _metrics(spec, ds, train_ds, val_ds, epochs, world, dev, per_rank, lr: float) -> dict:
     last = epochs[-1]
     final = {k: v for k, v in last.items() if k not in ("epoch", "seconds", "samples_per_s")}
     return {
@@ -342,7 +355,7 @@ def _metrics(spec, ds, train_ds, val_ds, epochs, world, dev, per_rank) -> dict:
                  "skipped_null_vector": ds.stats["skipped_null_vector"]},
         "classes": ds.classes,
         "cache": ds.cache, "dtype": str(ds.dtype).replace("torch.", ""), "device": str(dev), "world_size": world,
-        "batch_size": per_rank * world, "batch_size_per_rank": per_rank, "lr": spec.lr,
+        "batch_size": per_rank * world, "batch_size_per_rank": per_rank, "lr": lr,
         "epochs_run": len(epochs), "val_fraction": spec.val_fraction, "seed": spec.seed,
         "read": {k: ds.stats[k] for k in ("read_s", "plan_s", "rows_per_s", "connections", "bytes")},
         "epochs": epochs,
