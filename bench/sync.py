@@ -5,7 +5,8 @@ changing.
     python bench/sync.py --rows 1000000 --rates 1000,10000 --seconds 30 [--model DIR] [--devices cuda]
                          [--parts trigger,backfill,lag] [--db DSN] [--out sync.json]
 
-- trigger: pgbench (the server's own), single-row INSERTs from --clients connections for --pgbench-seconds,
+- trigger: pgbench (the server's own), single-row INSERTs (or --trigger-statement update-text|update-other: UPDATEs
+  of random rows' text, or of a column sync does not read) from --clients connections for --pgbench-seconds,
   alternating no trigger / sync's trigger (`pg.queue.install`, nobody draining) --rounds times; the overhead is
   1 - median(with) / median(without), and `overhead_paired` 1 - the median of each round's with / without.
 - backfill: --rows rows written both as a table and as a JSONL file of the same records; `ingest FILE` and
@@ -73,15 +74,29 @@ def _pgbench() -> str:
     return str(Path(pgserver.__file__).parent / "pginstall" / "bin" / "pgbench")
 
 
-def trigger_cost(conn, dsn: str, clients: int, seconds: int, rounds: int) -> dict:
+TRIGGER_STATEMENTS = {
+    "insert": "INSERT INTO bench_trig (body, stars) VALUES ('a review of a phone charger that broke after a week, "
+              "but the seller replaced it', 3);",
+    # UPDATEs of random rows of a 20,000-row table: of the text sync reads, and of a column it does not
+    "update-text": "\\set id random(1, 20000)\nUPDATE bench_trig SET body = 'edited ' || :id || random() WHERE id = :id;",
+    "update-other": "\\set id random(1, 20000)\nUPDATE bench_trig SET views = views + 1 WHERE id = :id;",
+}
+
+
+def trigger_cost(conn, dsn: str, clients: int, seconds: int, rounds: int, statement: str = "insert") -> dict:
     from embedfleet.pg import queue
 
     conn.execute("DROP TABLE IF EXISTS bench_trig CASCADE")
-    conn.execute("CREATE TABLE bench_trig (id bigserial PRIMARY KEY, body text, stars int)")
+    conn.execute("CREATE TABLE bench_trig (id bigserial PRIMARY KEY, body text, stars int, views int DEFAULT 0)")
     q = queue.queue_for("public.bench_trig", "id", "bench_trig")
-    script = Path(tempfile.mkdtemp()) / "insert.sql"
-    script.write_text("INSERT INTO bench_trig (body, stars) VALUES ('a review of a phone charger that broke after a "
-                      "week, but the seller replaced it', 3);\n")
+    script = Path(tempfile.mkdtemp()) / f"{statement}.sql"
+    script.write_text(TRIGGER_STATEMENTS[statement] + "\n")
+
+    def fill() -> None:
+        if statement != "insert":
+            conn.execute("INSERT INTO bench_trig (id, body, stars) SELECT i, 'a review of a phone charger ' || i, 3 "
+                         "FROM generate_series(1, 20000) i")
+    fill()
     tps: dict[str, list[float]] = {"without": [], "with": []}
     for r in range(rounds):
         for mode in (("without", "with") if r % 2 == 0 else ("with", "without")):
@@ -97,11 +112,12 @@ def trigger_cost(conn, dsn: str, clients: int, seconds: int, rounds: int) -> dic
             tps[mode].append(value)
             queue.uninstall(conn, q)
             conn.execute("TRUNCATE bench_trig")
-            say(f"trigger round {r}: {mode} {value:,.0f} inserts/s")
+            fill()
+            say(f"trigger round {r}: {mode} {value:,.0f} {statement}s/s")
     without, with_ = statistics.median(tps["without"]), statistics.median(tps["with"])
     # each round's two runs side by side: a host's drift between rounds (its disk, its neighbours) cancels
     paired = statistics.median(w / wo for w, wo in zip(tps["with"], tps["without"]))
-    return {"clients": clients, "seconds": seconds, "inserts_s": tps, "median_without": without,
+    return {"statement": statement, "clients": clients, "seconds": seconds, "per_s": tps, "median_without": without,
             "median_with": with_, "overhead": round(1 - with_ / without, 4), "overhead_paired": round(1 - paired, 4)}
 
 
@@ -276,6 +292,8 @@ def main() -> None:
     ap.add_argument("--writers", type=int, default=4, help="connections changing the source")
     ap.add_argument("--clients", type=int, default=os.cpu_count() or 2, help="pgbench clients")
     ap.add_argument("--pgbench-seconds", type=int, default=10)
+    ap.add_argument("--trigger-statement", default="insert", choices=sorted(TRIGGER_STATEMENTS),
+                    help="the trigger part's statement: single-row INSERTs, or UPDATEs of the text or of another column")
     ap.add_argument("--rounds", type=int, default=3, help="alternations of the trigger and backfill parts")
     ap.add_argument("--parts", default="trigger,backfill,lag")
     ap.add_argument("--model", default=None)
@@ -300,7 +318,7 @@ def main() -> None:
     doc: dict = {"command": sys.argv}
     with psycopg.connect(dsn, autocommit=True) as conn:
         if "trigger" in parts:
-            doc["trigger"] = trigger_cost(conn, dsn, a.clients, a.pgbench_seconds, a.rounds)
+            doc["trigger"] = trigger_cost(conn, dsn, a.clients, a.pgbench_seconds, a.rounds, a.trigger_statement)
         if "backfill" in parts:
             doc["backfill"] = backfill(conn, a.rows, common, work, min(a.rounds, 2))
         if "lag" in parts:

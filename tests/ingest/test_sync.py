@@ -666,3 +666,21 @@ def test_a_numeric_column_holding_nan_or_infinity_is_copied_as_the_source_holds_
     conn.execute("UPDATE rnan SET price = 'NaN', body = 'now NaN' WHERE review_id = 7")
     cli("sync", *common, check=True)
     assert conn.execute("SELECT price::text FROM rnan_embeddings WHERE id = '7'").fetchone()[0] == "NaN"
+
+
+def test_an_update_of_a_copied_json_or_point_column_goes_through_and_is_followed(cli, dsn, conn):
+    """json and point have no equality operator: a trigger comparing them as they are failed the application's
+    UPDATE ("operator does not exist: json = json")."""
+    conn.execute("CREATE TABLE rjs (id int PRIMARY KEY, body text, attrs json, spot point)")
+    conn.execute("""INSERT INTO rjs SELECT i, 'body ' || i || ' — ü', '{"x": 1}', '(1,2)' FROM generate_series(1, 6) i""")
+    common = ("--from-table", "rjs", "--text-template", "{body} {spot}", "--columns", "attrs", "--db", dsn,
+              "--devices", "cpu", "--quiet")
+    cli("sync", *common, check=True)
+    conn.execute("""UPDATE rjs SET attrs = '{"x": 2}' WHERE id = 1""")  # it failed here
+    conn.execute("UPDATE rjs SET spot = '(3,4)' WHERE id = 2")
+    conn.execute("UPDATE rjs SET attrs = attrs, spot = spot WHERE id = 3")  # nothing changed: nothing queued
+    tag = conn.execute("SELECT tag FROM embedfleet.syncs WHERE job = 'public.rjs_embeddings'").fetchone()[0]
+    assert sorted(k for (k,) in conn.execute(f"SELECT key FROM embedfleet.queue_{tag}")) == ["1", "2"]
+    cli("sync", *common, check=True)
+    rows = {i: (c, a) for i, c, a in conn.execute("SELECT id, content, attrs::text FROM rjs_embeddings")}
+    assert rows["1"][1] == '{"x": 2}' and rows["2"][0] == "body 2 — ü (3,4)" and len(rows) == 6

@@ -29,10 +29,11 @@ from psycopg import sql
 
 from embedfleet.errors import DatabaseError, InputError
 
-__all__ = ["Queue", "queue_for", "install", "uninstall", "installed", "columns_gone", "pending", "claim", "forget", "requeue_all",
-           "server_started"]
+__all__ = ["Queue", "queue_for", "install", "uninstall", "installed", "columns_gone", "pending", "claim", "forget",
+           "requeue_all", "server_started"]
 
 LOCK_TIMEOUT = "5s"
+TRIGGERS = ("row", "update", "truncate")  # after INSERT, UPDATE OF the key, DELETE; after any UPDATE; after TRUNCATE
 
 
 @dataclass(frozen=True)
@@ -66,9 +67,6 @@ class Queue:
 
 def queue_for(source: str, key: str, job: str) -> Queue:
     return Queue(source, key, hashlib.sha1(job.encode()).hexdigest()[:12])
-
-
-TRIGGERS = ("row", "update", "truncate")
 
 
 def installed(conn: psycopg.Connection, q: Queue) -> bool:
@@ -132,11 +130,12 @@ def install(conn: psycopg.Connection, q: Queue, watched: list[str]) -> bool:
             RETURN NULL;
         END""").format(name=sql.Literal(q.table_name), queue=q.table, key=key)
     # An UPDATE's trigger names the watched columns in its body, not in its definition: a column a trigger's
-    # definition names cannot change type. A column dropped since, or one whose type changed under this session's
-    # cached plan, queues the key: the application's UPDATE goes on, and sync compares the row.
+    # definition names cannot change type. Compared as text (json and point have no equality). Whatever the
+    # comparison cannot do (a column dropped since, a type changed under this session's cached plan) queues the
+    # key: the application's UPDATE goes on, and sync compares the row.
     others = [c for c in dict.fromkeys(watched) if c != q.key]
-    old = sql.SQL(", ").join([*(sql.SQL("OLD.{}").format(sql.Identifier(c)) for c in others), sql.NULL])
-    new = sql.SQL(", ").join([*(sql.SQL("NEW.{}").format(sql.Identifier(c)) for c in others), sql.NULL])
+    old = sql.SQL(", ").join([*(sql.SQL("OLD.{}::text").format(sql.Identifier(c)) for c in others), sql.NULL])
+    new = sql.SQL(", ").join([*(sql.SQL("NEW.{}::text").format(sql.Identifier(c)) for c in others), sql.NULL])
     changed = sql.SQL("""
         BEGIN
             IF to_regclass({name}) IS NULL THEN
@@ -146,7 +145,7 @@ def install(conn: psycopg.Connection, q: Queue, watched: list[str]) -> bool:
                 IF ROW({old}) IS NOT DISTINCT FROM ROW({new}) THEN
                     RETURN NULL;
                 END IF;
-            EXCEPTION WHEN undefined_column OR datatype_mismatch THEN
+            EXCEPTION WHEN OTHERS THEN
                 NULL;
             END;
             INSERT INTO {queue} (key) VALUES (NEW.{key}::text);
