@@ -87,8 +87,8 @@ class Settings:
     compile_tokens: int | None = _knob(None, "EMBEDFLEET_COMPILE_TOKENS", "tokens of work before compiling starts",
                                        "2^23, 2^18 once cached")
     triton: bool = _knob(True, "EMBEDFLEET_TRITON",
-                         "Triton kernels on CUDA: Qwen3's fused q/k-norm + RoPE, the trainer's take of a step's rows "
-                         "(0: off)")
+                         "Triton kernels on CUDA: the packed glue of Qwen3, ModernBERT and Gemma3 (norms, RoPE, "
+                         "GeGLU), the trainer's take of a step's rows (0: off)")
     train_readers: int | None = _knob(None, "EMBEDFLEET_TRAIN_READERS", "connections one training read uses",
                                       "a quarter of the cores, 1-4")
     train_gather_threads: int | None = _knob(None, "EMBEDFLEET_TRAIN_GATHER_THREADS",

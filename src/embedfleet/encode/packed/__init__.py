@@ -6,6 +6,9 @@ which case the encoder uses the generic transformers fallback.
 
 from __future__ import annotations
 
+import importlib.util
+import logging
+import threading
 from collections.abc import Mapping
 from pathlib import Path
 
@@ -15,7 +18,10 @@ from embedfleet.errors import ModelError
 from embedfleet.encode.models import (BERT_TYPES, DECODER_TYPES, GEMMA_TYPES, NOMIC_TYPES, ROPE_ENCODER_TYPES,
                                       packed_type, read_weights, strip_prefix)
 
-__all__ = ["BERT_TYPES", "DECODER_TYPES", "OnDevice", "build", "load_state", "strip_prefix", "supports"]
+__all__ = ["BERT_TYPES", "DECODER_TYPES", "OnDevice", "build", "glue_kernels", "kernels_apply", "load_kernels_aside",
+           "load_state", "strip_prefix", "supports"]
+
+log = logging.getLogger(__name__)
 
 
 def load_state(hf_dir: Path) -> dict[str, torch.Tensor] | None:
@@ -23,6 +29,52 @@ def load_state(hf_dir: Path) -> dict[str, torch.Tensor] | None:
     from safetensors.torch import load_file
 
     return read_weights(hf_dir, lambda f: load_file(str(f)))
+
+
+def kernels_apply(device: torch.device, dtype: torch.dtype, head_dim: int) -> bool:
+    """Whether the Triton kernels (`kernels.py`) serve this model: CUDA, half precision, a power-of-two half head
+    (the RoPE kernel's tile), Triton installed. Elsewhere the torch glue (compiled in the background) does the same."""
+    half = head_dim // 2
+    return (device.type == "cuda" and dtype in (torch.float16, torch.bfloat16) and not half & (half - 1)
+            and importlib.util.find_spec("triton") is not None)
+
+
+def glue_kernels(device: torch.device, dtype: torch.dtype, head_dim: int):
+    """The Triton kernels module where `kernels_apply`, else None."""
+    if not kernels_apply(device, dtype, head_dim):
+        return None
+    try:
+        from embedfleet.encode.packed import kernels
+    except ImportError:
+        return None
+    return kernels
+
+
+def load_kernels_aside(model, device: torch.device) -> None:
+    """Hand `model` the Triton kernels (its `kernels`) once they have run one small batch through its
+    `_with_kernels`, on a thread of their own: a machine's first use compiles them (seconds), later ones read
+    them from the cache, and meanwhile the model's glue runs as torch ops. `model.kernels_loaded` is set
+    either way; a failure leaves the torch glue, said once."""
+
+    def load() -> None:
+        try:
+            from embedfleet.encode.packed import kernels
+            from embedfleet.encode.packed.attention import Packing, token_layout
+
+            lengths = torch.tensor([3, 6], dtype=torch.int32, device=device)
+            cu, seg, pos = token_layout(lengths, 9)
+            with torch.inference_mode(), torch.cuda.stream(torch.cuda.Stream(device)):
+                model._with_kernels(torch.ones(9, dtype=torch.long, device=device),
+                                    Packing(cu=cu, max_len=6, seg=seg, pos=pos, lengths=lengths), kernels)
+                torch.cuda.current_stream(device).synchronize()
+            model.kernels = kernels
+        except Exception as err:  # noqa: BLE001 - any compiler failure: the torch glue stays
+            log.warning("Triton kernels for %s unavailable (%s); its glue runs as torch ops", type(model).__name__,
+                        str(err).splitlines()[0] if str(err) else type(err).__name__)
+        finally:
+            model.kernels_loaded.set()
+
+    threading.Thread(target=load, name="embedfleet-kernels", daemon=True).start()
 
 
 class OnDevice(Mapping):
@@ -80,7 +132,7 @@ def _create(spec, device: torch.device, dtype: torch.dtype, state: dict, compile
     if mtype in ROPE_ENCODER_TYPES:
         from embedfleet.encode.packed.modernbert import PackedModernBert
 
-        return PackedModernBert.create(cfg, state, device, dtype, spec.max_seq_length, compile=compile)
+        return PackedModernBert.create(cfg, state, device, dtype, spec.max_seq_length, compile=compile, triton=triton)
     if mtype in NOMIC_TYPES:
         from embedfleet.encode.packed.nomic import PackedNomicBert
 
@@ -88,7 +140,7 @@ def _create(spec, device: torch.device, dtype: torch.dtype, state: dict, compile
     if mtype in GEMMA_TYPES:
         from embedfleet.encode.packed.gemma3 import PackedGemma3
 
-        return PackedGemma3.create(cfg, state, device, dtype, spec.max_seq_length, compile=compile)
+        return PackedGemma3.create(cfg, state, device, dtype, spec.max_seq_length, compile=compile, triton=triton)
     from embedfleet.encode.packed.qwen3 import PackedDecoder
 
     return PackedDecoder.create(cfg, state, device, dtype, spec.max_seq_length, compile=compile, triton=triton)

@@ -4,21 +4,27 @@ Each layer: RMSNorm with (1 + weight) before and after attention and before and 
 q/k RMSNorm; RoPE with one base for the global layers and another for the local ones; grouped K/V heads; the
 local layers attending within a sliding window (bidirectional: each token to those less than the window's half
 away, as transformers masks them); scores scaled by query_pre_attn_scalar. Embeddings are scaled by the square
-root of the width. The config is read as transformers' Gemma3TextConfig reads it (`config.py`).
+root of the width. The config is read as transformers' Gemma3TextConfig reads it (`config.py`). On CUDA in half
+precision the glue between matmuls is Triton kernels (`kernels.py`: q/k norm with RoPE, each post-norm with its
+residual add and the next pre-norm, GeGLU), from the first call; elsewhere torch's ops, compiled in the background
+on CUDA.
 """
 
 from __future__ import annotations
+
+import threading
 
 import torch
 import torch.nn.functional as F
 
 from embedfleet.encode.compile import fused
-from embedfleet.encode.packed import OnDevice, strip_prefix
+from embedfleet.encode.packed import OnDevice, kernels_apply, load_kernels_aside, strip_prefix
 from embedfleet.encode.packed.attention import Packing, attention
 from embedfleet.encode.packed.config import gemma3_config
 from embedfleet.encode.packed.rope import layer_rope_tables, rope
 
 _ACT = {"gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"), "gelu": F.gelu}
+_KERNEL_ACT = {"gelu_pytorch_tanh": "gelu_tanh", "gelu": "gelu"}
 
 
 def _norm(x: torch.Tensor, scale: torch.Tensor, eps: float) -> torch.Tensor:
@@ -28,16 +34,29 @@ def _norm(x: torch.Tensor, scale: torch.Tensor, eps: float) -> torch.Tensor:
 
 class PackedGemma3:
     def __init__(self, weights: dict, layers: list[dict], heads: int, kv_heads: int, head_dim: int, eps: float,
-                 scale: float, act, tables: dict, causal: bool, compile: bool = True):
+                 scale: float, act: str, tables: dict, causal: bool, compile: bool = True, triton: bool = True):
         self.w, self.layers, self.heads, self.kv_heads, self.head_dim = weights, layers, heads, kv_heads, head_dim
-        self.eps, self.scale, self.act, self.tables, self.causal = eps, scale, act, tables, causal
-        self.hidden = weights["embed"].shape[1]
-        self._qkv = fused(_norm_qkv_rope, weights["embed"].device, compile)
-        self._mlp = fused(_attention_out_and_mlp, weights["embed"].device, compile)
-        self.fused = [self._qkv, self._mlp]  # what a BackgroundCompile compiles
+        self.eps, self.scale, self.tables, self.causal = eps, scale, tables, causal
+        self.act, self.act_name = _ACT[act], _KERNEL_ACT[act]
+        embed = weights["embed"]
+        self.hidden = embed.shape[1]
+        self.kernels = None  # the Triton kernels' module, once loaded (`load_kernels_aside`)
+        self.kernels_loaded = threading.Event()
+        use_kernels = triton and kernels_apply(embed.device, embed.dtype, head_dim)
+        if use_kernels:  # the q and k norms' scales a head each, as the kernel reads them
+            for L in layers:
+                L["qk_norm"] = torch.cat([L["q_norm"].expand(heads, -1), L["k_norm"].expand(kv_heads, -1)]).contiguous()
+        self._qkv = fused(_norm_qkv_rope, embed.device, compile)
+        self._mlp = fused(_attention_out_and_mlp, embed.device, compile)
+        # what a BackgroundCompile compiles: nothing where the kernels run the glue
+        self.fused = [] if use_kernels else [self._qkv, self._mlp]
+        if use_kernels:
+            load_kernels_aside(self, embed.device)
+        else:
+            self.kernels_loaded.set()
 
     @classmethod
-    def create(cls, cfg: dict, state: dict, device, dtype, max_len: int, compile: bool = True):
+    def create(cls, cfg: dict, state: dict, device, dtype, max_len: int, compile: bool = True, triton: bool = True):
         conf = gemma3_config(cfg)
 
         def t(x):
@@ -72,7 +91,7 @@ class PackedGemma3:
         weights = {"embed": t(sd["embed_tokens.weight"]), "scale": torch.tensor(conf.hidden_size ** 0.5, dtype=dtype, device=device),
                    "norm": scale(sd["norm.weight"])}
         return cls(weights, layers, heads, kv, hd, conf.rms_norm_eps, conf.query_pre_attn_scalar ** -0.5,
-                   _ACT[conf.hidden_activation], tables, not conf.use_bidirectional_attention, compile=compile)
+                   conf.hidden_activation, tables, not conf.use_bidirectional_attention, compile=compile, triton=triton)
 
     def flops_per_token(self, mean_len: float) -> float:
         lin = sum(L[k].numel() for L in self.layers for k in ("qkv_w", "o_w", "gu_w", "down_w"))
@@ -80,6 +99,9 @@ class PackedGemma3:
         return 2 * lin + 4 * self.heads * self.head_dim * keys
 
     def __call__(self, ids: torch.Tensor, pk: Packing) -> torch.Tensor:
+        kernels = self.kernels
+        if kernels is not None:
+            return self._with_kernels(ids, pk, kernels)
         w, eps, hq, hk = self.w, self.eps, self.heads, self.kv_heads
         x = F.embedding(ids, w["embed"]) * w["scale"]
         pos = pk.pos.long()
@@ -91,6 +113,24 @@ class PackedGemma3:
             x = self._mlp(x, a, L["o_w"], L["o_b"], L["post_attn"], L["pre_ff"], L["gu_w"], L["down_w"], L["post_ff"],
                           eps, self.act)
         return _norm(x, w["norm"], eps)
+
+    def _with_kernels(self, ids: torch.Tensor, pk: Packing, kn) -> torch.Tensor:
+        """The same forward pass, its glue in Triton kernels: each post-norm fused with its residual add and the
+        pre-norm after it."""
+        w, eps, hq, hk, n = self.w, self.eps, self.heads, self.kv_heads, ids.shape[0]
+        x, h = kn.add_norm(F.embedding(ids, w["embed"]) * w["scale"], None, self.layers[0]["in"], None, eps, rms=True)
+        for i, L in enumerate(self.layers):
+            qkv = F.linear(h, L["qkv_w"], L["qkv_b"]).view(n, hq + 2 * hk, -1)
+            cos, sin = self.tables[L["type"]]
+            qk = kn.qk_norm_rope(qkv, hq + hk, L["qk_norm"], cos, sin, pk.pos, eps, round_norm=False)
+            a = attention(qk[:, :hq], qk[:, hq:], qkv[:, hq + hk:], pk, causal=self.causal, scale=self.scale,
+                          window=L["window"])
+            o = F.linear(a.reshape(n, -1), L["o_w"], L["o_b"])
+            x, h = kn.add_norm(x, o, L["pre_ff"], None, eps, rms=True, post_w=L["post_attn"])
+            up = kn.gated_act(F.linear(h, L["gu_w"]), self.act_name)
+            after = self.layers[i + 1]["in"] if i + 1 < len(self.layers) else w["norm"]
+            x, h = kn.add_norm(x, F.linear(up, L["down_w"]), after, None, eps, rms=True, post_w=L["post_ff"])
+        return h
 
 
 def _norm_qkv_rope(x, cos, sin, in_w, qkv_w, qkv_b, q_norm, k_norm, hq: int, hk: int, eps: float):

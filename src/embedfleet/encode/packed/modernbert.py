@@ -4,37 +4,52 @@ Pre-norm layers (the first without its attention norm), QKV as one matmul, RoPE 
 layers and another for the local ones, local layers attending within a sliding window (each token to those at
 most `local_attention // 2` positions away: FlashAttention's window on CUDA, a band mask elsewhere), GeGLU MLP,
 no biases unless the config asks for them. The config is read as transformers' ModernBertConfig reads it
-(`config.py`).
+(`config.py`). On CUDA in half precision the glue between matmuls is three Triton kernels a layer (`kernels.py`:
+RoPE, a residual add with the next norm, GeGLU), from the first call; elsewhere torch's ops, compiled in the
+background on CUDA.
 """
 
 from __future__ import annotations
+
+import threading
 
 import torch
 import torch.nn.functional as F
 
 from embedfleet.encode.compile import fused
-from embedfleet.encode.packed import OnDevice, strip_prefix
+from embedfleet.encode.packed import OnDevice, kernels_apply, load_kernels_aside, strip_prefix
 from embedfleet.encode.packed.attention import Packing, attention
 from embedfleet.encode.packed.config import modernbert_config
 from embedfleet.encode.packed.rope import layer_rope_tables, rope
 
 _ACT = {"gelu": F.gelu, "gelu_new": lambda x: F.gelu(x, approximate="tanh"),
         "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"), "silu": F.silu, "relu": F.relu}
+_KERNEL_ACT = {"gelu": "gelu", "gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "silu": "silu", "relu": "relu"}
 
 
 class PackedModernBert:
     causal = False
 
-    def __init__(self, weights: dict, layers: list[dict], heads: int, eps: float, act, tables: dict,
-                 compile: bool = True):
-        self.w, self.layers, self.heads, self.eps, self.act, self.tables = weights, layers, heads, eps, act, tables
-        self.hidden = weights["embed"].shape[1]
-        self._qkv = fused(_norm_qkv_rope, weights["embed"].device, compile)
-        self._mlp = fused(_attention_out_and_mlp, weights["embed"].device, compile)
-        self.fused = [self._qkv, self._mlp]  # what a BackgroundCompile compiles
+    def __init__(self, weights: dict, layers: list[dict], heads: int, eps: float, act: str, tables: dict,
+                 compile: bool = True, triton: bool = True):
+        self.w, self.layers, self.heads, self.eps, self.tables = weights, layers, heads, eps, tables
+        self.act, self.act_name = _ACT[act], _KERNEL_ACT[act]
+        embed = weights["embed"]
+        self.hidden = embed.shape[1]
+        self.kernels = None  # the Triton kernels' module, once loaded (`load_kernels_aside`)
+        self.kernels_loaded = threading.Event()
+        use_kernels = triton and kernels_apply(embed.device, embed.dtype, self.hidden // heads)
+        self._qkv = fused(_norm_qkv_rope, embed.device, compile)
+        self._mlp = fused(_attention_out_and_mlp, embed.device, compile)
+        # what a BackgroundCompile compiles: nothing where the kernels run the glue
+        self.fused = [] if use_kernels else [self._qkv, self._mlp]
+        if use_kernels:
+            load_kernels_aside(self, embed.device)
+        else:
+            self.kernels_loaded.set()
 
     @classmethod
-    def create(cls, cfg: dict, state: dict, device, dtype, max_len: int, compile: bool = True):
+    def create(cls, cfg: dict, state: dict, device, dtype, max_len: int, compile: bool = True, triton: bool = True):
         conf = modernbert_config(cfg)
 
         def t(x):
@@ -65,7 +80,7 @@ class PackedModernBert:
             })
         weights = {"embed": t(sd["embeddings.tok_embeddings.weight"]), "embed_norm": norm("embeddings.norm"),
                    "final_norm": norm("final_norm")}
-        return cls(weights, layers, heads, conf.norm_eps, _ACT[conf.hidden_activation], tables, compile=compile)
+        return cls(weights, layers, heads, conf.norm_eps, conf.hidden_activation, tables, compile=compile, triton=triton)
 
     def flops_per_token(self, mean_len: float) -> float:
         lin = sum(L[k][0].numel() for L in self.layers for k in ("qkv", "o", "wi", "wo"))
@@ -73,6 +88,9 @@ class PackedModernBert:
         return 2 * lin + 4 * self.hidden * keys
 
     def __call__(self, ids: torch.Tensor, pk: Packing) -> torch.Tensor:
+        kernels = self.kernels
+        if kernels is not None:
+            return self._with_kernels(ids, pk, kernels)
         w, h, eps = self.w, self.hidden, self.eps
         x = F.layer_norm(F.embedding(ids, w["embed"]), (h,), *w["embed_norm"], eps)
         pos = pk.pos.long()
@@ -83,6 +101,22 @@ class PackedModernBert:
             x = self._mlp(x, a, L["o"][0], L["o"][1], L["mlp_norm"][0], L["mlp_norm"][1], L["wi"][0], L["wi"][1],
                           L["wo"][0], L["wo"][1], eps, self.act)
         return F.layer_norm(x, (h,), *w["final_norm"], eps)
+
+    def _with_kernels(self, ids: torch.Tensor, pk: Packing, kn) -> torch.Tensor:
+        """The same forward pass, its glue in Triton kernels: each norm fused with the residual add before it."""
+        w, eps, heads, n = self.w, self.eps, self.heads, ids.shape[0]
+        _, x = kn.add_norm(F.embedding(ids, w["embed"]), None, *w["embed_norm"], eps, rms=False)
+        h = x  # the first layer has no attention norm
+        for i, L in enumerate(self.layers):
+            qkv = F.linear(h, *L["qkv"]).view(n, 3 * heads, -1)
+            cos, sin = self.tables[L["type"]]
+            qk = kn.qk_norm_rope(qkv, 2 * heads, None, cos, sin, pk.pos, eps)
+            a = attention(qk[:, :heads], qk[:, heads:], qkv[:, 2 * heads:], pk, causal=False, window=L["window"])
+            x, h = kn.add_norm(x, F.linear(a.reshape(n, -1), *L["o"]), *L["mlp_norm"], eps, rms=False)
+            up = kn.gated_act(F.linear(h, *L["wi"]), self.act_name)
+            after = self.layers[i + 1]["attn_norm"] if i + 1 < len(self.layers) else w["final_norm"]
+            x, h = kn.add_norm(x, F.linear(up, *L["wo"]), *after, eps, rms=False)
+        return h
 
 
 def _norm_qkv_rope(x, cos, sin, n_w, n_b, qkv_w, qkv_b, heads: int, eps: float):

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from embedfleet.encode.compile import fused
-from embedfleet.encode.packed import OnDevice, strip_prefix
+from embedfleet.encode.packed import OnDevice, glue_kernels, strip_prefix
 from embedfleet.encode.packed.attention import Packing, attention
 from embedfleet.encode.packed.rope import rope, rope_table
 
@@ -40,7 +40,8 @@ class PackedDecoder:
         self._qkv, self._qk, self._post = (fused(f, device, compile)
                                            for f in (_qkv_proj, _qk_norm_rope, _post_attention))
         self.fused = [self._qkv, self._qk, self._post]  # what a BackgroundCompile compiles (those it runs)
-        self._kernel = _triton_qk_norm_rope(device, weights["embed"].dtype, head_dim) if triton else None
+        kernels = glue_kernels(device, weights["embed"].dtype, head_dim) if triton else None
+        self._kernel = kernels.qk_norm_rope if kernels is not None else None
 
     @classmethod
     def create(cls, cfg: dict, state: dict, device, dtype, max_len: int, compile: bool = True, triton: bool = True):
@@ -112,19 +113,6 @@ class PackedDecoder:
             a = attention(qk[:, : self.heads], qk[:, self.heads :], qkv[:, qk_heads:], pk, causal=True)
             x = self._post(x, a, L["o_w"], L["post_w"], L["gu_w"], L["down_w"], self.eps)
         return F.rms_norm(x, (self.hidden,), self.w["norm"], self.eps)
-
-
-def _triton_qk_norm_rope(device: torch.device, dtype: torch.dtype, head_dim: int):
-    """The Triton q/k norm + RoPE kernel where it applies (CUDA, half precision, a power-of-two
-    half head), else None: then the torch path below, compiled, does the same."""
-    half = head_dim // 2
-    if device.type != "cuda" or dtype not in (torch.float16, torch.bfloat16) or half & (half - 1):
-        return None
-    try:
-        from embedfleet.encode.packed.kernels import qk_norm_rope
-    except ImportError:
-        return None
-    return qk_norm_rope
 
 
 def _qkv_proj(x, in_w, qkv_w, qkv_b, eps: float):
