@@ -210,11 +210,14 @@ class Encoder:
 
     def warmup(self, wait: bool = True, compile: bool | None = True) -> None:
         """Pay start-up costs now rather than in the first real batches: the tokenizer's helper
-        processes (waited for), and on CUDA the forward pass's compilation, which runs in the
-        background (eager meanwhile); `wait` waits for it. `compile=None` (little work
+        processes (waited for), and on CUDA the Triton kernels' loading and the forward pass's compilation,
+        which run in the background (eager meanwhile); `wait` waits for them. `compile=None` (little work
         ahead) leaves the compile to the usual rule, once enough tokens have been seen; `False`
         never compiles (the work ahead would not pay for it)."""
         self._tok.start()
+        loaded = getattr(self.model, "kernels_loaded", None)
+        if loaded is not None and wait:  # the Triton kernels, loading on their thread (compiled on a first use)
+            loaded.wait()
         if compile is False and self._compile is not None and self._compile.state == "waiting":
             self._compile = None  # (one already started, by a long call, is left to finish)
         if self._dev.type != "cuda":
