@@ -38,18 +38,21 @@ __all__ = ["run_job", "check_job", "plan_job", "finalize", "apply_limit"]
 log = logging.getLogger("embedfleet")
 
 
-def run_job(spec: JobSpec, settings: Settings, launcher: Launcher, empty_ok: bool = False, said: bool = False) -> dict:
+def run_job(spec: JobSpec, settings: Settings, launcher: Launcher, empty_ok: bool = False, said: bool = False,
+            checked: bool = False) -> dict:
     """Run one ingest job to its end. Returns the job's final progress (each worker's summary under
     "summaries", the checked spec under "spec"). A job that ends with failed chunks, stops with chunks left, embeds nothing, or whose
     table cannot be finished is a JobError, and the ledger says the same (state and error). An interrupt
     (Ctrl-C, SIGTERM) stops the workers, frees their chunks and leaves the job "interrupted". `empty_ok`: a
-    source with nothing in it is a job of no chunks (sync's backfill of an empty table), not an error."""
+    source with nothing in it is a job of no chunks (sync's backfill of an empty table), not an error. `checked`:
+    `spec` is what `check_job` returned already (sync checks it before installing its trigger)."""
     dsn = resolve_dsn(spec.db, settings)
     reconnect = Reconnect(dsn, settings.db_patience_seconds)
     conn = reconnect.first()
     served = ExitStack()
     try:
-        cfg = check_job(spec, conn, settings, say=not said)  # before the ledger exists: a job that cannot run leaves nothing behind
+        # before the ledger exists: a job that cannot run leaves nothing behind
+        cfg = spec if checked else check_job(spec, conn, settings, say=not said)
         # the metrics port taken before anything is planned, too: one it cannot have leaves no job behind
         served.enter_context(_metrics(settings.metrics_port, dsn, cfg.job))
     except BaseException:

@@ -199,11 +199,8 @@ class Lane:
         except (psycopg.errors.UndefinedTable, psycopg.errors.UndefinedColumn) as e:
             raise source_gone_error(self.source_name, self.queue, str(e).splitlines()[0]) from None
         key_at = names.index(key)
-        return [RawRecord(self.source_name, self.key_line(row[key_at]), dict(zip(names, row)),
+        return [RawRecord(self.source_name, key_line(row[key_at], self.key_type), dict(zip(names, row)),
                           orjson.dumps(dict(zip(names, row)), default=str).decode(), None) for row in rows]
-
-    def key_line(self, key: str) -> int:
-        return key_line(key, self.key_type)
 
     def _write(self, keys: list[str], raws: list[RawRecord], truncated: bool, stats: SyncStats) -> None:
         conn, target = self.target, table_sql(self.target, self.spec.table)
@@ -258,7 +255,7 @@ class Lane:
         """The batch's rejects kept for `jobs rejects`, one per key; a key written or deleted now has none."""
         with self.target.cursor() as cur:
             cur.execute("DELETE FROM embedfleet.rejects WHERE job = %s AND source = %s AND line = ANY(%s)",
-                        [self.spec.job, self.source_name, [self.key_line(k) for k in keys]])
+                        [self.spec.job, self.source_name, [key_line(k, self.key_type) for k in keys]])
             cur.executemany("INSERT INTO embedfleet.rejects (job, source, line, reason, raw) VALUES (%s, %s, %s, %s, %s)",
                             [(self.spec.job, r.source, r.line, r.reason, r.raw) for r in rejects])
 
@@ -277,15 +274,18 @@ class Lane:
         ids = [i for (i,) in self.target.execute(sql.SQL("SELECT id FROM {}").format(target)) if i not in alive]
         return self.target.execute(sql.SQL("DELETE FROM {} WHERE id = ANY(%s)").format(target), [ids]).rowcount
 
-    def source_gone(self) -> bool:
-        return self.source.execute("SELECT to_regclass(%s) IS NULL", [self.source_name]).fetchone()[0]
-
-    def trigger_gone(self) -> bool:
-        """The source's changes no longer reach the queue (its key dropped with CASCADE took the trigger)."""
-        return not queue.installed(self.source, self.queue)
-
-    def columns_gone(self) -> list[str]:
-        return queue.columns_gone(self.source, self.queue, self.watched)
+    def check_following(self) -> None:
+        """An InputError if following cannot go on: the source gone, its trigger dropped, a column it reads gone."""
+        source, installed, gone = queue.following(self.source, self.queue, self.watched)
+        if not source:
+            raise source_gone_error(self.source_name, self.queue)
+        if not installed:
+            raise InputError(f"sync: the trigger that queues {self.source_name}'s changes was dropped while following "
+                             "(its key dropped with CASCADE?): rerun sync to make it again; every row is then compared once")
+        if gone:
+            raise InputError(f"sync: column {gone[0]!r} of {self.source_name}, which sync reads, was dropped or renamed "
+                             "while following; its queue is kept: put the column back and rerun sync, or sync the "
+                             "columns the table has now into a new --table")
 
 
 class Syncer:
@@ -372,17 +372,7 @@ class Syncer:
                         with self._wake:
                             self._wake.notify_all()
                     if all(idle) and time.monotonic() - marked > 1.0:
-                        if self.lanes[0].source_gone():
-                            raise source_gone_error(self.lanes[0].source_name, self.queue)
-                        if self.lanes[0].trigger_gone():
-                            raise InputError(f"sync: the trigger that queues {self.lanes[0].source_name}'s changes "
-                                             "was dropped while following (its key dropped with CASCADE?): rerun "
-                                             "sync to make it again; every row is then compared once")
-                        if gone := self.lanes[0].columns_gone():
-                            raise InputError(f"sync: column {gone[0]!r} of {self.lanes[0].source_name}, which sync "
-                                             "reads, was dropped or renamed while following; its queue is kept: "
-                                             "put the column back and rerun sync, or sync the columns the table "
-                                             "has now into a new --table")
+                        self.lanes[0].check_following()
                         if not self.requeue_after_restart(ledger):
                             ledger.synced(self.spec.job)
                         marked = time.monotonic()
@@ -473,7 +463,7 @@ def run_sync(spec: JobSpec, settings: Settings, launcher, device: str, follow: b
     try:
         ledger.record_sync(cfg.job, q.source, q.key, q.tag, src_dsn == dsn, started, source_db)
         before = ledger.progress(cfg.job)["rows_written"] if ledger.job(cfg.job) else 0  # an earlier run's backfill
-        progress = run_job(spec, settings, launcher, empty_ok=True, said=True)
+        progress = run_job(cfg, settings, launcher, empty_ok=True, checked=True)
         cfg = progress["spec"]
         lanes, batch = lanes or default_lanes(), batch or BATCH_KEYS
         syncer = Syncer(cfg, settings, dsn, src_dsn, device, batch, lanes=lanes) if table_exists(

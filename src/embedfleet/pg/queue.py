@@ -29,7 +29,7 @@ from psycopg import sql
 
 from embedfleet.errors import DatabaseError, InputError
 
-__all__ = ["Queue", "queue_for", "install", "uninstall", "installed", "columns_gone", "pending", "claim", "forget",
+__all__ = ["Queue", "queue_for", "install", "uninstall", "installed", "following", "pending", "claim", "forget",
            "requeue_all", "server_started"]
 
 LOCK_TIMEOUT = "5s"
@@ -77,11 +77,17 @@ def installed(conn: psycopg.Connection, q: Queue) -> bool:
         [len(TRIGGERS), q.source, q.trigger_names]).fetchone()[0]
 
 
-def columns_gone(conn: psycopg.Connection, q: Queue, watched: list[str]) -> list[str]:
-    """The watched columns the source no longer has (dropped or renamed: nothing stops that DDL)."""
-    have = {a for (a,) in conn.execute("SELECT attname FROM pg_attribute WHERE attrelid = %s::regclass AND attnum > 0 "
-                                       "AND NOT attisdropped", [q.source])}
-    return [c for c in watched if c not in have]
+def following(conn: psycopg.Connection, q: Queue, watched: list[str]) -> tuple[bool, bool, list[str]]:
+    """What a follower checks while idle, in one round trip: the source is there, the queue and its triggers are
+    (the key dropped with CASCADE takes the row trigger), and the watched columns it no longer has (dropped or
+    renamed: nothing stops that DDL)."""
+    return conn.execute(
+        "SELECT to_regclass(%(source)s) IS NOT NULL, to_regclass(%(queue)s) IS NOT NULL AND (SELECT count(*) "
+        "FROM pg_trigger WHERE tgrelid = to_regclass(%(source)s) AND tgname = ANY(%(names)s)) = %(n)s, "
+        "ARRAY(SELECT c FROM unnest(%(watched)s::text[]) AS c WHERE NOT EXISTS (SELECT FROM pg_attribute "
+        "WHERE attrelid = to_regclass(%(source)s) AND attname = c AND attnum > 0 AND NOT attisdropped))",
+        {"source": q.source, "queue": q.table_name, "names": q.trigger_names, "n": len(TRIGGERS),
+         "watched": watched}).fetchone()
 
 
 def _check_privileges(conn: psycopg.Connection, q: Queue) -> None:

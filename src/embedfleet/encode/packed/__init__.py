@@ -74,7 +74,8 @@ def load_kernels_aside(model, device: torch.device) -> None:
         finally:
             model.kernels_loaded.set()
 
-    threading.Thread(target=load, name="embedfleet-kernels", daemon=True).start()
+    # not a daemon, as the background compile: a process ending meanwhile waits for it, not tear CUDA down under it
+    threading.Thread(target=load, name="embedfleet-kernels").start()
 
 
 class OnDevice(Mapping):
