@@ -105,11 +105,7 @@ def read_csv(spec: ChunkSpec, after_line: int = 0) -> Iterator[RawRecord]:
     f = open_binary(spec.source, spec.start, spec.end)  # outside the try: a missing file is not a corrupt one
     try:
         with f:
-            if spec.start == 0:
-                lines, header = _open(f)
-            else:  # a part appended later: the header is the file's, its lines are numbered on from the plan
-                header, lines = _header(spec.source), _Lines(_text(f))
-                lines.number = spec.first_line - 1
+            lines, header = _chunk_lines(spec, f)
             if header is None:
                 return
             for line, row, text, error in _records(lines):
@@ -128,6 +124,16 @@ def read_csv(spec: ChunkSpec, after_line: int = 0) -> Iterator[RawRecord]:
         if not isinstance(err, DamagedStream):
             raise err from e
         yield err.reject  # the rows before the damage were read
+
+
+def _chunk_lines(spec: ChunkSpec, f: IO[bytes]) -> tuple["_Lines", list[str] | None]:
+    """A chunk's lines and the file's header (None: the file has none). A part appended later has the file's
+    header, and its lines are numbered on from the plan's."""
+    if spec.start == 0:
+        return _open(f)
+    lines = _Lines(_text(f))
+    lines.number = spec.first_line - 1
+    return lines, _header(spec.source)
 
 
 def data_rows(stream: IO[bytes], most: int) -> int:
@@ -149,13 +155,9 @@ def record_cap(spec: ChunkSpec, most: int) -> tuple[int, int | None]:
     n = 0
     try:
         with open_binary(spec.source, spec.start, spec.end) as stream:
-            if spec.start == 0:
-                lines, header = _open(stream)
-                if header is None:
-                    return 0, None
-            else:
-                lines = _Lines(_text(stream))
-                lines.number = spec.first_line - 1
+            lines, header = _chunk_lines(spec, stream)
+            if header is None:
+                return 0, None
             for line, *_ in _records(lines):
                 n += 1
                 if n == most:
