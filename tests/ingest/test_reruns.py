@@ -208,6 +208,19 @@ def test_limit_counts_over_what_was_planned_before(cli, dsn, conn, tmp_path):
     assert len(_rows(conn, "lim")) == 25
 
 
+def test_limit_on_a_rerun_counts_the_csv_records_planned_not_their_lines(cli, dsn, conn, tmp_path):
+    """A quoted CSV field over several lines is one record: a rerun's --limit counts the records planned before."""
+    a = tmp_path / "a.csv"
+    a.write_text("text\n" + "".join(f'"review {i}\nsecond line\nthird"\n' for i in range(4)))
+    assert _ingest(cli, dsn, a, "--table", "limcsv", "--limit", "6").returncode == 0
+    assert len(_rows(conn, "limcsv")) == 4
+    with a.open("a") as f:
+        f.write("".join(f"review {i}\n" for i in range(4, 10)))
+    assert _ingest(cli, dsn, a, "--table", "limcsv", "--limit", "6").returncode == 0
+    assert sorted(_rows(conn, "limcsv").values()) == sorted([f"review {i}\nsecond line\nthird" for i in range(4)]
+                                                            + ["review 4", "review 5"])
+
+
 def test_replace_names_only_the_jobs_files(cli, dsn, tmp_path):
     a, other = tmp_path / "a.jsonl", tmp_path / "other.jsonl"
     a.write_text(_lines("a", 0, 3))

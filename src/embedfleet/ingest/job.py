@@ -27,7 +27,7 @@ from embedfleet.pg.ddl import (check_embedding_column, check_identifier, check_p
 from embedfleet.pg.embedded import resolve_dsn
 from embedfleet.settings import JobSpec, Settings, default_chunk_bytes
 from embedfleet.sources import files
-from embedfleet.sources.plan import (CSV_FIRST_LINE, ChunkSpec, chunk_lines, expand_inputs, plan_chunks, plan_file,
+from embedfleet.sources.plan import (ChunkSpec, chunk_lines, expand_inputs, plan_chunks, plan_file,
                                      table_name_for)
 from embedfleet.sources.table import describe, plan_table
 from embedfleet.sources.presets import table_columns
@@ -485,7 +485,7 @@ def plan_changes(cfg: JobSpec, ledger: Ledger, chunk_bytes: int) -> int:
         start, more = appended_from(p)
         grown += plan_file(p.source, chunk_bytes, start=start, first_line=next_line(last[p.source][0]) + more)
     grown += [c for source in found.new for c in plan_file(source, chunk_bytes)]
-    plan = apply_limit(grown, None if cfg.limit is None else max(0, cfg.limit - lines_planned(last)))
+    plan = apply_limit(grown, None if cfg.limit is None else max(0, cfg.limit - lines_planned(last, cfg.limit)))
     replaced = []
     for source in sorted(replace):
         chunks = plan_file(source, chunk_bytes)
@@ -504,16 +504,21 @@ def plan_changes(cfg: JobSpec, ledger: Ledger, chunk_bytes: int) -> int:
     return ledger.extend_job(cfg.job, plan + replaced, records, replace & set(known))
 
 
-def lines_planned(last: dict) -> int:
-    """The lines (data rows) a job planned, from each file's last chunk and its --limit cap."""
+def lines_planned(last: dict, most: int) -> int:
+    """The records a job planned (up to `most`), from each file's last chunk and its --limit cap: a line each,
+    except in a CSV file, where a quoted field may run over lines and its records are counted."""
     from embedfleet.sources.changes import next_line
+    from embedfleet.sources.csv import records_before
 
     total = 0
     for spec, cap in last.values():
+        if spec.kind == "csv":
+            total += records_before(spec.source, spec.end, cap, most)
+            continue
         end = next_line(spec)
         if cap is not None:
             end = min(end, cap + 1)
-        total += end - (CSV_FIRST_LINE if spec.kind == "csv" else 1)
+        total += end - 1
     return total
 
 

@@ -167,6 +167,24 @@ def record_cap(spec: ChunkSpec, most: int) -> tuple[int, int | None]:
     return n, None
 
 
+def records_before(source: str, end: int, last_line: int | None, most: int) -> int:
+    """The records of a CSV file's first `end` bytes that start on `last_line` or before (None: any), at most
+    `most`: what an earlier --limit planned, counted as --limit counts (blank lines too)."""
+    n = 0
+    try:
+        with open_binary(source, 0, end) as stream:
+            lines, header = _open(stream)
+            if header is None:
+                return 0
+            for line, *_ in _records(lines):
+                if n == most or (last_line is not None and line > last_line):
+                    break
+                n += 1
+    except (csv.Error, *STREAM_ERRORS):  # damaged: what was read counts (the reader says where)
+        pass
+    return n
+
+
 def _record(source: str, line: int, header: list[str], row: list[str], text: str) -> RawRecord:
     if len(row) != len(header):
         return RawRecord(source, line, None, text, f"CSV row has {len(row)} fields, the header has {len(header)}")
