@@ -13,7 +13,7 @@ import os
 import socket
 import uuid
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Iterable
+from typing import TYPE_CHECKING, Callable, Iterable
 
 import orjson
 import psycopg
@@ -847,9 +847,11 @@ def _as_recorded_relative(cfg: JobSpec, recorded: str | None) -> tuple[str, ...]
     return old.fingerprint(), old.fingerprint(legacy=True)
 
 
-def jobs_overview(conn: psycopg.Connection, job: str | None = None, source_db: str | None = None) -> list[dict]:
+def jobs_overview(conn: psycopg.Connection, job: str | None = None, source_db: str | None = None,
+                  count_rows: Callable[[psycopg.Connection, str], int] = table_rows) -> list[dict]:
     """What `embedfleet status` prints: one dict per job (contract fields first). Reads only: a role with
-    SELECT on the ledger is enough, and a database without a ledger has no jobs."""
+    SELECT on the ledger is enough, and a database without a ledger has no jobs. `count_rows`: a sync job's
+    rows, counted in its table (`status --watch` counts less often than it redraws)."""
     if not ledger_exists(conn):
         return []
     with conn.cursor(row_factory=dict_row) as cur:
@@ -904,7 +906,7 @@ def jobs_overview(conn: psycopg.Connection, job: str | None = None, source_db: s
             # a followed table's rows are the source's now, not what its backfill wrote
             out[-1]["backfill_rows"] = out[-1]["rows_written"]
             if out[-1]["table_exists"]:
-                out[-1]["rows_written"] = table_rows(conn, r["table"])
+                out[-1]["rows_written"] = count_rows(conn, r["table"])
     return out
 
 

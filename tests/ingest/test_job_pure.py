@@ -255,3 +255,16 @@ def test_run_queue_seconds_counts_time_ready_without_a_cpu():
     assert run_queue_seconds(me) - mine > 0.1
     assert run_queue_seconds() - before >= run_queue_seconds(me) - mine - 0.01  # the process's has its threads'
     assert run_queue_seconds(2**31 - 1) is None  # no such thread
+
+
+def test_status_watch_counts_a_table_once_in_its_interval(monkeypatch):
+    """`status --watch` redraws each second; a sync job's count(*) reads its whole table, so it is reused for a while."""
+    from embedfleet.ingest import monitor
+
+    now = [100.0]
+    monkeypatch.setattr(monitor.time, "monotonic", lambda: now[0])
+    counted: list[str] = []
+    count = monitor.counted_every(10.0, lambda conn, table: counted.append(table) or len(counted))
+    assert [count("conn", "a"), count("conn", "a"), count("conn", "b")] == [1, 1, 2]
+    now[0] += 10.5
+    assert count("conn", "a") == 3 and counted == ["a", "b", "a"]

@@ -291,6 +291,7 @@ def status(
     from embedfleet.pg.embedded import resolve_dsn
     from embedfleet.pg.connect import connect
     from embedfleet.ledger import job_named, jobs_overview
+    from embedfleet.pg.ddl import table_rows
 
     settings = knobs()
     with connect(resolve_dsn(db, settings)) as conn:
@@ -303,10 +304,11 @@ def status(
             return
         from rich.console import Console
 
-        from embedfleet.ingest.monitor import status_table, watch as watch_fleet
+        from embedfleet.ingest.monitor import counted_every, status_table, watch as watch_fleet
 
         if watch:
-            watch_fleet(lambda: jobs_overview(conn, job, settings.source_db))
+            count = counted_every(10.0, table_rows)  # a sync job's rows, counted in its table
+            watch_fleet(lambda: jobs_overview(conn, job, settings.source_db, count))
             stopped_on_purpose()
             return
         # piped or redirected: each job on one line, whatever its names' length (grep finds it)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import sys
 import time
 from collections import deque
+from typing import Callable
 
 from rich.console import Console, Group
 from rich.live import Live
@@ -182,6 +183,21 @@ def fleet_table(jobs: list[dict]) -> Table:
                       mem, _num(w.get("gpu_temp")), _num(w.get("gpu_power")),
                       _num(w.get("beat_age_s"), "{:.0f}s"))
     return t
+
+
+def counted_every(seconds: float, count: Callable[..., int]) -> Callable[..., int]:
+    """`count`, its answer for the same arguments reused for `seconds`: a table's count(*) reads the whole table,
+    and a redraw a second would keep the server reading it."""
+    seen: dict[tuple, tuple[float, int]] = {}
+
+    def counted(*args) -> int:
+        at, n = seen.get(args[1:], (float("-inf"), 0))  # (the connection is the same one each redraw)
+        if time.monotonic() - at > seconds:
+            n = count(*args)
+            seen[args[1:]] = (time.monotonic(), n)
+        return n
+
+    return counted
 
 
 def watch(read, interval: float = 1.0, console: Console | None = None) -> None:
