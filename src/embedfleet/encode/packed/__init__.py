@@ -19,7 +19,7 @@ from embedfleet.encode.models import (BERT_TYPES, DECODER_TYPES, GEMMA_TYPES, NO
                                       packed_type, read_weights, strip_prefix)
 
 __all__ = ["BERT_TYPES", "DECODER_TYPES", "OnDevice", "build", "glue_kernels", "kernels_apply", "load_kernels_aside",
-           "load_state", "strip_prefix", "supports"]
+           "load_state", "start_glue", "strip_prefix", "supports"]
 
 log = logging.getLogger(__name__)
 
@@ -48,6 +48,22 @@ def glue_kernels(device: torch.device, dtype: torch.dtype, head_dim: int):
     except ImportError:
         return None
     return kernels
+
+
+def start_glue(model, fns, device: torch.device, compile: bool, use_kernels: bool) -> list:
+    """`fns`, the model's torch glue (Fused on CUDA, compiled in the background once enough work came), set up on
+    `model` (its `kernels`, `kernels_loaded`, `fused`): where the Triton kernels serve it (`use_kernels`), they
+    start loading on their thread and nothing compiles."""
+    from embedfleet.encode.compile import fused
+
+    model.kernels, model.kernels_loaded = None, threading.Event()
+    parts = [fused(f, device, compile) for f in fns]
+    model.fused = [] if use_kernels else parts  # what a BackgroundCompile compiles
+    if use_kernels:
+        load_kernels_aside(model, device)
+    else:
+        model.kernels_loaded.set()
+    return parts
 
 
 def load_kernels_aside(model, device: torch.device) -> None:

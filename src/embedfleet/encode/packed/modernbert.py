@@ -11,13 +11,10 @@ background on CUDA.
 
 from __future__ import annotations
 
-import threading
-
 import torch
 import torch.nn.functional as F
 
-from embedfleet.encode.compile import fused
-from embedfleet.encode.packed import OnDevice, kernels_apply, load_kernels_aside, strip_prefix
+from embedfleet.encode.packed import OnDevice, kernels_apply, start_glue, strip_prefix
 from embedfleet.encode.packed.attention import Packing, attention
 from embedfleet.encode.packed.config import modernbert_config
 from embedfleet.encode.packed.rope import layer_rope_tables, rope
@@ -36,17 +33,9 @@ class PackedModernBert:
         self.act, self.act_name = _ACT[act], _KERNEL_ACT[act]
         embed = weights["embed"]
         self.hidden = embed.shape[1]
-        self.kernels = None  # the Triton kernels' module, once loaded (`load_kernels_aside`)
-        self.kernels_loaded = threading.Event()
         use_kernels = triton and kernels_apply(embed.device, embed.dtype, self.hidden // heads)
-        self._qkv = fused(_norm_qkv_rope, embed.device, compile)
-        self._mlp = fused(_attention_out_and_mlp, embed.device, compile)
-        # what a BackgroundCompile compiles: nothing where the kernels run the glue
-        self.fused = [] if use_kernels else [self._qkv, self._mlp]
-        if use_kernels:
-            load_kernels_aside(self, embed.device)
-        else:
-            self.kernels_loaded.set()
+        self._qkv, self._mlp = start_glue(self, (_norm_qkv_rope, _attention_out_and_mlp), embed.device, compile,
+                                          use_kernels)
 
     @classmethod
     def create(cls, cfg: dict, state: dict, device, dtype, max_len: int, compile: bool = True, triton: bool = True):
