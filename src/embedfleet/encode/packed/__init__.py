@@ -70,19 +70,23 @@ def load_kernels_aside(model, device: torch.device) -> None:
     """Hand `model` the Triton kernels (its `kernels`) once they have run one small batch through its
     `_with_kernels`, on a thread of their own: a machine's first use compiles them (seconds), later ones read
     them from the cache, and meanwhile the model's glue runs as torch ops. `model.kernels_loaded` is set
-    either way; a failure leaves the torch glue, said once."""
+    either way; a failure leaves the torch glue, eager (nothing was set to compile), said once."""
 
     def load() -> None:
         try:
             from embedfleet.encode.packed import kernels
             from embedfleet.encode.packed.attention import Packing, token_layout
 
-            lengths = torch.tensor([3, 6], dtype=torch.int32, device=device)
-            cu, seg, pos = token_layout(lengths, 9)
-            with torch.inference_mode(), torch.cuda.stream(torch.cuda.Stream(device)):
+            # on the device's default stream, after the weights and before the callers' later batches: no stream
+            # of its own, whose reads nothing would order after the writes they need
+            with torch.inference_mode(), torch.cuda.device(device):
+                lengths = torch.tensor([3, 6], dtype=torch.int32, device=device)
+                cu, seg, pos = token_layout(lengths, 9)
                 model._with_kernels(torch.ones(9, dtype=torch.long, device=device),
                                     Packing(cu=cu, max_len=6, seg=seg, pos=pos, lengths=lengths), kernels)
-                torch.cuda.current_stream(device).synchronize()
+                done = torch.cuda.Event()
+                done.record()
+                done.synchronize()
             model.kernels = kernels
         except Exception as err:  # noqa: BLE001 - any compiler failure: the torch glue stays
             log.warning("Triton kernels for %s unavailable (%s); its glue runs as torch ops", type(model).__name__,
