@@ -27,7 +27,7 @@ from embedfleet.pg.ddl import (check_embedding_column, check_identifier, check_p
 from embedfleet.pg.embedded import resolve_dsn
 from embedfleet.settings import JobSpec, Settings, default_chunk_bytes
 from embedfleet.sources import files
-from embedfleet.sources.plan import (ChunkSpec, chunk_lines, expand_inputs, plan_chunks, plan_file,
+from embedfleet.sources.plan import (CSV_FIRST_LINE, ChunkSpec, chunk_lines, expand_inputs, plan_chunks, plan_file,
                                      table_name_for)
 from embedfleet.sources.table import describe, plan_table
 from embedfleet.sources.presets import table_columns
@@ -508,12 +508,12 @@ def lines_planned(last: dict, most: int) -> int:
     """The records a job planned (up to `most`), from each file's last chunk and its --limit cap: a line each,
     except in a CSV file, where a quoted field may run over lines and its records are counted."""
     from embedfleet.sources.changes import next_line
-    from embedfleet.sources.csv import records_before
+    from embedfleet.sources.csv import record_cap
 
     total = 0
     for spec, cap in last.values():
-        if spec.kind == "csv":
-            total += records_before(spec.source, spec.end, cap, most)
+        if spec.kind == "csv":  # the file's planned part, from its start
+            total += record_cap(ChunkSpec(spec.source, "csv", 0, spec.end, CSV_FIRST_LINE), most, cap)[0]
             continue
         end = next_line(spec)
         if cap is not None:

@@ -149,9 +149,10 @@ def data_rows(stream: IO[bytes], most: int) -> int:
     return lines.number - first
 
 
-def record_cap(spec: ChunkSpec, most: int) -> tuple[int, int | None]:
+def record_cap(spec: ChunkSpec, most: int, last_line: int | None = None) -> tuple[int, int | None]:
     """(records read, the line the `most`-th starts on; None when the chunk holds fewer): where --limit's cap
-    falls in a CSV chunk, whose records may run over several lines. Blank lines count, as blank JSONL lines do."""
+    falls in a CSV chunk, whose records may run over several lines. Blank lines count, as blank JSONL lines do.
+    `last_line`: records starting after it are not read (an earlier --limit's cap)."""
     n = 0
     try:
         with open_binary(spec.source, spec.start, spec.end) as stream:
@@ -159,30 +160,14 @@ def record_cap(spec: ChunkSpec, most: int) -> tuple[int, int | None]:
             if header is None:
                 return 0, None
             for line, *_ in _records(lines):
+                if last_line is not None and line > last_line:
+                    break
                 n += 1
                 if n == most:
                     return n, line
     except (csv.Error, *STREAM_ERRORS):  # damaged: what was read counts (the reader says where)
         pass
     return n, None
-
-
-def records_before(source: str, end: int, last_line: int | None, most: int) -> int:
-    """The records of a CSV file's first `end` bytes that start on `last_line` or before (None: any), at most
-    `most`: what an earlier --limit planned, counted as --limit counts (blank lines too)."""
-    n = 0
-    try:
-        with open_binary(source, 0, end) as stream:
-            lines, header = _open(stream)
-            if header is None:
-                return 0
-            for line, *_ in _records(lines):
-                if n == most or (last_line is not None and line > last_line):
-                    break
-                n += 1
-    except (csv.Error, *STREAM_ERRORS):  # damaged: what was read counts (the reader says where)
-        pass
-    return n
 
 
 def _record(source: str, line: int, header: list[str], row: list[str], text: str) -> RawRecord:
