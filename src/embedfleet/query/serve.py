@@ -48,13 +48,6 @@ SEARCH_PARAMS = frozenset({"q", "k", "where", "hybrid", "rerank"})
 # The search's own errors name its CLI flags; over HTTP the client gave these parameters.
 _AS_PARAMS = {"--where ": "where=", "--hybrid:": "hybrid=true:", "--group-by-parent:": "group-by-parent:"}
 
-
-def as_http(message: str) -> str:
-    """A search error's words as an HTTP client gave them: `where='…': …`, not `--where '…': …`."""
-    for flag, param in _AS_PARAMS.items():
-        if message.startswith(flag):
-            return param + message[len(flag):]
-    return message
 MAX_REQUEST_BYTES = 4 << 20  # a request's body
 MAX_INPUTS = 2048  # texts in one /v1/embeddings request
 BATCH_TEXTS = 4096  # texts the batcher takes together at most
@@ -63,6 +56,14 @@ SLICE_TEXTS_CPU, SLICE_TEXTS_GPU = 32, 512
 LOOPBACK = ("127.0.0.1", "::1", "localhost")
 CONNECTIONS = 4  # database connections kept for searches, per pool (requests beyond wait for one)
 DISCONNECT_POLL_S = 0.05  # how often a request's client is checked while its search runs
+
+
+def as_http(message: str) -> str:
+    """A search error's words as an HTTP client gave them: `where='…': …`, not `--where '…': …`."""
+    for flag, param in _AS_PARAMS.items():
+        if message.startswith(flag):
+            return param + message[len(flag):]
+    return message
 
 
 def _pick_device(device: str) -> str:
