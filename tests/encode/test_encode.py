@@ -236,6 +236,17 @@ def test_tokenizer_pool_matches_in_process(tiny, monkeypatch):
     assert np.array_equal(a.ids, b.ids) and np.array_equal(a.inverse, b.inverse) and a.num_tokens == b.num_tokens
 
 
+def test_chunks_start_small_and_double_up_to_the_size():
+    """encode()'s chunks: the device waits only for a small first one; each next is twice the last up to the size,
+    and together they cover every text once, in order."""
+    cuts = encoder_mod.chunk_bounds(20_000, 2_500)
+    sizes = np.diff(cuts)
+    assert cuts[0] == 0 and cuts[-1] == 20_000 and (sizes > 0).all()
+    assert list(sizes[:6]) == [128, 256, 512, 1024, 2048, 2500] and sizes.max() == 2500
+    assert encoder_mod.chunk_bounds(100, 64, first=128) == [0, 64, 100]  # never above the size
+    assert encoder_mod.chunk_bounds(0, 64) == [0]
+
+
 def test_helpers_serve_the_chunks_that_begin_once_they_are_up(tiny, monkeypatch):
     """An ordinary call on a CPU never starts the helpers. Once started (on a GPU the constructor starts them),
     every chunk that begins after they are up goes to them, mid-call too, and the vectors are the same."""

@@ -37,6 +37,7 @@ from embedfleet.platform.cache import cache_dir, compiled_before, use_compile_ca
 from embedfleet.settings import Settings
 
 MAX_CHUNK, MIN_CHUNK = 16384, 2048  # encode() tokenizes chunks ahead while the device embeds
+FIRST_CHUNK = 128  # encode()'s first chunk: the device idles only while this many texts are tokenized
 _WARM_TEXTS = ["warm up"] * 8 + ["warm up " * 200] * 2  # a short and a long sequence: each kernel's first call
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
            "float16": torch.float16, "fp16": torch.float16}
@@ -272,9 +273,8 @@ class Encoder:
         size = min(MAX_CHUNK, max(MIN_CHUNK, len(texts) // 8))  # >= 8 chunks, so the overlap pays
         if len(texts) <= size:
             return self._launch(self.tokenize(texts, prompt, pool)).result()
-        # A small first chunk: the device idles only while that one is tokenized.
-        first = MIN_CHUNK // 2
-        chunks = [texts[:first]] + [texts[i : i + size] for i in range(first, len(texts), size)]
+        cuts = chunk_bounds(len(texts), size)
+        chunks = [texts[a:b] for a, b in zip(cuts, cuts[1:])]
         out, pending = [], None
         # Two chunks tokenize ahead (keeping the pool busy between them) while the device embeds;
         # chunk k's result is read only after chunk k+1 has been queued on the device.
@@ -346,6 +346,16 @@ class Encoder:
 
     def __exit__(self, *exc):
         self.close()
+
+
+def chunk_bounds(n: int, size: int, first: int = FIRST_CHUNK) -> list[int]:
+    """Where encode() cuts `n` texts into chunks: a small first one (the device waits for it alone), each next
+    twice the last, so each is tokenized while the one before embeds, up to `size`."""
+    bounds, step = [0], min(first, size)
+    while bounds[-1] < n:
+        bounds.append(min(n, bounds[-1] + step))
+        step = min(size, 2 * step)
+    return bounds
 
 
 def _check_strings(texts: list) -> None:
