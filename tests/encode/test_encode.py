@@ -323,6 +323,9 @@ def test_bert_ascii_shortcuts_give_the_librarys_ids(lowercase, monkeypatch):
     few = ["Battery DIES after a WEEK!!", "[MASK] and [CLS] typed by a user", "Café crème — naïve", ""]
     assert tokenize_mod._split(*fast.encode(few, pad_id=0)) == [e.ids for e in reference.encode_batch(few)]
     assert fast.words is None  # a few texts: the library's path, the word path not built for them
+    first = review_texts(200, seed=8)  # a first big call: the library serves it while the word path builds aside
+    assert tokenize_mod._split(*fast.encode(first, pad_id=0)) == [e.ids for e in reference.encode_batch(first)]
+    assert fast._building is not None
     assert fast.twin is not None and fast._words_for(tokenize_mod.WORD_PATH_MIN_TEXTS)  # both shortcuts are on
     tricky = ["Battery DIES after a WEEK!!", "tab\there\r\nCRLF  and   spaces", "[MASK] and [CLS] typed by a user",
               "[mask] lower", "Café crème — naïve", "日本語のレビュー", "vertical\x0btab", "form\x0cfeed", "del\x7fchar",

@@ -117,6 +117,8 @@ class Encoder:
         with ThreadPoolExecutor(1, thread_name_prefix="embedfleet-cuda") as aside:
             # On a GPU its context starts on that thread while this one reads the weights.
             starting = aside.submit(_start_cuda, self._dev) if self._dev.type == "cuda" else None
+            if s.triton:
+                packed.import_kernels_aside(spec, self._dev)
             state = packed.load_state(spec.hf_dir) if packed.supports(spec) else None
             self._tok = model_tokenizer(spec, word_cache=s.word_cache).build(tokenizer_workers)
             if _helpers_at_start(self._dev):

@@ -109,6 +109,7 @@ class _Tokenizer:
         # tokenizes on two threads when there are no helpers, or while they start).
         self._words_lock = threading.Lock()
         self._word_args: tuple | None = None  # set: the word path is built at the first call that pays
+        self._building: threading.Thread | None = None
         norm = self.full.normalizer
         if not shortcuts or not isinstance(norm, normalizers.BertNormalizer):
             return
@@ -118,15 +119,27 @@ class _Tokenizer:
                 self.full.model, models.WordPiece):
             self._word_args = (max_length, norm.lowercase)
 
-    def _words_for(self, n: int) -> AsciiWordPiece | None:
-        """The word path, built (its trie and tables: ~0.2 s) at the first call of WORD_PATH_MIN_TEXTS
-        texts or more; None before that (the library's ids are the same) and where it does not apply."""
+    def _words_for(self, n: int, wait: bool = True) -> AsciiWordPiece | None:
+        """The word path, its build (a trie and tables: a fifth of a second) started by the first call of
+        WORD_PATH_MIN_TEXTS texts or more; None before that (the library's ids are the same) and where it does not
+        apply. `wait=False`: not waiting for a build under way, whose thread goes on while the library serves."""
         if self._word_args is not None and n >= WORD_PATH_MIN_TEXTS:
             with self._words_lock:
-                if self._word_args is not None:
-                    self.words = self._word_path(*self._word_args)
-                    self._word_args = None
+                if self._building is None:
+                    self._building = threading.Thread(target=self._build_words, name="embedfleet-words")
+                    self._building.start()
+            if wait:
+                self._building.join()
         return self.words
+
+    def _build_words(self) -> None:
+        try:
+            words = self._word_path(*self._word_args)
+        except Exception as err:  # noqa: BLE001 - the library's path serves every text, as where none applies
+            log.warning("the tokenizer's word path could not be built (%s); the library tokenizes every text", err)
+            words = None
+        with self._words_lock:
+            self.words, self._word_args = words, None
 
     def _word_path(self, max_length: int, lowercase: bool) -> AsciiWordPiece | None:
         model = self.full.model
@@ -167,7 +180,7 @@ class _Tokenizer:
         """Packed int32 ids and int32 lengths, in input order; an empty encoding becomes [pad_id]."""
         if self.twin is None:
             return _pack(self.full, texts, range(len(texts)), pad_id)
-        words = self._words_for(len(texts))
+        words = self._words_for(len(texts), wait=False)  # the first big call's texts do not wait for its build
         paths: tuple[list, list, list] = ([], [], [])  # indices for the word path, the twin, the full path
         added = self._added if words is not None else None
         for i, t in enumerate(texts):

@@ -18,8 +18,10 @@ from embedfleet.errors import ModelError
 from embedfleet.encode.models import (BERT_TYPES, DECODER_TYPES, GEMMA_TYPES, NOMIC_TYPES, ROPE_ENCODER_TYPES,
                                       packed_type, read_weights, strip_prefix)
 
-__all__ = ["BERT_TYPES", "DECODER_TYPES", "OnDevice", "build", "glue_kernels", "kernels_apply", "load_kernels_aside",
-           "load_state", "start_glue", "strip_prefix", "supports"]
+KERNEL_TYPES = DECODER_TYPES + ROPE_ENCODER_TYPES + GEMMA_TYPES  # the families with Triton glue kernels
+
+__all__ = ["BERT_TYPES", "DECODER_TYPES", "KERNEL_TYPES", "OnDevice", "build", "glue_kernels", "import_kernels_aside",
+           "kernels_apply", "load_kernels_aside", "load_state", "start_glue", "strip_prefix", "supports"]
 
 log = logging.getLogger(__name__)
 
@@ -48,6 +50,23 @@ def glue_kernels(device: torch.device, dtype: torch.dtype, head_dim: int):
     except ImportError:
         return None
     return kernels
+
+
+def import_kernels_aside(spec, device: torch.device) -> None:
+    """Start importing Triton and the kernels module, on a thread, for a model whose glue they may serve: its weights
+    load meanwhile, and the thread that later loads its kernels (`load_kernels_aside`) finds them imported."""
+    if not (device.type == "cuda" and supports(spec) and spec.model_type in KERNEL_TYPES
+            and importlib.util.find_spec("triton") is not None):
+        return
+
+    def run() -> None:
+        try:
+            from embedfleet.encode.packed import kernels  # noqa: F401
+        except Exception:  # noqa: BLE001 - the model's own load of them says why
+            pass
+
+    # not a daemon: an import cut short by the process's end would leave a half-made module behind
+    threading.Thread(target=run, name="embedfleet-triton").start()
 
 
 def start_glue(model, fns, device: torch.device, compile: bool, use_kernels: bool) -> list:
