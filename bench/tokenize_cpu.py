@@ -1,8 +1,9 @@
 """The tokenizer alone, in one process: µs a text on the ingest benchmark's texts.
 
-    python bench/tokenize_cpu.py [--n 20000] [--words 32768,262144,1048576] [--model DIR]
+    python bench/tokenize_cpu.py [--n 20000] [--words 32768,262144,1048576] [--model DIR] [--texts long-tail|world]
 
-Texts are `synth.long_tail_texts` (what `bench/ingest.py`'s reviews contain). For each word-table size
+Texts are `synth.long_tail_texts` (what `bench/ingest.py`'s reviews contain), or `synth.world_texts` (non-ASCII:
+accents, other scripts, emoji; the word cache's path, `encode/word_cache.py`). For each word-table size
 (Settings.word_cache) a fresh tokenizer makes two passes over the same texts: `cold` learns their words
 as a helper does at the start of a job; `warm` finds every word the table kept (all of them when it is
 big enough), and how many words a text it learned (split into pieces by the trie) and what that cost.
@@ -57,12 +58,13 @@ def main() -> None:
     ap.add_argument("--n", type=int, default=20_000)
     ap.add_argument("--words", default="32768,262144,1048576")
     ap.add_argument("--model", default=None)
+    ap.add_argument("--texts", default="long-tail", choices=("long-tail", "world"))
     a = ap.parse_args()
     from embedfleet.encode import tokenize
-    from embedfleet.synth import long_tail_texts
+    from embedfleet.synth import long_tail_texts, world_texts
 
     spec = tokenize.tokenizer_spec(a.model)
-    texts = long_tail_texts(a.n, seed=7)
+    texts = (world_texts if a.texts == "world" else long_tail_texts)(a.n, seed=7)
     learning = _Learning()
     for words in a.words.split(","):
         tok = tokenize._Tokenizer(spec.tokenizer_json, spec.max_length, word_cache=int(words))

@@ -349,9 +349,55 @@ def test_bert_ascii_shortcuts_give_the_librarys_ids(lowercase, monkeypatch):
     assert ids(no_words, texts) == want and ids(no_words, []) == []
     # a table too small for the texts' words keeps its older half each time it fills: same ids
     fresh = tokenize_mod._Tokenizer(tj, 256, word_cache=64)
+    fresh._words_for(tokenize_mod.WORD_PATH_MIN_TEXTS)  # built before the calls (a first call does not wait for it)
     distinct = len({w for t in ascii_texts for w in WORDS.findall(t.lower() if lowercase else t)})
     assert ids(fresh, texts) == want
     assert ids(fresh, texts) == want and len(fresh.words.table) < distinct / 2  # it did forget words
+
+
+@pytest.mark.parametrize("lowercase", [True, False])
+def test_non_ascii_words_give_the_librarys_ids(lowercase):
+    """Non-ASCII text through a BERT tokenizer goes word by word through a cache (`word_cache.py`): the ids must be
+    the library's on every script, mark and space Unicode has, cut where the library cuts; texts holding what
+    str.split() and BERT's normalizer disagree on (a C0/C1 control), a lone surrogate or an added token keep the
+    library's path."""
+    import json
+
+    from tokenizers import Tokenizer
+
+    from embedfleet.encode.models import read_spec, resolve_model
+    from embedfleet.encode.tokenize import _tokenizer_json
+    from embedfleet.synth import world_texts
+
+    spec = json.loads(_tokenizer_json(read_spec(resolve_model(None))))
+    spec["normalizer"]["lowercase"] = lowercase
+    tj = json.dumps(spec)
+    reference = Tokenizer.from_str(tj)
+    reference.no_padding()
+    reference.enable_truncation(128)
+    fast = tokenize_mod._Tokenizer(tj, 128)
+    fast._words_for(tokenize_mod.WORD_PATH_MIN_TEXTS)
+    assert fast.unicode is not None  # its self-check passed
+    tricky = ["Café crème — naïve ÉTÉ «bien» „gut“", "e\u0301t\u0301e\u0301 combining marks", "a\u200bb zero\u200dwidth",
+              "soft\u00adhyphen and\u00a0no-break\u3000ideographic\u2028line\u2029para\u202fnarrow", "İstanbul ΣΟΦΊΑ straße ǅ ﬁ",
+              "日本語のレビュー、とても良い。" * 8, "中文评论很好 mixed 中English文", "ภาษาไทยไม่มีช่องว่าง", "मराठी हिंदी", "عربي ممتاز",
+              "👨‍👩‍👧 🏴󠁧󠁢󠁳󠁣󠁴󠁿 🇯🇵 👍🏽 ❤️", "Ｆｕｌｌｗｉｄｔｈ ＡＢＣ １２３", "𝐁𝐨𝐥𝐝 𝔉𝔯𝔞𝔨𝔱𝔲𝔯", "ü" * 120 + " after", "ä " * 300,
+              "Ωmega\ttab\nnew\rline", "é\x85nel", "é\x1cgroup\x1fsep", "é\x0bvt\x0cff", "é\x7fdel\x9fapc", "é [MASK] ü",
+              "é [mask] lower", "\ufeffbom ü", "\ufffd replacement ü", "é", " ü ", "ü" + "\u0300" * 20]
+    texts = tricky + world_texts(400, seed=6)
+    want = [e.ids for e in reference.encode_batch(texts)]
+
+    def ids(tok, batch):
+        return tokenize_mod._split(*tok.encode(batch, pad_id=0))
+
+    assert ids(fast, texts) == want
+    assert ids(fast, texts[::-1]) == want[::-1]  # now from the cache
+    assert len(fast.unicode._pieces) > 100
+    small = tokenize_mod._Tokenizer(tj, 128, word_cache=50)  # a full cache tokenizes later new words each time
+    small._words_for(tokenize_mod.WORD_PATH_MIN_TEXTS)
+    assert ids(small, texts) == want and ids(small, texts) == want and len(small.unicode._pieces) <= 50
+    surrogate = "lone \ud83d here ü"
+    assert ids(fast, [surrogate]) == ids(tokenize_mod._Tokenizer(tj, 128), [surrogate])  # the library's path, sanitized
 
 
 def test_piece_trie_splits_words_as_the_librarys_wordpiece():

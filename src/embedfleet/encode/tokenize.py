@@ -24,6 +24,7 @@ import numpy as np
 
 from embedfleet.encode.batching import cumulative, length_order
 from embedfleet.encode.models import _read_json, read_spec, resolve_model
+from embedfleet.encode.word_cache import LIBRARY_ONLY, WordCache
 from embedfleet.encode.wordpiece import LONGEST_TEXT, AsciiWordPiece
 from embedfleet.errors import ModelError
 from embedfleet.platform.helpers import HelperPool
@@ -89,6 +90,9 @@ class _Tokenizer:
       several times faster than the library (docs/decisions/wordpiece-tokenizer.md). Texts that could hold an
       added token ([MASK], …) skip this path: the library matches those before anything else.
     - `twin`: the library with a normalizer that only lowercases, for those texts (its normalizer's work left out).
+    - `unicode`: non-ASCII texts go word by word through `word_cache.WordCache` (each whitespace-separated word's
+      pieces from the library once), except those holding a character Python splits at and BERT's normalizer
+      deletes, a lone surrogate, or an added token.
 
     Every other text takes the library's full path. The ids are the same (tests/encode/test_encode.py),
     and a self-check at load turns the word path off should a tokenizer disagree.
@@ -104,7 +108,7 @@ class _Tokenizer:
             tok.enable_truncation(max_length)
             return tok
 
-        self.full, self.twin, self.words = load(), None, None
+        self.full, self.twin, self.words, self.unicode = load(), None, None, None
         # The word path's table learns new words and its hasher grows: one thread at a time (encode()
         # tokenizes on two threads when there are no helpers, or while they start).
         self._words_lock = threading.Lock()
@@ -134,33 +138,40 @@ class _Tokenizer:
 
     def _build_words(self) -> None:
         try:
-            words = self._word_path(*self._word_args)
+            words, unicode = self._word_path(*self._word_args)
         except Exception as err:  # noqa: BLE001 - the library's path serves every text, as where none applies
             log.warning("the tokenizer's word path could not be built (%s); the library tokenizes every text", err)
-            words = None
+            words = unicode = None
         with self._words_lock:
-            self.words, self._word_args = words, None
+            self.words, self.unicode, self._word_args = words, unicode, None
 
-    def _word_path(self, max_length: int, lowercase: bool) -> AsciiWordPiece | None:
+    def _word_path(self, max_length: int, lowercase: bool) -> tuple[AsciiWordPiece | None, WordCache | None]:
+        """The word path for clean ASCII text and the word cache for the rest, each None where its self-check
+        finds ids other than the library's."""
         model = self.full.model
         # The special tokens the post-processor puts around a text ([CLS] … [SEP]), found by example.
         probe = self.twin.encode("hello", add_special_tokens=True).ids
         core = [t.id for t in model.tokenize("hello")]
         at = next((i for i in range(len(probe)) if probe[i : i + len(core)] == core), None)
         if at is None or len(probe) == len(core):  # no [CLS] … [SEP]: an empty text would have no ids
-            return None
+            return None, None
         prefix, suffix = probe[:at], probe[at + len(core) :]
         room = max_length - len(prefix) - len(suffix)
         if room <= 0:
-            return None
+            return None, None
         added = [t.content for t in self.full.get_added_tokens_decoder().values()]
         self._added = re.compile("|".join(map(re.escape, added)), re.IGNORECASE) if added else None
         words = AsciiWordPiece(model, self.full.get_vocab(with_added_tokens=False), lowercase, prefix, suffix, room,
                                self.word_cache)
         check = ["Hello, World! It's $4.99 (ok?) e-mail@x.com", "word " * (max_length + 10), "", "x" * 150]
         if _split(*words.encode(check)) != [e.ids for e in self.twin.encode_batch(check)]:
-            return None  # a tokenizer this reimplementation does not match: the library's path only
-        return words
+            words = None  # a tokenizer this reimplementation does not match: the library's path only
+        unicode = WordCache(self.full, prefix, suffix, room, self.word_cache)
+        check = ["Café crème — naïve ÉTÉ", "日本語のレビュー、とても良い。", "İstanbul ΣΟΦΊΑ straße ǅ", "e\u0301 a\u200bb",
+                 "Emoji 🎉👍🏽 ok", "Ｆｕｌｌｗｉｄｔｈ ＡＢＣ", "ü " * (max_length + 10), "ä" * 150, "\u00a0\u3000x\u2028y"]
+        if _split(*unicode.encode(check)) != [e.ids for e in self.full.encode_batch(check)]:
+            unicode = None
+        return words, unicode
 
     def word_tokens_many(self, texts: list[str]) -> list[tuple[np.ndarray, np.ndarray, np.ndarray] | None]:
         """(starts, ends, pieces) of each text's words by the word path, where it applies to this
@@ -181,10 +192,15 @@ class _Tokenizer:
         if self.twin is None:
             return _pack(self.full, texts, range(len(texts)), pad_id)
         words = self._words_for(len(texts), wait=False)  # the first big call's texts do not wait for its build
-        paths: tuple[list, list, list] = ([], [], [])  # indices for the word path, the twin, the full path
-        added = self._added if words is not None else None
+        unicode = self.unicode
+        # indices for the word path, the twin, the full path, the word cache
+        paths: tuple[list, list, list, list] = ([], [], [], [])
+        added = self._added if words is not None or unicode is not None else None
         for i, t in enumerate(texts):
-            if not t.isascii() or _CONTROL.search(t) is not None:
+            if not t.isascii():
+                clean = unicode is not None and LIBRARY_ONLY.search(t) is None and (added is None or added.search(t) is None)
+                paths[3 if clean else 2].append(i)
+            elif _CONTROL.search(t) is not None:
                 paths[2].append(i)
             elif words is not None and len(t) <= LONGEST_TEXT and (added is None or added.search(t) is None):
                 paths[0].append(i)
@@ -197,7 +213,9 @@ class _Tokenizer:
         if paths[0]:
             with self._words_lock:
                 groups.append((paths[0], *words.encode([texts[i] for i in paths[0]])))
-        groups += [(idx, *_pack(tok, texts, idx, pad_id)) for tok, idx in zip((self.twin, self.full), paths[1:]) if idx]
+        if paths[3]:
+            groups.append((paths[3], *unicode.encode([texts[i] for i in paths[3]])))
+        groups += [(idx, *_pack(tok, texts, idx, pad_id)) for tok, idx in zip((self.twin, self.full), paths[1:3]) if idx]
         return _merge(len(texts), groups)
 
 
