@@ -71,6 +71,22 @@ def test_real_minilm_matches_st_with_truncation():
     _close(enc.encode(TEXTS), _st(bundled_model_dir()))
 
 
+def test_real_minilm_matches_st_on_non_ascii_text():
+    """Accents, other scripts and emoji: the first call (the library's tokenizer while the word path builds) and a
+    later one (the word cache) both embed as sentence-transformers does."""
+    from embedfleet.synth import world_texts
+
+    texts = world_texts(80, seed=11)
+    enc = Encoder(device="cpu")
+    first = enc.encode(texts)
+    enc._tok._local._words_for(64)  # built: the next call takes the word cache
+    assert enc._tok._local.unicode is not None
+    ref = _st(bundled_model_dir(), texts)
+    _close(first, ref)
+    _close(enc.encode(texts), ref)
+    assert len(enc._tok._local.unicode._pieces) > 50  # the second call went through it
+
+
 def test_weights_move_to_the_device_as_each_is_read():
     import torch
 
