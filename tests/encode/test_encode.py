@@ -316,25 +316,34 @@ def test_empty_input_and_describe(tiny):
     assert {"model", "architecture", "path", "dtype", "device", "batch_tokens", "dim"} <= set(d)
 
 
-@pytest.mark.parametrize("lowercase", [True, False])
-def test_bert_ascii_shortcuts_give_the_librarys_ids(lowercase, monkeypatch):
-    """MiniLM's tokenizer splits clean ASCII text into cached words (or skips BertNormalizer on it);
-    every id must match the library's full path (also for a cased BERT, which does not lowercase)."""
+def _minilm_tokenizer(lowercase: bool, max_length: int):
+    """MiniLM's tokenizer.json (its normalizer lowercasing or not), and the library's tokenizer of it, truncating."""
     import json
 
     from tokenizers import Tokenizer
 
     from embedfleet.encode.models import read_spec, resolve_model
     from embedfleet.encode.tokenize import _tokenizer_json
-    from embedfleet.encode.wordpiece import LONGEST_TEXT, WORDS
-    from embedfleet.synth import long_tail_texts, review_texts
 
     spec = json.loads(_tokenizer_json(read_spec(resolve_model(None))))
     spec["normalizer"]["lowercase"] = lowercase
     tj = json.dumps(spec)
     reference = Tokenizer.from_str(tj)
     reference.no_padding()
-    reference.enable_truncation(256)
+    reference.enable_truncation(max_length)
+    return tj, reference
+
+
+@pytest.mark.parametrize("lowercase", [True, False])
+def test_bert_ascii_shortcuts_give_the_librarys_ids(lowercase, monkeypatch):
+    """MiniLM's tokenizer splits clean ASCII text into cached words (or skips BertNormalizer on it);
+    every id must match the library's full path (also for a cased BERT, which does not lowercase)."""
+
+
+    from embedfleet.encode.wordpiece import LONGEST_TEXT, WORDS
+    from embedfleet.synth import long_tail_texts, review_texts
+
+    tj, reference = _minilm_tokenizer(lowercase, 256)
     fast = tokenize_mod._Tokenizer(tj, 256)
     few = ["Battery DIES after a WEEK!!", "[MASK] and [CLS] typed by a user", "Café crème — naïve", ""]
     assert tokenize_mod._split(*fast.encode(few, pad_id=0)) == [e.ids for e in reference.encode_batch(few)]
@@ -377,20 +386,11 @@ def test_non_ascii_words_give_the_librarys_ids(lowercase):
     the library's on every script, mark and space Unicode has, cut where the library cuts; texts holding what
     str.split() and BERT's normalizer disagree on (a C0/C1 control), a lone surrogate or an added token keep the
     library's path."""
-    import json
 
-    from tokenizers import Tokenizer
 
-    from embedfleet.encode.models import read_spec, resolve_model
-    from embedfleet.encode.tokenize import _tokenizer_json
     from embedfleet.synth import world_texts
 
-    spec = json.loads(_tokenizer_json(read_spec(resolve_model(None))))
-    spec["normalizer"]["lowercase"] = lowercase
-    tj = json.dumps(spec)
-    reference = Tokenizer.from_str(tj)
-    reference.no_padding()
-    reference.enable_truncation(128)
+    tj, reference = _minilm_tokenizer(lowercase, 128)
     fast = tokenize_mod._Tokenizer(tj, 128)
     fast._words_for(tokenize_mod.WORD_PATH_MIN_TEXTS)
     assert fast.unicode is not None  # its self-check passed
