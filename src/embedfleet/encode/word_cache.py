@@ -45,9 +45,9 @@ class WordCache:
         if new:
             # a word of more than max_length pieces comes back cut there: past `room` either way
             found = dict(zip(new, (e.ids for e in self._library.encode_batch_fast(new, add_special_tokens=False))))
-            room = self.max_words - len(pieces)
-            if room > 0:
-                pieces.update(itertools.islice(((w, p) for w, p in found.items() if len(w) <= LONGEST_KEPT), room))
+            space = self.max_words - len(pieces)
+            if space > 0:
+                pieces.update(itertools.islice(((w, p) for w, p in found.items() if len(w) <= LONGEST_KEPT), space))
         get, fresh = pieces.get, found.get
         head, tail, most = self.prefix, self.suffix, self.room
         seqs = [head + list(itertools.islice(itertools.chain.from_iterable(
