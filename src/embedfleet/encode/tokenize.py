@@ -124,7 +124,7 @@ class _Tokenizer:
             self._word_args = (max_length, norm.lowercase)
 
     def _words_for(self, n: int, wait: bool = True) -> AsciiWordPiece | None:
-        """The word path, its build (a trie and tables: a fifth of a second) started by the first call of
+        """The word path, its build (a trie of the vocabulary and tables) started by the first call of
         WORD_PATH_MIN_TEXTS texts or more; None before that (the library's ids are the same) and where it does not
         apply. `wait=False`: not waiting for a build under way, whose thread goes on while the library serves."""
         if self._word_args is not None and n >= WORD_PATH_MIN_TEXTS:
