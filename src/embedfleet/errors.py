@@ -7,8 +7,8 @@ mapped: `import embedfleet` stays light.)
 
 from __future__ import annotations
 
-__all__ = ["DatabaseError", "EmbedfleetError", "InputError", "JobError", "ModelError", "connection_lost",
-           "first_line", "user_line"]
+__all__ = ["DatabaseError", "EmbedfleetError", "InputError", "JobError", "ModelError", "OptionError",
+           "connection_lost", "first_line", "user_line"]
 
 
 class EmbedfleetError(Exception):
@@ -19,6 +19,19 @@ class EmbedfleetError(Exception):
 
 class InputError(EmbedfleetError):
     """A missing or unreadable input file, or a bad flag value."""
+
+
+class OptionError(InputError):
+    """A bad value of one option. The option, its value and the words stay apart, so that each caller names the
+    option its own way: the CLI as a flag (`--where 'x': ...`), the server as a parameter (`where='x': ...`)."""
+
+    def __init__(self, option: str, detail: str, value: object = None):
+        self.option, self.value, self.detail = option, value, detail
+        super().__init__(self.named(f"--{option}"))
+
+    def named(self, name: str) -> str:
+        """The message with the option called `name`."""
+        return f"{name}: {self.detail}" if self.value is None else f"{name} {self.value!r}: {self.detail}"
 
 
 class ModelError(EmbedfleetError):

@@ -16,7 +16,7 @@ from contextlib import ExitStack, nullcontext
 from pathlib import Path
 from typing import Callable
 
-from embedfleet.errors import InputError, JobError, ModelError
+from embedfleet.errors import InputError, JobError, ModelError, OptionError
 from embedfleet.ingest.launch import Launcher
 from embedfleet.ingest.preflight import check_inputs_have_text
 from embedfleet.ledger import Ledger, remove_job
@@ -342,7 +342,7 @@ def check_where(conn, source: str, where: str) -> None:
             conn.execute(sql.SQL("SELECT 1 FROM {} AS {} WHERE {} LIMIT 0").format(
                 sql.SQL(source), sql.SQL(alias_of(source)), user_filter(where)))
     except psycopg.Error as e:
-        raise InputError(f"--where {where!r}: {first_line(e)}") from None
+        raise OptionError("where", first_line(e), where) from None
 
 
 def check_passages(cfg: JobSpec, spec) -> None:

@@ -10,7 +10,7 @@ import re
 import psycopg
 from psycopg import sql
 
-from embedfleet.errors import InputError
+from embedfleet.errors import InputError, OptionError
 
 __all__ = ["begin_snapshot", "export_snapshot", "filter_names", "one_expression", "page_spans", "span_sql", "user_filter"]
 
@@ -87,7 +87,7 @@ def _scan(where: str) -> set[str]:
     depth, i, n, names = 0, 0, len(where), set()
 
     def refuse(why: str) -> InputError:
-        return InputError(f"--where {where!r}: {why}; give one condition, as after WHERE")
+        return OptionError("where", f"{why}; give one condition, as after WHERE", where)
 
     if not where.strip():
         raise refuse("it is empty")

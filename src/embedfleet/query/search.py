@@ -17,7 +17,7 @@ import psycopg
 from psycopg import sql
 from psycopg.rows import dict_row
 
-from embedfleet.errors import DatabaseError, InputError
+from embedfleet.errors import DatabaseError, InputError, OptionError
 from embedfleet.ledger import table_job
 from embedfleet.pg.binary_code import query_code
 from embedfleet.pg.ddl import embedding_info, index_key, index_of, table_sql
@@ -59,6 +59,12 @@ RRF_K = 60  # reciprocal rank fusion's constant (a result's score: the sum over 
 INDEX_RECHECK_S = 5.0  # how often a searcher reads its table's index again
 HYBRID_DEPTH = 50  # candidates each ranking gives a hybrid search (at least; 4 × k for a larger k)
 
+
+
+def no_fts(table: str) -> OptionError:
+    """--hybrid on a table without a full-text index: the command that adds one."""
+    return OptionError("hybrid", f"table {table!r} has no full-text index; `embedfleet index --table {table} --fts` "
+                       "adds one (or ingest with --fts)")
 
 class Searcher:
     """Top-k by cosine distance in one table, its columns and vector type read once, its index again every
@@ -140,7 +146,7 @@ class Searcher:
         `group_by_parent`: the best passage of each of the k nearest records (a table ingested with --passages).
         `text`: a hybrid search, the vector ranking fused with the full-text ranking of `text` (see `hybrid`)."""
         if group_by_parent and "parent_id" not in self.columns:
-            raise InputError(f"--group-by-parent: table {self.table!r} has no passages (ingest it with --passages)")
+            raise OptionError("group-by-parent", f"table {self.table!r} has no passages (ingest it with --passages)")
 
         def ranked(n: int) -> list[dict]:
             if text is not None:
@@ -175,8 +181,7 @@ class Searcher:
         from embedfleet.pg.fts import FTS_COLUMN
 
         if self.fts is None:
-            raise InputError(f"--hybrid: table {self.table!r} has no full-text index; `embedfleet index --table "
-                             f"{self.table} --fts` adds one (or ingest with --fts)")
+            raise no_fts(self.table)
         if rrf_k < 1:
             raise InputError(f"--rrf-k {rrf_k}: use a positive constant (60 is the usual one)")
         depth = max(HYBRID_DEPTH, 4 * k)
@@ -216,17 +221,18 @@ class Searcher:
                         sql.Literal(f"{max(1, round(self.statement_timeout * 1000))}ms")))
                     yield cur
             except psycopg.errors.ReadOnlySqlTransaction as e:
-                raise InputError(f"--where {where!r} would write ({e.diag.message_primary}): it may only filter") from None
+                raise OptionError("where", f"it would write ({e.diag.message_primary}); it may only filter", where) from None
             except psycopg.errors.StatementTooComplex as e:  # a query of thousands of words, as a tsquery
                 raise InputError(f"the search is too complex for the server ({e.diag.message_primary}): "
                                  "shorten the query") from None
             except psycopg.errors.QueryCanceled as e:
                 if "statement timeout" not in (e.diag.message_primary or ""):  # cancelled: not a timeout
                     raise DatabaseError(f"the search was cancelled on the server ({e.diag.message_primary})") from None
-                error = InputError if where else DatabaseError  # a filter's cost is the user's to change
-                what = f"--where {where!r}" if where else "the search"
-                raise error(f"{what}: stopped after the {self.statement_timeout:g} s statement timeout "
-                            f"({e.diag.message_primary}); pass a larger --statement-timeout to wait longer") from None
+                detail = (f"stopped after the {self.statement_timeout:g} s statement timeout "
+                          f"({e.diag.message_primary}); pass a larger --statement-timeout to wait longer")
+                if where:  # a filter's cost is the user's to change
+                    raise OptionError("where", detail, where) from None
+                raise DatabaseError(f"the search: {detail}") from None
             except (psycopg.errors.SyntaxError, psycopg.errors.UndefinedColumn, psycopg.errors.UndefinedFunction,
                     psycopg.errors.UndefinedTable, psycopg.errors.DatatypeMismatch, psycopg.errors.DataError,
                     psycopg.errors.FeatureNotSupported, psycopg.errors.InsufficientPrivilege,
@@ -236,7 +242,7 @@ class Searcher:
                 rest = next((c for c in ("record", "extra") if c in self.columns), None)
                 hint = (f" (fields not given with --columns at ingest are in the jsonb column {rest}: "
                         f"{rest}->>'name')" if rest and isinstance(e, psycopg.errors.UndefinedColumn) else "")
-                raise InputError(f"--where {where!r}: {e.diag.message_primary or e}{hint}") from None
+                raise OptionError("where", f"{e.diag.message_primary or e}{hint}", where) from None
 
     @staticmethod
     def _row(r: dict) -> dict:
@@ -327,8 +333,7 @@ def search_queries(conn: psycopg.Connection, table: str, queries: Iterable[str],
                          f"{'an index on the full vectors' if searcher.indexed else 'no index'}: its search ranks "
                          f"by the full vectors already (`embedfleet index --table {table} --index binary` makes one)")
     if hybrid and searcher.fts is None:  # said before a model is loaded
-        raise InputError(f"--hybrid: table {table!r} has no full-text index; `embedfleet index --table {table} "
-                         "--fts` adds one (or ingest with --fts)")
+        raise no_fts(table)
     encoder = query_encoder(conn, table, model, device, settings, trust_remote_code)
     reranker = None
     try:

@@ -36,7 +36,7 @@ from typing import Callable
 
 import numpy as np
 
-from embedfleet.errors import DatabaseError, EmbedfleetError, InputError
+from embedfleet.errors import DatabaseError, EmbedfleetError, InputError, OptionError
 from embedfleet.query.rerank import RERANK_DEPTH
 
 __all__ = ["SearchService", "make_app", "serve"]
@@ -46,7 +46,8 @@ log = logging.getLogger(__name__)
 MAX_K = 1000
 SEARCH_PARAMS = frozenset({"q", "k", "where", "hybrid", "rerank"})
 # The search's own errors name its CLI flags; over HTTP the client gave these parameters.
-_AS_PARAMS = {"--where ": "where=", "--hybrid:": "hybrid=true:", "--group-by-parent:": "group-by-parent:"}
+# options whose HTTP spelling is not `name=value`: a switch is named as the client turned it on
+HTTP_SWITCHES = {"hybrid": "hybrid=true"}
 
 MAX_REQUEST_BYTES = 4 << 20  # a request's body
 MAX_INPUTS = 2048  # texts in one /v1/embeddings request
@@ -58,12 +59,13 @@ CONNECTIONS = 4  # database connections kept for searches, per pool (requests be
 DISCONNECT_POLL_S = 0.05  # how often a request's client is checked while its search runs
 
 
-def as_http(message: str) -> str:
-    """A search error's words as an HTTP client gave them: `where='…': …`, not `--where '…': …`."""
-    for flag, param in _AS_PARAMS.items():
-        if message.startswith(flag):
-            return param + message[len(flag):]
-    return message
+def as_http(err: InputError) -> str:
+    """A search error in an HTTP client's words: `where='…': …`, not the CLI's `--where '…': …`."""
+    if not isinstance(err, OptionError):
+        return str(err)
+    if err.value is None:
+        return err.named(HTTP_SWITCHES.get(err.option, err.option))
+    return f"{err.option}={err.value!r}: {err.detail}"
 
 
 def _pick_device(device: str) -> str:
@@ -491,7 +493,7 @@ def make_app(service: SearchService, api_key: str | None = None):
         try:
             results, scan = task.result()
         except InputError as e:
-            return error(400, as_http(str(e)))
+            return error(400, as_http(e))
         except DatabaseError as e:
             return error(503, str(e))
         except Exception as e:  # noqa: BLE001 - the server stays up; the client hears what failed
