@@ -193,29 +193,34 @@ class _Tokenizer:
             return _pack(self.full, texts, range(len(texts)), pad_id)
         words = self._words_for(len(texts), wait=False)  # the first big call's texts do not wait for its build
         unicode = self.unicode
-        # indices for the word path, the twin, the full path, the word cache
-        paths: tuple[list, list, list, list] = ([], [], [], [])
+        # each text's route to the library's ids, fastest first: the ASCII word path, the word cache (non-ASCII),
+        # the library's twin (no offsets), the library's full tokenizer (what the others cannot take)
+        by_words: list[int] = []
+        by_cache: list[int] = []
+        by_twin: list[int] = []
+        by_full: list[int] = []
         added = self._added if words is not None or unicode is not None else None
         for i, t in enumerate(texts):
             if not t.isascii():
                 clean = unicode is not None and LIBRARY_ONLY.search(t) is None and (added is None or added.search(t) is None)
-                paths[3 if clean else 2].append(i)
+                (by_cache if clean else by_full).append(i)
             elif _CONTROL.search(t) is not None:
-                paths[2].append(i)
+                by_full.append(i)
             elif words is not None and len(t) <= LONGEST_TEXT and (added is None or added.search(t) is None):
-                paths[0].append(i)
+                by_words.append(i)
             else:
-                paths[1].append(i)
-        if words is not None and len(paths[0]) == len(texts):
+                by_twin.append(i)
+        if words is not None and len(by_words) == len(texts):
             with self._words_lock:
                 return words.encode(texts)
         groups = []
-        if paths[0]:
+        if by_words:
             with self._words_lock:
-                groups.append((paths[0], *words.encode([texts[i] for i in paths[0]])))
-        if paths[3]:
-            groups.append((paths[3], *unicode.encode([texts[i] for i in paths[3]])))
-        groups += [(idx, *_pack(tok, texts, idx, pad_id)) for tok, idx in zip((self.twin, self.full), paths[1:3]) if idx]
+                groups.append((by_words, *words.encode([texts[i] for i in by_words])))
+        if by_cache:
+            groups.append((by_cache, *unicode.encode([texts[i] for i in by_cache])))
+        groups += [(idx, *_pack(tok, texts, idx, pad_id)) for tok, idx in ((self.twin, by_twin), (self.full, by_full))
+                   if idx]
         return _merge(len(texts), groups)
 
 
