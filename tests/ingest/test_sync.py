@@ -203,9 +203,9 @@ def test_the_applications_writes_never_wait_for_or_fail_because_of_sync(cli, dsn
     cli(*_sync_args(dsn, "app_src")[3:], check=True)
     tag = conn.execute("SELECT tag FROM embedfleet.syncs").fetchone()[0]
     worker = psycopg.connect(dsn)  # a sync worker holding claimed keys in an open transaction
-    worker.execute(f"SELECT seq FROM embedfleet.queue_{tag} FOR UPDATE")
+    worker.execute(f"SELECT key FROM embedfleet.queue_{tag} FOR UPDATE")
     conn.execute("UPDATE app_src SET body = 'x' WHERE review_id = 1")  # queues key 1
-    held = worker.execute(f"SELECT seq FROM embedfleet.queue_{tag} FOR UPDATE SKIP LOCKED").fetchall()
+    held = worker.execute(f"SELECT key FROM embedfleet.queue_{tag} FOR UPDATE SKIP LOCKED").fetchall()
     app = psycopg.connect(dsn, autocommit=True)
     app.execute("SET statement_timeout = '2s'")
     app.execute("UPDATE app_src SET body = 'y' WHERE review_id = 1")  # the same key, while a worker holds it

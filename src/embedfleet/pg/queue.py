@@ -13,8 +13,8 @@ A queued key says only "look at this row again": a worker reads the row as it is
 or queued and then undone, costs nothing wrong. TRUNCATE queues a NULL key: every row may be gone.
 
 The trigger's cost is one more row inserted per row changed, and no more: the queue is UNLOGGED (no WAL: the
-write-ahead log was most of that cost), has no index (a worker sorts what it claims and deletes by ctid), and
-the trigger sends no NOTIFY, which cost as much again; a follower polls the queue between LISTENs instead
+write-ahead log was most of that cost), has no index (a worker sorts what it claims and deletes by ctid) and no sequence (claims
+go by the time a key was queued), and the trigger sends no NOTIFY, which cost as much again; a follower polls the queue between LISTENs instead
 (docs/decisions/sync-queue.md). A server that crashes empties an unlogged table: sync notices the server's new
 start time and queues every key of the source once (`requeue_all`), so nothing changed before the crash is lost.
 """
@@ -164,7 +164,7 @@ def install(conn: psycopg.Connection, q: Queue, watched: list[str]) -> bool:
             # only where it is missing: even IF NOT EXISTS needs CREATE on the database (the ledger may make it meanwhile)
             if not conn.execute("SELECT to_regnamespace('embedfleet') IS NOT NULL").fetchone()[0]:
                 conn.execute("CREATE SCHEMA IF NOT EXISTS embedfleet")
-            conn.execute(sql.SQL("CREATE UNLOGGED TABLE IF NOT EXISTS {} (seq bigserial, key text, "
+            conn.execute(sql.SQL("CREATE UNLOGGED TABLE IF NOT EXISTS {} (key text, "
                                  "queued timestamptz NOT NULL DEFAULT clock_timestamp())").format(q.table))
             for kind, text in (("enqueue", body), ("changed", changed)):
                 conn.execute(sql.SQL(
@@ -226,7 +226,7 @@ def claim(conn: psycopg.Connection, q: Queue, limit: int, part: int = 0,
         mine = sql.SQL("WHERE CASE WHEN key IS NULL THEN 0 ELSE mod(hashtext(key) & 2147483647, {n}) END = {i} ").format(
             n=sql.Literal(parts), i=sql.Literal(part))
     try:
-        return conn.execute(sql.SQL("SELECT ctid::text, key FROM {} {}ORDER BY seq LIMIT %s FOR UPDATE SKIP LOCKED")
+        return conn.execute(sql.SQL("SELECT ctid::text, key FROM {} {}ORDER BY queued LIMIT %s FOR UPDATE SKIP LOCKED")
                             .format(q.table, mine), [limit]).fetchall()
     except psycopg.errors.UndefinedTable:
         raise InputError(f"sync's queue for {q.source} is gone ({q.table_name}); rerun sync to install it again "
