@@ -102,13 +102,16 @@ def test_a_filter_is_one_expression_whatever_its_literals_hold():
 
     for where in ("topic = 'x'", "title ilike '%ca;ble%'", "a = 'it''s; (' AND \"we;ird\"\"x\" > 1",
                   "x = E'a\\'; b' AND y > 1", "body ~ $$a;--b$$", "c = $t$ ) $t$", "f(x) > (1)", "a$b = 1",
-                  "rating <= 2 AND (lang = 'en' OR lang = 'de')"):
+                  "rating <= 2 AND (lang = 'en' OR lang = 'de')", "note = 'set_config(x)'", "pg_advisory_xact_lock(1) IS NULL"):
         assert one_expression(where) == where
     for where, why in (("true); commit; delete from t; select 1 where (true", "closes a parenthesis"),
                        ("true) --", "closes a parenthesis"), ("a = 1; delete from t", "';'"),
                        ("a = 1 -- x", "comment"), ("a = 1 /* x */", "comment"), ("(a = 1", "not closed"),
                        ("a = 'x", "quote is not closed"), ("x = E'a\\'", "quote is not closed"),
-                       ("a = $$x", "dollar quote"), ('"a = 1', "double quote"), ("  ", "it is empty"), ("", "it is empty")):
+                       ("a = $$x", "dollar quote"), ('"a = 1', "double quote"), ("  ", "it is empty"), ("", "it is empty"),
+                       # a filter that lifts its own statement timeout, or keeps a lock past its transaction
+                       ("set_config('statement_timeout', '0', true) <> '' AND a = 1", r"set_config\(\) would change"),
+                       ("Pg_Advisory_Lock(1) IS NOT NULL", r"pg_advisory_lock\(\) would change")):
         with pytest.raises(InputError, match=why):
             one_expression(where)
 

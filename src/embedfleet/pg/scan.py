@@ -68,12 +68,19 @@ _DOLLAR = re.compile(r"\$([A-Za-z_][A-Za-z0-9_]*)?\$")
 _WORD = re.compile(r"[^\W][\w$]*(?=[^'\w$]|$)")  # not the E of E'...', which the literal's branch reads
 
 
+# functions whose effect outlives the filter's row: a setting (its statement timeout among them) or a session's lock
+SESSION_FUNCTIONS = frozenset({"set_config", "pg_advisory_lock", "pg_advisory_lock_shared", "pg_try_advisory_lock",
+                               "pg_try_advisory_lock_shared"})
+
+
 def one_expression(where: str) -> str:
     """`where` as one SQL expression, or one line saying why not. Outside string literals, quoted identifiers and
     dollar quotes it may hold no `;`, no comment and no parenthesis it does not close: pasted between the
     statement's own, it can then neither end the statement (and the READ ONLY transaction with a COMMIT) nor
-    cut off the ORDER BY and LIMIT that follow it."""
-    _scan(where)
+    cut off the ORDER BY and LIMIT that follow it. Nor may it call what changes the session (SESSION_FUNCTIONS):
+    a filter that lifted its own statement timeout could hold a server's connection for as long as it liked."""
+    if called := sorted(_scan(where) & SESSION_FUNCTIONS):
+        raise OptionError("where", f"{called[0]}() would change the session; a filter may only read", where)
     return where
 
 

@@ -208,6 +208,10 @@ class Searcher:
         # equal scores (each first in one ranking): the row that matches the words first, then the nearer
         return sorted(fused.values(), key=lambda r: (-r["score"], -r["text_rank"], r["distance"]))[:k]
 
+    def _arm_timeout(self, cur) -> None:
+        cur.execute(sql.SQL("SET LOCAL statement_timeout = {}").format(
+            sql.Literal(f"{max(1, round(self.statement_timeout * 1000))}ms")))
+
     @contextmanager
     def _guarded(self, where: str | None):
         """A cursor (rows as dicts) in a READ ONLY transaction with the statement timeout, where the user's SQL's
@@ -217,8 +221,7 @@ class Searcher:
             try:
                 with conn.transaction():
                     cur.execute("SET TRANSACTION READ ONLY")
-                    cur.execute(sql.SQL("SET LOCAL statement_timeout = {}").format(
-                        sql.Literal(f"{max(1, round(self.statement_timeout * 1000))}ms")))
+                    self._arm_timeout(cur)
                     yield cur
             except psycopg.errors.ReadOnlySqlTransaction as e:
                 raise OptionError("where", f"it would write ({e.diag.message_primary}); it may only filter", where) from None
@@ -286,6 +289,7 @@ class Searcher:
             if scan != "exact" and len(rows) < k and (where or k > EF_SEARCH_MAX):
                 # the index gave up before k rows passed (or k is past what it hands over): measure every row kept
                 cur.execute("SET LOCAL enable_indexscan = off")
+                self._arm_timeout(cur)  # each statement under its own timeout
                 rows = cur.execute(exact, params).fetchall()
                 scan = "exact"
         self.scan = scan
