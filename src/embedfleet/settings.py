@@ -216,7 +216,7 @@ class JobSpec:
     trust_remote_code: bool = False  # --trust-remote-code: run a model's own Python code (transformers' auto_map)
     index: str = "hnsw"  # --index: hnsw (as the width allows) | binary (HNSW over the binary-quantized vectors)
     fts: bool = False  # --fts: a full-text index of the content beside the vector one (hybrid search)
-    fts_config: str = "simple"  # --fts-config: its text search configuration
+    fts_config: str | None = None  # --fts-config: its text search configuration (None: the table's, else simple)
     task: str | None = None  # --task: the task a model's own first module takes (jina's adapters; default: the prompt's name)
 
     # Fields that change how a record lands in the table. Two runs agreeing on these are the same job, whatever

@@ -61,6 +61,9 @@ def test_hybrid_puts_a_rare_code_first_where_vectors_miss_it(cli, dsn, conn, tmp
     again = json.loads(cli("index", "--table", "plain", "--fts", "--fts-config", "english", "--db", dsn, "--json",
                            check=True).stdout)
     assert again["added"] is False
+    # without --fts-config, the table's recorded configuration is reused, not the default
+    reused = json.loads(cli("index", "--table", "plain", "--fts", "--db", dsn, "--json", check=True).stdout)
+    assert reused["added"] is False and reused["fts_config"] == "english"
     one_line_error(cli("index", "--table", "plain", "--fts", "--fts-config", "simple", "--db", dsn),
                    "has a full-text index with --fts-config 'english'")
     from embedfleet.query.serve import SearchService
@@ -93,6 +96,8 @@ def test_ingest_fts_builds_it_at_the_end_and_rows_added_later_are_found(cli, dsn
     assert late["results"][0]["id"] == "late"
     one_line_error(cli("ingest", src, "--db", dsn, "--devices", "cpu", "--quiet", "--table", "other", "--fts",
                        "--fts-config", "klingon"), "--fts-config 'klingon'")
+    one_line_error(cli("ingest", src, "--db", dsn, "--devices", "cpu", "--quiet", "--table", "other",
+                       "--fts-config", "english"), "add --fts")  # a knob without what it tunes: refused, not ignored
 
 
 @pytest.mark.parametrize("rrf_k", [0])

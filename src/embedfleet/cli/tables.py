@@ -83,7 +83,6 @@ def index(
     if fts_config is not None and not fts:
         raise EmbedfleetError(f"--fts-config {fts_config} configures --fts's full-text index: add --fts, or leave "
                               "--fts-config out")
-    fts_config = fts_config or "simple"
     from embedfleet.pg.connect import connect
     from embedfleet.pg.ddl import embedding_info
     from embedfleet.pg.embedded import resolve_dsn
@@ -98,8 +97,8 @@ def index(
             name, built = rebuild_index(conn, table, index, dsn)
             doc.update(index=index, index_name=name, index_built=built)
         if fts:
-            doc.update(fts=True, fts_config=fts_config, added=add_fts(conn, table, fts_config),
-                       column=FTS_COLUMN)
+            added, fts_config = add_fts(conn, table, fts_config)
+            doc.update(fts=True, fts_config=fts_config, added=added, column=FTS_COLUMN)
     if json_out:
         emit(doc)
         return

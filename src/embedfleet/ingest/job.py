@@ -255,7 +255,10 @@ def check_job(spec: JobSpec, conn, settings: Settings, say: bool = True) -> JobS
     if cfg.text_template:
         validate_template(cfg.text_template)
     check_write_privileges(conn, cfg.table, index=not cfg.no_index)
-    if cfg.fts and not conn.execute("SELECT 1 FROM pg_ts_config WHERE cfgname = %s", [cfg.fts_config]).fetchone():
+    if cfg.fts_config is not None and not cfg.fts:
+        raise InputError(f"--fts-config {cfg.fts_config} configures --fts's full-text index: add --fts, or leave "
+                         "--fts-config out")
+    if cfg.fts_config and not conn.execute("SELECT 1 FROM pg_ts_config WHERE cfgname = %s", [cfg.fts_config]).fetchone():
         raise InputError(f"--fts-config {cfg.fts_config!r}: the server has no such text search configuration "
                          "(`SELECT cfgname FROM pg_ts_config` lists them)")
     check_partitions(conn, cfg.table, cfg.partitions)
@@ -556,9 +559,10 @@ def finalize(ledger: Ledger, job: str, cfg: JobSpec, timings: dict | None = None
             from embedfleet.pg.fts import add_fts
 
             t0 = time.perf_counter()
-            if add_fts(ledger.conn, cfg.table, cfg.fts_config) and timings is not None:
+            added, config = add_fts(ledger.conn, cfg.table, cfg.fts_config)
+            if added and timings is not None:
                 timings["fts_s"] = round(time.perf_counter() - t0, 3)
-            log.info("table %s has a full-text index (%s): search --hybrid", cfg.table, cfg.fts_config)
+            log.info("table %s has a full-text index (%s): search --hybrid", cfg.table, config)
         index = finish_table(ledger.conn, cfg.table, index=not cfg.no_index, timings=timings, dsn=ledger.dsn,
                              kind=cfg.index)
         if index:

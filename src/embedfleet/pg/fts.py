@@ -45,15 +45,16 @@ def _gin_indexed(conn: psycopg.Connection, table: sql.Composable) -> bool:
         "AND am.amname = 'gin' AND a.attname = %s", [table.as_string(conn), FTS_COLUMN]).fetchone() is not None
 
 
-def add_fts(conn: psycopg.Connection, name: str, config: str = DEFAULT_CONFIG) -> bool:
+def add_fts(conn: psycopg.Connection, name: str, config: str | None = None) -> tuple[bool, str]:
     """Give table `name` the full-text column and its GIN index, with the memory and workers of an HNSW build. A
     table made with the column (`ingest --fts`) only needs the index; adding the column rewrites the table and its
-    indexes under its lock. Returns False where it has both already (with the same configuration; another is
-    refused in one line)."""
+    indexes under its lock. `config` None: the table's recorded configuration, else DEFAULT_CONFIG. Returns
+    (whether anything was added: not where it has both already, with the same configuration; another is refused
+    in one line), the configuration)."""
     from embedfleet.pg.ddl import table_sql
     from embedfleet.pg.index_build import create_index, maintenance_settings, table_plan
 
-    if not conn.execute("SELECT 1 FROM pg_ts_config WHERE cfgname = %s", [config]).fetchone():
+    if config is not None and not conn.execute("SELECT 1 FROM pg_ts_config WHERE cfgname = %s", [config]).fetchone():
         known = [r[0] for r in conn.execute("SELECT cfgname FROM pg_ts_config ORDER BY 1")]
         raise InputError(f"--fts-config {config!r}: the server has no such text search configuration "
                          f"(it has {', '.join(known)})")
@@ -61,14 +62,15 @@ def add_fts(conn: psycopg.Connection, name: str, config: str = DEFAULT_CONFIG) -
     with conn.transaction():  # under the lock of a job's finish: two finishing together build one index
         conn.execute("SELECT pg_advisory_xact_lock(hashtext(%s))", [f"embedfleet.finish.{table.as_string(conn)}"])
         have = fts_config(conn, table)
+        config = config or have or DEFAULT_CONFIG
         if have is not None and have != config:
             raise InputError(f"table {table.as_string(conn)} has a full-text index with --fts-config {have!r}; drop "
                              f"its column {FTS_COLUMN} to build one with {config!r}")
         if have is not None and _gin_indexed(conn, table):
-            return False
+            return False, config
         plan = table_plan(conn, name, side_by_side=1)
         if have is None:
             maintenance_settings(conn, plan)  # the rewrite rebuilds the table's indexes
             conn.execute(sql.SQL("ALTER TABLE {} ADD COLUMN {}").format(table, fts_column(config)))
         create_index(conn, table, sql.SQL("gin ({})").format(sql.Identifier(FTS_COLUMN)), plan)
-    return True
+    return True, config
