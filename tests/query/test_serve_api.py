@@ -115,6 +115,8 @@ def test_keys_limits_search_metrics_and_schema(server):
     assert status == 413 and "2,048" in json.loads(body)["error"]["message"]
     status, _ = _call(base + "/v1/embeddings", b'{"input": "' + b"x" * (5 << 20) + b'"}')
     assert status == 413
+    status, body = _call(base + "/v1/embeddings", json.dumps({"input": ["ok", "word " * 400_000]}).encode())
+    assert status == 413 and json.loads(body)["error"]["message"].startswith("input[1] is 2,000,000 characters")
     status, body = _call(base + "/v1/embeddings", b"not json")
     assert status == 400
     status, body = _call(base + "/search?q=battery+dies&k=3")

@@ -8,8 +8,8 @@
 
 With an API key (--api-key, EMBEDFLEET_API_KEY) every route but /health wants `Authorization: Bearer KEY`;
 without one, serve listens on loopback only. Embedding requests that arrive together are encoded together (one
-batch on the device). Bodies over MAX_REQUEST_BYTES and inputs over MAX_INPUTS are refused (413); every bad
-request gets a 4xx with one line.
+batch on the device). Bodies over MAX_REQUEST_BYTES, more inputs than MAX_INPUTS and an input over
+MAX_INPUT_CHARS are refused (413); every bad request gets a 4xx with one line.
 
 The same results as `embedfleet search --json` (the same query encoder, the same SQL). Every request's
 statement runs under `--statement-timeout`, and is cancelled on the server when its client goes away.
@@ -51,6 +51,9 @@ HTTP_SWITCHES = {"hybrid": "hybrid=true"}
 
 MAX_REQUEST_BYTES = 4 << 20  # a request's body
 MAX_INPUTS = 2048  # texts in one /v1/embeddings request
+# characters in one input: a model reads its first tokens only (it truncates, as sentence-transformers does), so a
+# text far past any model's length is a client's mistake, refused as OpenAI refuses one over its token limit
+MAX_INPUT_CHARS = 1 << 16
 BATCH_TEXTS = 4096  # texts the batcher takes together at most
 # texts the batcher encodes in one turn on the device: a search waits for at most one slice
 SLICE_TEXTS_CPU, SLICE_TEXTS_GPU = 32, 512
@@ -518,7 +521,7 @@ def make_app(service: SearchService, api_key: str | None = None):
         responses:
           200: {description: "{object: list, data: [{object: embedding, index, embedding}], model, usage}"}
           400: {description: "a bad input, encoding_format or dimensions"}
-          413: {description: "too many inputs, or a body too large"}
+          413: {description: "too many inputs, an input too long, or a body too large"}
         """
         body = await _body(request, openai=True)
         if isinstance(body, Response):
@@ -539,6 +542,10 @@ def make_app(service: SearchService, api_key: str | None = None):
                                                     f"{service.encoder.describe()['name']}, whatever it names)")
         if len(texts) > MAX_INPUTS:
             return error(413, openai=True, message=f"{len(texts):,} inputs: at most {MAX_INPUTS:,} a request")
+        if (at := next((i for i, t in enumerate(texts) if len(t) > MAX_INPUT_CHARS), None)) is not None:
+            return error(413, openai=True, message=f"input[{at}] is {len(texts[at]):,} characters: at most "
+                                                    f"{MAX_INPUT_CHARS:,} an input (a model reads only its first "
+                                                    "tokens): split the text")
         fmt = body.get("encoding_format") or "float"
         if fmt not in ("float", "base64"):
             return error(400, openai=True, message=f"encoding_format {fmt!r}: float or base64")
