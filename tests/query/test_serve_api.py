@@ -151,6 +151,16 @@ def test_keys_limits_search_metrics_and_schema(server):
     assert "parameters" not in post and body_schema["required"] == ["q"]
     assert {"q", "k", "where", "hybrid", "rerank"} == set(body_schema["properties"])
     assert schema["components"]["securitySchemes"]["bearer"] == {"type": "http", "scheme": "bearer"}
+    status, page = _call(base + "/docs")  # Swagger UI over the same document
+    assert status == 200 and b'url: "/openapi.json"' in page
+    assert _call(base + "/docs", key=None)[0] == 401
+
+
+def test_loopback_is_127_0_0_0_8_and_1_and_localhost_only():
+    from embedfleet.query.serve import _loopback
+
+    assert all(map(_loopback, ("127.0.0.1", "127.0.0.5", "::1", "localhost")))
+    assert not any(map(_loopback, ("0.0.0.0", "::", "192.168.1.1", "10.0.0.1", "example.com", "127.0.0.1.example.com")))
 
 
 def test_bodies_of_the_wrong_type_a_lower_case_scheme_and_a_huge_hybrid_query(server):

@@ -4,7 +4,7 @@
     POST /v1/embeddings {"input": str | [str], "model", "encoding_format", "dimensions"}  ->  OpenAI's answer
     GET /v1/models  ->  the one model, as OpenAI lists models
     GET /health  ->  {"table", "model", "path", "device", "dim"}      GET /metrics  ->  Prometheus text
-    GET /openapi.json  ->  the routes, described
+    GET /openapi.json  ->  the routes, described     GET /docs  ->  them in Swagger UI (its files from a CDN)
 
 With an API key (--api-key, EMBEDFLEET_API_KEY) every route but /health wants `Authorization: Bearer KEY`;
 without one, serve listens on loopback only. Embedding requests that arrive together are encoded together (one
@@ -57,7 +57,6 @@ MAX_INPUT_CHARS = 1 << 16
 BATCH_TEXTS = 4096  # texts the batcher takes together at most
 # texts the batcher encodes in one turn on the device: a search waits for at most one slice
 SLICE_TEXTS_CPU, SLICE_TEXTS_GPU = 32, 512
-LOOPBACK = ("127.0.0.1", "::1", "localhost")
 CONNECTIONS = 4  # database connections kept for searches, per pool (requests beyond wait for one)
 DISCONNECT_POLL_S = 0.05  # how often a request's client is checked while its search runs
 
@@ -69,6 +68,18 @@ def as_http(err: InputError) -> str:
     if err.value is None:
         return err.named(HTTP_SWITCHES.get(err.option, err.option))
     return f"{err.option}={err.value!r}: {err.detail}"
+
+
+def _loopback(host: str) -> bool:
+    """Whether `host` is this machine only: localhost, or an address in 127.0.0.0/8 or ::1."""
+    import ipaddress
+
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:  # a name: it may resolve beyond this machine
+        return False
 
 
 def _pick_device(device: str) -> str:
@@ -378,7 +389,7 @@ def make_app(service: SearchService, api_key: str | None = None):
     from starlette.exceptions import HTTPException
     from starlette.middleware import Middleware
     from starlette.requests import Request
-    from starlette.responses import JSONResponse, Response
+    from starlette.responses import HTMLResponse, JSONResponse, Response
     from starlette.routing import Route
     from starlette.schemas import SchemaGenerator
 
@@ -595,10 +606,13 @@ def make_app(service: SearchService, api_key: str | None = None):
     async def openapi(request: Request) -> Response:
         return JSONResponse(_described(schemas.get_schema(routes=request.app.routes), api_key is not None))
 
+    async def docs(request: Request) -> HTMLResponse:
+        return HTMLResponse(DOCS_PAGE)
+
     async def not_found(request: Request, exc: HTTPException) -> JSONResponse:
         if exc.status_code == 404:
             return error(404, f"no {request.url.path}: GET /search?q=…, POST /v1/embeddings, GET /v1/models, "
-                         "GET /openapi.json")
+                         "GET /openapi.json, GET /docs")
         return error(exc.status_code, exc.detail, openai=request.url.path.startswith("/v1/"))
 
     class Guard:
@@ -633,12 +647,22 @@ def make_app(service: SearchService, api_key: str | None = None):
 
     routes = [Route("/search", search, methods=["GET", "POST"]), Route("/v1/embeddings", embeddings, methods=["POST"]),
               Route("/v1/models", models),
-              Route("/health", health), Route("/metrics", metrics_text), Route("/openapi.json", openapi,
-                                                                                include_in_schema=False)]
+              Route("/health", health), Route("/metrics", metrics_text),
+              Route("/openapi.json", openapi, include_in_schema=False), Route("/docs", docs, include_in_schema=False)]
     return Starlette(routes=routes, exception_handlers={HTTPException: not_found}, middleware=[Middleware(Guard)])
 
 
-ROUTES = ("/search", "/v1/embeddings", "/health", "/metrics", "/openapi.json")
+ROUTES = ("/search", "/v1/embeddings", "/health", "/metrics", "/openapi.json", "/docs")
+
+# /openapi.json read by Swagger UI (its files from a CDN, as FastAPI's /docs has them)
+DOCS_PAGE = """<!doctype html>
+<html><head><meta charset="utf-8"><title>embedfleet serve</title>
+<link rel="stylesheet" href="https://cdn.jsdelivr.net/npm/swagger-ui-dist@5/swagger-ui.css"></head>
+<body><div id="ui"></div>
+<script src="https://cdn.jsdelivr.net/npm/swagger-ui-dist@5/swagger-ui-bundle.js"></script>
+<script>SwaggerUIBundle({url: "/openapi.json", dom_id: "#ui"});</script>
+</body></html>
+"""
 
 def _described(schema: dict, keyed: bool) -> dict:
     """Starlette's schema from the routes' docstrings, completed: POST /search takes its parameters as a JSON
@@ -700,7 +724,7 @@ def serve(dsn: str, table: str, host: str = "127.0.0.1", port: int = 8000, k: in
 
     if not 1 <= k <= MAX_K:
         raise InputError(f"-k {k}: a whole number from 1 to {MAX_K} (what a request without its own k gets)")
-    if host not in LOOPBACK and not api_key:
+    if not _loopback(host) and not api_key:
         raise InputError(f"--host {host} listens beyond this machine: give --api-key KEY (or EMBEDFLEET_API_KEY) so "
                          "that every request needs it")
     service = SearchService(dsn, table, k=k, model=model, device=device, where_dsn=where_dsn,
@@ -710,7 +734,8 @@ def serve(dsn: str, table: str, host: str = "127.0.0.1", port: int = 8000, k: in
         sock = _listen(host, port)
         bound_host, bound_port = sock.getsockname()[:2]
         info = service.describe()
-        print(f"serving table {table!r} on http://{bound_host}:{bound_port}/search?q=… and /v1/embeddings "
+        shown = f"[{bound_host}]" if ":" in bound_host else bound_host  # an IPv6 address, as a URL writes it
+        print(f"serving table {table!r} on http://{shown}:{bound_port}/search?q=… and /v1/embeddings "
               f"({info['name']}, {info['path']} on {info['device']}; filters "
               f"{'on, as a read-only role' if where_dsn else 'off'}; API key {'on' if api_key else 'off'})",
               file=sys.stderr, flush=True)
