@@ -302,6 +302,28 @@ def test_a_source_dropped_or_renamed_while_following_stops_with_one_line_and_kee
         conn.execute("INSERT INTO gone VALUES (1000, 't', 'after the uninstall', 1)")
 
 
+
+def test_the_key_renamed_while_following_keeps_the_applications_writes_going(cli, dsn, conn, tmp_path):
+    _source(conn, "rekey", 20)
+    proc = _start(_sync_args(dsn, "rekey", "--follow"), tmp_path)
+    wait_for(conn, "SELECT synced_at FROM embedfleet.syncs WHERE job = 'public.rekey_embeddings'", timeout=300)
+    tag = conn.execute("SELECT tag FROM embedfleet.syncs").fetchone()[0]
+    conn.execute("ALTER TABLE rekey RENAME COLUMN review_id TO rid")
+    _, err = proc.communicate(timeout=120)
+    lines = [x for x in err.strip().splitlines() if x.startswith("error:")]
+    assert proc.returncode != 0 and len(lines) == 1 and "was renamed 'rid' while following" in lines[0], err
+    # the trigger reads the key by its new name: the application's writes go through, and are queued
+    conn.execute("INSERT INTO rekey VALUES (500, 't', 'after the rename', 1)")
+    conn.execute("UPDATE rekey SET body = 'edited' WHERE rid = 2")
+    conn.execute("DELETE FROM rekey WHERE rid = 3")
+    queued = {k for (k,) in conn.execute(f"SELECT key FROM embedfleet.queue_{tag}")}
+    assert {"500", "2", "3"} <= queued
+    conn.execute("ALTER TABLE rekey RENAME COLUMN rid TO review_id")  # put back: a rerun catches up exactly
+    cli(*_sync_args(dsn, "rekey")[3:], check=True)
+    conn.execute("INSERT INTO rekey VALUES (501, 't', 'after the rename back', 1)")  # the trigger follows it back
+    cli(*_sync_args(dsn, "rekey")[3:], check=True)
+    _assert_equal_to_source(conn, "rekey", "rekey_embeddings", ["500", "501", "2"])
+
 def test_lanes_side_by_side_write_a_key_changed_many_times_as_it_is_last(cli, dsn, conn, tmp_path):
     _source(conn, "busy", 60)
     cli(*_sync_args(dsn, "busy")[3:], check=True)

@@ -29,8 +29,8 @@ from psycopg import sql
 
 from embedfleet.errors import DatabaseError, InputError
 
-__all__ = ["Queue", "queue_for", "install", "uninstall", "installed", "following", "pending", "claim", "forget",
-           "requeue_all", "server_started"]
+__all__ = ["Queue", "queue_for", "install", "uninstall", "installed", "following", "follow_renamed_key", "pending",
+           "claim", "forget", "requeue_all", "server_started"]
 
 LOCK_TIMEOUT = "5s"
 TRIGGERS = ("row", "update", "truncate")  # after INSERT, UPDATE OF the key, DELETE; after any UPDATE; after TRUNCATE
@@ -115,8 +115,39 @@ def install(conn: psycopg.Connection, q: Queue, watched: list[str]) -> bool:
     usable = conn.execute("SELECT CASE WHEN to_regnamespace('embedfleet') IS NULL THEN true "
                           "ELSE has_schema_privilege('embedfleet', 'USAGE') END").fetchone()[0]
     if usable and installed(conn, q):  # (where the role may not use the schema, it cannot look)
+        follow_renamed_key(conn, q, watched)
         return False
     _check_privileges(conn, q)
+    try:
+        with conn.transaction():
+            conn.execute(sql.SQL("SET LOCAL lock_timeout = {}").format(sql.Literal(LOCK_TIMEOUT)))
+            conn.execute("SELECT pg_advisory_xact_lock(hashtext('embedfleet.ledger'))")  # the schema, made once
+            # only where it is missing: even IF NOT EXISTS needs CREATE on the database (the ledger may make it meanwhile)
+            if not conn.execute("SELECT to_regnamespace('embedfleet') IS NOT NULL").fetchone()[0]:
+                conn.execute("CREATE SCHEMA IF NOT EXISTS embedfleet")
+            conn.execute(sql.SQL("CREATE UNLOGGED TABLE IF NOT EXISTS {} (key text, "
+                                 "queued timestamptz NOT NULL DEFAULT clock_timestamp())").format(q.table))
+            _make_functions(conn, q, watched)
+            key, src = sql.Identifier(q.key), sql.SQL(q.source)
+            for kind in TRIGGERS:  # one left of an earlier install is made again with the others
+                conn.execute(sql.SQL("DROP TRIGGER IF EXISTS {} ON {}").format(q._trigger(kind), src))
+            # the key in the definition: its type cannot change, nor can it be dropped, under a sync keyed by it
+            conn.execute(sql.SQL("CREATE TRIGGER {} AFTER INSERT OR UPDATE OF {} OR DELETE ON {} FOR EACH ROW "
+                                 "EXECUTE FUNCTION {}()").format(q._trigger("row"), key, src, q._function("enqueue")))
+            conn.execute(sql.SQL("CREATE TRIGGER {} AFTER UPDATE ON {} FOR EACH ROW EXECUTE FUNCTION {}()").format(
+                q._trigger("update"), src, q._function("changed")))
+            conn.execute(sql.SQL("CREATE TRIGGER {} AFTER TRUNCATE ON {} FOR EACH STATEMENT EXECUTE FUNCTION {}()")
+                         .format(q._trigger("truncate"), src, q._function("enqueue")))
+    except psycopg.errors.LockNotAvailable:
+        raise DatabaseError(f"{q.source} is busy (its writers held it for {LOCK_TIMEOUT}): the trigger was not "
+                            "installed, and nothing was left half made; rerun sync") from None
+    except psycopg.errors.InsufficientPrivilege as e:
+        raise DatabaseError(f"installing sync on {q.source}: {str(e).splitlines()[0]}") from None
+    return True
+
+
+def _make_functions(conn: psycopg.Connection, q: Queue, watched: list[str]) -> None:
+    """The two trigger functions, made or remade (in the caller's transaction): they read the key as `q.key`."""
     key = sql.Identifier(q.key)
     body = sql.SQL("""
         BEGIN
@@ -157,36 +188,25 @@ def install(conn: psycopg.Connection, q: Queue, watched: list[str]) -> bool:
             INSERT INTO {queue} (key) VALUES (NEW.{key}::text);
             RETURN NULL;
         END""").format(name=sql.Literal(q.table_name), queue=q.table, key=key, old=old, new=new)
-    try:
-        with conn.transaction():
-            conn.execute(sql.SQL("SET LOCAL lock_timeout = {}").format(sql.Literal(LOCK_TIMEOUT)))
-            conn.execute("SELECT pg_advisory_xact_lock(hashtext('embedfleet.ledger'))")  # the schema, made once
-            # only where it is missing: even IF NOT EXISTS needs CREATE on the database (the ledger may make it meanwhile)
-            if not conn.execute("SELECT to_regnamespace('embedfleet') IS NOT NULL").fetchone()[0]:
-                conn.execute("CREATE SCHEMA IF NOT EXISTS embedfleet")
-            conn.execute(sql.SQL("CREATE UNLOGGED TABLE IF NOT EXISTS {} (key text, "
-                                 "queued timestamptz NOT NULL DEFAULT clock_timestamp())").format(q.table))
-            for kind, text in (("enqueue", body), ("changed", changed)):
-                conn.execute(sql.SQL(
-                    "CREATE OR REPLACE FUNCTION {}() RETURNS trigger LANGUAGE plpgsql SECURITY DEFINER "
-                    "SET search_path = pg_catalog, pg_temp AS {}").format(
-                        q._function(kind), sql.Literal(text.as_string(conn))))
-            src = sql.SQL(q.source)
-            for kind in TRIGGERS:  # one left of an earlier install is made again with the others
-                conn.execute(sql.SQL("DROP TRIGGER IF EXISTS {} ON {}").format(q._trigger(kind), src))
-            # the key in the definition: its type cannot change, nor can it be dropped, under a sync keyed by it
-            conn.execute(sql.SQL("CREATE TRIGGER {} AFTER INSERT OR UPDATE OF {} OR DELETE ON {} FOR EACH ROW "
-                                 "EXECUTE FUNCTION {}()").format(q._trigger("row"), key, src, q._function("enqueue")))
-            conn.execute(sql.SQL("CREATE TRIGGER {} AFTER UPDATE ON {} FOR EACH ROW EXECUTE FUNCTION {}()").format(
-                q._trigger("update"), src, q._function("changed")))
-            conn.execute(sql.SQL("CREATE TRIGGER {} AFTER TRUNCATE ON {} FOR EACH STATEMENT EXECUTE FUNCTION {}()")
-                         .format(q._trigger("truncate"), src, q._function("enqueue")))
-    except psycopg.errors.LockNotAvailable:
-        raise DatabaseError(f"{q.source} is busy (its writers held it for {LOCK_TIMEOUT}): the trigger was not "
-                            "installed, and nothing was left half made; rerun sync") from None
-    except psycopg.errors.InsufficientPrivilege as e:
-        raise DatabaseError(f"installing sync on {q.source}: {str(e).splitlines()[0]}") from None
-    return True
+    for kind, text in (("enqueue", body), ("changed", changed)):
+        conn.execute(sql.SQL(
+            "CREATE OR REPLACE FUNCTION {}() RETURNS trigger LANGUAGE plpgsql SECURITY DEFINER "
+            "SET search_path = pg_catalog, pg_temp AS {}").format(q._function(kind), sql.Literal(text.as_string(conn))))
+
+
+def follow_renamed_key(conn: psycopg.Connection, q: Queue, watched: list[str]) -> str | None:
+    """Where the source's key column was renamed since the trigger functions were made, they are remade to read it
+    by its name now, and that name returned (else None). plpgsql reads NEW's fields by name, so until then each of the
+    application's writes fails; the row trigger's UPDATE OF names the column by number, which a rename keeps."""
+    row = conn.execute(  # the column's name now, and whether the function reads it so (as sql.Identifier quotes it)
+        "SELECT a.attname, strpos(p.prosrc, 'NEW.\"' || replace(a.attname, '\"', '\"\"') || '\"') > 0 FROM pg_trigger t "
+        "JOIN pg_attribute a ON a.attrelid = t.tgrelid AND a.attnum = t.tgattr[0] JOIN pg_proc p ON p.oid = t.tgfoid "
+        "WHERE t.tgrelid = to_regclass(%s) AND t.tgname = %s", [q.source, q.trigger_names[0]]).fetchone()
+    if row is None or row[1]:
+        return None
+    with conn.transaction():
+        _make_functions(conn, Queue(q.source, row[0], q.tag), watched)
+    return row[0]
 
 
 def uninstall(conn: psycopg.Connection, q: Queue) -> bool:
