@@ -10,7 +10,7 @@ import json
 import numpy as np
 import orjson
 
-from embedfleet.sources.changes import PlannedFile, digest, next_line, planned_file, survey
+from embedfleet.sources.changes import PlannedFile, changed_line, digest, next_line, planned_file, survey
 from embedfleet.sources.plan import plan_chunks, plan_file
 
 
@@ -49,8 +49,8 @@ def test_survey_sorts_inputs_into_new_grown_and_changed(tmp_path):
     found = survey(planned, [str(a), str(b), str(c)])
     assert found.new == [str(c)]
     assert [(p.source, size) for p, size in found.grown] == [(str(a), a.stat().st_size)]
-    assert len(found.changed) == 1 and found.changed[0].startswith(f"{b} changed where it was already embedded")
-    assert f"--replace {b}" in found.changed[0]
+    assert len(found.changed) == 1 and found.changed[0][0] == str(b)
+    assert f"--replace {b}" in changed_line(*found.changed[0])
     assert survey(planned, [str(a), str(b)], frozenset({str(b)})).changed == []  # replaced: planned anew
 
 
@@ -60,9 +60,9 @@ def test_a_continued_last_line_and_a_shorter_file_are_changes(tmp_path):
     p = planned_file(str(a), plan_file(str(a), 1 << 20))
     with a.open("ab") as f:
         f.write(b'o"}\n')
-    assert "its last planned line was continued" in survey({str(a): p}, [str(a)]).changed[0]
+    assert "its last planned line was continued" in survey({str(a): p}, [str(a)]).changed[0][1]
     a.write_bytes(b'{"text": "one"}\n')
-    assert "were planned" in survey({str(a): p}, [str(a)]).changed[0]
+    assert "were planned" in survey({str(a): p}, [str(a)]).changed[0][1]
 
 
 def test_digest_samples_a_large_file_and_sees_its_edges(tmp_path):
@@ -262,6 +262,9 @@ def test_replace_of_a_file_whose_ids_come_from_its_records_is_refused_before_any
     assert _ingest(cli, dsn, a, *args).returncode == 0
     before = _rows(conn, "byid")
     a.write_text("".join(orjson.dumps({"rid": f"r{i}", "text": f"edited {i}"}).decode() + "\n" for i in range(5)))
+    p = _ingest(cli, dsn, a, *args)  # the refusal of the change says what works here, not --replace
+    (line,) = [x for x in p.stderr.strip().splitlines() if x.startswith("error:")]
+    assert f"{a} changed where it was already embedded" in line and "--replace" not in line and "jobs rm" in line
     p = _ingest(cli, dsn, a, *args, "--replace", a)
     assert p.returncode != 0
     (line,) = [x for x in p.stderr.strip().splitlines() if x.startswith("error:")]

@@ -460,7 +460,7 @@ def plan_changes(cfg: JobSpec, ledger: Ledger, chunk_bytes: int) -> int:
     """A rerun of a planned job: chunks for bytes appended to its files and for files its inputs now match,
     and (--replace) its files planned anew, their chunks before dropped; a file whose planned bytes changed is
     refused before anything is added. Returns the chunks added."""
-    from embedfleet.sources.changes import appended_from, next_line, survey
+    from embedfleet.sources.changes import appended_from, changed_line, next_line, survey
 
     known = ledger.planned_files(cfg.job)
     spelled = {files.same_file(s): s for s in known}  # a file named the other way now (path, file:// URL) is the same
@@ -472,16 +472,17 @@ def plan_changes(cfg: JobSpec, ledger: Ledger, chunk_bytes: int) -> int:
     replace = frozenset(as_planned(expand_inputs(list(cfg.replacing or ()))))
     for source in sorted(replace - set(known) - set(inputs)):
         raise InputError(f"--replace {source}: not one of job {cfg.job!r}'s input files")
-    if replace and (named := record_ids(cfg)):
-        # Rows carry no file of their own: a record that left the file would keep its row, unseen by verify's count.
-        raise InputError(f"--replace {sorted(replace)[0]}: job {cfg.job!r} takes its ids from the records ({named}), "
-                         "so the rows of records no longer in the file cannot be found; to embed it again, remove the "
-                         f"job and its table (embedfleet jobs rm {cfg.job} --drop-table) and run the command without "
-                         "--replace")
+    named = record_ids(cfg)
+    # Rows carry no file of their own: a record that left the file would keep its row, unseen by verify's count.
+    no_replace = (f"job {cfg.job!r} takes its ids from the records ({named}), so the rows of records no longer in "
+                  "the file cannot be found; to embed it again, remove the job and its table (embedfleet jobs rm "
+                  f"{cfg.job} --drop-table) and run the command again") if named else None
+    if replace and no_replace:
+        raise InputError(f"--replace {sorted(replace)[0]}: {no_replace} without --replace")
     found = survey(known, inputs, replace)
     if found.changed:
         more = f" ({len(found.changed) - 1} more files changed too)" if len(found.changed) > 1 else ""
-        raise InputError(found.changed[0] + more)
+        raise InputError(changed_line(*found.changed[0], no_replace) + more)
     last = ledger.last_chunks(cfg.job)
     grown: list[ChunkSpec] = []
     for p, _ in sorted(found.grown, key=lambda g: g[0].source):

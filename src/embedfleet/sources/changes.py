@@ -42,7 +42,7 @@ class PlannedFile:
 class Survey:
     new: list[str]  # inputs never planned
     grown: list[tuple[PlannedFile, int]]  # planned files that gained bytes, with their size now
-    changed: list[str]  # planned files whose planned bytes changed: one line each, saying what to do
+    changed: list[tuple[str, str]]  # planned files whose planned bytes changed: (source, what changed)
 
 
 def digest(source: str, size: int) -> str:
@@ -87,15 +87,17 @@ def survey(planned: dict[str, PlannedFile], inputs: list[str], replace: frozense
         except FileNotFoundError:
             continue
         if why:
-            out.changed.append(changed_line(source, why))
+            out.changed.append((source, why))
         elif size > p.size:
             out.grown.append((p, size))
     return out
 
 
-def changed_line(source: str, why: str) -> str:
-    return (f"{source} changed where it was already embedded ({why}); to embed it again, rerun the same "
-            f"command with --replace {source}")
+def changed_line(source: str, why: str, remedy: str | None = None) -> str:
+    """One line for a planned file changed where it was embedded: what changed, and how to embed it again (`remedy`;
+    by default --replace)."""
+    return (f"{source} changed where it was already embedded ({why}); "
+            f"{remedy or f'to embed it again, rerun the same command with --replace {source}'}")
 
 
 def _changed(p: PlannedFile, size: int) -> str | None:
