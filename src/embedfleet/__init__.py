@@ -5,6 +5,7 @@ Public names, imported lazily (`import embedfleet` pulls no torch in: `status` a
     Encoder            texts to L2-normalised vectors, on the packed forward pass (embedfleet.encode)
     TableDataset       a table's columns read once, iterated as device-side batches; a torch Dataset (embedfleet.train)
     EmbeddingDataset   TableDataset over the table's vector column
+    Searcher           a table's nearest rows to a query vector: filters, hybrid, binary index (embedfleet.query.search)
     Settings           every EMBEDFLEET_* knob, declared once (embedfleet.settings)
     EmbedfleetError…   the errors a user can act on (embedfleet.errors)
 """
@@ -13,10 +14,10 @@ from __future__ import annotations
 
 __version__ = "0.1.0"
 __all__ = ["DatabaseError", "EmbedfleetError", "EmbeddingDataset", "Encoder", "InputError", "JobError", "ModelError",
-           "Settings", "TableDataset", "__version__"]
+           "Searcher", "Settings", "TableDataset", "__version__"]
 
 _WHERE = {"Encoder": "embedfleet.encode.encoder", "EmbeddingDataset": "embedfleet.train.dataset",
-          "TableDataset": "embedfleet.train.dataset",
+          "TableDataset": "embedfleet.train.dataset", "Searcher": "embedfleet.query.search",
           "Settings": "embedfleet.settings", "EmbedfleetError": "embedfleet.errors", "InputError": "embedfleet.errors",
           "ModelError": "embedfleet.errors", "DatabaseError": "embedfleet.errors", "JobError": "embedfleet.errors"}
 

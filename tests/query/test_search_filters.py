@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 from conftest import one_line_error
 
+from embedfleet.errors import InputError
 from embedfleet.query.search import Searcher
 
 DIM, TOPICS, PER_TOPIC = 16, 200, 250  # 50,000 rows; one topic is 0.5% of them
@@ -49,6 +50,8 @@ def test_a_filter_matching_half_a_percent_returns_k_rows_for_queries_from_other_
     dsn, centers = clustered
     with psycopg.connect(dsn, autocommit=True) as conn:
         searcher = Searcher(conn, "items")
+        with pytest.raises(InputError, match="takes a query vector, not text"):
+            searcher.search("topic 7 things", 10, where="topic = 'topic 7'")
         for other in (3, 50, 120):
             q = centers[other] / np.linalg.norm(centers[other])
             rows = searcher.search(q, 10, where="topic = 'topic 7'")

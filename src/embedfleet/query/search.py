@@ -145,6 +145,9 @@ class Searcher:
         timeout, so it can filter but never write. Whenever k rows pass it, k rows come back.
         `group_by_parent`: the best passage of each of the k nearest records (a table ingested with --passages).
         `text`: a hybrid search, the vector ranking fused with the full-text ranking of `text` (see `hybrid`)."""
+        if isinstance(query_vec, str):
+            raise InputError("Searcher.search takes a query vector, not text: embed it first with the table's model "
+                             "(Encoder(model).encode([text])[0]), or run `embedfleet search TEXT --table T`")
         if group_by_parent and "parent_id" not in self.columns:
             raise OptionError("group-by-parent", f"table {self.table!r} has no passages (ingest it with --passages)")
 
