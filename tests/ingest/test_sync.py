@@ -563,6 +563,32 @@ def test_a_rerun_against_another_database_or_into_a_followed_table_is_refused_be
     assert conn.execute("SELECT count(*) FROM pg_trigger WHERE tgrelid = 'rsd'::regclass").fetchone()[0] > triggers
 
 
+
+def test_a_source_in_another_databases_schema_lands_in_that_schema_and_status_and_uninstall_reach_its_queue(
+        cli, dsn, conn):
+    other_db = "sync_schema_db"
+    conn.execute(f"DROP DATABASE IF EXISTS {other_db}")
+    conn.execute(f"CREATE DATABASE {other_db}")
+    other = psycopg.conninfo.make_conninfo(dsn, dbname=other_db)
+    with psycopg.connect(other, autocommit=True) as o:
+        o.execute("CREATE SCHEMA app")
+        o.execute("CREATE TABLE app.notes (note_id int PRIMARY KEY, body text)")
+        o.execute("INSERT INTO app.notes SELECT i, 'note number ' || i FROM generate_series(1, 12) i")
+    common = ("--from-table", "app.notes", "--db", dsn, "--devices", "cpu", "--quiet")
+    cli("sync", *common, "--source-db", other, check=True)
+    # NAME_embeddings in the source's schema, made in the target's database (not a table named "app.notes_…")
+    assert conn.execute("SELECT to_regclass('app.notes_embeddings') IS NOT NULL").fetchone()[0]
+    assert conn.execute("SELECT count(*) FROM app.notes_embeddings").fetchone()[0] == 12
+    with psycopg.connect(other, autocommit=True) as o:
+        o.execute("INSERT INTO app.notes VALUES (13, 'a late note')")
+    seen = orjson.loads(cli("status", "--db", dsn, "--json", "--source-db", other, check=True).stdout)["jobs"]
+    (job,) = [j for j in seen if j["job"] == "app.notes_embeddings"]
+    assert job["pending"] == 1 and job["lag_s"] is not None
+    one_line_error(cli("sync", *common, "--uninstall"), f"in database {other_db}, whose trigger and queue are there")
+    cli("sync", *common, "--uninstall", "--source-db", other, check=True)
+    with psycopg.connect(other, autocommit=True) as o:
+        assert o.execute("SELECT count(*) FROM pg_trigger WHERE tgname LIKE 'embedfleet%'").fetchone()[0] == 0
+
 def test_rows_the_drain_cannot_write_are_kept_as_rejects_until_they_can(cli, dsn, conn):
     conn.execute("CREATE TABLE rj (review_id int PRIMARY KEY, body text)")
     conn.execute("INSERT INTO rj VALUES (1, 'one'), (2, 'two'), (77, NULL)")

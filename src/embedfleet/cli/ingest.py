@@ -286,6 +286,8 @@ def status(
     db: Optional[str] = DbOpt,
     watch: bool = typer.Option(False, "--watch", help="redraw jobs and every worker (host, device, GPU) each second"),
     json_out: bool = typer.Option(False, "--json", help="one JSON document on stdout"),
+    source_db: Optional[str] = typer.Option(None, "--source-db", help="where a sync job's source (and its queue) "
+                                            "is, when another database than --db: its pending and lag_s"),
 ) -> None:
     """Jobs in the ledger: chunks, rows, rejects, state — and with --watch the fleet working on them."""
     from embedfleet.pg.embedded import resolve_dsn
@@ -293,7 +295,7 @@ def status(
     from embedfleet.ledger import job_named, jobs_overview
     from embedfleet.pg.ddl import table_rows
 
-    settings = knobs()
+    settings = with_flags(knobs(), source_db=source_db)
     with connect(resolve_dsn(db, settings)) as conn:
         job = job and job_named(conn, job)
         jobs = jobs_overview(conn, job, settings.source_db)

@@ -211,7 +211,12 @@ def check_job(spec: JobSpec, conn, settings: Settings, say: bool = True) -> JobS
     job named; an error here leaves no job behind. `say`: the index it gets and the --dim notes are logged
     (a caller that checked the job already has said them)."""
     if spec.source_table:
+        named = spec.table is not None
         spec = check_source(spec, source_dsn(spec, settings))
+        if not named:  # NAME_embeddings in the source's schema, which another database may lack
+            from embedfleet.pg.ddl import ensure_schema
+
+            ensure_schema(conn, spec.table.partition(".")[0])
         inputs = spec.inputs
     else:
         inputs = tuple(expand_inputs(list(spec.inputs)))

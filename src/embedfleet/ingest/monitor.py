@@ -152,7 +152,7 @@ def status_table(jobs: list[dict]) -> Group:
                 pending = ("changes pending unknown: the source's server started again since sync last looked, which "
                            "may have emptied its queue; the next sync compares every row")
             elif j["pending"] is None:
-                pending = "? pending (its queue is in another database)"
+                pending = "? pending (its queue is in another database: status --source-db DSN)"
             else:
                 pending = f"{j['pending']:,} {'change' if j['pending'] == 1 else 'changes'} pending{lag}"
             notes.append(Text(f"{j['job']}: follows {j['source']}: {pending}; last in sync "

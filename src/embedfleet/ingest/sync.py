@@ -440,6 +440,7 @@ def run_sync(spec: JobSpec, settings: Settings, launcher, device: str, follow: b
         cfg = check_job(spec, conn, settings)
         existed = table_exists(conn, cfg.table)
         recorded = check_rerun(conn, cfg, settings)
+        target_db = queue.database_identity(conn)
     q = queue.queue_for(cfg.source_table, cfg.id_field, cfg.job)
     with connect(src_dsn, what="--source-db / EMBEDFLEET_SOURCE_DB") as src:
         source_db = queue.database_identity(src)
@@ -467,7 +468,8 @@ def run_sync(spec: JobSpec, settings: Settings, launcher, device: str, follow: b
         log.info("sync: changes to %s are queued in %s from now on", cfg.source_table, q.table_name)
     ledger = Ledger.connect(dsn, settings.db_patience_seconds, host=settings.host_id)
     try:
-        ledger.record_sync(cfg.job, q.source, q.key, q.tag, src_dsn == dsn, started, source_db)
+        # the same database however reached (another role's DSN): status and --uninstall then find its queue
+        ledger.record_sync(cfg.job, q.source, q.key, q.tag, source_db == target_db, started, source_db)
         before = ledger.progress(cfg.job)["rows_written"] if ledger.job(cfg.job) else 0  # an earlier run's backfill
         progress = run_job(cfg, settings, launcher, empty_ok=True, checked=True)
         cfg = progress["spec"]
@@ -540,6 +542,10 @@ def uninstall_sync(spec: JobSpec, settings: Settings) -> dict:
             if row is None and source is None:
                 raise InputError(f"--from-table {spec.source_table}: no such table, and no sync job {job!r} "
                                  "follows it; name the sync's target with --table or --job")
+            if row and not row["same_db"] and not settings.source_db:
+                where = (row["source_db"] or "/another database").split("/", 1)[1]
+                raise InputError(f"sync job {job!r} follows {row['source']} in database {where}, whose trigger and "
+                                 "queue are there: pass --source-db DSN of that database to remove them")
             q = queue.Queue(row["source"], row["key"], row["tag"]) if row else queue.queue_for(
                 source.name, spec.id_field or source.key or "", job)
             dropped = queue.uninstall(src, q)

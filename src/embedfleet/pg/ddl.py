@@ -70,6 +70,18 @@ def spellings(conn: psycopg.Connection, table: str) -> list[str]:
     return list(dict.fromkeys(n for n in (table, full, bare) if n))
 
 
+def ensure_schema(conn: psycopg.Connection, schema: str) -> None:
+    """Schema `schema` in `conn`'s database, made where it is missing; one line where the role cannot make it."""
+    if conn.execute("SELECT 1 FROM pg_namespace WHERE nspname = %s", [schema]).fetchone():
+        return
+    try:
+        conn.execute(sql.SQL("CREATE SCHEMA IF NOT EXISTS {}").format(sql.Identifier(schema)))
+    except psycopg.errors.InsufficientPrivilege:
+        raise DatabaseError(f"the target table goes in schema {schema}, as its source's, and this database has none "
+                            f"that the role may make: pass --table NAME, or GRANT CREATE ON DATABASE "
+                            f"{conn.info.dbname} to the role") from None
+
+
 def table_sql(conn: psycopg.Connection, table: str) -> sql.Identifier:
     """The table's identifier, schema-qualified where `table` names an existing schema."""
     return sql.Identifier(*(p for p in split_table(conn, table) if p is not None))
