@@ -112,6 +112,10 @@ def test_bad_sources_get_one_line_each(cli, dsn, conn, tmp_path):
     # nothing was recorded: the corrected command runs as a new job would; a numeric column is copied exactly
     conn.execute("ALTER TABLE numbers ADD COLUMN amount numeric(30, 2)")
     conn.execute("INSERT INTO numbers VALUES (1, 5, 'a note', 12345678901234567.89)")
+    # a filter that writes through a function is refused before any job or table exists
+    one_line_error(cli("ingest", "--from-table", "numbers", "--text-field", "note", "--where", "lo_create(0) > 0",
+                       "--table", "num_w", "--db", dsn, "--devices", "cpu", "--quiet"), "read-only transaction")
+    assert conn.execute("SELECT to_regclass('num_w') IS NULL").fetchone()[0]
     cli("ingest", "--from-table", "numbers", "--text-field", "note", "--columns", "n:int,amount", "--table", "num_t",
         "--db", dsn, "--devices", "cpu", "--quiet", check=True)
     assert conn.execute("SELECT n, amount FROM num_t").fetchone() == (5, Decimal("12345678901234567.89"))

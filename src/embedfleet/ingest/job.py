@@ -347,7 +347,8 @@ def check_where(conn, source: str, where: str) -> None:
     try:
         with conn.transaction():
             conn.execute("SET TRANSACTION READ ONLY")
-            conn.execute(sql.SQL("SELECT 1 FROM {} AS {} WHERE {} LIMIT 0").format(
+            # run on one row: a filter that would write (a function's side effect) is refused now, not by each worker
+            conn.execute(sql.SQL("SELECT 1 FROM (SELECT * FROM {} LIMIT 1) AS {} WHERE {}").format(
                 sql.SQL(source), sql.SQL(alias_of(source)), user_filter(where)))
     except psycopg.Error as e:
         raise OptionError("where", first_line(e), where) from None
