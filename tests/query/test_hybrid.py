@@ -5,7 +5,14 @@ without a full-text index, one line naming the command that adds it; the configu
 from __future__ import annotations
 
 import json
+import os
 import random
+import re
+import subprocess
+import sys
+import urllib.error
+import urllib.parse
+import urllib.request
 
 import pytest
 
@@ -124,3 +131,30 @@ def test_hybrid_grouped_by_record_returns_k_records_when_one_long_record_fills_t
                          "--group-by-parent", "-k", "5", check=True).stdout)
     parents = [r["parent_id"] for r in doc["results"]]
     assert len(parents) == 5 and len(set(parents)) == 5
+    # serve's /search takes group_by_parent as the CLI takes --group-by-parent, in the URL or in a POST's body
+    proc = subprocess.Popen([sys.executable, "-m", "embedfleet.cli", "serve", "--table", "grouped", "--db", dsn,
+                             "--port", "0", "--device", "cpu"], stderr=subprocess.PIPE, text=True,
+                            env=dict(os.environ, EMBEDFLEET_HOME=str(tmp_path / "home")))
+    try:
+        line = proc.stderr.readline()
+        base = re.search(r"http://[^/]+", line).group(0)
+
+        def call(path: str, body: dict | None = None) -> tuple[int, dict]:
+            req = urllib.request.Request(base + path, data=body and json.dumps(body).encode(),
+                                         headers={"Content-Type": "application/json"})
+            try:
+                with urllib.request.urlopen(req, timeout=60) as r:
+                    return r.status, json.loads(r.read())
+            except urllib.error.HTTPError as e:
+                return e.code, json.loads(e.read())
+
+        query = urllib.parse.urlencode({"q": "battery pack", "k": 5, "hybrid": "true", "group_by_parent": "true"})
+        for status, answer in (call(f"/search?{query}"),
+                               call("/search", {"q": "battery pack", "k": 5, "group_by_parent": True})):
+            served = [r["parent_id"] for r in answer["results"]]
+            assert status == 200 and len(served) == 5 and len(set(served)) == 5, answer
+        status, answer = call("/search?q=battery&group_by_parent=maybe")
+        assert status == 400 and answer["error"].startswith("group_by_parent='maybe'")
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)

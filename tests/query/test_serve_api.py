@@ -149,7 +149,7 @@ def test_keys_limits_search_metrics_and_schema(server):
     post = schema["paths"]["/search"]["post"]
     body_schema = post["requestBody"]["content"]["application/json"]["schema"]
     assert "parameters" not in post and body_schema["required"] == ["q"]
-    assert {"q", "k", "where", "hybrid", "rerank"} == set(body_schema["properties"])
+    assert {"q", "k", "where", "hybrid", "rerank", "group_by_parent"} == set(body_schema["properties"])
     assert schema["components"]["securitySchemes"]["bearer"] == {"type": "http", "scheme": "bearer"}
     status, page = _call(base + "/docs")  # Swagger UI over the same document
     assert status == 200 and b'url: "/openapi.json"' in page

@@ -1,6 +1,7 @@
 """`embedfleet serve`: nearest-row search and embeddings over HTTP, the model loaded once (Starlette on uvicorn).
 
-    GET|POST /search?q=TEXT[&k=N][&where=SQL][&hybrid=true]  ->  {"results": [{"id", "distance", "content", …}], "scan"}
+    GET|POST /search?q=TEXT[&k=N][&where=SQL][&hybrid=true][&rerank=true][&group_by_parent=true]
+        ->  {"results": [{"id", "distance", "content", …}], "scan"}
     POST /v1/embeddings {"input": str | [str], "model", "encoding_format", "dimensions"}  ->  OpenAI's answer
     GET /v1/models  ->  the one model, as OpenAI lists models
     GET /health  ->  {"table", "model", "path", "device", "dim"}      GET /metrics  ->  Prometheus text
@@ -44,10 +45,11 @@ __all__ = ["SearchService", "make_app", "serve"]
 log = logging.getLogger(__name__)
 
 MAX_K = 1000
-SEARCH_PARAMS = frozenset({"q", "k", "where", "hybrid", "rerank"})
+SEARCH_PARAMS = frozenset({"q", "k", "where", "hybrid", "rerank", "group_by_parent"})
+SWITCHES = ("hybrid", "rerank", "group_by_parent")  # /search's true-or-false parameters
 # The search's own errors name its CLI flags; over HTTP the client gave these parameters.
 # options whose HTTP spelling is not `name=value`: a switch is named as the client turned it on
-HTTP_SWITCHES = {"hybrid": "hybrid=true"}
+HTTP_SWITCHES = {"hybrid": "hybrid=true", "group-by-parent": "group_by_parent=true"}
 
 MAX_REQUEST_BYTES = 4 << 20  # a request's body
 MAX_INPUTS = 2048  # texts in one /v1/embeddings request
@@ -329,10 +331,11 @@ class SearchService:
     def describe(self) -> dict:
         return {"table": self.table, **self.encoder.describe()}
 
-    def search(self, q: str, k: int | None = None, where: str | None = None,
-               running: Running | None = None, hybrid: bool = False, rerank: bool = False) -> tuple[list[dict], str]:
+    def search(self, q: str, k: int | None = None, where: str | None = None, running: Running | None = None,
+               hybrid: bool = False, rerank: bool = False, group_by_parent: bool = False) -> tuple[list[dict], str]:
         """(the top-k rows, how they were found). `running` lets another thread cancel the statement. `hybrid`:
-        the full-text ranking of `q` fused with the vector ranking (Searcher.hybrid)."""
+        the full-text ranking of `q` fused with the vector ranking (Searcher.hybrid). `group_by_parent`: the best
+        passage of each of the k nearest records."""
         if where and self._filtered is None:
             raise InputError("filters are off on this server: start `embedfleet serve` with --allow-where")
         if rerank and self.reranker is None:
@@ -347,7 +350,7 @@ class SearchService:
                 running.attach(searcher.conn)
             want = k or self.k
             results = searcher.search(vec, max(want, RERANK_DEPTH) if rerank else want, where,
-                                      text=q if hybrid else None)
+                                      group_by_parent=group_by_parent, text=q if hybrid else None)
             healthy = True
             if rerank:
                 with self._rerank_lock:
@@ -425,7 +428,7 @@ def make_app(service: SearchService, api_key: str | None = None):
             body = {} if body is None else body
             if not isinstance(body, dict):
                 return error(400, "POST /search takes a JSON object: {\"q\": …, \"k\": …}")
-            kinds = {"q": (str,), "where": (str,), "k": (int,), "hybrid": (bool,), "rerank": (bool,)}
+            kinds = {"q": (str,), "where": (str,), "k": (int,), **{name: (bool,) for name in SWITCHES}}
             wrong = next((key for key, v in body.items() if v is not None and key in kinds and (
                 not isinstance(v, kinds[key]) or key == "k" and isinstance(v, bool))), None)
             if wrong:
@@ -471,6 +474,7 @@ def make_app(service: SearchService, api_key: str | None = None):
           - {name: where, in: query, description: SQL filter (with --allow-where), schema: {type: string}}
           - {name: hybrid, in: query, description: fuse a full-text ranking, schema: {type: boolean}}
           - {name: rerank, in: query, description: reorder by the server's --rerank model, schema: {type: boolean}}
+          - {name: group_by_parent, in: query, description: "the best passage of each of k records (a table ingested with --passages)", schema: {type: boolean}}
         responses:
           200: {description: "{results: [{id, distance, content, …}], scan}"}
           400: {description: a bad parameter or filter}
@@ -488,15 +492,15 @@ def make_app(service: SearchService, api_key: str | None = None):
         where = params.get("where") or None
         if where and not service.allow_where:
             return error(400, "filters are off on this server: start `embedfleet serve` with --allow-where")
-        hybrid = params.get("hybrid", "false").lower()
-        if hybrid not in ("true", "false", "1", "0"):
-            return error(400, f"hybrid={hybrid!r}: true or false")
-        rerank = params.get("rerank", "false").lower()
-        if rerank not in ("true", "false", "1", "0"):
-            return error(400, f"rerank={rerank!r}: true or false (the model is the server's --rerank)")
+        switches = {name: params.get(name, "false").lower() for name in SWITCHES}
+        for name, value in switches.items():
+            if value not in ("true", "false", "1", "0"):
+                more = " (the model is the server's --rerank)" if name == "rerank" else ""
+                return error(400, f"{name}={value!r}: true or false{more}")
+        on = {name: value in ("true", "1") for name, value in switches.items()}
         running = Running()
         task = asyncio.ensure_future(run_in_threadpool(service.search, q, int(k) if k else None, where, running,
-                                                       hybrid in ("true", "1"), rerank in ("true", "1")))
+                                                       on["hybrid"], on["rerank"], on["group_by_parent"]))
         while not task.done():
             await asyncio.wait({task}, timeout=DISCONNECT_POLL_S)
             if not task.done() and await request.is_disconnected():
