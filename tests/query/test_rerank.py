@@ -95,6 +95,7 @@ def test_rerank_orders_by_the_cross_encoders_scores(cli, dsn, conn, cross_encode
         refused = cli("search", query, "--table", "docs", "--db", dsn, "--rerank", bare)
         assert refused.returncode != 0 and "not a trained cross-encoder" in refused.stderr, refused.stderr[-500:]
         assert "Traceback" not in refused.stderr and refused.stdout == ""
+        assert "Loading weights" not in refused.stderr and "LOAD REPORT" not in refused.stderr  # our line only
     missing = cli("search", query, "--table", "docs", "--db", dsn, "--rerank", tmp_path / "no-such-model")
     assert missing.returncode != 0 and "Pass a local path with --rerank" in missing.stderr
     assert len(missing.stderr.strip().splitlines()) == 1

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from embedfleet.encode.models import missing_parameters
+from embedfleet.encode.models import missing_parameters, quiet_loading
 from embedfleet.encode.packed.attention import Packing
 from embedfleet.errors import ModelError
 
@@ -21,12 +21,13 @@ class GenericModel:
 
         trust = {"trust_remote_code": True} if trust_remote_code else {}  # the model's own code (auto_map)
         try:
-            try:
-                model, info = AutoModel.from_pretrained(str(spec.hf_dir), dtype=dtype, output_loading_info=True,
-                                                        **trust)
-            except TypeError:  # transformers < 4.56 spells it torch_dtype
-                model, info = AutoModel.from_pretrained(str(spec.hf_dir), torch_dtype=dtype, output_loading_info=True,
-                                                        **trust)
+            with quiet_loading():
+                try:
+                    model, info = AutoModel.from_pretrained(str(spec.hf_dir), dtype=dtype, output_loading_info=True,
+                                                            **trust)
+                except TypeError:  # transformers < 4.56 spells it torch_dtype
+                    model, info = AutoModel.from_pretrained(str(spec.hf_dir), torch_dtype=dtype,
+                                                            output_loading_info=True, **trust)
         except Exception as err:
             raise ModelError(f"cannot load model {spec.path} with transformers: {err}".splitlines()[0]) from None
         missing = missing_parameters(info)

@@ -6,6 +6,8 @@ JSON files next to the weights; reading them here keeps the forward passes free 
 
 from __future__ import annotations
 
+import contextlib
+
 import json
 import os
 import re
@@ -133,6 +135,23 @@ def check_remote_code(spec: ModelSpec, trust_remote_code: bool) -> None:
     if code and not trust_remote_code:
         raise ModelError(f"model {spec.path} runs its own Python code ({code}, from its config.json's auto_map); "
                          "embedfleet runs it only with --trust-remote-code (Encoder(..., trust_remote_code=True))")
+
+
+@contextlib.contextmanager
+def quiet_loading():
+    """transformers' progress bar and load report kept off the user's terminal while a model loads: what they say
+    that matters (weights missing) becomes one line of ours (`missing_parameters`)."""
+    from transformers.utils import logging as hf_logging
+
+    bar, level = hf_logging.is_progress_bar_enabled(), hf_logging.get_verbosity()
+    hf_logging.disable_progress_bar()
+    hf_logging.set_verbosity_error()
+    try:
+        yield
+    finally:
+        hf_logging.set_verbosity(level)
+        if bar:
+            hf_logging.enable_progress_bar()
 
 
 def missing_parameters(info: dict) -> list[str]:

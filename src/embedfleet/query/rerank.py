@@ -28,7 +28,7 @@ class Reranker:
         import torch
         from transformers import AutoConfig, AutoTokenizer
 
-        from embedfleet.encode.models import missing_parameters, position_limit, resolve_model
+        from embedfleet.encode.models import missing_parameters, position_limit, quiet_loading, resolve_model
 
         path = resolve_model(model, flag="--rerank")
         try:
@@ -44,8 +44,9 @@ class Reranker:
             from transformers import AutoModelForSequenceClassification
 
             try:
-                loaded, info = AutoModelForSequenceClassification.from_pretrained(
-                    str(path), trust_remote_code=trust_remote_code, output_loading_info=True)
+                with quiet_loading():
+                    loaded, info = AutoModelForSequenceClassification.from_pretrained(
+                        str(path), trust_remote_code=trust_remote_code, output_loading_info=True)
             except (OSError, ValueError) as e:
                 raise ModelError(f"--rerank {model}: not a cross-encoder transformers can load "
                                  f"({str(e).splitlines()[0]})") from None
