@@ -45,6 +45,11 @@ ITERATIVE_MIN = (0, 8)  # pgvector's iterative index scans: a filtered HNSW scan
 # A filter the planner expects to keep at most this many rows is searched exactly: measuring them all is cheap,
 # and a graph walk from a far region finds such rows only where it happens to enter them.
 EXACT_MATCHES = 20_000
+# An iterative scan visits at most MAX_SCAN_TUPLES rows (pgvector's own default, set on each scan). A filter that
+# drops more rows than that can leave every row the walk visits dropped, when the query lies among them, and the
+# walk then hands back far rows that passed (docs/decisions/filtered-search.md). A table of at most EXACT_ROWS rows
+# is then measured whole: no slower than such a walk.
+MAX_SCAN_TUPLES, EXACT_ROWS = 20_000, 100_000
 # A binary-quantized index ranks by Hamming distance: its nearest --rescore rows (default RESCORE × k, at least
 # RESCORE_MIN) are taken, then ranked by their full vectors' cosine distance.
 RESCORE, RESCORE_MIN = 10, 40
@@ -280,13 +285,16 @@ class Searcher:
             if self.indexed:
                 cur.execute(sql.SQL("SET LOCAL hnsw.ef_search = {}").format(sql.Literal(int(ef_search))))
             scan = "exact" if not self.indexed else "index"
-            if where and self.indexed and self._matching(cur, filt) <= EXACT_MATCHES:
-                # few rows pass the filter: measure them all, rather than hunt them through the graph
+            matching = self._matching(cur, filt) if where and self.indexed else None
+            if matching is not None and measure_all(matching, lambda: self._matching(cur, sql.SQL(""))):
+                # few rows pass the filter, or the walk could stop before any: measure them all
                 cur.execute("SET LOCAL enable_indexscan = off")
                 scan = "exact"
             elif where and self.indexed and self.iterative:
-                # a filter drops most of the index's candidates: scan the graph on until k rows pass it
-                cur.execute("SET LOCAL hnsw.iterative_scan = strict_order")
+                # a filter drops most of the index's candidates: scan the graph on until k rows pass it; in relaxed
+                # order, since strict order skips a row nearer than one already handed back (ranked again below)
+                cur.execute("SET LOCAL hnsw.iterative_scan = relaxed_order")
+                cur.execute(sql.SQL("SET LOCAL hnsw.max_scan_tuples = {}").format(sql.Literal(MAX_SCAN_TUPLES)))
                 scan = "iterative"
             rows = cur.execute(exact if scan == "exact" else by_index, params).fetchall()
             if scan != "exact" and len(rows) < k and (where or k > EF_SEARCH_MAX):
@@ -296,9 +304,19 @@ class Searcher:
                 rows = cur.execute(exact, params).fetchall()
                 scan = "exact"
         self.scan = scan
-        if self.index_kind == "halfvec" and scan != "exact":  # found by halfvec distances: ranked by the full ones
-            rows.sort(key=lambda r: r["distance"])
+        if scan == "iterative" or (self.index_kind == "halfvec" and scan != "exact"):
+            rows.sort(key=lambda r: r["distance"])  # handed back in relaxed order, or by halfvec distances
         return [self._row(r) for r in rows]
+
+
+def measure_all(matching: float, rows) -> bool:
+    """Whether a filtered search measures every row the filter keeps rather than walk the index: few pass it, or
+    the walk could stop before any (the filter drops more rows than it visits) in a table small enough to measure.
+    `matching`: the rows the planner expects to pass; `rows()`: the table's rows (asked only where it matters)."""
+    if matching <= EXACT_MATCHES:
+        return True
+    total = rows()
+    return total - matching > MAX_SCAN_TUPLES and total <= EXACT_ROWS
 
 
 def _searchable(where: str | None) -> sql.Composable:
