@@ -152,6 +152,9 @@ def ingest(
                    f"{shlex.quote(cfg.table)}", err=True)
         if summary["rejected"]:
             typer.echo(f"why each was rejected: embedfleet jobs rejects {shlex.quote(cfg.job)}", err=True)
+        if cfg.source_table:  # a rerun of the same command finds nothing new: the table's changes are sync's
+            typer.echo(f"ingest reads {cfg.source_table} once; rows added, changed or deleted since are followed by "
+                       f"the same command as `embedfleet sync`", err=True)
         if summary["time_shares"]:
             ran = [s for s in progress["summaries"] if s.get("started_at", 0.0) >= begun]
             several = len(ran) > 1 and not progress["table_partitions"]
