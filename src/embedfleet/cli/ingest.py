@@ -153,8 +153,8 @@ def ingest(
         if summary["rejected"]:
             typer.echo(f"why each was rejected: embedfleet jobs rejects {shlex.quote(cfg.job)}", err=True)
         if cfg.source_table:  # a rerun of the same command finds nothing new: the table's changes are sync's
-            typer.echo(f"ingest reads {cfg.source_table} once; rows added, changed or deleted since are followed by "
-                       f"the same command as `embedfleet sync`", err=True)
+            typer.echo(f"ingest reads {cfg.source_table} once: `embedfleet sync` with the same flags embeds the rows "
+                       "added, changed or deleted since, and with --follow keeps up with them", err=True)
         if summary["time_shares"]:
             ran = [s for s in progress["summaries"] if s.get("started_at", 0.0) >= begun]
             several = len(ran) > 1 and not progress["table_partitions"]
