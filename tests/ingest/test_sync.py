@@ -281,6 +281,12 @@ def test_a_role_without_trigger_privilege_is_told_the_grant(cli, dsn, conn, tmp_
             "--devices", "cpu", "--quiet")
     assert p.returncode == 0, p.stderr
     assert conn.execute("SELECT count(*) FROM guarded_embeddings").fetchone()[0] == 5
+    conn.execute("CREATE SCHEMA walled")  # a schema the role may not use: the GRANT, for the role --source-db names
+    conn.execute("CREATE TABLE walled.notes (id int PRIMARY KEY, body text)")
+    p = cli("ingest", "--from-table", "walled.notes", "--source-db", source_dsn, "--db", dsn, "--devices", "cpu",
+            "--quiet")
+    one_line_error(p, f"GRANT USAGE ON SCHEMA walled TO {role}, or name another role in --source-db")
+    assert p.returncode == 2
 
 
 @pytest.mark.parametrize("op", ["drop", "rename"])

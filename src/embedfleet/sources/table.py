@@ -74,6 +74,12 @@ def _oid(conn: psycopg.Connection, name: str) -> int | None:
             return conn.execute("SELECT to_regclass(%s)::oid", [name]).fetchone()[0]
     except (psycopg.errors.InvalidName, psycopg.errors.InvalidSchemaName):
         return None
+    except psycopg.errors.InsufficientPrivilege as e:  # the schema's USAGE: said for the source's role and database
+        role, db = conn.execute("SELECT quote_ident(current_user), current_database()").fetchone()
+        schema = name.rpartition(".")[0] or "its schema"
+        raise InputError(f"--from-table {name}: role {role} may not use {schema} in database {db} "
+                         f"({e.diag.message_primary}): GRANT USAGE ON SCHEMA {schema} TO {role}, or name another "
+                         "role in --source-db (or --db where the source is there)") from None
 
 
 def describe(conn: psycopg.Connection, name: str) -> TableSource:
