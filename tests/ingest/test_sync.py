@@ -540,12 +540,16 @@ def test_a_value_python_cannot_hold_rejects_its_row_only_where_the_row_uses_it(c
     assert rows["2"] == "changed two" and "4" not in rows and len(rows) == 18
 
 
+
+def _fresh_database(conn, dsn: str, name: str) -> tuple[str, str]:
+    """A new, empty database on the test server: (its name, its DSN)."""
+    conn.execute(f"DROP DATABASE IF EXISTS {name}")
+    conn.execute(f"CREATE DATABASE {name}")
+    return name, psycopg.conninfo.make_conninfo(dsn, dbname=name)
+
 def test_a_rerun_against_another_database_or_into_a_followed_table_is_refused_before_anything_is_installed(
         cli, dsn, conn):
-    other_db = "sync_other_db"
-    conn.execute(f"DROP DATABASE IF EXISTS {other_db}")
-    conn.execute(f"CREATE DATABASE {other_db}")
-    other = psycopg.conninfo.make_conninfo(dsn, dbname=other_db)
+    other_db, other = _fresh_database(conn, dsn, "sync_other_db")
     conn.execute("CREATE TABLE rsd (review_id int PRIMARY KEY, title text, body text)")
     conn.execute("INSERT INTO rsd SELECT i, 'title ' || i, 'local row ' || i FROM generate_series(1, 10) i")
     with psycopg.connect(other, autocommit=True) as o:
@@ -576,10 +580,7 @@ def test_a_rerun_against_another_database_or_into_a_followed_table_is_refused_be
 
 def test_a_source_in_another_databases_schema_lands_in_that_schema_and_status_and_uninstall_reach_its_queue(
         cli, dsn, conn):
-    other_db = "sync_schema_db"
-    conn.execute(f"DROP DATABASE IF EXISTS {other_db}")
-    conn.execute(f"CREATE DATABASE {other_db}")
-    other = psycopg.conninfo.make_conninfo(dsn, dbname=other_db)
+    other_db, other = _fresh_database(conn, dsn, "sync_schema_db")
     with psycopg.connect(other, autocommit=True) as o:
         o.execute("CREATE SCHEMA app")
         o.execute("CREATE TABLE app.notes (note_id int PRIMARY KEY, body text)")

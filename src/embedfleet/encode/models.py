@@ -202,16 +202,19 @@ def _read_json(path: Path) -> dict | list | None:
 
 @dataclass(frozen=True)
 class DenseSpec:
-    """A sentence-transformers Dense module: activation(linear(x)) on the pooled vector."""
+    """A sentence-transformers Dense module: activation(linear(x)) on the pooled vector, plus x (or a linear map of
+    it where the widths differ) with `residual`."""
 
     path: Path
     in_features: int
     out_features: int
     bias: bool
     activation: str  # a key of DENSE_ACTIVATIONS
+    residual: bool = False  # its use_residual
 
     def weights(self) -> tuple:
-        """(weight [out, in], bias [out] or None) as float32 numpy arrays, from the module's folder."""
+        """(weight [out, in], bias [out] or None, residual) as float32 numpy arrays, from the module's folder: the
+        residual None (none), True (x itself: the widths are equal) or its weight [out, in]."""
         import numpy as np
 
         st = self.path / "model.safetensors"
@@ -230,11 +233,20 @@ class DenseSpec:
         if w is None or w.shape != (self.out_features, self.in_features):
             raise ModelError(f"Dense module {self.path}: no linear.weight of shape "
                              f"({self.out_features}, {self.in_features})")
-        return w, state.get("linear.bias") if self.bias else None
+        residual = None
+        if self.residual:
+            residual = True if self.in_features == self.out_features else state.get("residual.weight")
+            if residual is None or residual is not True and residual.shape != w.shape:
+                raise ModelError(f"Dense module {self.path}: use_residual across widths, but no residual.weight of "
+                                 f"shape ({self.out_features}, {self.in_features})")
+        return w, state.get("linear.bias") if self.bias else None, residual
 
 
 # Dense activations the encoder computes (sentence-transformers saves the class's import path).
 DENSE_ACTIVATIONS = ("Identity", "Tanh", "ReLU", "GELU", "Sigmoid", "SiLU")
+# A Dense module's config.json keys that the encoder reads (sentence-transformers' Dense, up to its use_residual).
+DENSE_KEYS = frozenset({"in_features", "out_features", "bias", "activation_function", "module_input_name",
+                        "module_output_name", "use_residual"})
 
 
 @dataclass
@@ -378,11 +390,15 @@ def _dense(path: Path, i: int, folder: Path) -> DenseSpec:
     if names != ("sentence_embedding", "sentence_embedding"):
         raise ModelError(f"{where} maps {names[0]} to {names[1]}; embedfleet computes Dense modules on the pooled "
                          "sentence embedding only, and would give wrong vectors")
+    unknown = sorted(set(cfg) - DENSE_KEYS)
+    if unknown:  # a setting of a later sentence-transformers: computed without it, the vectors would differ
+        raise ModelError(f"{where} sets {unknown[0]}, which embedfleet does not compute; it would give wrong vectors")
     act = str(cfg.get("activation_function") or "torch.nn.modules.linear.Identity").rsplit(".", 1)[-1]
     if act not in DENSE_ACTIVATIONS:
         raise ModelError(f"{where} uses the activation {act}; embedfleet computes {', '.join(DENSE_ACTIVATIONS)}")
     try:
-        d = DenseSpec(folder, int(cfg["in_features"]), int(cfg["out_features"]), bool(cfg.get("bias", True)), act)
+        d = DenseSpec(folder, int(cfg["in_features"]), int(cfg["out_features"]), bool(cfg.get("bias", True)), act,
+                      bool(cfg.get("use_residual", False)))
     except (KeyError, TypeError, ValueError):
         raise ModelError(f"{where} has no in_features/out_features in its config.json") from None
     return d

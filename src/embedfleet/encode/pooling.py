@@ -41,18 +41,22 @@ def post_modules(spec, device: torch.device) -> list:
     ops = []
     for kind, d in spec.post:
         if kind == "normalize":
-            ops.append(("normalize", None, None, None))
+            ops.append(("normalize", None, None, None, None))
             continue
-        w, b = d.weights()
+        w, b, r = d.weights()
         ops.append(("dense", torch.from_numpy(w).to(device), None if b is None else torch.from_numpy(b).to(device),
-                    _TORCH_ACTIVATIONS[d.activation]))
+                    _TORCH_ACTIVATIONS[d.activation], r if r is None or r is True else torch.from_numpy(r).to(device)))
     return ops
 
 
 def apply_post(emb: torch.Tensor, ops: list) -> torch.Tensor:
     """Pooled float32 vectors through the post-pooling modules, in order, in float32."""
-    for kind, w, b, act in ops:
-        emb = F.normalize(emb, p=2.0, dim=1) if kind == "normalize" else act(F.linear(emb, w, b))
+    for kind, w, b, act, r in ops:
+        if kind == "normalize":
+            emb = F.normalize(emb, p=2.0, dim=1)
+        else:  # a residual: the input itself, or mapped to the output's width
+            out = act(F.linear(emb, w, b))
+            emb = out if r is None else out + (emb if r is True else F.linear(emb, r))
     return emb
 
 

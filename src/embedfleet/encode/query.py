@@ -188,8 +188,12 @@ class NumpyBert:
             else:
                 keep = (np.arange(longest)[None, :] < lens[:, None]).astype(np.float32)
                 pooled = (h * keep[:, :, None]).sum(1) / lens[:, None].astype(np.float32)
-            for kind, w, b, act in post:
-                pooled = _unit(pooled) if kind == "normalize" else act(pooled @ w.T + (0.0 if b is None else b))
+            for kind, w, b, act, r in post:
+                if kind == "normalize":
+                    pooled = _unit(pooled)
+                    continue
+                out = act(pooled @ w.T + (0.0 if b is None else b))
+                pooled = out if r is None else out + (pooled if r is True else pooled @ r.T)
             pooled = pooled[:, :dim]
             out[rows] = pooled / np.maximum(np.linalg.norm(pooled, axis=1, keepdims=True), 1e-12)
             i = j
@@ -209,10 +213,10 @@ def post_ops(spec: ModelSpec) -> list:
     ops = []
     for kind, d in spec.post:
         if kind == "normalize":
-            ops.append(("normalize", None, None, None))
+            ops.append(("normalize", None, None, None, None))
         else:
-            w, b = d.weights()
-            ops.append(("dense", w, b, _NP_ACTIVATIONS[d.activation]))
+            w, b, r = d.weights()
+            ops.append(("dense", w, b, _NP_ACTIVATIONS[d.activation], r))
     return ops
 
 

@@ -263,7 +263,8 @@ def check_job(spec: JobSpec, conn, settings: Settings, say: bool = True) -> JobS
     if cfg.fts_config is not None and not cfg.fts:
         raise InputError(f"--fts-config {cfg.fts_config} configures --fts's full-text index: add --fts, or leave "
                          "--fts-config out")
-    if cfg.fts_config and not conn.execute("SELECT 1 FROM pg_ts_config WHERE cfgname = %s", [cfg.fts_config]).fetchone():
+    if cfg.fts_config and not conn.execute("SELECT 1 FROM pg_ts_config WHERE cfgname = %s",
+                                           [cfg.fts_config]).fetchone():
         raise InputError(f"--fts-config {cfg.fts_config!r}: the server has no such text search configuration "
                          "(`SELECT cfgname FROM pg_ts_config` lists them)")
     check_partitions(conn, cfg.table, cfg.partitions)

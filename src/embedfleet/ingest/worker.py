@@ -163,7 +163,8 @@ class Worker:
                 model_s = time.perf_counter() - t_model
                 vtype = vector_type(ledger.conn, spec.dtype)
                 ensure_table(ledger.conn, spec.table, table_columns(spec.preset, bool(spec.passages), spec.columns),
-                             encoder.dim, vtype, spec.partitions, (spec.fts_config or DEFAULT_CONFIG) if spec.fts else None)
+                             encoder.dim, vtype, spec.partitions,
+                             (spec.fts_config or DEFAULT_CONFIG) if spec.fts else None)
                 ledger.set_model(self.job, encoder.name, encoder.dim, encoder.digest())
                 # The compile (from the cache after a machine's first run) starts now, beside the helpers' start,
                 # unless the job is too small to pay for it; the loop starts eager and switches when it is ready.

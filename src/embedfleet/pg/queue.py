@@ -13,10 +13,11 @@ A queued key says only "look at this row again": a worker reads the row as it is
 or queued and then undone, costs nothing wrong. TRUNCATE queues a NULL key: every row may be gone.
 
 The trigger's cost is one more row inserted per row changed, and no more: the queue is UNLOGGED (no WAL: the
-write-ahead log was most of that cost), has no index (a worker sorts what it claims and deletes by ctid) and no sequence (claims
-go by the time a key was queued), and the trigger sends no NOTIFY, which cost as much again; a follower polls the queue between LISTENs instead
-(docs/decisions/sync-queue.md). A server that crashes empties an unlogged table: sync notices the server's new
-start time and queues every key of the source once (`requeue_all`), so nothing changed before the crash is lost.
+write-ahead log was most of that cost), has no index (a worker sorts what it claims and deletes by ctid) and no
+sequence (claims go by the time a key was queued), and the trigger sends no NOTIFY, which cost as much again; a
+follower polls the queue between LISTENs instead (docs/decisions/sync-queue.md). A server that crashes empties an
+unlogged table: sync notices the server's new start time and queues every key of the source once (`requeue_all`),
+so nothing changed before the crash is lost.
 """
 
 from __future__ import annotations

@@ -232,7 +232,8 @@ class Searcher:
                     self._arm_timeout(cur)
                     yield cur
             except psycopg.errors.ReadOnlySqlTransaction as e:
-                raise OptionError("where", f"it would write ({e.diag.message_primary}); it may only filter", where) from None
+                raise OptionError("where", f"it would write ({e.diag.message_primary}); it may only filter",
+                                  where) from None
             except psycopg.errors.StatementTooComplex as e:  # a query of thousands of words, as a tsquery
                 raise InputError(f"the search is too complex for the server ({e.diag.message_primary}): "
                                  "shorten the query") from None

@@ -474,7 +474,8 @@ def make_app(service: SearchService, api_key: str | None = None):
           - {name: where, in: query, description: SQL filter (with --allow-where), schema: {type: string}}
           - {name: hybrid, in: query, description: fuse a full-text ranking, schema: {type: boolean}}
           - {name: rerank, in: query, description: reorder by the server's --rerank model, schema: {type: boolean}}
-          - {name: group_by_parent, in: query, description: "the best passage of each of k records (a table ingested with --passages)", schema: {type: boolean}}
+          - {name: group_by_parent, in: query, description: "the best passage of each of k records (--passages)",
+             schema: {type: boolean}}
         responses:
           200: {description: "{results: [{id, distance, content, …}], scan}"}
           400: {description: a bad parameter or filter}
