@@ -148,6 +148,9 @@ def test_the_model_card_says_which_shorter_widths_the_model_was_trained_for(tmp_
     assert check_model(str(path)).matryoshka() is None  # no card
     (path / "README.md").write_text("# A model\nTrained with contrastive learning on 1B pairs.\n")
     assert check_model(str(path)).matryoshka() is None
+    (path / "README.md").write_text("## Additional Resources\n- [Introduction to Matryoshka Embedding Models]"
+                                    "(https://huggingface.co/blog/matryoshka): variable-size embeddings\n")
+    assert check_model(str(path)).matryoshka() is None  # sentence-transformers' card links it for any model
     (path / "README.md").write_text("# Qwen-like\n- MRL Support: output dimensions from 32 to 4096\n")
     assert check_model(str(path)).matryoshka() == ()
     (path / "README.md").write_text('{"loss": "MatryoshkaLoss", "matryoshka_dims": [64, 768, 256, 768]}')

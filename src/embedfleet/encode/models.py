@@ -307,7 +307,10 @@ class ModelSpec:
         found = re.search(r'"matryoshka_dims"\s*:\s*\[([\d,\s]+)\]', text)
         if found:
             return tuple(sorted({int(d) for d in found.group(1).split(",") if d.strip()}, reverse=True))
-        return () if re.search(r"\bmatryoshka\b|\bMRL\b", text, re.IGNORECASE) else None
+        # a link's words say nothing of this model: sentence-transformers' own card links "Introduction to
+        # Matryoshka Embedding Models" for any model it saves
+        prose = re.sub(r"\[[^\]]*\]\([^)]*\)", "", text)
+        return () if re.search(r"\bmatryoshka\b|\bMRL\b", prose, re.IGNORECASE) else None
 
     @property
     def hidden_size(self) -> int | None:
