@@ -235,6 +235,9 @@ def check_job(spec: JobSpec, conn, settings: Settings, say: bool = True) -> JobS
     name = model_name(spec.model, model.path)
     if cfg.dim is not None and hidden is not None and not 0 < cfg.dim <= hidden:
         raise ModelError(f"--dim {cfg.dim} is out of range: {name} makes {hidden}-dimensional vectors")
+    if say and model.pooling == "lasttoken" and not (model.path / "modules.json").is_file():
+        log.info("pooling: %s has no modules.json: its vectors are its last token's, as decoder embedding models "
+                 "pool (sentence-transformers would take the mean); a modules.json with a Pooling module decides", name)
     if say and (cfg.dim or hidden):  # the index a table of this width gets, decided and said before anything is planned
         from embedfleet.pg.ddl import index_plan
 

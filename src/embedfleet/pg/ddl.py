@@ -353,8 +353,8 @@ def partition_names(conn: psycopg.Connection, table: str, partitions: int) -> li
 
 
 def partition_count(conn: psycopg.Connection, table: str) -> int:
-    """How many partitions (or child tables) `table` has; 0: it is one relation."""
-    return conn.execute("SELECT count(*) FROM pg_inherits WHERE inhparent = %s::regclass",
+    """How many partitions (or child tables) `table` has; 0: it is one relation (or gone: dropped since)."""
+    return conn.execute("SELECT count(*) FROM pg_inherits WHERE inhparent = to_regclass(%s)",
                         [_regclass(conn, table)]).fetchone()[0]
 
 
