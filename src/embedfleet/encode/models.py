@@ -7,7 +7,6 @@ JSON files next to the weights; reading them here keeps the forward passes free 
 from __future__ import annotations
 
 import contextlib
-
 import json
 import os
 import re

@@ -283,8 +283,8 @@ class Lane:
         if renamed and renamed != self.queue.key:
             raise InputError(f"sync: the key column {self.queue.key!r} of {self.source_name} was renamed {renamed!r} "
                              f"while following; the trigger now reads {renamed!r}, so the application's writes go on "
-                             "and are queued: rename it back and rerun sync at once (the trigger reads the new name until "
-                             "then), or `sync --uninstall` and sync into a new --table")
+                             "and are queued: rename it back and rerun sync at once (the trigger reads the new name "
+                             "until then), or `sync --uninstall` and sync into a new --table")
         if not installed:
             raise InputError(f"sync: the trigger that queues {self.source_name}'s changes was dropped while following "
                              "(its key dropped with CASCADE?): rerun sync to make it again; every row is then compared once")

@@ -65,7 +65,6 @@ INDEX_RECHECK_S = 5.0  # how often a searcher reads its table's index again
 HYBRID_DEPTH = 50  # candidates each ranking gives a hybrid search (at least; 4 × k for a larger k)
 
 
-
 def no_fts(table: str) -> OptionError:
     """--hybrid on a table without a full-text index: the command that adds one."""
     return OptionError("hybrid", f"table {table!r} has no full-text index; `embedfleet index --table {table} --fts` "
