@@ -29,6 +29,9 @@ class OptionError(InputError):
         self.option, self.value, self.detail = option, value, detail
         super().__init__(self.named(f"--{option}"))
 
+    def __reduce__(self):  # raised in a process pool's worker (export's shards): made again from its parts
+        return type(self), (self.option, self.detail, self.value)
+
     def named(self, name: str) -> str:
         """The message with the option called `name`."""
         return f"{name}: {self.detail}" if self.value is None else f"{name} {self.value!r}: {self.detail}"

@@ -123,3 +123,13 @@ def test_the_names_a_filter_reads_are_its_words_outside_literals_folded_as_sql_f
     assert filter_names("x = E'it''s' AND 1e5 < n_2 AND \"we\"\"ird\" > 0 AND Été_X = 1") == {"x", "and", "n_2",
                                                                                            'we"ird', "Été_x"}
     assert filter_names("lower(title) LIKE 'a%'") == {"lower", "title", "like"}
+
+
+def test_an_option_error_crosses_a_process_boundary_whole():
+    """export's shards raise it in a process pool's worker: unpickled from its message alone, it broke the pool."""
+    import pickle
+
+    from embedfleet.errors import OptionError
+
+    err = pickle.loads(pickle.dumps(OptionError("where", "a ';' would end the statement", "a = 1; b")))
+    assert (str(err), err.option, err.value) == ("--where 'a = 1; b': a ';' would end the statement", "where", "a = 1; b")
