@@ -116,7 +116,7 @@ class Lane:
         self.size = batch  # the next claim's keys (next_batch_size)
         self.part, self.parts = part, parts
         self.stats, self.stats_lock = stats, stats_lock
-        self.target = connect(dsn)
+        self.target, self.source_dsn = connect(dsn), source_dsn
         self.same_db = source_dsn == dsn
         self.source = self.target if self.same_db else connect(source_dsn, what="--source-db / EMBEDFLEET_SOURCE_DB")
         source = describe(self.source, spec.source_table)
@@ -279,7 +279,10 @@ class Lane:
         source, installed, gone = queue.following(self.source, self.queue, self.watched)
         if not source:
             raise source_gone_error(self.source_name, self.queue)
-        renamed = queue.follow_renamed_key(self.source, self.queue, self.watched)
+        renamed = queue.renamed_key(self.source, self.queue)
+        if renamed:  # remade on a connection of its own: a lane's may be inside its own transaction now
+            with connect(self.source_dsn, what="--source-db / EMBEDFLEET_SOURCE_DB") as own:
+                queue.follow_key(own, self.queue, renamed, self.watched)
         if renamed and renamed != self.queue.key:
             raise InputError(f"sync: the key column {self.queue.key!r} of {self.source_name} was renamed {renamed!r} "
                              f"while following; the trigger now reads {renamed!r}, so the application's writes go on "

@@ -30,8 +30,8 @@ from psycopg import sql
 
 from embedfleet.errors import DatabaseError, InputError
 
-__all__ = ["Queue", "queue_for", "install", "uninstall", "installed", "following", "follow_renamed_key", "pending",
-           "claim", "forget", "requeue_all", "server_started"]
+__all__ = ["Queue", "queue_for", "install", "uninstall", "installed", "following", "renamed_key", "follow_key",
+           "pending", "claim", "forget", "requeue_all", "server_started"]
 
 LOCK_TIMEOUT = "5s"
 TRIGGERS = ("row", "update", "truncate")  # after INSERT, UPDATE OF the key, DELETE; after any UPDATE; after TRUNCATE
@@ -116,7 +116,8 @@ def install(conn: psycopg.Connection, q: Queue, watched: list[str]) -> bool:
     usable = conn.execute("SELECT CASE WHEN to_regnamespace('embedfleet') IS NULL THEN true "
                           "ELSE has_schema_privilege('embedfleet', 'USAGE') END").fetchone()[0]
     if usable and installed(conn, q):  # (where the role may not use the schema, it cannot look)
-        follow_renamed_key(conn, q, watched)
+        if renamed := renamed_key(conn, q):
+            follow_key(conn, q, renamed, watched)
         return False
     _check_privileges(conn, q)
     try:
@@ -195,20 +196,22 @@ def _make_functions(conn: psycopg.Connection, q: Queue, watched: list[str]) -> N
             "SET search_path = pg_catalog, pg_temp AS {}").format(q._function(kind), sql.Literal(text.as_string(conn))))
 
 
-def follow_renamed_key(conn: psycopg.Connection, q: Queue, watched: list[str]) -> str | None:
-    """Where the source's key column was renamed since the trigger functions were made, they are remade to read it
-    by its name now, and that name returned (else None). plpgsql reads NEW's fields by name, so until then each of the
-    application's writes fails; the row trigger's UPDATE OF names the column by number, which a rename keeps."""
+def renamed_key(conn: psycopg.Connection, q: Queue) -> str | None:
+    """The source's key column's name now, where the trigger functions read it by another (it was renamed since
+    they were made), else None. One statement: safe on a connection another thread uses."""
     row = conn.execute(  # the column's name now, and whether the function reads it so (as sql.Identifier quotes it)
         "SELECT a.attname, strpos(p.prosrc, 'NEW.\"' || replace(a.attname, '\"', '\"\"') || '\"') > 0 FROM pg_trigger t "
         "JOIN pg_attribute a ON a.attrelid = t.tgrelid AND a.attnum = t.tgattr[0] JOIN pg_proc p ON p.oid = t.tgfoid "
         "WHERE t.tgrelid = to_regclass(%s) AND t.tgname = %s", [q.source, q.trigger_names[0]]).fetchone()
-    if row is None or row[1]:
-        return None
-    with conn.transaction():
-        _make_functions(conn, Queue(q.source, row[0], q.tag), watched)
-    return row[0]
+    return None if row is None or row[1] else row[0]
 
+
+def follow_key(conn: psycopg.Connection, q: Queue, key: str, watched: list[str]) -> None:
+    """The trigger functions remade to read the key column as `key`, its name now. plpgsql reads NEW's fields by
+    name, so until then each of the application's writes fails; the row trigger's UPDATE OF names the column by
+    number, which a rename keeps."""
+    with conn.transaction():
+        _make_functions(conn, Queue(q.source, key, q.tag), watched)
 
 def uninstall(conn: psycopg.Connection, q: Queue) -> bool:
     """The source's triggers, the functions and the queue, dropped (the target table stays). Returns whether
