@@ -586,6 +586,9 @@ def test_a_source_in_another_databases_schema_lands_in_that_schema_and_status_an
         o.execute("CREATE TABLE app.notes (note_id int PRIMARY KEY, body text)")
         o.execute("INSERT INTO app.notes SELECT i, 'note number ' || i FROM generate_series(1, 12) i")
     common = ("--from-table", "app.notes", "--db", dsn, "--devices", "cpu", "--quiet")
+    # a job refused after its schema was made leaves no schema behind
+    one_line_error(cli("ingest", *common, "--source-db", other, "--fts", "--fts-config", "klingon"), "--fts-config")
+    assert conn.execute("SELECT to_regnamespace('app') IS NULL").fetchone()[0]
     cli("sync", *common, "--source-db", other, check=True)
     # NAME_embeddings in the source's schema, made in the target's database (not a table named "app.notes_…")
     assert conn.execute("SELECT to_regclass('app.notes_embeddings') IS NOT NULL").fetchone()[0]

@@ -210,16 +210,29 @@ def check_job(spec: JobSpec, conn, settings: Settings, say: bool = True) -> JobS
     privileges), the model and the inputs' text. Returns the spec with its inputs expanded and its table and
     job named; an error here leaves no job behind. `say`: the index it gets and the --dim notes are logged
     (a caller that checked the job already has said them)."""
+    made = None
     if spec.source_table:
         named = spec.table is not None
         spec = check_source(spec, source_dsn(spec, settings))
-        if not named:  # NAME_embeddings in the source's schema, which another database may lack
-            from embedfleet.pg.ddl import ensure_schema
+        if not named:  # NAME_embeddings in the source's schema, which another database may lack; made first, as
+            from embedfleet.pg.ddl import ensure_schema  # the checks below resolve the name through it
 
-            ensure_schema(conn, spec.table.partition(".")[0])
+            made = ensure_schema(conn, spec.table.partition(".")[0])
         inputs = spec.inputs
     else:
         inputs = tuple(expand_inputs(list(spec.inputs)))
+    try:
+        return _check_named(spec, inputs, conn, settings, say)
+    except BaseException:
+        if made:  # a refused job leaves nothing behind
+            from embedfleet.pg.ddl import drop_empty_schema
+
+            drop_empty_schema(conn, made)
+        raise
+
+
+def _check_named(spec: JobSpec, inputs: tuple, conn, settings: Settings, say: bool) -> JobSpec:
+    """check_job's checks once the inputs and the target's schema are known."""
     table = check_identifier(spec.table or table_name_for(inputs[0]))
     cfg = spec.replace(inputs=inputs, table=table, job=spec.job or table, model=spec.model or settings.model)
     check_server(conn, cfg.dtype)

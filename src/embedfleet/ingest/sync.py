@@ -276,10 +276,9 @@ class Lane:
 
     def check_following(self) -> None:
         """An InputError if following cannot go on: the source gone, its trigger dropped, a column it reads gone."""
-        source, installed, gone = queue.following(self.source, self.queue, self.watched)
+        source, installed, gone, renamed = queue.following(self.source, self.queue, self.watched)
         if not source:
             raise source_gone_error(self.source_name, self.queue)
-        renamed = queue.renamed_key(self.source, self.queue)
         if renamed:  # remade on a connection of its own: a lane's may be inside its own transaction now
             with connect(self.source_dsn, what="--source-db / EMBEDFLEET_SOURCE_DB") as own:
                 queue.follow_key(own, self.queue, renamed, self.watched)

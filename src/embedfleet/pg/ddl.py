@@ -70,16 +70,26 @@ def spellings(conn: psycopg.Connection, table: str) -> list[str]:
     return list(dict.fromkeys(n for n in (table, full, bare) if n))
 
 
-def ensure_schema(conn: psycopg.Connection, schema: str) -> None:
-    """Schema `schema` in `conn`'s database, made where it is missing; one line where the role cannot make it."""
+def ensure_schema(conn: psycopg.Connection, schema: str) -> str | None:
+    """Schema `schema` in `conn`'s database, made where it is missing; one line where the role cannot make it.
+    Returns its name where this call made it."""
     if conn.execute("SELECT 1 FROM pg_namespace WHERE nspname = %s", [schema]).fetchone():
-        return
+        return None
     try:
         conn.execute(sql.SQL("CREATE SCHEMA IF NOT EXISTS {}").format(sql.Identifier(schema)))
     except psycopg.errors.InsufficientPrivilege:
         raise DatabaseError(f"the target table goes in schema {schema}, as its source's, and this database has none "
                             f"that the role may make: pass --table NAME, or GRANT CREATE ON DATABASE "
                             f"{conn.info.dbname} to the role") from None
+    return schema
+
+
+def drop_empty_schema(conn: psycopg.Connection, schema: str) -> None:
+    """Schema `schema` dropped where nothing is in it (a job refused after making it); kept otherwise."""
+    try:
+        conn.execute(sql.SQL("DROP SCHEMA IF EXISTS {} RESTRICT").format(sql.Identifier(schema)))
+    except psycopg.Error:  # something else was made in it meanwhile, or the connection is gone: leave it
+        pass
 
 
 def table_sql(conn: psycopg.Connection, table: str) -> sql.Identifier:

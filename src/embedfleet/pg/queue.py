@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import psycopg
 from psycopg import sql
@@ -78,17 +79,29 @@ def installed(conn: psycopg.Connection, q: Queue) -> bool:
         [len(TRIGGERS), q.source, q.trigger_names]).fetchone()[0]
 
 
-def following(conn: psycopg.Connection, q: Queue, watched: list[str]) -> tuple[bool, bool, list[str]]:
-    """What a follower checks while idle, in one round trip: the source is there, the queue and its triggers are
-    (the key dropped with CASCADE takes the row trigger), and the watched columns it no longer has (dropped or
-    renamed: nothing stops that DDL)."""
-    return conn.execute(
+class Following(NamedTuple):
+    source: bool  # the source is there
+    installed: bool  # the queue and its triggers are (the key dropped with CASCADE takes the row trigger)
+    gone: list[str]  # the watched columns the source no longer has (dropped or renamed: nothing stops that DDL)
+    renamed: str | None  # the key column's name now, where the trigger functions read it by another
+
+
+# The key column's name now, where the row trigger's function reads it by another: the trigger's UPDATE OF names
+# the column by number, which a rename keeps; the function names it as sql.Identifier quotes it.
+_RENAMED_KEY = ("(SELECT a.attname FROM pg_trigger t JOIN pg_attribute a ON a.attrelid = t.tgrelid "
+                "AND a.attnum = t.tgattr[0] JOIN pg_proc p ON p.oid = t.tgfoid WHERE t.tgrelid = to_regclass(%(source)s) "
+                "AND t.tgname = %(row)s AND strpos(p.prosrc, 'NEW.\"' || replace(a.attname, '\"', '\"\"') || '\"') = 0)")
+
+
+def following(conn: psycopg.Connection, q: Queue, watched: list[str]) -> Following:
+    """What a follower checks while idle, in one statement."""
+    return Following(*conn.execute(
         "SELECT to_regclass(%(source)s) IS NOT NULL, to_regclass(%(queue)s) IS NOT NULL AND (SELECT count(*) "
         "FROM pg_trigger WHERE tgrelid = to_regclass(%(source)s) AND tgname = ANY(%(names)s)) = %(n)s, "
         "ARRAY(SELECT c FROM unnest(%(watched)s::text[]) AS c WHERE NOT EXISTS (SELECT FROM pg_attribute "
-        "WHERE attrelid = to_regclass(%(source)s) AND attname = c AND attnum > 0 AND NOT attisdropped))",
-        {"source": q.source, "queue": q.table_name, "names": q.trigger_names, "n": len(TRIGGERS),
-         "watched": watched}).fetchone()
+        "WHERE attrelid = to_regclass(%(source)s) AND attname = c AND attnum > 0 AND NOT attisdropped)), "
+        + _RENAMED_KEY, {"source": q.source, "queue": q.table_name, "names": q.trigger_names, "n": len(TRIGGERS),
+                         "watched": watched, "row": q.trigger_names[0]}).fetchone())
 
 
 def _check_privileges(conn: psycopg.Connection, q: Queue) -> None:
@@ -198,12 +211,8 @@ def _make_functions(conn: psycopg.Connection, q: Queue, watched: list[str]) -> N
 
 def renamed_key(conn: psycopg.Connection, q: Queue) -> str | None:
     """The source's key column's name now, where the trigger functions read it by another (it was renamed since
-    they were made), else None. One statement: safe on a connection another thread uses."""
-    row = conn.execute(  # the column's name now, and whether the function reads it so (as sql.Identifier quotes it)
-        "SELECT a.attname, strpos(p.prosrc, 'NEW.\"' || replace(a.attname, '\"', '\"\"') || '\"') > 0 FROM pg_trigger t "
-        "JOIN pg_attribute a ON a.attrelid = t.tgrelid AND a.attnum = t.tgattr[0] JOIN pg_proc p ON p.oid = t.tgfoid "
-        "WHERE t.tgrelid = to_regclass(%s) AND t.tgname = %s", [q.source, q.trigger_names[0]]).fetchone()
-    return None if row is None or row[1] else row[0]
+    they were made), else None."""
+    return conn.execute("SELECT " + _RENAMED_KEY, {"source": q.source, "row": q.trigger_names[0]}).fetchone()[0]
 
 
 def follow_key(conn: psycopg.Connection, q: Queue, key: str, watched: list[str]) -> None:
