@@ -13,6 +13,7 @@ import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any, NamedTuple
 
 from embedfleet.errors import ModelError
 
@@ -211,9 +212,8 @@ class DenseSpec:
     activation: str  # a key of DENSE_ACTIVATIONS
     residual: bool = False  # its use_residual
 
-    def weights(self) -> tuple:
-        """(weight [out, in], bias [out] or None, residual) as float32 numpy arrays, from the module's folder: the
-        residual None (none), True (x itself: the widths are equal) or its weight [out, in]."""
+    def weights(self) -> DenseWeights:
+        """The module's weights as float32 numpy arrays, from its folder."""
         import numpy as np
 
         st = self.path / "model.safetensors"
@@ -232,13 +232,23 @@ class DenseSpec:
         if w is None or w.shape != (self.out_features, self.in_features):
             raise ModelError(f"Dense module {self.path}: no linear.weight of shape "
                              f"({self.out_features}, {self.in_features})")
-        residual = None
-        if self.residual:
-            residual = True if self.in_features == self.out_features else state.get("residual.weight")
-            if residual is None or residual is not True and residual.shape != w.shape:
+        mapped = None
+        if self.residual and self.in_features != self.out_features:
+            mapped = state.get("residual.weight")
+            if mapped is None or mapped.shape != w.shape:
                 raise ModelError(f"Dense module {self.path}: use_residual across widths, but no residual.weight of "
                                  f"shape ({self.out_features}, {self.in_features})")
-        return w, state.get("linear.bias") if self.bias else None, residual
+        return DenseWeights(w, state.get("linear.bias") if self.bias else None, self.residual, mapped)
+
+
+class DenseWeights(NamedTuple):
+    """A Dense module's arrays (numpy, or torch once on a device): activation(x @ weight.T + bias), plus x where
+    `residual`, mapped by `residual_weight` where the widths differ."""
+
+    weight: Any
+    bias: Any  # None without one
+    residual: bool
+    residual_weight: Any  # None: x itself
 
 
 # Dense activations the encoder computes (sentence-transformers saves the class's import path).

@@ -37,26 +37,30 @@ _TORCH_ACTIVATIONS = {"Identity": lambda x: x, "Tanh": torch.tanh, "ReLU": torch
 
 
 def post_modules(spec, device: torch.device) -> list:
-    """The model's modules after its pooling (sentence-transformers' Dense and Normalize), as device ops."""
+    """The model's modules after its pooling (sentence-transformers' Dense and Normalize), as device ops:
+    ("normalize", None, None) or ("dense", DenseWeights as tensors, activation)."""
     ops = []
     for kind, d in spec.post:
         if kind == "normalize":
-            ops.append(("normalize", None, None, None, None))
+            ops.append(("normalize", None, None))
             continue
-        w, b, r = d.weights()
-        ops.append(("dense", torch.from_numpy(w).to(device), None if b is None else torch.from_numpy(b).to(device),
-                    _TORCH_ACTIVATIONS[d.activation], r if r is None or r is True else torch.from_numpy(r).to(device)))
+        w = d.weights()
+        on = lambda a: None if a is None else torch.from_numpy(a).to(device)  # noqa: E731
+        ops.append(("dense", w._replace(weight=on(w.weight), bias=on(w.bias), residual_weight=on(w.residual_weight)),
+                    _TORCH_ACTIVATIONS[d.activation]))
     return ops
 
 
 def apply_post(emb: torch.Tensor, ops: list) -> torch.Tensor:
     """Pooled float32 vectors through the post-pooling modules, in order, in float32."""
-    for kind, w, b, act, r in ops:
+    for kind, d, act in ops:
         if kind == "normalize":
             emb = F.normalize(emb, p=2.0, dim=1)
-        else:  # a residual: the input itself, or mapped to the output's width
-            out = act(F.linear(emb, w, b))
-            emb = out if r is None else out + (emb if r is True else F.linear(emb, r))
+            continue
+        out = act(F.linear(emb, d.weight, d.bias))
+        if d.residual:  # the input added back, mapped to the output's width where they differ
+            out = out + (emb if d.residual_weight is None else F.linear(emb, d.residual_weight))
+        emb = out
     return emb
 
 

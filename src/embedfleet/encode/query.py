@@ -188,12 +188,14 @@ class NumpyBert:
             else:
                 keep = (np.arange(longest)[None, :] < lens[:, None]).astype(np.float32)
                 pooled = (h * keep[:, :, None]).sum(1) / lens[:, None].astype(np.float32)
-            for kind, w, b, act, r in post:
+            for kind, d, act in post:
                 if kind == "normalize":
                     pooled = _unit(pooled)
                     continue
-                out = act(pooled @ w.T + (0.0 if b is None else b))
-                pooled = out if r is None else out + (pooled if r is True else pooled @ r.T)
+                out = act(pooled @ d.weight.T + (0.0 if d.bias is None else d.bias))
+                if d.residual:
+                    out = out + (pooled if d.residual_weight is None else pooled @ d.residual_weight.T)
+                pooled = out
             pooled = pooled[:, :dim]
             out[rows] = pooled / np.maximum(np.linalg.norm(pooled, axis=1, keepdims=True), 1e-12)
             i = j
@@ -213,10 +215,9 @@ def post_ops(spec: ModelSpec) -> list:
     ops = []
     for kind, d in spec.post:
         if kind == "normalize":
-            ops.append(("normalize", None, None, None, None))
+            ops.append(("normalize", None, None))
         else:
-            w, b, r = d.weights()
-            ops.append(("dense", w, b, _NP_ACTIVATIONS[d.activation], r))
+            ops.append(("dense", d.weights(), _NP_ACTIVATIONS[d.activation]))
     return ops
 
 
