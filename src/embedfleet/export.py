@@ -40,9 +40,9 @@ import orjson
 import psycopg
 from psycopg import sql
 
-from embedfleet.errors import DatabaseError, InputError, OptionError
+from embedfleet.errors import DatabaseError, InputError
 from embedfleet.pg.ddl import embedding_info, heap_pages, table_sql
-from embedfleet.pg.scan import begin_snapshot, export_snapshot, page_spans, span_sql, user_filter
+from embedfleet.pg.scan import begin_snapshot, export_snapshot, page_spans, span_sql, user_filter, where_error
 
 log = logging.getLogger(__name__)
 
@@ -405,7 +405,7 @@ def _where_errors(where: str | None) -> Iterator[None]:
             raise
         message = e.diag.message_primary or str(e)
         if where and e.sqlstate[:2] in ("42", "22", "25", "0A", "2B", "P0"):
-            raise OptionError("where", message, where) from None
+            raise where_error(message, where) from None
         raise DatabaseError(f"export failed: {message}") from None
 
 

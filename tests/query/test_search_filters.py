@@ -138,3 +138,7 @@ def test_percent_in_where_for_search_and_queries(cli, dsn, tmp_path):
     # a field filtered by its own name, not promoted with --columns: where it is instead
     one_line_error(cli("search", "cable", "--table", "products", "--db", dsn, "--where", "title = 'HDMI cable'"),
                    "are in the jsonb column record: record->>'name'")
+    # a filter that stops short: its error names the filter's end, not the parenthesis the statement closes it with
+    line = one_line_error(cli("search", "cable", "--table", "products", "--db", dsn, "--where", "content = "),
+                          "--where 'content = ': syntax error at its end")
+    assert '")"' not in line

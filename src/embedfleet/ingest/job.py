@@ -16,7 +16,7 @@ from contextlib import ExitStack, nullcontext
 from pathlib import Path
 from typing import Callable
 
-from embedfleet.errors import InputError, JobError, ModelError, OptionError
+from embedfleet.errors import InputError, JobError, ModelError
 from embedfleet.ingest.launch import Launcher
 from embedfleet.ingest.preflight import check_inputs_have_text
 from embedfleet.ledger import Ledger, remove_job
@@ -358,7 +358,7 @@ def check_where(conn, source: str, where: str) -> None:
     from psycopg import sql
 
     from embedfleet.errors import first_line
-    from embedfleet.pg.scan import user_filter
+    from embedfleet.pg.scan import user_filter, where_error
     from embedfleet.sources.table import alias_of
 
     try:
@@ -368,7 +368,7 @@ def check_where(conn, source: str, where: str) -> None:
             conn.execute(sql.SQL("SELECT 1 FROM (SELECT * FROM {} LIMIT 1) AS {} WHERE {}").format(
                 sql.SQL(source), sql.SQL(alias_of(source)), user_filter(where)))
     except psycopg.Error as e:
-        raise OptionError("where", first_line(e), where) from None
+        raise where_error(first_line(e), where) from None
 
 
 def check_passages(cfg: JobSpec, spec) -> None:

@@ -73,6 +73,14 @@ SESSION_FUNCTIONS = frozenset({"set_config", "pg_advisory_lock", "pg_advisory_lo
                                "pg_try_advisory_lock_shared"})
 
 
+def where_error(message: str, where: str) -> OptionError:
+    """The server's failure of a user's filter, naming --where. Its syntax error "at or near ")"" where the filter
+    has no ")" meant the parenthesis we close it with: the filter ended too soon."""
+    if message == 'syntax error at or near ")"' and ")" not in where:
+        message = "syntax error at its end: it stops before the condition is complete"
+    return OptionError("where", message, where)
+
+
 def one_expression(where: str) -> str:
     """`where` as one SQL expression, or one line saying why not. Outside string literals, quoted identifiers and
     dollar quotes it may hold no `;`, no comment and no parenthesis it does not close: pasted between the

@@ -21,7 +21,7 @@ from embedfleet.errors import DatabaseError, InputError, OptionError
 from embedfleet.ledger import table_job
 from embedfleet.pg.binary_code import query_code
 from embedfleet.pg.ddl import embedding_info, index_key, index_of, table_sql
-from embedfleet.pg.scan import user_filter
+from embedfleet.pg.scan import user_filter, where_error
 
 __all__ = ["Searcher", "query_encoder", "query_lines", "run_search", "search", "search_queries"]
 
@@ -253,7 +253,7 @@ class Searcher:
                 rest = next((c for c in ("record", "extra") if c in self.columns), None)
                 hint = (f" (fields not given with --columns at ingest are in the jsonb column {rest}: "
                         f"{rest}->>'name')" if rest and isinstance(e, psycopg.errors.UndefinedColumn) else "")
-                raise OptionError("where", f"{e.diag.message_primary or e}{hint}", where) from None
+                raise where_error(f"{e.diag.message_primary or e}{hint}", where) from None
 
     @staticmethod
     def _row(r: dict) -> dict:

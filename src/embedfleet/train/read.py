@@ -37,8 +37,8 @@ import numpy as np
 import psycopg
 from psycopg import pq, sql
 
-from embedfleet.pg.scan import begin_snapshot, export_snapshot, page_spans, span_sql, user_filter
-from embedfleet.errors import DatabaseError, InputError, OptionError
+from embedfleet.pg.scan import begin_snapshot, export_snapshot, page_spans, span_sql, user_filter, where_error
+from embedfleet.errors import DatabaseError, InputError
 from embedfleet.pg.ddl import heap_pages, heaps as schema_heaps, split_table, table_exists, table_sql
 from embedfleet.pg.copybin import (TRAILER, check_rows, chunk_count, chunk_rows, header_length, raw_field, row_dtype, scalar_field,
                                     vector_field, array_field, array_values)
@@ -567,7 +567,7 @@ def _user_error(sqlstate: str | None, message: str, where: str | None) -> Except
     """A failure of the user's SQL (syntax, unknown column, a write in a READ ONLY transaction,
     bad data in a cast) is an InputError naming --where; anything else a DatabaseError."""
     if where and sqlstate and sqlstate[:2] in ("42", "22", "25", "0A", "2B"):
-        return OptionError("where", message, where)
+        return where_error(message, where)
     return DatabaseError(f"reading the table failed: {message}")
 
 
