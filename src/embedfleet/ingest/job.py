@@ -590,7 +590,11 @@ def finalize(ledger: Ledger, job: str, cfg: JobSpec, timings: dict | None = None
         index = finish_table(ledger.conn, cfg.table, index=not cfg.no_index, timings=timings, dsn=ledger.dsn,
                              kind=cfg.index)
         if index:
-            log.info("table %s is searchable (HNSW index %s)", cfg.table, index)
+            from embedfleet.pg.ddl import index_of
+
+            found = index_of(ledger.conn, cfg.table)
+            what = "binary-quantized HNSW index" if found and found[1] == "bit" else "HNSW index"
+            log.info("table %s is searchable (%s %s)", cfg.table, what, index)
     ledger.set_job_state(job, "done")
     return counts, loaded
 
