@@ -48,8 +48,9 @@ EXACT_MATCHES = 20_000
 # An iterative scan visits at most MAX_SCAN_TUPLES rows (pgvector's own default, set on each scan). A filter that
 # drops more rows than that can leave every row the walk visits dropped, when the query lies among them, and the
 # walk then hands back far rows that passed (docs/decisions/filtered-search.md). A table of at most EXACT_ROWS rows
-# is then measured whole: no slower than such a walk.
-MAX_SCAN_TUPLES, EXACT_ROWS = 20_000, 100_000
+# is then measured whole: no slower than such a walk. A larger one's walk is checked against a sample of about
+# SAMPLE_ROWS of its rows: one that passes and is nearer than the walk's kth shows the walk stopped among far rows.
+MAX_SCAN_TUPLES, EXACT_ROWS, SAMPLE_ROWS = 20_000, 100_000, 20_000
 # A binary-quantized index ranks by Hamming distance: its nearest --rescore rows (default RESCORE × k, at least
 # RESCORE_MIN) are taken, then ranked by their full vectors' cosine distance.
 RESCORE, RESCORE_MIN = 10, 40
@@ -172,6 +173,18 @@ class Searcher:
                 return list(best.values())[:k]
             limit *= 4
 
+    def _nearer_in_sample(self, cur, filt: sql.Composable, params: dict, rows: list[dict], total: float) -> bool:
+        """Whether a sample of about SAMPLE_ROWS of the table's rows holds one that passes the filter, is not among
+        the walk's rows and is nearer than the farthest of them: then the walk stopped among far rows. A walk that
+        found rows far down the ranking is caught almost surely; one a few rows short of the exact top k may pass."""
+        percent = min(100.0, 100.0 * SAMPLE_ROWS / max(total, 1.0))
+        self._arm_timeout(cur)
+        stmt = (sql.SQL("SELECT 1 FROM {} TABLESAMPLE SYSTEM ({}) ").format(self._table, sql.Literal(round(percent, 6)))
+                + filt + sql.SQL(" AND embedding <=> %(q)s::{} < %(kth)s AND id <> ALL(%(walked)s) LIMIT 1").format(
+                    sql.SQL(self.vtype)))
+        return cur.execute(stmt, {**params, "kth": max(r["distance"] for r in rows),
+                                  "walked": [r["id"] for r in rows]}).fetchone() is not None
+
     def _matching(self, cur, filt: sql.Composable) -> float:
         """The planner's estimate of the rows a filter keeps (from the table's statistics; no row is read)."""
         plan = cur.execute(sql.SQL("EXPLAIN (FORMAT JSON) SELECT 1 FROM {} ").format(self._table) + filt, {}).fetchone()
@@ -285,9 +298,9 @@ class Searcher:
             if self.indexed:
                 cur.execute(sql.SQL("SET LOCAL hnsw.ef_search = {}").format(sql.Literal(int(ef_search))))
             scan = "exact" if not self.indexed else "index"
-            matching = self._matching(cur, filt) if where and self.indexed else None
-            if matching is not None and measure_all(matching, lambda: self._matching(cur, sql.SQL(""))):
-                # few rows pass the filter, or the walk could stop before any: measure them all
+            plan, total = filtered_scan(self._matching(cur, filt), lambda: self._matching(cur, sql.SQL(""))) if (
+                where and self.indexed) else ("walk", None)
+            if plan == "exact":  # few rows pass the filter, or the walk could stop before any: measure them all
                 cur.execute("SET LOCAL enable_indexscan = off")
                 scan = "exact"
             elif where and self.indexed and self.iterative:
@@ -297,8 +310,10 @@ class Searcher:
                 cur.execute(sql.SQL("SET LOCAL hnsw.max_scan_tuples = {}").format(sql.Literal(MAX_SCAN_TUPLES)))
                 scan = "iterative"
             rows = cur.execute(exact if scan == "exact" else by_index, params).fetchall()
-            if scan != "exact" and len(rows) < k and (where or k > EF_SEARCH_MAX):
-                # the index gave up before k rows passed (or k is past what it hands over): measure every row kept
+            if scan != "exact" and ((len(rows) < k and (where or k > EF_SEARCH_MAX)) or (
+                    plan == "checked" and rows and self._nearer_in_sample(cur, filt, params, rows, total))):
+                # the index gave up before k rows passed (or k is past what it hands over), or its walk stopped
+                # among far rows: measure every row kept
                 cur.execute("SET LOCAL enable_indexscan = off")
                 self._arm_timeout(cur)  # each statement under its own timeout
                 rows = cur.execute(exact, params).fetchall()
@@ -309,14 +324,17 @@ class Searcher:
         return [self._row(r) for r in rows]
 
 
-def measure_all(matching: float, rows) -> bool:
-    """Whether a filtered search measures every row the filter keeps rather than walk the index: few pass it, or
-    the walk could stop before any (the filter drops more rows than it visits) in a table small enough to measure.
+def filtered_scan(matching: float, rows) -> tuple[str, float | None]:
+    """How a filtered search finds its rows, and the table's rows where they were asked: "exact" (every row the
+    filter keeps, measured: few pass it, or the walk could stop before any in a table small enough to measure),
+    "walk" (the index's walk), or "checked" (the walk, which could stop short, checked against a sample).
     `matching`: the rows the planner expects to pass; `rows()`: the table's rows (asked only where it matters)."""
     if matching <= EXACT_MATCHES:
-        return True
+        return "exact", None
     total = rows()
-    return total - matching > MAX_SCAN_TUPLES and total <= EXACT_ROWS
+    if total - matching <= MAX_SCAN_TUPLES:
+        return "walk", total
+    return ("exact" if total <= EXACT_ROWS else "checked"), total
 
 
 def _searchable(where: str | None) -> sql.Composable:
