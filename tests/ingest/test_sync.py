@@ -746,3 +746,31 @@ def test_an_update_of_a_copied_json_or_point_column_goes_through_and_is_followed
     cli("sync", *common, check=True)
     rows = {i: (c, a) for i, c, a in conn.execute("SELECT id, content, attrs::text FROM rjs_embeddings")}
     assert rows["1"][1] == '{"x": 2}' and rows["2"][0] == "body 2 — ü (3,4)" and len(rows) == 6
+
+
+def test_a_text_column_renamed_under_the_follower_keeps_its_queued_changes_for_the_next_sync(cli, dsn, conn,
+                                                                                              tmp_path):
+    """The drain read the rows without the column and took them for rows with no text: the changes were kept
+    as rejects, the edited row deleted from the target, and their queue entries gone."""
+    _source(conn, "ren", 20)
+    proc = _start(_sync_args(dsn, "ren", "--follow"), tmp_path)
+    try:
+        wait_for(conn, "SELECT synced_at FROM embedfleet.syncs WHERE job = 'public.ren_embeddings'", timeout=300)
+        with conn.transaction():  # the follower finds the changes and the rename together
+            conn.execute("ALTER TABLE ren RENAME COLUMN body TO body_text")
+            conn.execute("INSERT INTO ren VALUES (1002, 't', 'after the rename', 1)")
+            conn.execute("UPDATE ren SET body_text = 'edited after the rename' WHERE review_id = 3")
+        _, err = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+    lines = [x for x in err.strip().splitlines() if x.startswith("error:")]
+    assert proc.returncode != 0 and len(lines) == 1 and "Traceback" not in err, err
+    assert "column 'body' of public.ren, which sync reads, was dropped or renamed while following" in lines[0]
+    assert "its queue is kept" in lines[0]
+    assert _contents(conn, "ren_embeddings")["3"] == _text(3)  # nothing of the batch was written
+    conn.execute("ALTER TABLE ren RENAME COLUMN body_text TO body")
+    cli(*_sync_args(dsn, "ren")[3:], check=True)
+    got = _contents(conn, "ren_embeddings")
+    assert got["3"] == "edited after the rename" and got["1002"] == "after the rename" and len(got) == 21
+    assert orjson.loads(cli("jobs", "rejects", "public.ren_embeddings", "--db", dsn, "--json",
+                            check=True).stdout)["rejected"] == 0

@@ -93,6 +93,13 @@ def watched_columns(spec: JobSpec, source_columns=()) -> list[str]:
     return [c.split(".")[0] for c in dict.fromkeys([*text, *copied, *filtered]) if c]
 
 
+def column_gone_error(source: str, column: str) -> InputError:
+    """A column sync reads, dropped or renamed under a follower: its queue is kept, nothing of it drained."""
+    return InputError(f"sync: column {column!r} of {source}, which sync reads, was dropped or renamed while "
+                      "following; its queue is kept: put the column back and rerun sync, or sync the columns the "
+                      "table has now into a new --table")
+
+
 def source_gone_error(source: str, q: queue.Queue, why: str = "") -> InputError:
     """A source dropped or renamed under a follower: what is kept, and the two ways on."""
     return InputError(f"sync: the source {source} was dropped or renamed while following{f' ({why})' if why else ''}; "
@@ -198,6 +205,8 @@ class Lane:
                     key_text(key), sql.SQL(self.source_name), sql.SQL(alias_of(self.source_name)), cond), key, [keys])
         except (psycopg.errors.UndefinedTable, psycopg.errors.UndefinedColumn) as e:
             raise source_gone_error(self.source_name, self.queue, str(e).splitlines()[0]) from None
+        if gone := [c for c in self.watched if c not in names]:  # before anything is written: the batch rolls back
+            raise column_gone_error(self.source_name, gone[0])
         key_at = names.index(key)
         return [RawRecord(self.source_name, key_line(row[key_at], self.key_type), dict(zip(names, row)),
                           orjson.dumps(dict(zip(names, row)), default=str).decode(), None) for row in rows]
@@ -291,9 +300,7 @@ class Lane:
             raise InputError(f"sync: the trigger that queues {self.source_name}'s changes was dropped while following "
                              "(its key dropped with CASCADE?): rerun sync to make it again; every row is then compared once")
         if gone:
-            raise InputError(f"sync: column {gone[0]!r} of {self.source_name}, which sync reads, was dropped or renamed "
-                             "while following; its queue is kept: put the column back and rerun sync, or sync the "
-                             "columns the table has now into a new --table")
+            raise column_gone_error(self.source_name, gone[0])
 
 
 class Syncer:
