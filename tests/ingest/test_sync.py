@@ -774,3 +774,36 @@ def test_a_text_column_renamed_under_the_follower_keeps_its_queued_changes_for_t
     assert got["3"] == "edited after the rename" and got["1002"] == "after the rename" and len(got) == 21
     assert orjson.loads(cli("jobs", "rejects", "public.ren_embeddings", "--db", dsn, "--json",
                             check=True).stdout)["rejected"] == 0
+
+
+def test_a_key_rewritten_at_another_scale_or_dropped_with_cascade_leaves_no_stale_row_and_no_failing_write(
+        cli, dsn, conn):
+    """`2` and `2.0` are equal numerics and two target ids: the old one stayed. The key dropped with CASCADE (the
+    server's own hint) made every UPDATE of the application fail inside the UPDATE trigger."""
+    conn.execute("CREATE TABLE nsc (k numeric PRIMARY KEY, body text)")
+    conn.execute("INSERT INTO nsc VALUES (2, 'two'), (3, 'three')")
+    common = ("--from-table", "nsc", "--text-field", "body", "--db", dsn, "--devices", "cpu", "--quiet")
+    cli("sync", *common, check=True)
+    conn.execute("UPDATE nsc SET k = 2.0, body = 'two again' WHERE k = 2")
+    cli("sync", *common, check=True)
+    assert _contents(conn, "nsc_embeddings") == {"2.0": "two again", "3": "three"}
+    conn.execute("ALTER TABLE nsc ADD COLUMN k2 int GENERATED ALWAYS AS IDENTITY")
+    conn.execute("ALTER TABLE nsc DROP COLUMN k CASCADE")
+    conn.execute("UPDATE nsc SET body = 'the application goes on'")  # failed: record "new" has no field "k"
+    line = one_line_error(cli("sync", *common), "no usable key")
+    assert "sync's triggers are still on public.nsc" in line and "--uninstall" in line
+    cli("sync", "--from-table", "nsc", "--uninstall", "--db", dsn, check=True)
+    assert conn.execute("SELECT count(*) FROM pg_trigger WHERE tgrelid = 'nsc'::regclass AND NOT tgisinternal"
+                        ).fetchone()[0] == 0
+
+
+def test_an_earlier_installs_trigger_functions_are_remade_by_the_next_sync(cli, dsn, conn):
+    _source(conn, "oldfn", 3)
+    cli(*_sync_args(dsn, "oldfn")[3:], check=True)
+    tag = conn.execute("SELECT tag FROM embedfleet.syncs WHERE job = 'public.oldfn_embeddings'").fetchone()[0]
+    conn.execute(f"CREATE OR REPLACE FUNCTION embedfleet.changed_{tag}() RETURNS trigger LANGUAGE plpgsql AS "
+                 "$$ BEGIN RETURN NULL; END $$")  # as an earlier version made it: queues nothing
+    cli(*_sync_args(dsn, "oldfn")[3:], check=True)
+    conn.execute("UPDATE oldfn SET body = 'queued by the remade function' WHERE review_id = 1")
+    cli(*_sync_args(dsn, "oldfn")[3:], check=True)
+    assert _contents(conn, "oldfn_embeddings")["1"] == "queued by the remade function"

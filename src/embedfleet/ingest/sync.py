@@ -434,6 +434,18 @@ def default_lanes() -> int:
     return max(1, min(8, (os.cpu_count() or 2) // 2))
 
 
+def installed_on(source_dsn: str, table: str) -> str | None:
+    """The source table's name where sync's triggers are on it, else None (or where it cannot be looked at)."""
+    try:
+        with psycopg.connect(source_dsn, autocommit=True, connect_timeout=10) as src:
+            row = src.execute("SELECT format('%%I.%%I', n.nspname, c.relname) FROM pg_trigger t JOIN pg_class c ON "
+                              "c.oid = t.tgrelid JOIN pg_namespace n ON n.oid = c.relnamespace WHERE t.tgrelid = "
+                              "to_regclass(%s) AND t.tgname LIKE 'embedfleet\\_%%' LIMIT 1", [table]).fetchone()
+    except psycopg.Error:
+        return None
+    return row[0] if row else None
+
+
 def run_sync(spec: JobSpec, settings: Settings, launcher, device: str, follow: bool = False,
              stop: threading.Event | None = None, batch: int | None = None, lanes: int | None = None) -> dict:
     """The whole of `embedfleet sync`: check, install the queue (once), backfill (an ingest job: resumed, or
@@ -446,7 +458,13 @@ def run_sync(spec: JobSpec, settings: Settings, launcher, device: str, follow: b
     dsn = resolve_dsn(spec.db, settings)
     src_dsn = source_dsn(spec, settings)
     with connect(dsn) as conn:
-        cfg = check_job(spec, conn, settings)
+        try:
+            cfg = check_job(spec, conn, settings)
+        except InputError as e:  # a source changed under an installed sync (its key dropped): say how to stop it
+            if leftover := installed_on(src_dsn, spec.source_table):
+                raise InputError(f"{e}; sync's triggers are still on {leftover} (its changes are still queued): "
+                                 f"`embedfleet sync --from-table {leftover} --uninstall` removes them") from None
+            raise
         existed = table_exists(conn, cfg.table)
         recorded = check_rerun(conn, cfg, settings)
         target_db = queue.database_identity(conn)

@@ -131,6 +131,8 @@ def install(conn: psycopg.Connection, q: Queue, watched: list[str]) -> bool:
     if usable and installed(conn, q):  # (where the role may not use the schema, it cannot look)
         if renamed := renamed_key(conn, q):
             follow_key(conn, q, renamed, watched)
+        elif not _functions_current(conn, q, watched):
+            follow_key(conn, q, q.key, watched)
         return False
     _check_privileges(conn, q)
     try:
@@ -162,7 +164,16 @@ def install(conn: psycopg.Connection, q: Queue, watched: list[str]) -> bool:
 
 
 def _make_functions(conn: psycopg.Connection, q: Queue, watched: list[str]) -> None:
-    """The two trigger functions, made or remade (in the caller's transaction): they read the key as `q.key`."""
+    """The trigger functions, made or remade (in the caller's transaction): they read the key as `q.key`."""
+    for kind, text in _function_sources(conn, q, watched).items():
+        conn.execute(sql.SQL(
+            "CREATE OR REPLACE FUNCTION {}() RETURNS trigger LANGUAGE plpgsql SECURITY DEFINER "
+            "SET search_path = pg_catalog, pg_temp AS {}").format(q._function(kind), sql.Literal(text)))
+
+
+def _function_sources(conn: psycopg.Connection, q: Queue, watched: list[str]) -> dict[str, str]:
+    """The trigger functions' bodies, by kind. The key is compared as text: a numeric key rewritten at another
+    scale (2 to 2.0) is another target row's id, though the values are equal."""
     key = sql.Identifier(q.key)
     body = sql.SQL("""
         BEGIN
@@ -175,7 +186,7 @@ def _make_functions(conn: psycopg.Connection, q: Queue, watched: list[str]) -> N
                 INSERT INTO {queue} (key) VALUES (OLD.{key}::text);
             ELSE
                 INSERT INTO {queue} (key) VALUES (NEW.{key}::text);
-                IF TG_OP = 'UPDATE' AND OLD.{key} IS DISTINCT FROM NEW.{key} THEN
+                IF TG_OP = 'UPDATE' AND OLD.{key}::text IS DISTINCT FROM NEW.{key}::text THEN
                     INSERT INTO {queue} (key) VALUES (OLD.{key}::text);
                 END IF;
             END IF;
@@ -184,7 +195,8 @@ def _make_functions(conn: psycopg.Connection, q: Queue, watched: list[str]) -> N
     # An UPDATE's trigger names the watched columns in its body, not in its definition: a column a trigger's
     # definition names cannot change type. Compared as text (json and point have no equality). Whatever the
     # comparison cannot do (a column dropped since, a type changed under this session's cached plan) queues the
-    # key: the application's UPDATE goes on, and sync compares the row.
+    # key; a key it cannot read (dropped with CASCADE, which took the row trigger) queues nothing: the
+    # application's UPDATE goes on either way, and sync says what happened.
     others = [c for c in dict.fromkeys(watched) if c != q.key]
     old = sql.SQL(", ").join([*(sql.SQL("OLD.{}::text").format(sql.Identifier(c)) for c in others), sql.NULL])
     new = sql.SQL(", ").join([*(sql.SQL("NEW.{}::text").format(sql.Identifier(c)) for c in others), sql.NULL])
@@ -197,16 +209,28 @@ def _make_functions(conn: psycopg.Connection, q: Queue, watched: list[str]) -> N
                 IF ROW({old}) IS NOT DISTINCT FROM ROW({new}) THEN
                     RETURN NULL;
                 END IF;
+                INSERT INTO {queue} (key) VALUES (NEW.{key}::text);
+                RETURN NULL;
             EXCEPTION WHEN OTHERS THEN
                 NULL;
             END;
-            INSERT INTO {queue} (key) VALUES (NEW.{key}::text);
+            BEGIN
+                INSERT INTO {queue} (key) VALUES (NEW.{key}::text);
+            EXCEPTION WHEN OTHERS THEN
+                NULL;
+            END;
             RETURN NULL;
         END""").format(name=sql.Literal(q.table_name), queue=q.table, key=key, old=old, new=new)
-    for kind, text in (("enqueue", body), ("changed", changed)):
-        conn.execute(sql.SQL(
-            "CREATE OR REPLACE FUNCTION {}() RETURNS trigger LANGUAGE plpgsql SECURITY DEFINER "
-            "SET search_path = pg_catalog, pg_temp AS {}").format(q._function(kind), sql.Literal(text.as_string(conn))))
+    return {"enqueue": body.as_string(conn), "changed": changed.as_string(conn)}
+
+
+def _functions_current(conn: psycopg.Connection, q: Queue, watched: list[str]) -> bool:
+    """The installed trigger functions are the ones this version makes (an earlier install's are remade)."""
+    want = _function_sources(conn, q, watched)
+    have = dict(conn.execute("SELECT p.proname, p.prosrc FROM pg_proc p JOIN pg_namespace n ON n.oid = p.pronamespace "
+                             "WHERE n.nspname = 'embedfleet' AND p.proname = ANY(%s)",
+                             [[f"{kind}_{q.tag}" for kind in want]]).fetchall())
+    return all(have.get(f"{kind}_{q.tag}") == text for kind, text in want.items())
 
 
 def renamed_key(conn: psycopg.Connection, q: Queue) -> str | None:
