@@ -807,3 +807,25 @@ def test_an_earlier_installs_trigger_functions_are_remade_by_the_next_sync(cli, 
     conn.execute("UPDATE oldfn SET body = 'queued by the remade function' WHERE review_id = 1")
     cli(*_sync_args(dsn, "oldfn")[3:], check=True)
     assert _contents(conn, "oldfn_embeddings")["1"] == "queued by the remade function"
+
+
+def test_a_key_that_may_be_null_rejects_its_null_rows_and_queues_no_truncate_for_them(cli, dsn, conn):
+    """A unique key allows NULLs: the backfill failed whole on the first (`key_line(None)`), and the trigger
+    queued a NULL key for such a row, which the drain reads as a TRUNCATE."""
+    conn.execute("CREATE TABLE nulk (id serial PRIMARY KEY, ext text UNIQUE, body text)")
+    conn.execute("INSERT INTO nulk (ext, body) VALUES ('e1', 'one'), (NULL, 'no key'), ('e3', 'three')")
+    common = ("--from-table", "nulk", "--id-field", "ext", "--text-field", "body", "--db", dsn, "--devices", "cpu",
+              "--quiet")
+    cli("sync", *common, check=True)
+    assert _contents(conn, "nulk_embeddings") == {"e1": "one", "e3": "three"}
+    listed = orjson.loads(cli("jobs", "rejects", "public.nulk_embeddings", "--db", dsn, "--json", check=True).stdout)
+    assert listed["rejected"] == 1 and "'ext'" in listed["rejects"][0]["reason"]
+    tag = conn.execute("SELECT tag FROM embedfleet.syncs WHERE job = 'public.nulk_embeddings'").fetchone()[0]
+    conn.execute("INSERT INTO nulk (ext, body) VALUES (NULL, 'another without a key')")
+    conn.execute("UPDATE nulk SET body = 'edited, still no key' WHERE ext IS NULL")
+    conn.execute("DELETE FROM nulk WHERE body = 'edited, still no key' AND id = 2")
+    assert conn.execute(f"SELECT count(*) FROM embedfleet.queue_{tag}").fetchone()[0] == 0
+    conn.execute("UPDATE nulk SET ext = NULL WHERE ext = 'e3'")  # the row leaves the target
+    assert conn.execute(f"SELECT array_agg(key) FROM embedfleet.queue_{tag}").fetchone()[0] == ["e3"]
+    cli("sync", *common, check=True)
+    assert _contents(conn, "nulk_embeddings") == {"e1": "one"}

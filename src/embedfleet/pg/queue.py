@@ -175,6 +175,16 @@ def _function_sources(conn: psycopg.Connection, q: Queue, watched: list[str]) ->
     """The trigger functions' bodies, by kind. The key is compared as text: a numeric key rewritten at another
     scale (2 to 2.0) is another target row's id, though the values are equal."""
     key = sql.Identifier(q.key)
+    # a key that may be NULL: such a row has no target row, and its NULL must not read as a TRUNCATE's
+    nullable = conn.execute("SELECT NOT attnotnull FROM pg_attribute WHERE attrelid = to_regclass(%s) AND attname = %s",
+                            [q.source, q.key]).fetchone()
+    nullable = bool(nullable and nullable[0])
+
+    def queued(row: str, *conditions: sql.Composable) -> sql.Composable:
+        insert = sql.SQL("INSERT INTO {} (key) VALUES ({}.{}::text);").format(q.table, sql.SQL(row), key)
+        tests = [*conditions, *([sql.SQL("{}.{} IS NOT NULL").format(sql.SQL(row), key)] if nullable else [])]
+        return sql.SQL("IF {} THEN {} END IF;").format(sql.SQL(" AND ").join(tests), insert) if tests else insert
+
     body = sql.SQL("""
         BEGIN
             IF to_regclass({name}) IS NULL THEN
@@ -183,15 +193,15 @@ def _function_sources(conn: psycopg.Connection, q: Queue, watched: list[str]) ->
             IF TG_OP = 'TRUNCATE' THEN
                 INSERT INTO {queue} (key) VALUES (NULL);
             ELSIF TG_OP = 'DELETE' THEN
-                INSERT INTO {queue} (key) VALUES (OLD.{key}::text);
+                {deleted}
             ELSE
-                INSERT INTO {queue} (key) VALUES (NEW.{key}::text);
-                IF TG_OP = 'UPDATE' AND OLD.{key}::text IS DISTINCT FROM NEW.{key}::text THEN
-                    INSERT INTO {queue} (key) VALUES (OLD.{key}::text);
-                END IF;
+                {new}
+                {old}
             END IF;
             RETURN NULL;
-        END""").format(name=sql.Literal(q.table_name), queue=q.table, key=key)
+        END""").format(name=sql.Literal(q.table_name), queue=q.table, deleted=queued("OLD"), new=queued("NEW"),
+                       old=queued("OLD", sql.SQL("TG_OP = 'UPDATE' AND OLD.{k}::text IS DISTINCT FROM NEW.{k}::text")
+                                  .format(k=key)))
     # An UPDATE's trigger names the watched columns in its body, not in its definition: a column a trigger's
     # definition names cannot change type. Compared as text (json and point have no equality). Whatever the
     # comparison cannot do (a column dropped since, a type changed under this session's cached plan) queues the
@@ -209,18 +219,18 @@ def _function_sources(conn: psycopg.Connection, q: Queue, watched: list[str]) ->
                 IF ROW({old}) IS NOT DISTINCT FROM ROW({new}) THEN
                     RETURN NULL;
                 END IF;
-                INSERT INTO {queue} (key) VALUES (NEW.{key}::text);
+                {queued}
                 RETURN NULL;
             EXCEPTION WHEN OTHERS THEN
                 NULL;
             END;
             BEGIN
-                INSERT INTO {queue} (key) VALUES (NEW.{key}::text);
+                {queued}
             EXCEPTION WHEN OTHERS THEN
                 NULL;
             END;
             RETURN NULL;
-        END""").format(name=sql.Literal(q.table_name), queue=q.table, key=key, old=old, new=new)
+        END""").format(name=sql.Literal(q.table_name), queued=queued("NEW"), old=old, new=new)
     return {"enqueue": body.as_string(conn), "changed": changed.as_string(conn)}
 
 

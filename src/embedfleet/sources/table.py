@@ -270,7 +270,7 @@ class TableReader:
                 "SELECT format_type(atttypid, NULL) FROM pg_attribute WHERE attrelid = %s::regclass AND attname = %s",
                 [self.table, self.key]).fetchone()[0]
             self.conn.rollback()  # a span's read begins its own transaction, in the job's snapshot
-        keys = {r.line: r.data[self.key] for r in raws if r.data is not None}
+        keys = {r.line: r.data[self.key] for r in raws if r.data is not None and r.data[self.key] is not None}
         return [dataclasses.replace(j, line=key_line(keys[j.line], self.key_type)) if j.line in keys else j
                 for j in rejects]
 
