@@ -829,3 +829,51 @@ def test_a_key_that_may_be_null_rejects_its_null_rows_and_queues_no_truncate_for
     assert conn.execute(f"SELECT array_agg(key) FROM embedfleet.queue_{tag}").fetchone()[0] == ["e3"]
     cli("sync", *common, check=True)
     assert _contents(conn, "nulk_embeddings") == {"e1": "one"}
+
+
+def test_install_and_uninstall_wait_for_a_busy_source_in_short_tries_that_never_hold_the_applications_writes(
+        cli, dsn, conn, monkeypatch):
+    """Each waited 5 s for the source's lock while the application's writes queued behind it, and uninstall then
+    failed as "the database refused a statement"."""
+    import threading
+
+    from embedfleet.errors import DatabaseError
+    from embedfleet.pg import queue
+
+    _source(conn, "busy", 5)
+    q = queue.Queue("public.busy", "review_id", "busytest")
+    monkeypatch.setattr(queue, "LOCK_PATIENCE", 1.5)
+    holder = psycopg.connect(dsn)  # a long transaction that wrote to the source: its lock stays until it ends
+    holder.execute("INSERT INTO busy VALUES (100, 't', 'held', 1)")
+    waits, stop = [], threading.Event()
+
+    def application() -> None:
+        with psycopg.connect(dsn, autocommit=True) as app:
+            i = 0
+            while not stop.is_set():
+                t0 = time.monotonic()
+                app.execute("INSERT INTO busy VALUES (%s, 't', 'app', 1)", [1000 + i])
+                waits.append(time.monotonic() - t0)
+                i += 1
+                time.sleep(0.02)
+
+    writer = threading.Thread(target=application)
+    writer.start()
+    try:
+        with psycopg.connect(dsn, autocommit=True) as admin:
+            with pytest.raises(DatabaseError, match="public.busy is busy: its writers held it for 1.5 s; the trigger "
+                                                    "was not installed"):
+                queue.install(admin, q, ["body"])
+            assert not queue.installed(admin, q)
+            holder.commit()
+            assert queue.install(admin, q, ["body"])
+            holder.execute("INSERT INTO busy VALUES (101, 't', 'held again', 1)")
+            with pytest.raises(DatabaseError, match="nothing was removed; rerun sync --uninstall"):
+                queue.uninstall(admin, q)
+            holder.commit()
+            assert queue.uninstall(admin, q)
+    finally:
+        stop.set()
+        writer.join()
+        holder.close()
+    assert len(waits) > 20 and max(waits) < 1.0  # each try held them a tenth of a second at most

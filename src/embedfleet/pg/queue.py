@@ -6,8 +6,9 @@ The application's writes come first, always:
   does nothing at all when the queue is gone (`to_regclass` first: no error, no subtransaction);
 - it runs as the role that installed it (SECURITY DEFINER, a fixed search_path): the application's role needs no
   grant on the queue;
-- installing takes the source's trigger lock for a moment, under a lock timeout: one line if the table is busy,
-  instead of the application's writes queueing behind our DDL.
+- installing and uninstalling take the source's (and the queue's) locks for a moment: each try waits at most
+  LOCK_TRY for them, since the application's writes queue behind a lock that waits, and tries again for up to
+  LOCK_PATIENCE; one line if the table stays busy.
 
 A queued key says only "look at this row again": a worker reads the row as it is now, so a change queued twice,
 or queued and then undone, costs nothing wrong. TRUNCATE queues a NULL key: every row may be gone.
@@ -23,6 +24,8 @@ so nothing changed before the crash is lost.
 from __future__ import annotations
 
 import hashlib
+import random
+import time
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -34,7 +37,7 @@ from embedfleet.errors import DatabaseError, InputError
 __all__ = ["Queue", "queue_for", "install", "uninstall", "installed", "following", "renamed_key", "follow_key",
            "pending", "claim", "forget", "requeue_all", "server_started"]
 
-LOCK_TIMEOUT = "5s"
+LOCK_TRY, LOCK_PATIENCE = 0.1, 10.0  # seconds a try waits for a lock; seconds of tries
 TRIGGERS = ("row", "update", "truncate")  # after INSERT, UPDATE OF the key, DELETE; after any UPDATE; after TRUNCATE
 
 
@@ -135,29 +138,29 @@ def install(conn: psycopg.Connection, q: Queue, watched: list[str]) -> bool:
             follow_key(conn, q, q.key, watched)
         return False
     _check_privileges(conn, q)
+
+    def make() -> None:
+        conn.execute("SELECT pg_advisory_xact_lock(hashtext('embedfleet.ledger'))")  # the schema, made once
+        # only where it is missing: even IF NOT EXISTS needs CREATE on the database (the ledger may make it meanwhile)
+        if not conn.execute("SELECT to_regnamespace('embedfleet') IS NOT NULL").fetchone()[0]:
+            conn.execute("CREATE SCHEMA IF NOT EXISTS embedfleet")
+        conn.execute(sql.SQL("CREATE UNLOGGED TABLE IF NOT EXISTS {} (key text, "
+                             "queued timestamptz NOT NULL DEFAULT clock_timestamp())").format(q.table))
+        _make_functions(conn, q, watched)
+        key, src = sql.Identifier(q.key), sql.SQL(q.source)
+        for kind in TRIGGERS:  # one left of an earlier install is made again with the others
+            conn.execute(sql.SQL("DROP TRIGGER IF EXISTS {} ON {}").format(q._trigger(kind), src))
+        # the key in the definition: its type cannot change, nor can it be dropped, under a sync keyed by it
+        conn.execute(sql.SQL("CREATE TRIGGER {} AFTER INSERT OR UPDATE OF {} OR DELETE ON {} FOR EACH ROW "
+                             "EXECUTE FUNCTION {}()").format(q._trigger("row"), key, src, q._function("enqueue")))
+        conn.execute(sql.SQL("CREATE TRIGGER {} AFTER UPDATE ON {} FOR EACH ROW EXECUTE FUNCTION {}()").format(
+            q._trigger("update"), src, q._function("changed")))
+        conn.execute(sql.SQL("CREATE TRIGGER {} AFTER TRUNCATE ON {} FOR EACH STATEMENT EXECUTE FUNCTION {}()")
+                     .format(q._trigger("truncate"), src, q._function("enqueue")))
+
     try:
-        with conn.transaction():
-            conn.execute(sql.SQL("SET LOCAL lock_timeout = {}").format(sql.Literal(LOCK_TIMEOUT)))
-            conn.execute("SELECT pg_advisory_xact_lock(hashtext('embedfleet.ledger'))")  # the schema, made once
-            # only where it is missing: even IF NOT EXISTS needs CREATE on the database (the ledger may make it meanwhile)
-            if not conn.execute("SELECT to_regnamespace('embedfleet') IS NOT NULL").fetchone()[0]:
-                conn.execute("CREATE SCHEMA IF NOT EXISTS embedfleet")
-            conn.execute(sql.SQL("CREATE UNLOGGED TABLE IF NOT EXISTS {} (key text, "
-                                 "queued timestamptz NOT NULL DEFAULT clock_timestamp())").format(q.table))
-            _make_functions(conn, q, watched)
-            key, src = sql.Identifier(q.key), sql.SQL(q.source)
-            for kind in TRIGGERS:  # one left of an earlier install is made again with the others
-                conn.execute(sql.SQL("DROP TRIGGER IF EXISTS {} ON {}").format(q._trigger(kind), src))
-            # the key in the definition: its type cannot change, nor can it be dropped, under a sync keyed by it
-            conn.execute(sql.SQL("CREATE TRIGGER {} AFTER INSERT OR UPDATE OF {} OR DELETE ON {} FOR EACH ROW "
-                                 "EXECUTE FUNCTION {}()").format(q._trigger("row"), key, src, q._function("enqueue")))
-            conn.execute(sql.SQL("CREATE TRIGGER {} AFTER UPDATE ON {} FOR EACH ROW EXECUTE FUNCTION {}()").format(
-                q._trigger("update"), src, q._function("changed")))
-            conn.execute(sql.SQL("CREATE TRIGGER {} AFTER TRUNCATE ON {} FOR EACH STATEMENT EXECUTE FUNCTION {}()")
-                         .format(q._trigger("truncate"), src, q._function("enqueue")))
-    except psycopg.errors.LockNotAvailable:
-        raise DatabaseError(f"{q.source} is busy (its writers held it for {LOCK_TIMEOUT}): the trigger was not "
-                            "installed, and nothing was left half made; rerun sync") from None
+        _briefly_locked(conn, make, f"{q.source} is busy: its writers held it for {LOCK_PATIENCE:g} s; the trigger "
+                                    "was not installed, and nothing was left half made; rerun sync")
     except psycopg.errors.InsufficientPrivilege as e:
         raise DatabaseError(f"installing sync on {q.source}: {str(e).splitlines()[0]}") from None
     return True
@@ -256,21 +259,43 @@ def follow_key(conn: psycopg.Connection, q: Queue, key: str, watched: list[str])
     with conn.transaction():
         _make_functions(conn, Queue(q.source, key, q.tag), watched)
 
+def _briefly_locked(conn: psycopg.Connection, work, busy: str) -> None:
+    """`work()` in a transaction of its own, each of its locks waited for at most LOCK_TRY (the application's
+    writes queue behind a lock that waits), tried again until LOCK_PATIENCE has passed; then `busy`, one line."""
+    deadline = time.monotonic() + LOCK_PATIENCE
+    while True:
+        try:
+            with conn.transaction():
+                conn.execute(sql.SQL("SET LOCAL lock_timeout = {}").format(sql.Literal(f"{int(LOCK_TRY * 1000)}ms")))
+                work()
+            return
+        except psycopg.errors.LockNotAvailable:
+            if time.monotonic() > deadline:
+                raise DatabaseError(busy) from None
+            time.sleep(random.uniform(LOCK_TRY, 4 * LOCK_TRY))
+
+
 def uninstall(conn: psycopg.Connection, q: Queue) -> bool:
     """The source's triggers, the functions and the queue, dropped (the target table stays). Returns whether
     there was anything to drop."""
     had = conn.execute("SELECT to_regclass(%s) IS NOT NULL", [q.table_name]).fetchone()[0]
-    with conn.transaction():
-        conn.execute(sql.SQL("SET LOCAL lock_timeout = {}").format(sql.Literal(LOCK_TIMEOUT)))
+    dropped = []
+
+    def drop() -> None:
+        dropped.clear()
         # the triggers wherever they are now: on the source, or on it renamed since
         for tgname, relation in conn.execute(
                 "SELECT tgname, tgrelid::regclass::text FROM pg_trigger WHERE tgname = ANY(%s)",
                 [q.trigger_names]).fetchall():
             conn.execute(sql.SQL("DROP TRIGGER {} ON {}").format(sql.Identifier(tgname), sql.SQL(relation)))
-            had = True
+            dropped.append(tgname)
         for kind in ("enqueue", "changed"):
             conn.execute(sql.SQL("DROP FUNCTION IF EXISTS {}()").format(q._function(kind)))
         conn.execute(sql.SQL("DROP TABLE IF EXISTS {}").format(q.table))
+
+    _briefly_locked(conn, drop, f"{q.source} or its queue is busy (its writers, or a sync's batch, held them for "
+                                f"{LOCK_PATIENCE:g} s): nothing was removed; rerun sync --uninstall")
+    return had or bool(dropped)
     return had
 
 
