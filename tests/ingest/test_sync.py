@@ -877,3 +877,22 @@ def test_install_and_uninstall_wait_for_a_busy_source_in_short_tries_that_never_
         writer.join()
         holder.close()
     assert len(waits) > 20 and max(waits) < 1.0  # each try held them a tenth of a second at most
+
+
+def test_a_follower_stopped_during_its_backfill_exits_0_and_the_next_sync_resumes_it(cli, dsn, conn, tmp_path):
+    """SIGTERM is how a service manager stops `sync --follow`: it exited 143 when it came before the drain."""
+    _source(conn, "early", 3000)
+    proc = _start(_sync_args(dsn, "early", "--follow", "--chunk-bytes", "16384"), tmp_path)
+    try:
+        wait_for(conn, "SELECT 1 FROM embedfleet.chunks c JOIN embedfleet.jobs j USING (job) WHERE "
+                 "j.job = 'public.early_embeddings' AND c.state = 'done'", timeout=300)
+        assert conn.execute("SELECT synced_at FROM embedfleet.syncs WHERE job = 'public.early_embeddings'"
+                            ).fetchone()[0] is None  # still in the backfill
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+    assert proc.returncode == 0, err[-2000:]
+    assert "interrupted: rerun the same command to resume" in err and "Traceback" not in err
+    cli(*_sync_args(dsn, "early", "--chunk-bytes", "16384")[3:], check=True)
+    _assert_equal_to_source(conn, "early", "early_embeddings")

@@ -23,7 +23,8 @@ db_app = typer.Typer(no_args_is_help=True, help="The embedded PostgreSQL server 
 jobs_app = typer.Typer(no_args_is_help=True, help="The jobs in the ledger (`embedfleet status` lists them).")
 cache_app = typer.Typer(no_args_is_help=True, help="Compiled graphs, kernels and bytecode kept under $EMBEDFLEET_HOME/cache.")
 
-state: dict = {"debug": False, "settings": None, "resumes": False}
+# resumes: an interrupted run resumes when rerun; following: a stop is how the command ends (sync --follow), exit 0
+state: dict = {"debug": False, "settings": None, "resumes": False, "following": False}
 DbOpt = typer.Option(None, "--db", help="postgresql://… DSN (default: $EMBEDFLEET_DB, else the embedded server)")
 # Every command that loads a model takes it.
 TrustOpt = typer.Option(False, "--trust-remote-code", help="run the model's own Python code (its config.json's "
@@ -88,7 +89,7 @@ def _interrupted() -> None:
     signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a second one does not cut the message short
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     typer.echo("interrupted: rerun the same command to resume" if state["resumes"] else "interrupted", err=True)
-    sys.exit(128 + (_SIGNAL["received"] or signal.SIGINT))
+    sys.exit(0 if state["following"] else 128 + (_SIGNAL["received"] or signal.SIGINT))
 
 
 def main() -> None:

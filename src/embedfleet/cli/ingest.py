@@ -199,7 +199,7 @@ def sync(
 
     The first run installs a trigger on the source and a queue in schema embedfleet; without --follow the queue
     is drained and the command exits 0; with it, changes keep being applied until SIGINT/SIGTERM."""
-    state["resumes"] = True
+    state["resumes"], state["following"] = True, follow  # a follower stopped, even in its backfill, exits 0
     from embedfleet.settings import build_job
     from embedfleet.ingest.sync import run_sync, uninstall_sync
 
