@@ -156,3 +156,26 @@ def test_a_bert_or_xlmr_cross_encoder_runs_packed_and_scores_as_sentence_transfo
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
     assert np.ptp(want) > 100 * (1e-5 + 1e-4 * np.abs(want).max())  # spread far beyond the tolerance: not by accident
     np.testing.assert_array_equal(np.argsort(-got, kind="stable"), np.argsort(-want, kind="stable"))
+
+
+def test_the_cross_encoders_own_activation_is_applied_wherever_sentence_transformers_keeps_it(cross_encoder,
+                                                                                               tmp_path):
+    """Only config.json's `sentence_transformers` entry was read: a CrossEncoder saved with another activation
+    (sentence-transformers 6 keeps it in config_sentence_transformers.json; before 4, config.json's
+    `sbert_ce_default_activation_function`) got a sigmoid on top."""
+    import torch
+    from sentence_transformers import CrossEncoder
+
+    from embedfleet.query.rerank import Reranker
+
+    pairs = ["the charger broke", "works fine", "a long review of a case that cracked after a week"]
+    raw = tmp_path / "identity"
+    CrossEncoder(str(cross_encoder), device="cpu", activation_fn=torch.nn.Identity()).save(str(raw))
+    legacy = tmp_path / "legacy"
+    shutil.copytree(cross_encoder, legacy)
+    cfg = json.loads((legacy / "config.json").read_text())
+    cfg["sbert_ce_default_activation_function"] = "torch.nn.modules.activation.Tanh"
+    (legacy / "config.json").write_text(json.dumps(cfg))
+    for model in (raw, legacy, cross_encoder):
+        want = CrossEncoder(str(model), device="cpu").predict([("charger", t) for t in pairs])
+        np.testing.assert_allclose(Reranker(str(model)).scores("charger", pairs), want, rtol=1e-4, atol=1e-5)

@@ -216,3 +216,12 @@ def test_percent_in_where_for_search_and_queries(cli, dsn, tmp_path):
     line = one_line_error(cli("search", "cable", "--table", "products", "--db", dsn, "--where", "content = "),
                           "--where 'content = ': syntax error at its end")
     assert '")"' not in line
+    for seconds in ("0", "nan", "inf", "1e12"):  # NaN and infinity were tracebacks, 1e12 the server's refusal
+        for command in (("search", "cable"), ("serve",)):
+            one_line_error(cli(*command, "--table", "products", "--db", dsn, "--statement-timeout", seconds),
+                           f"--statement-timeout {float(seconds):g}: give a number of seconds above 0")
+    empty = tmp_path / "empty.txt"
+    empty.write_text("\n  \n")
+    one_line_error(cli("search", "--queries", empty, "--table", "products", "--db", dsn),
+                   "no queries in it (one a line)")  # it printed nothing and exited 0
+    one_line_error(cli("search", "--queries", tmp_path, "--table", "products", "--db", dsn), "a directory, not a file")

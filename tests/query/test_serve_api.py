@@ -196,14 +196,25 @@ def test_bodies_of_the_wrong_type_a_lower_case_scheme_and_a_huge_hybrid_query(se
         with pytest.raises(urllib.error.HTTPError) as refused:
             urllib.request.urlopen(req, timeout=60)
         assert refused.value.code == 401
-    status, answer = _call(base + "/search", json.dumps({"q": "word " * 20000, "k": 1, "hybrid": True}).encode())
+    status, answer = _call(base + "/search", json.dumps({"q": "w " * 32000, "k": 1, "hybrid": True}).encode())
     assert status == 400 and "shorten the query" in json.loads(answer)["error"]
+    status, answer = _call(base + "/search", json.dumps({"q": "word " * 20000, "k": 1}).encode())
+    assert status == 413 and "at most 65,536" in json.loads(answer)["error"]  # as an embedding's input
+    status, answer = _call(base + "/search", json.dumps({"q": "a\x00b", "k": 1, "hybrid": True}).encode())
+    assert status == 400 and "NUL character" in json.loads(answer)["error"], answer  # was a 500
 
 
 def test_a_default_k_out_of_range_is_refused_at_start(server, cli):
     for k in ("0", "5000"):
         one_line_error(cli("serve", "--table", "docs", "--db", server["dsn"], "--port", "0", "--device", "cpu",
                            "-k", k), f"-k {k}: a whole number from 1 to")
+
+
+def test_a_host_that_is_not_this_machines_is_said_to_be_the_hosts_fault(server, cli):
+    """The advice was "pick another --port" whatever failed."""
+    for host in ("nosuchhost.invalid", "192.0.2.1"):  # no such name; an address (TEST-NET-1) not on this machine
+        one_line_error(cli("serve", "--table", "docs", "--db", server["dsn"], "--port", "0", "--device", "cpu",
+                           "--host", host, "--api-key", "k"), "give an address of this machine as --host")
 
 
 def test_a_port_out_of_range_is_a_usage_error(server, cli):
@@ -215,6 +226,9 @@ def test_a_port_out_of_range_is_a_usage_error(server, cli):
 def test_listening_beyond_loopback_wants_a_key(server, cli):
     one_line_error(cli("serve", "--table", "docs", "--db", server["dsn"], "--host", "0.0.0.0", "--port", "0",
                        "--device", "cpu"), "--api-key")
+    for key in (" ", " key"):  # a blank key protected nothing, on any address
+        one_line_error(cli("serve", "--table", "docs", "--db", server["dsn"], "--host", "::", "--port", "0",
+                           "--device", "cpu", "--api-key", key), "--api-key: give a key without blanks")
 
 
 def test_a_search_waits_for_one_slice_of_a_long_embedding_request_not_all_of_it(server):

@@ -12,6 +12,16 @@ from embedfleet.cli.app import DbOpt, TrustOpt, app, emit, knobs, stopped_on_pur
 from embedfleet.errors import EmbedfleetError
 
 
+MAX_STATEMENT_TIMEOUT = 2_147_483  # seconds: PostgreSQL's statement_timeout is at most 2^31 - 1 ms
+
+
+def check_statement_timeout(seconds: float) -> None:
+    """--statement-timeout as the server takes it, or one line."""
+    if not 0 < seconds <= MAX_STATEMENT_TIMEOUT:  # (NaN compares false: refused too)
+        raise EmbedfleetError(f"--statement-timeout {seconds:g}: give a number of seconds above 0 and at most "
+                              f"{MAX_STATEMENT_TIMEOUT:,}")
+
+
 @app.command()
 def search(
     query: Optional[str] = typer.Argument(None, help="text to search for (or --queries FILE)"),
@@ -45,8 +55,7 @@ def search(
         raise EmbedfleetError("give a QUERY or --queries FILE (one of them)")
     if query is not None and not query.strip():
         raise EmbedfleetError("the query is empty: give the text to search for")
-    if statement_timeout <= 0:
-        raise EmbedfleetError(f"--statement-timeout {statement_timeout:g}: give a number of seconds above 0")
+    check_statement_timeout(statement_timeout)
     if queries is None:
         from embedfleet.encode import one_thread_math
 
@@ -101,8 +110,7 @@ def serve(
     """Answer /search (nearest rows) and /v1/embeddings (OpenAI-compatible) over HTTP, the model loaded once."""
     if where_db and not allow_where:
         raise EmbedfleetError("--where-db names the role filters run as: give --allow-where with it")
-    if statement_timeout <= 0:
-        raise EmbedfleetError(f"--statement-timeout {statement_timeout:g}: give a number of seconds above 0")
+    check_statement_timeout(statement_timeout)
     from embedfleet.encode import one_thread_math
 
     one_thread_math()  # a request's query at a time: its own thread, several requests at once

@@ -87,6 +87,8 @@ def one_expression(where: str) -> str:
     statement's own, it can then neither end the statement (and the READ ONLY transaction with a COMMIT) nor
     cut off the ORDER BY and LIMIT that follow it. Nor may it call what changes the session (SESSION_FUNCTIONS):
     a filter that lifted its own statement timeout could hold a server's connection for as long as it liked."""
+    if "\x00" in where:
+        raise OptionError("where", "it holds a NUL character (\\x00), which SQL text cannot hold; remove it", where)
     if called := sorted(_scan(where) & SESSION_FUNCTIONS):
         raise OptionError("where", f"{called[0]}() would change the session; a filter may only read", where)
     return where

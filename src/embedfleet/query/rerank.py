@@ -20,6 +20,27 @@ BATCH = 32
 PACKED_BATCH = 256  # pairs a packed pass takes at once (no padding: tokens, not the longest pair, cost)
 
 
+def activation(path, cfg, model: str):
+    """The activation a CrossEncoder puts on its logits, where sentence-transformers finds it: its own config
+    (`config_sentence_transformers.json`, since 6), config.json's `sentence_transformers` entry, or the key
+    before 4 (`sbert_ce_default_activation_function`); else sigmoid for one label, none for more."""
+    import json
+
+    import torch
+
+    own = path / "config_sentence_transformers.json"
+    named = json.loads(own.read_text()).get("activation_fn") if own.is_file() else None
+    named = (named or (getattr(cfg, "sentence_transformers", None) or {}).get("activation_fn")
+             or getattr(cfg, "sbert_ce_default_activation_function", None))
+    if named is None:
+        return torch.sigmoid if cfg.num_labels == 1 else (lambda x: x)
+    kind = named.rsplit(".", 1)[-1]
+    if not named.startswith("torch.nn.") or not isinstance(getattr(torch.nn, kind, None), type):
+        raise ModelError(f"--rerank {model}: its activation {named} is not one of torch.nn's; embedfleet applies "
+                         "only those")
+    return getattr(torch.nn, kind)()
+
+
 class Reranker:
     """`path`: "packed" (a BERT/XLM-R classifier on embedfleet's packed BERT pass: pairs without padding) or
     "generic" (transformers' AutoModelForSequenceClassification, padded)."""
@@ -58,9 +79,7 @@ class Reranker:
         limit = position_limit(cfg.to_dict())
         told = getattr(self.tokenizer, "model_max_length", limit)
         self.max_length = min(limit, told if isinstance(told, int) and told < 1_000_000 else limit, 512)
-        act = ((getattr(cfg, "sentence_transformers", None) or {}).get("activation_fn") or
-               ("torch.nn.modules.activation.Sigmoid" if cfg.num_labels == 1 else "torch.nn.modules.linear.Identity"))
-        self._sigmoid = act.rsplit(".", 1)[-1] == "Sigmoid"
+        self._activation = activation(path, cfg, model)
         self._torch = torch
 
     def scores(self, query: str, texts: list[str]) -> np.ndarray:
@@ -79,7 +98,7 @@ class Reranker:
                                          max_length=self.max_length, return_tensors="pt").to(self.device)
                     logits = self.model(**enc).logits.float()
                 logits = logits[:, 0] if logits.shape[1] == 1 else logits.max(1).values
-                out.append((torch.sigmoid(logits) if self._sigmoid else logits).cpu().numpy())
+                out.append(self._activation(logits).float().cpu().numpy())
         return np.concatenate(out) if out else np.zeros(0, np.float32)
 
     def rerank(self, query: str, rows: list[dict], k: int) -> list[dict]:

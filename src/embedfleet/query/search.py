@@ -202,6 +202,9 @@ class Searcher:
 
         if self.fts is None:
             raise no_fts(self.table)
+        if "\x00" in text:  # PostgreSQL's text cannot hold it
+            raise InputError("the query text holds a NUL character (\\x00), which PostgreSQL text cannot hold: "
+                             "remove it")
         if rrf_k < 1:
             raise InputError(f"--rrf-k {rrf_k}: use a positive constant (60 is the usual one)")
         depth = max(HYBRID_DEPTH, 4 * k)
@@ -367,7 +370,7 @@ def search_queries(conn: psycopg.Connection, table: str, queries: Iterable[str],
     if rerank_depth is not None and not rerank:
         raise InputError(f"--rerank-depth {rerank_depth} is how many rows --rerank MODEL scores: add --rerank, "
                          "or leave --rerank-depth out")
-    depth = RERANK_DEPTH if rerank_depth is None else rerank_depth
+    depth = max(RERANK_DEPTH, k) if rerank_depth is None else rerank_depth  # the default: never fewer than k
     if rerank and depth < k:
         raise InputError(f"--rerank-depth {depth}: rerank at least the k = {k} rows asked for")
     searcher = Searcher(conn, table, statement_timeout, rescore)  # a missing table fails here, before any model
@@ -424,8 +427,17 @@ def run_search(dsn: str, table: str, queries: Iterable[str], k: int = 10, where:
 def query_lines(path: str) -> Iterator[str]:
     """The queries of a --queries file ('-': stdin), one a line, blank lines skipped; read as they go."""
     if path != "-" and not os.path.isfile(path):
-        raise InputError(f"--queries {path}: no such file")
-    return _lines(path)
+        raise InputError(f"--queries {path}: {'a directory, not a file' if os.path.isdir(path) else 'no such file'}")
+    return _nonempty(path, _lines(path))
+
+
+def _nonempty(path: str, lines: Iterator[str]) -> Iterator[str]:
+    """The lines, or one line saying there were none (an empty file printed nothing and exited 0)."""
+    first = next(lines, None)
+    if first is None:
+        raise InputError(f"--queries {path}: no queries in it (one a line)")
+    yield first
+    yield from lines
 
 
 def _lines(path: str) -> Iterator[str]:

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import errno
 import hmac
 import logging
 import queue
@@ -487,6 +488,8 @@ def make_app(service: SearchService, api_key: str | None = None):
         q = params.get("q", "")
         if not q.strip():
             return error(400, "give the query text: /search?q=…")
+        if len(q) > MAX_INPUT_CHARS:
+            return error(413, f"q is {len(q):,} characters: at most {MAX_INPUT_CHARS:,}")
         k = params.get("k")
         if k is not None and not (k.isdigit() and 1 <= int(k) <= MAX_K):
             return error(400, f"k={k!r}: a whole number from 1 to {MAX_K}")
@@ -715,7 +718,11 @@ def _listen(host: str, port: int) -> socket.socket:
         sock.bind((host, port))
     except OSError as e:
         sock.close()
-        raise InputError(f"cannot listen on {host}:{port} ({e.strerror}); pick another --port") from None
+        # a port in use or reserved is the port's; a name that resolves to nothing, or an address not on this
+        # machine, is the host's
+        fix = "pick another --port" if e.errno in (errno.EADDRINUSE, errno.EACCES) else \
+            "give an address of this machine as --host (127.0.0.1, ::1, 0.0.0.0 for all)"
+        raise InputError(f"cannot listen on {host}:{port} ({e.strerror}); {fix}") from None
     sock.listen(128)  # connections wait in the backlog until the server accepts them: none is refused
     return sock
 
@@ -729,6 +736,9 @@ def serve(dsn: str, table: str, host: str = "127.0.0.1", port: int = 8000, k: in
 
     if not 1 <= k <= MAX_K:
         raise InputError(f"-k {k}: a whole number from 1 to {MAX_K} (what a request without its own k gets)")
+    if api_key is not None and (not api_key.strip() or api_key != api_key.strip()):
+        raise InputError("--api-key: give a key without blanks at its ends (an empty or blank one protects nothing, "
+                         "and a client's header drops the spaces)")
     if not _loopback(host) and not api_key:
         raise InputError(f"--host {host} listens beyond this machine: give --api-key KEY (or EMBEDFLEET_API_KEY) so "
                          "that every request needs it")
