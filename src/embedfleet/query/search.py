@@ -51,6 +51,8 @@ EXACT_MATCHES = 20_000
 # is then measured whole: no slower than such a walk. A larger one's walk is checked against a sample of about
 # SAMPLE_ROWS of its rows: one that passes and is nearer than the walk's kth shows the walk stopped among far rows.
 MAX_SCAN_TUPLES, EXACT_ROWS, SAMPLE_ROWS = 20_000, 100_000, 20_000
+WALK_ROWS = 40  # rows an iterative walk hands back, the nearest k of them kept: its order is only rough
+EXACT_WORKERS = 8  # parallel workers an exact scan may take from the server's pool
 # A binary-quantized index ranks by Hamming distance: its nearest --rescore rows (default RESCORE × k, at least
 # RESCORE_MIN) are taken, then ranked by their full vectors' cosine distance.
 RESCORE, RESCORE_MIN = 10, 40
@@ -172,6 +174,15 @@ class Searcher:
             if len(best) >= k or len(rows) < limit:
                 return list(best.values())[:k]
             limit *= 4
+
+    @staticmethod
+    def _measure_all(cur) -> None:
+        """The statement after this one reads every row the filter keeps, with up to EXACT_WORKERS parallel workers
+        of the server's pool beside it."""
+        cur.execute("SET LOCAL enable_indexscan = off")
+        cur.execute("SET LOCAL enable_seqscan = on")
+        cur.execute("SELECT set_config('max_parallel_workers_per_gather', least(%s, "
+                    "current_setting('max_parallel_workers')::int)::text, true)", [EXACT_WORKERS])
 
     def _nearer_in_sample(self, cur, filt: sql.Composable, params: dict, rows: list[dict], total: float) -> bool:
         """Whether a sample of about SAMPLE_ROWS of the table's rows holds one that passes the filter, is not among
@@ -304,7 +315,7 @@ class Searcher:
             plan, total = filtered_scan(self._matching(cur, filt), lambda: self._matching(cur, sql.SQL(""))) if (
                 where and self.indexed) else ("walk", None)
             if plan == "exact":  # few rows pass the filter, or the walk could stop before any: measure them all
-                cur.execute("SET LOCAL enable_indexscan = off")
+                self._measure_all(cur)
                 scan = "exact"
             elif where and self.indexed and self.iterative:
                 # a filter drops most of the index's candidates: scan the graph on until k rows pass it; in relaxed
@@ -312,18 +323,22 @@ class Searcher:
                 cur.execute("SET LOCAL hnsw.iterative_scan = relaxed_order")
                 cur.execute(sql.SQL("SET LOCAL hnsw.max_scan_tuples = {}").format(sql.Literal(MAX_SCAN_TUPLES)))
                 scan = "iterative"
-            rows = cur.execute(exact if scan == "exact" else by_index, params).fetchall()
+            if scan != "exact":  # the index, as `scan` says: on a small table the planner would read every row
+                cur.execute("SET LOCAL enable_seqscan = off")
+            # a walk in relaxed order hands back rows roughly nearest first: the nearest k of WALK_ROWS it takes
+            walk = max(k, WALK_ROWS) if scan == "iterative" else k
+            rows = cur.execute(exact if scan == "exact" else by_index, {**params, "k": walk}).fetchall()
+            if scan == "iterative" or (self.index_kind == "halfvec" and scan != "exact"):
+                rows = sorted(rows, key=lambda r: r["distance"])[:k]  # (or ranked by halfvec distances)
             if scan != "exact" and ((len(rows) < k and (where or k > EF_SEARCH_MAX)) or (
                     plan == "checked" and rows and self._nearer_in_sample(cur, filt, params, rows, total))):
                 # the index gave up before k rows passed (or k is past what it hands over), or its walk stopped
                 # among far rows: measure every row kept
-                cur.execute("SET LOCAL enable_indexscan = off")
+                self._measure_all(cur)
                 self._arm_timeout(cur)  # each statement under its own timeout
                 rows = cur.execute(exact, params).fetchall()
                 scan = "exact"
         self.scan = scan
-        if scan == "iterative" or (self.index_kind == "halfvec" and scan != "exact"):
-            rows.sort(key=lambda r: r["distance"])  # handed back in relaxed order, or by halfvec distances
         return [self._row(r) for r in rows]
 
 
