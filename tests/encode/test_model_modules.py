@@ -41,14 +41,17 @@ def minilm_dense(tmp_path_factory):
     residual = _save([st[0], st[1], models.Dense(384, 384, activation_function=torch.nn.Tanh(), use_residual=True),
                       models.Dense(384, 96, activation_function=torch.nn.Tanh(), use_residual=True), st[2]],
                      root / "minilm-dense-residual")
-    return {"same": same, "narrow": narrow, "residual": residual}
+    # a Dropout module (does nothing when embedding) between two Dense ones
+    dropout = _save([st[0], st[1], models.Dense(384, 256, activation_function=torch.nn.Tanh()), models.Dropout(0.2),
+                     models.Dense(256, 64, activation_function=torch.nn.Identity()), st[2]], root / "minilm-dropout")
+    return {"same": same, "narrow": narrow, "residual": residual, "dropout": dropout}
 
 
 TEXTS = ["battery dies after a week", "the case fits well", "naïve café in Straße 東京 🙂",
          "a much longer review that goes on about the charger, the cable and the screen protector " * 5, "ok"]
 
 
-@pytest.mark.parametrize("which, width", [("same", 384), ("narrow", 128), ("residual", 96)])
+@pytest.mark.parametrize("which, width", [("same", 384), ("narrow", 128), ("residual", 96), ("dropout", 64)])
 def test_dense_modules_embed_as_sentence_transformers_does(minilm_dense, which, width):
     import numpy as np
     from sentence_transformers import SentenceTransformer

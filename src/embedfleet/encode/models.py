@@ -373,7 +373,7 @@ class ModelSpec:
 
 # The sentence-transformers modules the encoder computes; a model listing any other is refused, since its
 # vectors would come out silently different from the model's own.
-COMPUTED_MODULES = ("Transformer", "Pooling", "Dense", "Normalize")
+COMPUTED_MODULES = ("Transformer", "Pooling", "Dense", "Dropout", "Normalize")  # Dropout: nothing, at inference
 # Pooling config keys for modes the encoder has: mean, CLS, last token. Any other mode set true is refused.
 _POOLING_MODES = {"pooling_mode_mean_tokens", "pooling_mode_cls_token", "pooling_mode_lasttoken"}
 
