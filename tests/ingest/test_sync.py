@@ -896,3 +896,13 @@ def test_a_follower_stopped_during_its_backfill_exits_0_and_the_next_sync_resume
     assert "interrupted: rerun the same command to resume" in err and "Traceback" not in err
     cli(*_sync_args(dsn, "early", "--chunk-bytes", "16384")[3:], check=True)
     _assert_equal_to_source(conn, "early", "early_embeddings")
+
+
+def test_a_rerun_with_other_columns_is_refused_as_other_settings_not_sent_to_alter_the_table(cli, dsn, conn):
+    """It said to ALTER TABLE … ADD COLUMN; done, the next run refused the job's other settings anyway."""
+    _source(conn, "recol", 5)
+    common = ("ingest", "--from-table", "recol", "--text-field", "body", "--db", dsn, "--devices", "cpu", "--quiet")
+    cli(*common, check=True)
+    line = one_line_error(cli(*common, "--columns", "stars"), "already exists with other settings (--columns")
+    assert "ALTER TABLE" not in line
+    cli(*common, check=True)  # the same command as before still resumes

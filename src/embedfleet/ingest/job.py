@@ -286,6 +286,7 @@ def _check_named(spec: JobSpec, inputs: tuple, conn, settings: Settings, say: bo
     check_partitions(conn, cfg.table, cfg.partitions)
     ensure_vector(conn)
     if table_exists(conn, cfg.table):  # its vectors must be this job's size, and its columns this job's
+        check_same_columns(conn, cfg)
         if cfg.dim or hidden:
             check_embedding_column(conn, cfg.table, cfg.dim or hidden, "halfvec" if cfg.dtype == "half" else "vector")
         check_table_columns(conn, cfg.table, table_columns(cfg.preset, bool(cfg.passages), cfg.columns))
@@ -298,6 +299,21 @@ def _check_named(spec: JobSpec, inputs: tuple, conn, settings: Settings, say: bo
         if known := job_for_table(conn, table):
             cfg = cfg.replace(job=known[0], table=known[1])
     return cfg
+
+
+def check_same_columns(conn, cfg: JobSpec) -> None:
+    """A rerun of the table's job with other --columns is refused as a job of other settings, before the table's
+    columns are compared: adding the column to the table would not make the job take it."""
+    from embedfleet.ledger import Ledger, _other_settings, job_for_table, ledger_exists
+
+    if not ledger_exists(conn) or not (known := job_for_table(conn, cfg.table)):
+        return
+    job = cfg.job if cfg.job and cfg.job != cfg.table else known[0]
+    existing = Ledger(conn).job(job)
+    if existing and (existing["config"].get("columns") or []) != [list(c) if isinstance(c, tuple) else c
+                                                                 for c in cfg.columns or ()]:
+        if error := _other_settings(job, existing, cfg):
+            raise error
 
 
 def check_same_model(conn, cfg: JobSpec, model) -> None:
