@@ -923,25 +923,28 @@ def sync_overview(conn: psycopg.Connection, job: str, source_db: str | None = No
     from embedfleet.pg import queue
 
     source, key, tag, same_db, synced_at, started = row
-    q, n, age, restarted = queue.Queue(source, key, tag), None, None, False
+    q, n, age, restarted, missing = queue.Queue(source, key, tag), None, None, False, False
 
-    def look(src: psycopg.Connection) -> tuple[int | None, float | None, bool]:
+    def look(src: psycopg.Connection) -> tuple[int | None, float | None, bool, bool]:
         # A server started since sync last looked may have emptied the (unlogged) queue: its count means nothing
-        # until the next sync queues every key again.
+        # until the next sync queues every key again. A queue dropped by hand counts nothing either.
         if started is not None and queue.server_started(src) != started:
-            return None, None, True
-        return (*queue.pending(src, q), False)
+            return None, None, True, False
+        if not src.execute("SELECT to_regclass(%s) IS NOT NULL", [q.table_name]).fetchone()[0]:
+            return None, None, False, True
+        return (*queue.pending(src, q), False, False)
 
     try:
         if same_db:
-            n, age, restarted = look(conn)
+            n, age, restarted, missing = look(conn)
         elif source_db:
             with psycopg.connect(source_db, autocommit=True) as src:
-                n, age, restarted = look(src)
+                n, age, restarted, missing = look(src)
     except psycopg.Error:  # the source's server cannot be reached now: status still answers
         pass
     return {"source": source, "pending": n, "lag_s": None if age is None else round(age, 3),
-            "synced_at": synced_at.isoformat() if synced_at else None, "restarted": restarted}
+            "synced_at": synced_at.isoformat() if synced_at else None, "restarted": restarted,
+            "queue_missing": missing}
 
 
 def remove_job(conn: psycopg.Connection, job: str, drop_table: bool = False) -> dict:

@@ -221,6 +221,9 @@ def test_the_applications_writes_never_wait_for_or_fail_because_of_sync(cli, dsn
     app.execute("UPDATE app_src SET body = 'z' WHERE review_id = 2")
     app.execute("DELETE FROM app_src WHERE review_id = 3")
     assert conn.execute("SELECT count(*) FROM app_src").fetchone()[0] == 21
+    shown = _status(cli, dsn, "public.app_src_embeddings")  # not "0 pending": nothing is queued at all now
+    assert shown["queue_missing"] is True and shown["pending"] is None
+    assert "its queue is gone" in cli("status", "--db", dsn, check=True).stdout
     p = cli("sync", "--from-table", "app_src", "--uninstall", "--db", dsn, "--json", check=True)
     assert orjson.loads(p.stdout)["uninstalled"] is True  # the queue was already gone; the triggers go now
     assert conn.execute("SELECT count(*) FROM pg_trigger WHERE tgrelid = 'app_src'::regclass AND NOT tgisinternal"
@@ -906,3 +909,13 @@ def test_a_rerun_with_other_columns_is_refused_as_other_settings_not_sent_to_alt
     line = one_line_error(cli(*common, "--columns", "stars"), "already exists with other settings (--columns")
     assert "ALTER TABLE" not in line
     cli(*common, check=True)  # the same command as before still resumes
+
+
+def test_a_target_dropped_by_hand_is_backfilled_again_and_counted_so(cli, dsn, conn):
+    _source(conn, "dropt", 6)
+    cli(*_sync_args(dsn, "dropt")[3:], check=True)
+    conn.execute("DROP TABLE dropt_embeddings")
+    conn.execute("DELETE FROM dropt WHERE review_id < 2")
+    again = orjson.loads(cli(*_sync_args(dsn, "dropt", "--json")[3:], check=True).stdout)
+    assert again["backfill_rows"] == 4  # was -2: the count before the drop taken from the count after
+    assert set(_contents(conn, "dropt_embeddings")) == {"2", "3", "4", "5"}

@@ -151,6 +151,9 @@ def status_table(jobs: list[dict]) -> Group:
             if j.get("restarted"):
                 pending = ("changes pending unknown: the source's server started again since sync last looked, which "
                            "may have emptied its queue; the next sync compares every row")
+            elif j.get("queue_missing"):
+                pending = ("its queue is gone (dropped?): changes are not queued until the next sync installs it "
+                           "again and compares every row")
             elif j["pending"] is None:
                 pending = "? pending (its queue is in another database: status --source-db DSN)"
             else:

@@ -497,7 +497,8 @@ def run_sync(spec: JobSpec, settings: Settings, launcher, device: str, follow: b
     try:
         # the same database however reached (another role's DSN): status and --uninstall then find its queue
         ledger.record_sync(cfg.job, q.source, q.key, q.tag, source_db == target_db, started, source_db)
-        before = ledger.progress(cfg.job)["rows_written"] if ledger.job(cfg.job) else 0  # an earlier run's backfill
+        # an earlier run's backfill (none where the table is gone: the job starts again)
+        before = ledger.progress(cfg.job)["rows_written"] if existed and ledger.job(cfg.job) else 0
         progress = run_job(cfg, settings, launcher, empty_ok=True, checked=True)
         cfg = progress["spec"]
         lanes, batch = lanes or default_lanes(), batch or BATCH_KEYS
