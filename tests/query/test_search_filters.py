@@ -97,14 +97,14 @@ def test_a_search_measures_every_row_where_few_pass_or_the_walk_could_stop_befor
     from embedfleet.query.search import EXACT_MATCHES, EXACT_ROWS, MAX_SCAN_TUPLES, filtered_scan
 
     never = lambda: pytest.fail("the table's rows are asked only where they matter")  # noqa: E731
-    assert filtered_scan(EXACT_MATCHES, never) == ("exact", None)
+    assert filtered_scan(EXACT_MATCHES, never) == "exact"
     total = EXACT_MATCHES + 1 + MAX_SCAN_TUPLES + 1
-    assert filtered_scan(EXACT_MATCHES + 1, lambda: total) == ("exact", total)
+    assert filtered_scan(EXACT_MATCHES + 1, lambda: total) == "exact"
     total -= 1  # the walk sees a row that passes
-    assert filtered_scan(EXACT_MATCHES + 1, lambda: total) == ("walk", total)
+    assert filtered_scan(EXACT_MATCHES + 1, lambda: total) == "walk"
     # a big table whose filter drops more than the walk visits: the walk, checked against a sample
-    assert filtered_scan(EXACT_ROWS // 2, lambda: EXACT_ROWS + 1) == ("checked", EXACT_ROWS + 1)
-    assert filtered_scan(EXACT_ROWS, lambda: EXACT_ROWS + 1)[0] == "walk"
+    assert filtered_scan(EXACT_ROWS // 2, lambda: EXACT_ROWS + 1) == "checked"
+    assert filtered_scan(EXACT_ROWS, lambda: EXACT_ROWS + 1) == "walk"
 
 
 @pytest.fixture(scope="module")

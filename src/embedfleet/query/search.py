@@ -48,8 +48,8 @@ EXACT_MATCHES = 20_000
 # An iterative scan visits at most MAX_SCAN_TUPLES rows (pgvector's own default, set on each scan). A filter that
 # drops more rows than that can leave every row the walk visits dropped, when the query lies among them, and the
 # walk then hands back far rows that passed (docs/decisions/filtered-search.md). A table of at most EXACT_ROWS rows
-# is then measured whole: no slower than such a walk. A larger one's walk is checked against a sample of about
-# SAMPLE_ROWS of its rows: one that passes and is nearer than the walk's kth shows the walk stopped among far rows.
+# is then measured whole: no slower than such a walk. A larger one's walk is checked against a sample holding about
+# SAMPLE_ROWS rows that pass: one nearer than the walk's kth shows the walk stopped among far rows.
 MAX_SCAN_TUPLES, EXACT_ROWS, SAMPLE_ROWS = 20_000, 100_000, 20_000
 WALK_ROWS = 40  # rows an iterative walk hands back, the nearest k of them kept: its order is only rough
 EXACT_WORKERS = 8  # parallel workers an exact scan may take from the server's pool
@@ -184,11 +184,12 @@ class Searcher:
         cur.execute("SELECT set_config('max_parallel_workers_per_gather', least(%s, "
                     "current_setting('max_parallel_workers')::int)::text, true)", [EXACT_WORKERS])
 
-    def _nearer_in_sample(self, cur, filt: sql.Composable, params: dict, rows: list[dict], total: float) -> bool:
-        """Whether a sample of about SAMPLE_ROWS of the table's rows holds one that passes the filter, is not among
-        the walk's rows and is nearer than the farthest of them: then the walk stopped among far rows. A walk that
-        found rows far down the ranking is caught almost surely; one a few rows short of the exact top k may pass."""
-        percent = min(100.0, 100.0 * SAMPLE_ROWS / max(total, 1.0))
+    def _nearer_in_sample(self, cur, filt: sql.Composable, params: dict, rows: list[dict], matching: float) -> bool:
+        """Whether a sample holding about SAMPLE_ROWS of the rows that pass the filter (`matching`, the planner's
+        estimate) has one that is not among the walk's rows and is nearer than the farthest of them: then the walk
+        stopped among far rows. A walk that found rows far down the ranking is caught almost surely; one a few
+        rows short of the exact top k may pass."""
+        percent = min(100.0, 100.0 * SAMPLE_ROWS / max(matching, 1.0))
         self._arm_timeout(cur)
         stmt = (sql.SQL("SELECT 1 FROM {} TABLESAMPLE SYSTEM ({}) ").format(self._table, sql.Literal(round(percent, 6)))
                 + filt + sql.SQL(" AND embedding <=> %(q)s::{} < %(kth)s AND id <> ALL(%(walked)s) LIMIT 1").format(
@@ -312,8 +313,8 @@ class Searcher:
             if self.indexed:
                 cur.execute(sql.SQL("SET LOCAL hnsw.ef_search = {}").format(sql.Literal(int(ef_search))))
             scan = "exact" if not self.indexed else "index"
-            plan, total = filtered_scan(self._matching(cur, filt), lambda: self._matching(cur, sql.SQL(""))) if (
-                where and self.indexed) else ("walk", None)
+            matching = self._matching(cur, filt) if where and self.indexed else None
+            plan = filtered_scan(matching, lambda: self._matching(cur, sql.SQL(""))) if matching is not None else "walk"
             if plan == "exact":  # few rows pass the filter, or the walk could stop before any: measure them all
                 self._measure_all(cur)
                 scan = "exact"
@@ -331,7 +332,7 @@ class Searcher:
             if scan == "iterative" or (self.index_kind == "halfvec" and scan != "exact"):
                 rows = sorted(rows, key=lambda r: r["distance"])[:k]  # (or ranked by halfvec distances)
             if scan != "exact" and ((len(rows) < k and (where or k > EF_SEARCH_MAX)) or (
-                    plan == "checked" and rows and self._nearer_in_sample(cur, filt, params, rows, total))):
+                    plan == "checked" and rows and self._nearer_in_sample(cur, filt, params, rows, matching))):
                 # the index gave up before k rows passed (or k is past what it hands over), or its walk stopped
                 # among far rows: measure every row kept
                 self._measure_all(cur)
@@ -342,17 +343,17 @@ class Searcher:
         return [self._row(r) for r in rows]
 
 
-def filtered_scan(matching: float, rows) -> tuple[str, float | None]:
-    """How a filtered search finds its rows, and the table's rows where they were asked: "exact" (every row the
-    filter keeps, measured: few pass it, or the walk could stop before any in a table small enough to measure),
-    "walk" (the index's walk), or "checked" (the walk, which could stop short, checked against a sample).
-    `matching`: the rows the planner expects to pass; `rows()`: the table's rows (asked only where it matters)."""
+def filtered_scan(matching: float, rows) -> str:
+    """How a filtered search finds its rows: "exact" (every row the filter keeps, measured: few pass it, or the
+    walk could stop before any in a table small enough to measure), "walk" (the index's walk), or "checked" (the
+    walk, which could stop short, checked against a sample). `matching`: the rows the planner expects to pass;
+    `rows()`: the table's rows (asked only where it matters)."""
     if matching <= EXACT_MATCHES:
-        return "exact", None
+        return "exact"
     total = rows()
     if total - matching <= MAX_SCAN_TUPLES:
-        return "walk", total
-    return ("exact" if total <= EXACT_ROWS else "checked"), total
+        return "walk"
+    return "exact" if total <= EXACT_ROWS else "checked"
 
 
 def _searchable(where: str | None) -> sql.Composable:
