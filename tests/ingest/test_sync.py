@@ -919,3 +919,26 @@ def test_a_target_dropped_by_hand_is_backfilled_again_and_counted_so(cli, dsn, c
     again = orjson.loads(cli(*_sync_args(dsn, "dropt", "--json")[3:], check=True).stdout)
     assert again["backfill_rows"] == 4  # was -2: the count before the drop taken from the count after
     assert set(_contents(conn, "dropt_embeddings")) == {"2", "3", "4", "5"}
+
+
+def test_a_truncated_partition_of_a_partitioned_source_is_followed(cli, dsn, conn):
+    """The TRUNCATE trigger was on the parent alone, which a partition's own TRUNCATE does not fire."""
+    conn.execute("CREATE TABLE ev (id bigint PRIMARY KEY, body text) PARTITION BY RANGE (id)")
+    conn.execute("CREATE TABLE ev_1 PARTITION OF ev FOR VALUES FROM (0) TO (100)")
+    conn.execute("CREATE TABLE ev_2 PARTITION OF ev FOR VALUES FROM (100) TO (200)")
+    conn.execute("INSERT INTO ev SELECT i, 'event ' || i FROM generate_series(1, 199) i")
+    common = ("sync", "--from-table", "ev", "--text-field", "body", "--db", dsn, "--devices", "cpu", "--quiet")
+    cli(*common, check=True)
+    conn.execute("TRUNCATE ev_1")
+    cli(*common, check=True)
+    assert set(_contents(conn, "ev_embeddings")) == {str(i) for i in range(100, 200)}
+    conn.execute("CREATE TABLE ev_3 PARTITION OF ev FOR VALUES FROM (200) TO (300)")  # attached after the install
+    cli(*common, check=True)
+    conn.execute("INSERT INTO ev VALUES (250, 'in the new partition')")
+    cli(*common, check=True)
+    assert _contents(conn, "ev_embeddings")["250"] == "in the new partition"
+    conn.execute("TRUNCATE ev_3")
+    cli(*common, check=True)
+    assert "250" not in _contents(conn, "ev_embeddings")
+    cli("sync", "--from-table", "ev", "--uninstall", "--db", dsn, check=True)
+    assert conn.execute("SELECT count(*) FROM pg_trigger WHERE tgname LIKE 'embedfleet%'").fetchone()[0] == 0

@@ -136,6 +136,9 @@ def install(conn: psycopg.Connection, q: Queue, watched: list[str]) -> bool:
             follow_key(conn, q, renamed, watched)
         elif not _functions_current(conn, q, watched):
             follow_key(conn, q, q.key, watched)
+        if _partitions_without_truncate(conn, q):  # attached since
+            _briefly_locked(conn, lambda: _truncate_on_partitions(conn, q),
+                            f"{q.source}'s partitions are busy: a new one's TRUNCATE is not followed yet; rerun sync")
         return False
     _check_privileges(conn, q)
 
@@ -157,6 +160,7 @@ def install(conn: psycopg.Connection, q: Queue, watched: list[str]) -> bool:
             q._trigger("update"), src, q._function("changed")))
         conn.execute(sql.SQL("CREATE TRIGGER {} AFTER TRUNCATE ON {} FOR EACH STATEMENT EXECUTE FUNCTION {}()")
                      .format(q._trigger("truncate"), src, q._function("enqueue")))
+        _truncate_on_partitions(conn, q)
 
     try:
         _briefly_locked(conn, make, f"{q.source} is busy: its writers held it for {LOCK_PATIENCE:g} s; the trigger "
@@ -259,6 +263,22 @@ def follow_key(conn: psycopg.Connection, q: Queue, key: str, watched: list[str])
     with conn.transaction():
         _make_functions(conn, Queue(q.source, key, q.tag), watched)
 
+def _partitions_without_truncate(conn: psycopg.Connection, q: Queue) -> list[str]:
+    """The source's partitions (at any depth) without sync's TRUNCATE trigger: a statement trigger on the parent
+    does not fire for a TRUNCATE of one partition."""
+    return [r[0] for r in conn.execute(
+        "SELECT format('%%I.%%I', n.nspname, c.relname) FROM pg_partition_tree(to_regclass(%s)) p "
+        "JOIN pg_class c ON c.oid = p.relid JOIN pg_namespace n ON n.oid = c.relnamespace WHERE p.level > 0 "
+        "AND NOT EXISTS (SELECT FROM pg_trigger t WHERE t.tgrelid = p.relid AND t.tgname = %s) ORDER BY 1",
+        [q.source, f"embedfleet_truncate_{q.tag}"]).fetchall()]
+
+
+def _truncate_on_partitions(conn: psycopg.Connection, q: Queue) -> None:
+    for part in _partitions_without_truncate(conn, q):
+        conn.execute(sql.SQL("CREATE TRIGGER {} AFTER TRUNCATE ON {} FOR EACH STATEMENT EXECUTE FUNCTION {}()")
+                     .format(q._trigger("truncate"), sql.SQL(part), q._function("enqueue")))
+
+
 def _briefly_locked(conn: psycopg.Connection, work, busy: str) -> None:
     """`work()` in a transaction of its own, each of its locks waited for at most LOCK_TRY (the application's
     writes queue behind a lock that waits), tried again until LOCK_PATIENCE has passed; then `busy`, one line."""
@@ -284,10 +304,10 @@ def uninstall(conn: psycopg.Connection, q: Queue) -> bool:
     def drop() -> None:
         dropped.clear()
         # the triggers wherever they are now: on the source, or on it renamed since
-        for tgname, relation in conn.execute(
-                "SELECT tgname, tgrelid::regclass::text FROM pg_trigger WHERE tgname = ANY(%s)",
+        for tgname, relation in conn.execute(  # (a partitioned source's row triggers' clones go with them)
+                "SELECT tgname, tgrelid::regclass::text FROM pg_trigger WHERE tgname = ANY(%s) AND tgparentid = 0",
                 [q.trigger_names]).fetchall():
-            conn.execute(sql.SQL("DROP TRIGGER {} ON {}").format(sql.Identifier(tgname), sql.SQL(relation)))
+            conn.execute(sql.SQL("DROP TRIGGER IF EXISTS {} ON {}").format(sql.Identifier(tgname), sql.SQL(relation)))
             dropped.append(tgname)
         for kind in ("enqueue", "changed"):
             conn.execute(sql.SQL("DROP FUNCTION IF EXISTS {}()").format(q._function(kind)))
