@@ -175,6 +175,8 @@ def test_bodies_of_the_wrong_type_a_lower_case_scheme_and_a_huge_hybrid_query(se
         status, answer = _call(base + "/v1/embeddings", json.dumps(body).encode())
         err = json.loads(answer)["error"]
         assert status == 400 and says in err["message"] and err["type"] == "invalid_request_error", (body, answer)
+    status, answer = _call(base + "/v1/embeddings", json.dumps({"input": [[101, 2054, 102]]}).encode())
+    assert status == 400 and "check_embedding_ctx_length=False" in json.loads(answer)["error"]["message"]
     status, answer = _call(base + "/v1/embeddings")  # a GET: in OpenAI's shape too
     assert status == 405 and json.loads(answer)["error"]["type"] == "invalid_request_error"
     import openai

@@ -550,7 +550,10 @@ def make_app(service: SearchService, api_key: str | None = None):
         texts = body["input"]
         texts = [texts] if isinstance(texts, str) else texts
         if not isinstance(texts, list) or not all(isinstance(t, str) for t in texts):
-            return error(400, openai=True, message="input: a string or a list of strings (token arrays are not taken)")
+            # token ids are the client's tokenizer's (tiktoken's, for LangChain's OpenAIEmbeddings), not this model's
+            return error(400, openai=True, message="input: a string or a list of strings; token arrays are not taken, "
+                         "since their ids are another tokenizer's (LangChain: OpenAIEmbeddings("
+                         "check_embedding_ctx_length=False) sends text)")
         if not texts:
             return error(400, openai=True, message="input is empty")
         if not all(t.strip() for t in texts):  # as OpenAI: an empty string has nothing to embed
