@@ -92,7 +92,9 @@ def test_ingest_from_a_table_is_a_backfill_on_the_ledger(cli, dsn, conn, tmp_pat
 def test_bad_sources_get_one_line_each(cli, dsn, conn, tmp_path):
     conn.execute("CREATE TABLE nokey (a text, b text)")
     conn.execute("CREATE TABLE numbers (id int PRIMARY KEY, n int, note text)")
+    conn.execute("CREATE MATERIALIZED VIEW numbers_mv AS SELECT id, note FROM numbers")
     cases = [
+        (("--from-table", "numbers_mv", "--text-field", "note"), "is a materialized view"),
         (("--from-table", "missing"), "--from-table missing: no such table"),
         (("--from-table", "nokey", "--text-field", "a"), "no usable key"),
         (("--from-table", "numbers", "--text-field", "n"), "numbers.n is integer, not text"),

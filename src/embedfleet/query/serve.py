@@ -434,7 +434,10 @@ def make_app(service: SearchService, api_key: str | None = None):
                 not isinstance(v, kinds[key]) or key == "k" and isinstance(v, bool))), None)
             if wrong:
                 want = {"q": "a string", "where": "a string", "k": "a whole number"}.get(wrong, "true or false")
-                return error(400, f"{wrong}: {body[wrong]!r} is not {want}")
+                import orjson
+
+                shown = orjson.dumps(body[wrong]).decode()  # as the client wrote it, not as Python would
+                return error(400, f"{wrong}: {shown[:80]}{'…' if len(shown) > 80 else ''} is not {want}")
             both = next((key for key, v in body.items() if v is not None and key in params), None)
             if both:
                 return error(400, f"{both}: given both in the URL and in the body; give it once")

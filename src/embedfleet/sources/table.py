@@ -97,6 +97,10 @@ def describe(conn: psycopg.Connection, name: str) -> TableSource:
     schema, table, kind, qualified = conn.execute(
         "SELECT n.nspname, c.relname, c.relkind, format('%%I.%%I', n.nspname, c.relname) FROM pg_class c "
         "JOIN pg_namespace n ON n.oid = c.relnamespace WHERE c.oid = %s", [oid]).fetchone()
+    if kind == "m":
+        raise InputError(f"--from-table {name}: is a materialized view, which embedfleet does not read (a "
+                         "trigger cannot follow it either); read its query's tables, or CREATE TABLE … AS SELECT "
+                         "from it")
     if kind not in ("r", "p"):
         raise InputError(f"--from-table {name}: is not a table (a view or foreign table has no pages to read)")
     leaves = ()
