@@ -94,8 +94,12 @@ def index(
     with connect(dsn) as conn:
         embedding_info(conn, table)  # one line for a table that is not there
         if index is not None:
+            from embedfleet.pg.ddl import index_plan
+
             name, built = rebuild_index(conn, table, index, dsn)
             doc.update(index=index, index_name=name, index_built=built)
+            vtype, dim = embedding_info(conn, table)
+            words = index_plan(dim, vtype, index)[1]  # what `index` is at this width
         if fts:
             added, fts_config = add_fts(conn, table, fts_config)
             doc.update(fts=True, fts_config=fts_config, added=added, column=FTS_COLUMN)
@@ -103,8 +107,8 @@ def index(
         emit(doc)
         return
     if index is not None:
-        typer.echo(f"table {table!r}: {'built' if doc['index_built'] else 'already has'} a {index} index "
-                   f"({doc['index_name']})", err=True)
+        typer.echo(f"table {table!r}: {'built' if doc['index_built'] else 'already has'} its {index} index: "
+                   f"{words} ({doc['index_name']})", err=True)
     if fts:
         typer.echo(f"table {table!r}: {'added' if doc['added'] else 'already has'} a full-text index ({fts_config}); "
                    "search --hybrid uses it", err=True)
