@@ -298,7 +298,8 @@ class Lane:
                              "until then), or `sync --uninstall` and sync into a new --table")
         if not installed:
             raise InputError(f"sync: the trigger that queues {self.source_name}'s changes was dropped while following "
-                             "(its key dropped with CASCADE?): rerun sync to make it again; every row is then compared once")
+                             "(by `sync --uninstall`, by hand, or with its key by CASCADE): to follow it again, rerun "
+                             "sync, which makes it again and compares every row once")
         if gone:
             raise column_gone_error(self.source_name, gone[0])
 
