@@ -119,3 +119,24 @@ def test_questions_beside_documents_embedded_with_the_query_prompt_and_verified_
     # one table alone keeps its own report's shape
     one = orjson.loads(cli("verify", "--table", "articles_questions", "--db", dsn, "--json", check=True).stdout)
     assert one["ok"] and one["table"] == "articles_questions" and "tables" not in one
+
+
+def test_a_record_id_written_again_keeps_only_the_last_records_passages(cli, dsn, conn, tmp_path):
+    """The table keeps the last of records sharing an id: its passage 0 replaced the earlier record's, and the
+    earlier record's passages 1.. stayed beside it, one record's text mixed with another's."""
+    long = " ".join(f"word{i} naïve café" for i in range(400))
+    lines = [{"id": "9", "text": long}, {"id": "9", "text": "the same id, short now"}]  # in one unit
+    lines += [{"id": "7", "text": long}] + [{"id": f"f{i}", "text": f"filler {i}"} for i in range(200)]
+    lines += [{"id": "7", "text": "seven, short, in a later chunk"}]
+    path = tmp_path / "dups.jsonl"
+    path.write_text("".join(orjson.dumps(x).decode() + "\n" for x in lines))
+    cli("ingest", path, "--db", dsn, "--text-field", "text", "--id-field", "id", "--passages", "64:8",
+        "--table", "dup_passages", "--workers", "1", "--chunk-bytes", "8192", "--quiet", check=True)
+    rows = dict(conn.execute("SELECT id, content FROM dup_passages WHERE parent_id = '9'").fetchall())
+    assert rows == {"9#0": "the same id, short now"}  # in one unit: the last
+    # in two chunks, whichever commits last (units of different chunks commit side by side), and all of it
+    seven = dict(conn.execute("SELECT passage, content FROM dup_passages WHERE parent_id = '7'").fetchall())
+    assert seven == {0: "seven, short, in a later chunk"} or (
+        len(seven) > 1 and sorted(seven) == list(range(len(seven))) and "seven" not in "".join(seven.values()))
+    report = orjson.loads(cli("verify", "--table", "dup_passages", "--db", dsn, "--json").stdout)
+    assert report["count_matches_ledger"], report  # the passages deleted are counted out of the ledger's rows

@@ -205,7 +205,9 @@ class Splitter:
 
 def expand(records: list[Record], splitter: Splitter) -> list[Record]:
     """Each record as its passages: id `<record id>#<n>`, `parent_id`, `passage` n (0-based), the
-    passage's text as content, and the record's other values."""
+    passage's text as content, and the record's other values. Of records sharing an id, the last only: an
+    earlier one's passages past the last one's count would stay beside them."""
+    records = [records[i] for i in sorted({r.id: i for i, r in enumerate(records)}.values())]
     out = []
     words = splitter.words([r.content for r in records])  # the unit's new words learnt in one pass
     for r, w in zip(records, words):

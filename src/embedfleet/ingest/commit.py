@@ -37,6 +37,9 @@ def default_writers(device: str) -> tuple[int, int]:
     return (6, 8) if device.startswith("cuda") else (3, 2)
 
 
+STALE_WINDOW = 1024  # passage ids a record written again is looked up for at a time
+
+
 class LeaseLost(Exception):
     """Another worker holds the chunk now: this unit's transaction was rolled back."""
 
@@ -73,11 +76,15 @@ class TableSink:
             [sql.SQL("{0} = EXCLUDED.{0}").format(sql.Identifier(n)) for n in names if n != "id"]
             + [sql.SQL("{} = NULL").format(sql.Identifier(c)) for c in stale]
         )
-        # xmax = 0 only for rows this statement inserted: that is how we count new ids exactly.
+        # xmax = 0 only for rows this statement inserted: that is how we count new ids exactly; and, for passages,
+        # which records were there before (their rows past the new count go).
         self.upsert_sql = sql.SQL(
             "WITH up AS (INSERT INTO {t} ({c}) SELECT {c} FROM {s} ON CONFLICT (id) DO UPDATE SET {u} "
-            "RETURNING (xmax = 0) AS inserted) SELECT count(*) FILTER (WHERE inserted) FROM up"
-        ).format(t=target, c=ident, s=self.stage, u=updates)
+            "RETURNING (xmax = 0) AS inserted, {p} AS parent) SELECT count(*) FILTER (WHERE inserted), "
+            "array_agg(DISTINCT parent) FILTER (WHERE NOT inserted AND parent IS NOT NULL) FROM up"
+        ).format(t=target, c=ident, s=self.stage, u=updates,
+                 p=sql.Identifier("parent_id") if self.passages else sql.SQL("NULL::text"))
+        self.rewritten: list[str] = []  # the last insert's records that were there before (passages only)
 
     def _copy(self, target: sql.Composable, data: bytes) -> None:
         with self.conn.cursor() as cur, cur.copy(target) as copy:
@@ -87,6 +94,7 @@ class TableSink:
         """COPY straight into the table when every id is new (the common case: one pass, no
         staging); if any id exists already, roll that back and upsert through the stage table.
         `direct=False`: some ids are known to exist; upsert at once."""
+        self.rewritten = []
         if direct:
             try:
                 with self.conn.transaction():  # a savepoint
@@ -95,7 +103,26 @@ class TableSink:
             except psycopg.errors.UniqueViolation:
                 pass
         self._copy(self.copy_sql, data)
-        return self.conn.execute(self.upsert_sql).fetchone()[0]
+        inserted, self.rewritten = self.conn.execute(self.upsert_sql).fetchone()
+        self.rewritten = self.rewritten or []
+        return inserted
+
+    def _drop_stale_passages(self, counts: dict[str, int]) -> int:
+        """Records written again (`rewritten`) lose their earlier passages past their new count: found by id
+        (`<record id>#<n>`, the primary key), a window at a time until one finds none (a record's are contiguous).
+        Returns the rows deleted."""
+        parents = [p for p in self.rewritten if p in counts]
+        start = total = 0
+        while parents:
+            deleted = self.conn.execute(sql.SQL(
+                "DELETE FROM {} WHERE id = ANY(ARRAY(SELECT u.parent || '#' || g FROM unnest(%s::text[], %s::int[]) "
+                "AS u(parent, n), generate_series(u.n + %s, u.n + %s) AS g))").format(self.target),
+                [parents, [counts[p] for p in parents], start, start + STALE_WINDOW - 1]).rowcount
+            if not deleted:
+                break
+            total += deleted
+            start += STALE_WINDOW
+        return total
 
     def commit_unit(self, item: Embedded) -> int:
         """One transaction: rows + rejects + chunk progress. Returns ids newly inserted."""
@@ -110,6 +137,8 @@ class TableSink:
                 inserted = self.insert(data, unit.rows.n)
                 if claim.replace_to is not None:  # a file embedded again: its rows are this chunk's own now
                     inserted = unit.rows.n
+                if self.passages and unit.passages and self.rewritten:  # records written again: their rows past
+                    inserted -= self._drop_stale_passages(unit.passages)  # the new passages go, and are not counted
             if unit.rejects:
                 with conn.cursor() as cur:
                     cur.executemany(

@@ -74,6 +74,7 @@ class Prepared:
     cursor_line: int
     busy_s: float = 0.0  # the helper's wall time on this unit (to tell idle helpers from slow ones)
     cpu_s: float = 0.0  # and its CPU time (below busy_s when the helper shared its core)
+    passages: dict[str, int] | None = None  # --passages: each record's id and its passages' count
 
 
 @dataclass
@@ -201,7 +202,10 @@ class Preparer:
         names = self._column_names
         rows = self.encoder.encode([(r.id, r.content, *map(r.values.get, names)) for r in kept])
         tok = self.tokenizer.tokenize([r.content for r in kept], ctx.tokenizer.prefix)
-        return Prepared(rows, tok, len(records), rejects, cursor)
+        counts = None
+        if self.splitter is not None:  # a record's passages are numbered from 0, in order: the last one's n + 1
+            counts = {r.values["parent_id"]: r.values["passage"] + 1 for r in kept}
+        return Prepared(rows, tok, len(records), rejects, cursor, passages=counts)
 
     def close(self) -> None:
         if self._ledger is not None:
@@ -377,7 +381,8 @@ class PrepareStage:
                 begun.add(claim.token)
                 self.started(claim)
             yield Unit(claim, p.rows, p.seen, p.rejects, p.cursor_line, task.last, p.tok.num_tokens, p.tok,
-                       id_prefix=None if claim.replace_to is None else line_ids(pool.ctx, claim.source))
+                       id_prefix=None if claim.replace_to is None else line_ids(pool.ctx, claim.source),
+                       passages=p.passages)
 
         for item in tasks:
             if isinstance(item, Failure):

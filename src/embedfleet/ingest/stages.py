@@ -92,6 +92,7 @@ class Unit:
     tokens: int = 0
     tok: object = None  # the encoder's Tokenized batch, in row order (dropped once embedded)
     id_prefix: str | None = None  # a --replace unit whose ids name lines: its lines' earlier rows are cleared
+    passages: dict[str, int] | None = None  # --passages: each record's passages' count (the rest of its rows go)
 
 
 @dataclass
