@@ -50,3 +50,21 @@ def test_cosmetic_refusals_are_one_line(cli, dsn, tmp_path):
     assert p.returncode == 2 and "Parquet" in one_line_error(p, "--out")
     p = cli("cache", "path", "--json")
     assert p.returncode == 0 and orjson.loads(p.stdout)["path"].endswith("cache")
+
+
+def test_an_id_field_no_record_has_and_a_template_field_no_review_has_are_refused_before_planning(cli, dsn, conn,
+                                                                                                   tmp_path):
+    """Where other faults rejected some records too (empty texts), the missing id field was found only after
+    every record was read; with --meta a misspelt template field was never checked, and rendered empty."""
+    src = tmp_path / "messy.jsonl"
+    src.write_text("".join(json.dumps({"id": i, "text": "" if i % 3 == 0 else f"review {i}"}) + "\n"
+                           for i in range(30)) + "{not json\n")
+    p = cli("ingest", src, "--id-field", "uuid", "--db", dsn, "--devices", "cpu", "--quiet")
+    line = one_line_error(p, "--id-field 'uuid': none of the first 30 records of messy.jsonl has it")
+    assert p.returncode == 2 and "fields: id, text" in line
+    assert conn.execute("SELECT to_regclass('embedfleet.jobs')").fetchone()[0] is None  # nothing planned
+    examples = "examples/Cell_Phones_and_Accessories.jsonl", "examples/meta_Cell_Phones_and_Accessories.jsonl"
+    p = cli("ingest", examples[0], "--meta", examples[1], "--preset", "amazon-reviews", "--text-template",
+            "{titel}\\n\\n{text}", "--table", "typo", "--db", dsn, "--devices", "cpu", "--quiet")
+    line = one_line_error(p, "--text-template field {titel}: none of the first")
+    assert "the products have:" in line and "title" in line

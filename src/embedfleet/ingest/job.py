@@ -291,7 +291,7 @@ def _check_named(spec: JobSpec, inputs: tuple, conn, settings: Settings, say: bo
             check_embedding_column(conn, cfg.table, cfg.dim or hidden, "halfvec" if cfg.dtype == "half" else "vector")
         check_table_columns(conn, cfg.table, table_columns(cfg.preset, bool(cfg.passages), cfg.columns))
         check_same_model(conn, cfg, model)
-    if not cfg.meta and not cfg.source_table:  # with --meta the text may come from the product fields, joined later
+    if not cfg.source_table:
         check_inputs_have_text(cfg)
     if spec.job is None:  # named after its table: `t` and `public.t` are one job (one trigger, one resume)
         from embedfleet.ledger import job_for_table

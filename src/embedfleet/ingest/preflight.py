@@ -46,13 +46,21 @@ def check_inputs_have_text(cfg: JobSpec) -> None:
         return
     preset = job_preset(cfg.preset, cfg.columns)
     fields = sorted({k for r in raws for k in r.data})
-    if cfg.text_template:
-        joined = {c.name for c in preset.meta_columns} if cfg.meta else set()  # product fields come with --meta
+    joined = {c.name for c in preset.meta_columns} if cfg.meta else set()  # product fields come with --meta
+    if cfg.text_template:  # (a product field's own keys are known only once the meta file is joined)
         missing = [f for f in template_fields(cfg.text_template)
-                   if f not in joined and not any(has_field(r.data, f) for r in raws)]
+                   if f.split(".")[0] not in joined and not any(has_field(r.data, f) for r in raws)]
         if missing:
             raise InputError(f"--text-template field {{{missing[0]}}}: none of the first {len(raws)} records of "
-                             f"{os.path.basename(path)} has it; the records have fields: {_shown(fields)}")
+                             f"{os.path.basename(path)} has it; the records have fields: {_shown(fields)}"
+                             + (f"; the products have: {_shown(sorted(joined))}" if joined else ""))
+    # a field named on the command line that no record has (other faults may hide it among the rejects)
+    for flag, field in (("--id-field", cfg.id_field), ("--text-field", None if cfg.text_template else cfg.text_field)):
+        if field and field not in joined and not any(has_field(r.data, field) for r in raws):
+            raise InputError(f"{flag} {field!r}: none of the first {len(raws)} records of {os.path.basename(path)} "
+                             f"has it; the records have fields: {_shown(fields)}")
+    if cfg.meta:  # the text may come from the products, joined later: the rejects here say nothing yet
+        return
     records, rejects = to_records(raws, preset, template=cfg.text_template,
                                   text_field=cfg.text_field, id_field=cfg.id_field)
     reasons = {r.reason for r in rejects}
