@@ -66,6 +66,9 @@ def db(pg_server, tmp_path_factory):
         conn.execute("ALTER TABLE ragged ADD PRIMARY KEY (id)")
         conn.execute("UPDATE ragged SET rx = array[1, 2, 3]::real[] WHERE id = 17")
         conn.execute("UPDATE ragged SET raw = '\\x00000000'::bytea WHERE id = 21")
+        conn.execute("CREATE TABLE square AS SELECT * FROM meas WHERE id < 30")  # rx as 2 × 2 from row 12 on
+        conn.execute("ALTER TABLE square ADD PRIMARY KEY (id)")
+        conn.execute("UPDATE square SET rx = array[[1, 2], [3, 4]]::real[] WHERE id >= 12")
         conn.execute("CREATE TABLE oddraw (id int PRIMARY KEY, raw bytea, y int)")
         conn.execute("INSERT INTO oddraw VALUES (1, '\\x000000', 0)")
     return dsn
@@ -189,6 +192,8 @@ def test_fill_null_fills_each_kind_and_where_split_select(db):
     (dict(table="ragged", features=["raw"]), "feature column 'raw' (bytea) has 4 bytes in row id 21 where the first "
                                              "row has 8"),
     (dict(table="oddraw", features=["raw"]), "holds 3 bytes, not whole float32 values"),
+    # it said "has 4 values in row id 12 where the first row has 4"
+    (dict(table="square", features=["rx"]), "feature column 'rx' (float4[]) is a 2-dimensional array in row id 12"),
     (dict(table="meas", features=["rssi", "cls"]), "feature 'cls' is of type text"),
     (dict(table="meas", features=["rssi", "nope"]), "feature 'nope': table 'meas' has no such column"),
     (dict(table="meas", features=["rssi", "rssi"]), "feature 'rssi' is named twice"),

@@ -862,6 +862,12 @@ class TableRead:
             return InputError(f"{col} has a NULL element in {at}: filter such rows out (where, --where), or train "
                               "with a value for NULLs (fill_null, train --fill-null)")
         got = row[1] if row else None
+        if row and f.kind == "array" and (dims := (conn or self.conns[0]).execute(sql.SQL(
+                "SELECT array_ndims({}) FROM {} WHERE {}::text = %s").format(c, s.table_sql(), order),
+                [str(row[0])]).fetchone()) \
+                and (dims[0] or 1) > 1:
+            return InputError(f"{col} is a {dims[0]}-dimensional array in {at}: a feature takes one dimension; "
+                              f"flatten it (ARRAY(SELECT unnest({f.name})) in a view or column of its own)")
         unit = {"array": "values", "vector": "dimensions", "bytea": "bytes"}[f.kind]
         want = 4 * f.width if f.kind == "bytea" else f.width
         return InputError(f"{col} has {got} {unit} in {at} where the first row has {want}: a feature's width is "
