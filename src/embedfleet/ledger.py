@@ -960,7 +960,8 @@ def remove_job(conn: psycopg.Connection, job: str, drop_table: bool = False) -> 
             "SELECT count(*) FROM embedfleet.workers WHERE job = %s AND state NOT IN ('finished', 'exited', 'failed') "
             "AND heartbeat >= now() - make_interval(secs => %s)", [job, STALE_SECONDS / 4]).fetchone()[0]
         if beating:
-            raise JobError(f"job {job!r} is running ({beating} workers beat within the last {STALE_SECONDS // 4} s): "
+            raise JobError(f"job {job!r} is running ({beating} worker{'' if beating == 1 else 's'} beat within the "
+                           f"last {STALE_SECONDS // 4} s): "
                            "stop it first (Ctrl-C its `embedfleet ingest`), then remove it")
         sync = conn.execute("SELECT source FROM embedfleet.syncs WHERE job = %s", [job]).fetchone()
         if sync is not None:

@@ -83,6 +83,7 @@ def test_nothing_embedded_exits_non_zero_with_one_line_the_same_for_empty_and_bl
     assert p.returncode == 1
     line = one_line_error(p, "nothing embedded: all")
     assert "records were rejected" in line and "noise.jsonl line" in line
+    assert "is searchable" not in p.stderr  # the table was said searchable, then dropped
     assert conn.execute("SELECT to_regclass('noise')").fetchone()[0] is None
     job = _job(cli, dsn, "noise")
     assert job["state"] == "failed" and job["rejected"] > 0 and "nothing embedded" in job["error"]
@@ -177,8 +178,8 @@ def test_checks_come_before_planning_and_jobs_rm_clears_the_ledger(cli, dsn, con
         "--job", "dims_more", check=True)  # another job's rows in the same table
     one_line_error(cli("jobs", "rm", "dims", "--db", dsn, "--drop-table"), "also holds the rows of job 'dims_more'")
     assert conn.execute("SELECT count(*) FROM embedfleet.jobs WHERE job = 'dims'").fetchone()[0] == 1  # nothing gone
-    cli("jobs", "rm", "dims_more", "--db", dsn, check=True)
-    cli("jobs", "rm", "dims", "--db", dsn, "--drop-table", check=True)
+    assert "table 'dims' kept" in cli("jobs", "rm", "dims_more", "--db", dsn, check=True).stderr
+    assert "table 'dims' dropped" in cli("jobs", "rm", "dims", "--db", dsn, "--drop-table", check=True).stderr
     assert conn.execute("SELECT to_regclass('dims')").fetchone()[0] is None
     assert one_line_error(gone := cli("jobs", "rm", "dims", "--db", dsn), "no job named 'dims'") and gone.returncode == 2
 

@@ -37,6 +37,11 @@ WhereOpt = typer.Option(None, "--where", help="with --from-table: SQL filter on 
 QuietOpt = typer.Option(False, "--quiet", help="no progress display")
 
 
+def plural(n: int, word: str) -> str:
+    """`n word`, with an s where n is not 1."""
+    return f"{n:,} {word}{'' if n == 1 else 's'}"
+
+
 @app.command()
 def ingest(
     inputs: List[str] = typer.Argument(None, help="JSONL(.gz/.zst), Parquet or CSV files or URLs (s3://, gs://, hf://, file://); globs allowed"),
@@ -142,7 +147,8 @@ def ingest(
 
         before, written = progress["rows_before"], progress["rows_written"]
         merged = progress["rows_seen"] - written - before
-        same_id = f"; {merged:,} records shared an id with another, the table keeps the last" if merged > 0 else ""
+        same_id = (f"; {plural(merged, 'record')} shared an id with another, the table keeps the last"
+                   if merged > 0 else "")
         # a table that held rows: how many this job added and replaced, not only what it added ("0 rows")
         held = f", {min(before, progress['rows_seen'] - written):,} of its {before:,} rows replaced, " \
             f"{before + written:,} in all" if before else ""
@@ -341,9 +347,15 @@ def jobs_rm(
     if json_out:
         emit(removed)
     else:
-        kept = "dropped" if removed["table_dropped"] else "kept"
-        typer.echo(f"removed job {job!r} ({removed['chunks']} chunks, {removed['rejects']} rejects); "
-                   f"table {removed['table']!r} {kept}", err=True)
+        if removed["table_dropped"]:
+            table = f"table {removed['table']!r} dropped"
+        else:
+            from embedfleet.pg.ddl import table_exists
+
+            with connect(resolve_dsn(db, knobs())) as conn:  # a job that never wrote a row made no table
+                table = f"table {removed['table']!r} {'kept' if table_exists(conn, removed['table']) else 'was never made'}"
+        typer.echo(f"removed job {job!r} ({plural(removed['chunks'], 'chunk')}, {plural(removed['rejects'], 'reject')}); "
+                   f"{table}", err=True)
 
 
 @jobs_app.command("rejects")

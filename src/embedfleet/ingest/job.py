@@ -16,6 +16,8 @@ from contextlib import ExitStack, nullcontext
 from pathlib import Path
 from typing import Callable
 
+from psycopg import sql
+
 from embedfleet.errors import InputError, JobError, ModelError
 from embedfleet.ingest.launch import Launcher
 from embedfleet.ingest.preflight import check_inputs_have_text
@@ -23,7 +25,7 @@ from embedfleet.ledger import Ledger, remove_job
 from embedfleet.pg.connect import Reconnect
 from embedfleet.pg.ddl import (check_embedding_column, check_identifier, check_partitions, check_server,
                                check_table_columns, check_write_privileges, drop_table, ensure_vector, finish_table,
-                               partition_count, table_exists, table_rows)
+                               partition_count, table_exists, table_rows, table_sql)
 from embedfleet.pg.embedded import resolve_dsn
 from embedfleet.settings import JobSpec, Settings, default_chunk_bytes
 from embedfleet.sources import files
@@ -462,7 +464,8 @@ def plan_job(cfg: JobSpec, ledger: Ledger, device: str, source: "SourceSnapshot 
                      cfg.job, released, retried)
         added = 0 if cfg.source_table else plan_changes(cfg, ledger, chunk_bytes)
         if added:
-            log.info("job %s: %d new chunks for %s", cfg.job, added, "the files given with --replace (and anything "
+            log.info("job %s: %d new chunk%s for %s", cfg.job, added, "" if added == 1 else "s",
+                     "the files given with --replace (and anything "
                      "added to its inputs)" if cfg.replacing else "what was added to its inputs")
     if source is not None:
         ledger.set_snapshot(cfg.job, source.snapshot)
@@ -594,6 +597,10 @@ def finalize(ledger: Ledger, job: str, cfg: JobSpec, timings: dict | None = None
         if errors:  # every worker stopped on an error it cannot get past (a model or device it cannot use)
             ledger.set_job_state(job, "failed", "; ".join(f"{w}: {e}" for w, e in errors[:3]))
         return counts, loaded  # otherwise stopped early (interrupted): a rerun resumes
+    if loaded and not ledger.conn.execute(sql.SQL("SELECT EXISTS (SELECT FROM {})").format(
+            table_sql(ledger.conn, cfg.table))).fetchone()[0]:  # no row to search: nothing is said searchable
+        ledger.set_job_state(job, "done")
+        return counts, loaded
     if loaded:
         if cfg.fts:  # first: adding its column rewrites the table, and would rebuild an HNSW index built before
             from embedfleet.pg.fts import add_fts
