@@ -58,8 +58,8 @@ def test_partitions_are_indexed_side_by_side_and_the_tables_index_adopts_them(ds
     opened, connect = [], psycopg.connect
     monkeypatch.setattr(psycopg, "connect", lambda *a, **kw: opened.append(a) or connect(*a, **kw))
     timings = {}
-    name = finish_table(conn, "parted", index=True, timings=timings, dsn=dsn)
-    assert name == index_of(conn, "parted")[0] and timings["index_build"]["side_by_side"] >= 2
+    name, kind = finish_table(conn, "parted", index=True, timings=timings, dsn=dsn)
+    assert (name, kind) == index_of(conn, "parted") and timings["index_build"]["side_by_side"] >= 2
     leaves = _leaf_indexes(conn, "parted", 3)
     assert [len(x) for x in leaves] == [1, 1, 1] and leaves[1] == [("kept", "direct")]
     assert _attached(conn, name) == 3
@@ -102,7 +102,7 @@ def test_on_a_server_with_cores_to_spare_each_partitions_build_gets_workers_and_
     monkeypatch.setattr(index_build, "server_resources", lambda conn: (4, 1000))
     _loaded(conn, "wide", 2)
     timings = {}
-    name = finish_table(conn, "wide", index=True, timings=timings, dsn=dsn)
+    name, _ = finish_table(conn, "wide", index=True, timings=timings, dsn=dsn)
     assert timings["index_build"] == {"memory_mb": 64, "workers": 1, "side_by_side": 2} and _attached(conn, name) == 2
     for leaf in ("wide_p0", "wide_p1"):  # set for the build, put back before its commit
         assert conn.execute("SELECT reloptions FROM pg_class WHERE oid = %s::regclass", [leaf]).fetchone()[0] == [
@@ -111,7 +111,7 @@ def test_on_a_server_with_cores_to_spare_each_partitions_build_gets_workers_and_
 
 def test_a_partitioned_table_whose_name_needs_quotes_is_indexed_and_a_rebuild_cut_short_is_finished(dsn, conn):
     vecs = _loaded(conn, "Reviews", 2)  # partitions "Reviews_p0", "Reviews_p1": names PostgreSQL quotes
-    name = finish_table(conn, "Reviews", index=True, dsn=dsn)
+    name, _ = finish_table(conn, "Reviews", index=True, dsn=dsn)
     assert _attached(conn, f'public."{name}"') == 2
     # a rebuild cut short after its new index was built, before the old one was dropped: the next finishes it
     build_index(conn, "Reviews", "binary", dsn)

@@ -12,6 +12,7 @@ import typer
 
 from embedfleet.cli.app import DbOpt, TrustOpt, app, emit, jobs_app, knobs, state, stopped_on_purpose, with_flags
 from embedfleet.errors import EmbedfleetError, InputError, JobError
+from embedfleet.logs import plural
 from embedfleet.settings import shell_escapes
 
 
@@ -35,11 +36,6 @@ TaskOpt = typer.Option(None, "--task", help="the task a model's own module takes
 SourceDbOpt = typer.Option(None, "--source-db", help="the database a --from-table source is in (default: --db)")
 WhereOpt = typer.Option(None, "--where", help="with --from-table: SQL filter on the source's rows (read-only)")
 QuietOpt = typer.Option(False, "--quiet", help="no progress display")
-
-
-def plural(n: int, word: str) -> str:
-    """`n word`, with an s where n is not 1."""
-    return f"{n:,} {word}{'' if n == 1 else 's'}"
 
 
 @app.command()
@@ -152,7 +148,7 @@ def ingest(
         # a table that held rows: how many this job added and replaced, not only what it added ("0 rows")
         held = f", {min(before, progress['rows_seen'] - written):,} of its {before:,} rows replaced, " \
             f"{before + written:,} in all" if before else ""
-        typer.echo(f"{cfg.job}: {written:,} {'new ' if before else ''}row{'' if written == 1 else 's'} in table "
+        typer.echo(f"{cfg.job}: {plural(written, 'new row' if before else 'row')} in table "
                    f"{cfg.table!r}{held} "
                    f"({summary['rejected']} rejected{same_id}) — try: embedfleet search \"…\" --table "
                    f"{shlex.quote(cfg.table)}", err=True)
@@ -327,8 +323,6 @@ def status(
         Console(width=wide).print(status_table(jobs) if jobs else "no jobs yet: embedfleet ingest FILE")
 
 
-
-
 @jobs_app.command("rm")
 def jobs_rm(
     job: str = typer.Argument(..., help="the job's name, as `embedfleet status` lists it"),
@@ -339,21 +333,17 @@ def jobs_rm(
     """Remove a job's ledger entries (chunks, rejects, workers); its table stays unless --drop-table."""
     from embedfleet.pg.embedded import resolve_dsn
     from embedfleet.pg.connect import connect
+    from embedfleet.pg.ddl import table_exists
     from embedfleet.ledger import job_named, remove_job
 
     with connect(resolve_dsn(db, knobs())) as conn:
         job = job_named(conn, job)
         removed = remove_job(conn, job, drop_table=drop_table)
+        kept = not removed["table_dropped"] and table_exists(conn, removed["table"])  # a job with no row made none
     if json_out:
         emit(removed)
     else:
-        if removed["table_dropped"]:
-            table = f"table {removed['table']!r} dropped"
-        else:
-            from embedfleet.pg.ddl import table_exists
-
-            with connect(resolve_dsn(db, knobs())) as conn:  # a job that never wrote a row made no table
-                table = f"table {removed['table']!r} {'kept' if table_exists(conn, removed['table']) else 'was never made'}"
+        table = f"table {removed['table']!r} {'dropped' if removed['table_dropped'] else 'kept' if kept else 'was never made'}"
         typer.echo(f"removed job {job!r} ({plural(removed['chunks'], 'chunk')}, {plural(removed['rejects'], 'reject')}); "
                    f"{table}", err=True)
 

@@ -84,34 +84,32 @@ class TableSink:
             "array_agg(DISTINCT parent) FILTER (WHERE NOT inserted AND parent IS NOT NULL) FROM up"
         ).format(t=target, c=ident, s=self.stage, u=updates,
                  p=sql.Identifier("parent_id") if self.passages else sql.SQL("NULL::text"))
-        self.rewritten: list[str] = []  # the last insert's records that were there before (passages only)
 
     def _copy(self, target: sql.Composable, data: bytes) -> None:
         with self.conn.cursor() as cur, cur.copy(target) as copy:
             copy.write(data)
 
-    def insert(self, data: bytes, n: int, direct: bool = True) -> int:
+    def insert(self, data: bytes, n: int, direct: bool = True) -> tuple[int, list[str]]:
         """COPY straight into the table when every id is new (the common case: one pass, no
         staging); if any id exists already, roll that back and upsert through the stage table.
-        `direct=False`: some ids are known to exist; upsert at once."""
-        self.rewritten = []
+        `direct=False`: some ids are known to exist; upsert at once. Returns the ids newly inserted and, for
+        passages, the records whose rows were there before."""
         if direct:
             try:
                 with self.conn.transaction():  # a savepoint
                     self._copy(self.copy_direct_sql, data)
-                return n
+                return n, []
             except psycopg.errors.UniqueViolation:
                 pass
         self._copy(self.copy_sql, data)
-        inserted, self.rewritten = self.conn.execute(self.upsert_sql).fetchone()
-        self.rewritten = self.rewritten or []
-        return inserted
+        inserted, rewritten = self.conn.execute(self.upsert_sql).fetchone()
+        return inserted, rewritten or []
 
-    def _drop_stale_passages(self, counts: dict[str, int]) -> int:
-        """Records written again (`rewritten`) lose their earlier passages past their new count: found by id
+    def _drop_stale_passages(self, rewritten: list[str], counts: dict[str, int]) -> int:
+        """Records written again lose their earlier passages past their new count: found by id
         (`<record id>#<n>`, the primary key), a window at a time until one finds none (a record's are contiguous).
         Returns the rows deleted."""
-        parents = [p for p in self.rewritten if p in counts]
+        parents = [p for p in rewritten if p in counts]
         start = total = 0
         while parents:
             deleted = self.conn.execute(sql.SQL(
@@ -134,11 +132,11 @@ class TableSink:
                 self._clear(unit)
             if unit.rows.n:
                 data = assemble(unit.rows, vector_fields(item.vectors, self.vtype))
-                inserted = self.insert(data, unit.rows.n)
+                inserted, rewritten = self.insert(data, unit.rows.n)
                 if claim.replace_to is not None:  # a file embedded again: its rows are this chunk's own now
                     inserted = unit.rows.n
-                if self.passages and unit.passages and self.rewritten:  # records written again: their rows past
-                    inserted -= self._drop_stale_passages(unit.passages)  # the new passages go, and are not counted
+                if self.passages and unit.passages and rewritten:  # records written again: their rows past the
+                    inserted -= self._drop_stale_passages(rewritten, unit.passages)  # new passages go, uncounted
             if unit.rejects:
                 with conn.cursor() as cur:
                     cur.executemany(

@@ -19,6 +19,7 @@ from typing import Callable
 from psycopg import sql
 
 from embedfleet.errors import InputError, JobError, ModelError
+from embedfleet.logs import plural
 from embedfleet.ingest.launch import Launcher
 from embedfleet.ingest.preflight import check_inputs_have_text
 from embedfleet.ledger import Ledger, remove_job
@@ -306,16 +307,16 @@ def _check_named(spec: JobSpec, inputs: tuple, conn, settings: Settings, say: bo
 def check_same_columns(conn, cfg: JobSpec) -> None:
     """A rerun of the table's job with other --columns is refused as a job of other settings, before the table's
     columns are compared: adding the column to the table would not make the job take it."""
-    from embedfleet.ledger import Ledger, _other_settings, job_for_table, ledger_exists
+    from embedfleet.ledger import Ledger, job_for_table, ledger_exists
 
     if not ledger_exists(conn) or not (known := job_for_table(conn, cfg.table)):
         return
     job = cfg.job if cfg.job and cfg.job != cfg.table else known[0]
-    existing = Ledger(conn).job(job)
+    ledger = Ledger(conn)
+    existing = ledger.job(job)
     if existing and (existing["config"].get("columns") or []) != [list(c) if isinstance(c, tuple) else c
                                                                  for c in cfg.columns or ()]:
-        if error := _other_settings(job, existing, cfg):
-            raise error
+        ledger.check_settings(job, cfg)
 
 
 def check_same_model(conn, cfg: JobSpec, model) -> None:
@@ -464,7 +465,7 @@ def plan_job(cfg: JobSpec, ledger: Ledger, device: str, source: "SourceSnapshot 
                      cfg.job, released, retried)
         added = 0 if cfg.source_table else plan_changes(cfg, ledger, chunk_bytes)
         if added:
-            log.info("job %s: %d new chunk%s for %s", cfg.job, added, "" if added == 1 else "s",
+            log.info("job %s: %s for %s", cfg.job, plural(added, "new chunk"),
                      "the files given with --replace (and anything "
                      "added to its inputs)" if cfg.replacing else "what was added to its inputs")
     if source is not None:
@@ -610,14 +611,11 @@ def finalize(ledger: Ledger, job: str, cfg: JobSpec, timings: dict | None = None
             if added and timings is not None:
                 timings["fts_s"] = round(time.perf_counter() - t0, 3)
             log.info("table %s has a full-text index (%s): search --hybrid", cfg.table, config)
-        index = finish_table(ledger.conn, cfg.table, index=not cfg.no_index, timings=timings, dsn=ledger.dsn,
+        found = finish_table(ledger.conn, cfg.table, index=not cfg.no_index, timings=timings, dsn=ledger.dsn,
                              kind=cfg.index)
-        if index:
-            from embedfleet.pg.ddl import index_of
-
-            found = index_of(ledger.conn, cfg.table)
-            what = "binary-quantized HNSW index" if found and found[1] == "bit" else "HNSW index"
-            log.info("table %s is searchable (%s %s)", cfg.table, what, index)
+        if found:
+            what = "binary-quantized HNSW index" if found[1] == "bit" else "HNSW index"
+            log.info("table %s is searchable (%s %s)", cfg.table, what, found[0])
     ledger.set_job_state(job, "done")
     return counts, loaded
 

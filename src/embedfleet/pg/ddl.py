@@ -475,12 +475,13 @@ def index_key(conn: psycopg.Connection, table: str, index: str) -> str:
 
 
 def finish_table(conn: psycopg.Connection, table: str, index: bool, timings: dict | None = None,
-                 dsn: str | None = None, kind: str = "hnsw") -> str | None:
+                 dsn: str | None = None, kind: str = "hnsw") -> tuple[str, str] | None:
     """Once a job has loaded `table`: statistics for the planner (ANALYZE reads a fixed-size sample; a
     partitioned table's partitions each on a connection of its own where `dsn` is given), autovacuum back
     to the server's setting, and an HNSW (cosine) index on the embedding unless it has one.
     Under a lock per table, so two runs finishing together do this one after the other: the second finds
-    the index built. Returns the index's name (None without `index`); `timings` gets each step's seconds."""
+    the index built. Returns the index's (name, kind) as `index_of` (None without `index`); `timings` gets each
+    step's seconds."""
     ident = table_sql(conn, table)
     lock = [f"embedfleet.finish.{ident.as_string(conn)}"]
     timings = {} if timings is None else timings
@@ -508,16 +509,16 @@ def finish_table(conn: psycopg.Connection, table: str, index: bool, timings: dic
 
     with conn.transaction():
         conn.execute("SELECT pg_advisory_xact_lock(hashtext(%s))", lock)
-        if (name := vector_index(conn, table)) is not None:
-            return name
+        if (found := index_of(conn, table)) is not None:
+            return found
         t0 = time.perf_counter()
         plan = build_index(conn, table, kind, dsn)
         timings["index_s"] = round(time.perf_counter() - t0, 3)
         timings["index_build"] = plan._asdict()
-        name = vector_index(conn, table)
-    if name is None:  # cannot happen unless PostgreSQL changed what CREATE INDEX makes
+        found = index_of(conn, table)
+    if found is None:  # cannot happen unless PostgreSQL changed what CREATE INDEX makes
         raise DatabaseError(f"the HNSW index of {table!r} was created but cannot be found")
-    return name
+    return found
 
 
 ANALYZE_SIDE_BY_SIDE = 8  # partitions sampled at once
