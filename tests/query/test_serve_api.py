@@ -134,6 +134,9 @@ def test_keys_limits_search_metrics_and_schema(server):
         families)
     statuses = {(s.labels["route"], s.labels["status"]) for s in families["embedfleet_requests"].samples}
     assert ("/v1/embeddings", "413") in statuses and ("/search", "401") in statuses
+    assert _call(base + "/v1/models")[0] == 200
+    families = {f.name: f for f in text_string_to_metric_families(_call(base + "/metrics")[1].decode())}
+    assert ("/v1/models", "200") in {(s.labels["route"], s.labels["status"]) for s in families["embedfleet_requests"].samples}
     status, body = _call(base + "/openapi.json")
     schema = json.loads(body)
     assert status == 200 and {"/search", "/v1/embeddings", "/health"} <= set(schema["paths"])
@@ -170,7 +173,14 @@ def test_bodies_of_the_wrong_type_a_lower_case_scheme_and_a_huge_hybrid_query(se
         assert status == 400 and "is not" in json.loads(answer)["error"], (body, answer)
         assert "True" not in answer.decode() and "['a'" not in answer.decode()  # JSON's spelling, not Python's
     status, answer = _call(base + "/v1/embeddings", json.dumps({"input": "hi", "dimensions": True}).encode())
-    assert status == 400 and "dimensions True" in json.loads(answer)["error"]["message"]
+    assert status == 400 and "dimensions true:" in json.loads(answer)["error"]["message"]  # JSON's spelling
+    for sent, says in (("null", "not null"), ('{"a": 1}', "not an object"), ('[null]', "not a list holding null")):
+        status, answer = _call(base + "/v1/embeddings", f'{{"input": {sent}}}'.encode())
+        message = json.loads(answer)["error"]["message"]
+        assert status == 400 and says in message and "token" not in message, (sent, message)
+    for k in ("%C2%B2", "%E2%91%A0"):  # "²" and "①": digits to str.isdigit, not to int() (was a 500)
+        status, answer = _call(base + f"/search?q=a&k={k}")
+        assert status == 400 and "a whole number" in json.loads(answer)["error"], answer
     for body, says in (({"input": ""}, "input[0] is empty"), ({"input": ["a", " "]}, "input[1] is empty"),
                        ({"input": "hi", "model": 5}, "model 5")):
         status, answer = _call(base + "/v1/embeddings", json.dumps(body).encode())
@@ -178,8 +188,11 @@ def test_bodies_of_the_wrong_type_a_lower_case_scheme_and_a_huge_hybrid_query(se
         assert status == 400 and says in err["message"] and err["type"] == "invalid_request_error", (body, answer)
     status, answer = _call(base + "/v1/embeddings", json.dumps({"input": [[101, 2054, 102]]}).encode())
     assert status == 400 and "check_embedding_ctx_length=False" in json.loads(answer)["error"]["message"]
-    status, answer = _call(base + "/v1/embeddings")  # a GET: in OpenAI's shape too
-    assert status == 405 and json.loads(answer)["error"]["type"] == "invalid_request_error"
+    req = urllib.request.Request(base + "/v1/embeddings", headers={"Authorization": f"Bearer {KEY}"})
+    with pytest.raises(urllib.error.HTTPError) as wrong:  # a GET: in OpenAI's shape too, naming what is allowed
+        urllib.request.urlopen(req, timeout=60)
+    assert wrong.value.code == 405 and json.loads(wrong.value.read())["error"]["type"] == "invalid_request_error"
+    assert wrong.value.headers["Allow"] == "POST"
     import openai
 
     client = openai.OpenAI(base_url=base + "/v1", api_key=KEY, max_retries=0)
@@ -198,7 +211,7 @@ def test_bodies_of_the_wrong_type_a_lower_case_scheme_and_a_huge_hybrid_query(se
         req = urllib.request.Request(base + "/search?q=battery", headers={"Authorization": header})
         with pytest.raises(urllib.error.HTTPError) as refused:
             urllib.request.urlopen(req, timeout=60)
-        assert refused.value.code == 401
+        assert refused.value.code == 401 and refused.value.headers["WWW-Authenticate"] == "Bearer"
     status, answer = _call(base + "/search", json.dumps({"q": "w " * 32000, "k": 1, "hybrid": True}).encode())
     assert status == 400 and "shorten the query" in json.loads(answer)["error"]
     status, answer = _call(base + "/search", json.dumps({"q": "word " * 20000, "k": 1}).encode())
@@ -220,6 +233,21 @@ def test_a_host_that_is_not_this_machines_is_said_to_be_the_hosts_fault(server, 
                            "--host", host, "--api-key", "k"), "give an address of this machine as --host")
 
 
+def test_a_host_that_is_no_address_is_said_to_be_one_and_a_port_in_use_is_said_before_the_model_loads(server, cli):
+    """--host 999.1.1.1 was told to give --api-key; a port in use was said only once the model had loaded."""
+    import socket
+
+    for host in ("999.1.1.1", ""):
+        one_line_error(cli("serve", "--table", "docs", "--db", server["dsn"], "--port", "0", "--device", "cpu",
+                           "--host", host), "not an address or a name this machine resolves")
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen(1)
+        port = str(held.getsockname()[1])
+        one_line_error(cli("serve", "--table", "docs", "--db", server["dsn"], "--port", port, "--device", "cpu",
+                           "--model", "/nonexistent/model"), "pick another --port")
+
+
 def test_a_port_out_of_range_is_a_usage_error(server, cli):
     for port in ("99999", "-1"):
         p = cli("serve", "--table", "docs", "--db", server["dsn"], "--port", port, "--device", "cpu")
@@ -229,7 +257,7 @@ def test_a_port_out_of_range_is_a_usage_error(server, cli):
 def test_listening_beyond_loopback_wants_a_key(server, cli):
     one_line_error(cli("serve", "--table", "docs", "--db", server["dsn"], "--host", "0.0.0.0", "--port", "0",
                        "--device", "cpu"), "--api-key")
-    for key in (" ", " key"):  # a blank key protected nothing, on any address
+    for key in ("", " ", " key"):  # a blank key protected nothing, on any address (an unset $KEY is "")
         one_line_error(cli("serve", "--table", "docs", "--db", server["dsn"], "--host", "::", "--port", "0",
                            "--device", "cpu", "--api-key", key), "--api-key: give a key without blanks")
 
@@ -309,9 +337,50 @@ def test_requests_that_queue_while_a_batch_runs_are_encoded_together_each_gettin
     release.set()
     got = [f.result(10) for f in (first, *rest)]
     batcher.close()
-    assert calls == [["a"], ["bb", "c", "ddd", "e"]]  # a lone request went alone; the queued ones as one batch
+    assert calls == [["a"], ["bb", "e", "c", "ddd"]]  # a lone request went alone; the queued ones as one batch,
+    # the shortest first
     assert [v[:, 0].tolist() for v, _ in got] == [[97.0], [98.0], [99.0, 100.0], [101.0]]
     assert [tokens for _, tokens in got] == [1, 2, 4, 1]
+
+
+def test_a_request_whose_client_left_is_encoded_no_further_and_a_short_one_is_answered_at_its_first_slice():
+    """Three abandoned requests of 2,000 texts each kept a one-text request waiting 24 s, and a short request
+    batched with a long one waited for all of it."""
+    import time
+
+    from embedfleet.query.serve import Batcher, Turns
+
+    calls, short_done, started, release = [], [], threading.Event(), threading.Event()
+    futures: dict = {}
+
+    def encode(texts):
+        calls.append(list(texts))
+        if len(calls) == 1:  # holds the device until the others have queued
+            started.set()
+            release.wait(10)
+        else:
+            short_done.append(futures["short"].done())
+            if len(calls) == 3:  # the long request's client goes away during its second slice
+                futures["long"].cancel()
+        return np.array([[float(len(t))] for t in texts]), np.ones(len(texts), dtype=int)
+
+    batcher = Batcher(encode, Turns(), slice_texts=4)
+    first = batcher.submit(["x"])
+    assert started.wait(10)
+    futures["long"] = batcher.submit([f"long {i}" for i in range(40)])
+    futures["short"] = batcher.submit(["s"])
+    gone = batcher.submit([f"gone {i}" for i in range(40)])
+    assert gone.cancel()  # its client left while it queued
+    release.set()
+    vectors, tokens = futures["short"].result(10)
+    assert vectors.tolist() == [[1.0]] and tokens == 1 and first.result(10)[1] == 1
+    deadline = time.monotonic() + 10
+    while batcher.waiting and time.monotonic() < deadline:
+        time.sleep(0.01)
+    batcher.close()
+    assert batcher.waiting == 0 and futures["long"].cancelled()
+    assert calls[1] == ["s", "long 0", "long 1", "long 2"] and short_done == [False, True]  # answered at slice one
+    assert len(calls) == 3 and not any(t.startswith("gone") for c in calls for t in c)  # nothing after the cancel
 
 
 def test_post_with_its_query_in_the_url_and_a_table_dropped_while_serving(server, tmp_path):

@@ -169,3 +169,50 @@ def test_with_db_a_superuser_is_refused_for_filters_and_a_reading_role_is_used(c
     finally:
         proc.terminate()
         proc.wait(timeout=30)
+
+
+def test_filters_queued_for_their_connections_hold_up_no_search_without_one_nor_change_the_session(
+        embedded_table, tmp_path):
+    """Sixty filtered searches waiting for the filter's connections held every thread that a search without a
+    filter needed; and U&"set\\005fconfig"(...) passed the filter's scan and changed the reading role's session,
+    so that every later filtered search failed."""
+    import threading
+
+    proc, base = _serve(tmp_path, "--table", "docs", "--allow-where", "--statement-timeout", "30")
+    try:
+        status, doc, _ = _get(base, q="cable", where="U&\"set\\005fconfig\"('search_path', 'pg_catalog', false) "
+                                                     "IS NOT NULL")
+        assert status == 400 and "Unicode escapes" in doc["error"], doc
+        status, doc, _ = _get(base, q="cable", k=2, where="content ilike '%cable%'")
+        assert status == 200 and len(doc["results"]) == 2
+        done: list = []
+        slow = "pg_sleep(0.01) IS NOT NULL"  # a hundredth of a second a row: about half a second a search
+        threads = [threading.Thread(target=lambda: done.append(_get(base, q="cable", where=slow)[0]))
+                   for _ in range(60)]
+        for t in threads:
+            t.start()
+        with psycopg.connect(embedded_table, autocommit=True) as admin:
+            wait_for(admin, "SELECT nullif(count(*), 0) FROM pg_stat_activity WHERE query LIKE '%%pg_sleep(0.01)%%' "
+                            "AND state = 'active' AND pid <> pg_backend_pid()", timeout=60)
+        status, doc, _ = _get(base, q="cable", k=2)
+        answered_before = len(done)
+        for t in threads:
+            t.join(180)
+        assert status == 200 and len(doc["results"]) == 2
+        # before: it waited for a thread behind the twenty that had none, each freed by a filtered search's end
+        assert answered_before < 12, answered_before
+        assert done == [200] * 60
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+
+
+def test_a_search_leaves_no_session_setting_behind(embedded_table):
+    """The search's transaction is rolled back, not committed: a setting a filter made slips no further."""
+    from embedfleet.query.search import Searcher
+
+    with psycopg.connect(embedded_table, autocommit=True) as conn:
+        searcher = Searcher(conn, "docs", 5.0)
+        with searcher._guarded(None) as cur:
+            cur.execute("SELECT set_config('application_name', 'changed by a filter', false)")
+        assert conn.execute("SHOW application_name").fetchone()[0] != "changed by a filter"

@@ -122,7 +122,7 @@ def serve(
     try:
         run_serve(dsn, table, host=host, port=port, k=k, model=model, device=device, where_dsn=where_dsn, settings=knobs(),
                   statement_timeout=statement_timeout, trust_remote_code=trust_remote_code,
-                  api_key=api_key or knobs().api_key, rerank=rerank)
+                  api_key=knobs().api_key if api_key is None else api_key, rerank=rerank)
     except KeyboardInterrupt:  # uvicorn stops on SIGINT/SIGTERM, then raises the signal again
         pass
     stopped_on_purpose()

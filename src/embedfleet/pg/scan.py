@@ -119,6 +119,9 @@ def _scan(where: str) -> set[str]:
             if i >= n:
                 raise refuse("a quote is not closed")
         elif c == '"':
+            if i > 1 and where[i - 1] == "&" and where[i - 2] in "uU" and not (
+                    i > 2 and (where[i - 3].isalnum() or where[i - 3] in "_$")):
+                raise refuse('a name in Unicode escapes (U&"...") could spell any function: write the name as it is')
             start = i + 1
             i += 1
             while i < n and where[i] != '"' or where.startswith('""', i):

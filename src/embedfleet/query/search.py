@@ -258,6 +258,8 @@ class Searcher:
                     cur.execute("SET TRANSACTION READ ONLY")
                     self._arm_timeout(cur)
                     yield cur
+                    # rolled back, not committed: a session setting a filter slipped past the scan goes with it
+                    raise psycopg.Rollback()
             except psycopg.errors.ReadOnlySqlTransaction as e:
                 raise OptionError("where", f"it would write ({e.diag.message_primary}); it may only filter",
                                   where) from None

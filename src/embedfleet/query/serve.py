@@ -25,6 +25,7 @@ import asyncio
 import base64
 import errno
 import hmac
+import json
 import logging
 import queue
 import socket
@@ -161,7 +162,9 @@ class Turns:
 class Batcher:
     """Embedding requests encoded on a thread of its own, those that arrived while the last batch ran as one batch
     (continuous batching): each request's texts get their vectors and token counts back through a future. A batch
-    is encoded `slice_texts` at a time, each slice taking its turn on the encoder (Turns)."""
+    is encoded `slice_texts` at a time, each slice taking its turn on the encoder (Turns), its shortest requests
+    first; each request is answered at the slice that ends it, and one whose future was cancelled (its client went
+    away) is encoded no further."""
 
     def __init__(self, encode: Callable, turns: Turns, slice_texts: int = BATCH_TEXTS):
         self._encode, self._turns, self._slice = encode, turns, slice_texts
@@ -178,14 +181,27 @@ class Batcher:
         self._todo.put((texts, fut))
         return fut
 
-    def _encode_sliced(self, texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
-        parts = []
-        for at in range(0, len(texts), self._slice):
+    def _encode_batch(self, batch: list[tuple[list[str], Future]]) -> None:
+        # each request: its texts, its future, its encoded parts, how many of its texts are encoded
+        pending = [[texts, fut, [], 0] for texts, fut in sorted(batch, key=lambda item: len(item[0]))]
+        while pending := [p for p in pending if not p[1].cancelled()]:
+            take, room = [], self._slice
+            for p in pending:
+                if room == 0:
+                    break
+                n = min(room, len(p[0]) - p[3])
+                take.append((p, p[3], p[3] + n))
+                room -= n
             with self._turns.turn():
-                parts.append(self._encode(texts[at:at + self._slice]))
-        if len(parts) == 1:
-            return parts[0]
-        return np.concatenate([v for v, _ in parts]), np.concatenate([n for _, n in parts])
+                vectors, lengths = self._encode([t for p, a, b in take for t in p[0][a:b]])
+            at = 0
+            for p, a, b in take:
+                p[2].append((vectors[at:at + b - a], lengths[at:at + b - a]))
+                p[3], at = b, at + b - a
+                if b == len(p[0]):
+                    _settle(p[1], result=(np.concatenate([v for v, _ in p[2]]),
+                                          int(sum(int(n.sum()) for _, n in p[2]))))
+            pending = [p for p in pending if p[3] < len(p[0])]
 
     def _run(self) -> None:
         while True:
@@ -204,22 +220,29 @@ class Batcher:
                     break
                 batch.append(item)
                 n += len(item[0])
-            texts = [t for item, _ in batch for t in item]
             try:
-                vectors, lengths = self._encode_sliced(texts)
-            except BaseException as e:  # noqa: BLE001 - every request of the batch hears it
+                self._encode_batch(batch)
+            except BaseException as e:  # noqa: BLE001 - every request of the batch not yet answered hears it
                 for _, fut in batch:
-                    fut.set_exception(e)
-            else:
-                at = 0
-                for item, fut in batch:
-                    fut.set_result((vectors[at:at + len(item)], int(lengths[at:at + len(item)].sum())))
-                    at += len(item)
+                    _settle(fut, error=e)
             with self._count:
                 self.waiting -= len(batch)
 
     def close(self) -> None:
         self._todo.put(None)
+
+
+def _settle(fut: Future, result=None, error: BaseException | None = None) -> None:
+    """Answer `fut` unless it is answered or cancelled (its client went away) already."""
+    from concurrent.futures import InvalidStateError
+
+    try:
+        if error is not None:
+            fut.set_exception(error)
+        else:
+            fut.set_result(result)
+    except InvalidStateError:
+        pass
 
 
 class Metrics:
@@ -294,6 +317,7 @@ class SearchService:
         from embedfleet.query.search import Searcher, query_encoder
 
         self.table, self.k, self.allow_where = table, k, where_dsn is not None
+        self.connections = connections  # each pool's: searches beyond them wait for one
         self.statement_timeout = statement_timeout
 
         def opener(target: str) -> Callable[[], object]:
@@ -399,13 +423,15 @@ def make_app(service: SearchService, api_key: str | None = None):
 
     metrics = _metrics(service)
 
-    def error(status: int, message: str, openai: bool = False) -> JSONResponse:
+    gates = {filtered: asyncio.Semaphore(service.connections) for filtered in (False, True)}
+
+    def error(status: int, message: str, openai: bool = False, headers: dict | None = None) -> JSONResponse:
         """One line; for the OpenAI route in OpenAI's shape (its clients read error.message)."""
         if openai:
             kind = "invalid_request_error" if status < 500 else "server_error"
             return JSONResponse({"error": {"message": message, "type": kind, "param": None, "code": None}},
-                                status_code=status)
-        return JSONResponse({"error": message}, status_code=status)
+                                status_code=status, headers=headers)
+        return JSONResponse({"error": message}, status_code=status, headers=headers)
 
     async def health(request: Request) -> JSONResponse:
         """
@@ -494,7 +520,7 @@ def make_app(service: SearchService, api_key: str | None = None):
         if len(q) > MAX_INPUT_CHARS:
             return error(413, f"q is {len(q):,} characters: at most {MAX_INPUT_CHARS:,}")
         k = params.get("k")
-        if k is not None and not (k.isdigit() and 1 <= int(k) <= MAX_K):
+        if k is not None and not (k.isascii() and k.isdigit() and 1 <= int(k) <= MAX_K):
             return error(400, f"k={k!r}: a whole number from 1 to {MAX_K}")
         where = params.get("where") or None
         if where and not service.allow_where:
@@ -505,16 +531,29 @@ def make_app(service: SearchService, api_key: str | None = None):
                 more = " (the model is the server's --rerank)" if name == "rerank" else ""
                 return error(400, f"{name}={value!r}: true or false{more}")
         on = {name: value in ("true", "1") for name, value in switches.items()}
-        running = Running()
-        task = asyncio.ensure_future(run_in_threadpool(service.search, q, int(k) if k else None, where, running,
-                                                       on["hybrid"], on["rerank"], on["group_by_parent"]))
-        while not task.done():
-            await asyncio.wait({task}, timeout=DISCONNECT_POLL_S)
-            if not task.done() and await request.is_disconnected():
-                running.cancel()  # the server stops the statement; nobody waits for the answer
-                await asyncio.wait({task})
-                task.exception()  # heard (its statement cancelled): nothing to log for a client that left
-                return Response(status_code=499)
+        # a search waits for its pool's connection here, on the event loop: searches queued for the filter's
+        # connections hold no thread that a search without a filter needs
+        gate = gates[where is not None]
+        while True:
+            try:
+                await asyncio.wait_for(gate.acquire(), DISCONNECT_POLL_S)
+                break
+            except asyncio.TimeoutError:
+                if await request.is_disconnected():
+                    return Response(status_code=499)
+        try:
+            running = Running()
+            task = asyncio.ensure_future(run_in_threadpool(service.search, q, int(k) if k else None, where, running,
+                                                           on["hybrid"], on["rerank"], on["group_by_parent"]))
+            while not task.done():
+                await asyncio.wait({task}, timeout=DISCONNECT_POLL_S)
+                if not task.done() and await request.is_disconnected():
+                    running.cancel()  # the server stops the statement; nobody waits for the answer
+                    await asyncio.wait({task})
+                    task.exception()  # heard (its statement cancelled): nothing to log for a client that left
+                    return Response(status_code=499)
+        finally:
+            gate.release()
         try:
             results, scan = task.result()
         except InputError as e:
@@ -552,7 +591,9 @@ def make_app(service: SearchService, api_key: str | None = None):
             return error(400, openai=True, message="give input: a string or a list of strings")
         texts = body["input"]
         texts = [texts] if isinstance(texts, str) else texts
-        if not isinstance(texts, list) or not all(isinstance(t, str) for t in texts):
+        if not isinstance(texts, list) or not all(isinstance(t, (str, int, list)) for t in texts):
+            return error(400, openai=True, message=f"input: a string or a list of strings, not {_json_type(texts)}")
+        if not all(isinstance(t, str) for t in texts):
             # token ids are the client's tokenizer's (tiktoken's, for LangChain's OpenAIEmbeddings), not this model's
             return error(400, openai=True, message="input: a string or a list of strings; token arrays are not taken, "
                          "since their ids are another tokenizer's (LangChain: OpenAIEmbeddings("
@@ -576,9 +617,17 @@ def make_app(service: SearchService, api_key: str | None = None):
             return error(400, openai=True, message=f"encoding_format {fmt!r}: float or base64")
         dims = body.get("dimensions")
         if dims is not None and not (isinstance(dims, int) and not isinstance(dims, bool) and 0 < dims <= service.encoder.dim):
-            return error(400, openai=True, message=f"dimensions {dims!r}: a whole number from 1 to {service.encoder.dim}")
+            return error(400, openai=True, message=f"dimensions {json.dumps(dims)}: a whole number from 1 to "
+                                                    f"{service.encoder.dim}")
+        submitted = service.embed(texts)
+        answer = asyncio.wrap_future(submitted)
+        while not answer.done():
+            await asyncio.wait({answer}, timeout=DISCONNECT_POLL_S)
+            if not answer.done() and await request.is_disconnected():
+                submitted.cancel()  # the batcher encodes it no further
+                return Response(status_code=499)
         try:
-            vectors, tokens = await asyncio.wrap_future(service.embed(texts))
+            vectors, tokens = answer.result()
         except Exception as e:  # noqa: BLE001 - the server stays up; the client hears what failed
             log.exception("embeddings failed")
             return error(500, openai=True, message=f"{type(e).__name__}: {e}")
@@ -627,7 +676,7 @@ def make_app(service: SearchService, api_key: str | None = None):
         if exc.status_code == 404:
             return error(404, f"no {request.url.path}: GET /search?q=…, POST /v1/embeddings, GET /v1/models, "
                          "GET /openapi.json, GET /docs")
-        return error(exc.status_code, exc.detail, openai=request.url.path.startswith("/v1/"))
+        return error(exc.status_code, exc.detail, openai=request.url.path.startswith("/v1/"), headers=exc.headers)
 
     class Guard:
         """The API key on every route but /health, and each request counted and timed: plain ASGI, so that a
@@ -645,7 +694,7 @@ def make_app(service: SearchService, api_key: str | None = None):
                 # the scheme's name is case-insensitive (RFC 9110); the key is compared in constant time
                 if scheme.lower() != b"bearer" or not hmac.compare_digest(given.strip(), api_key.encode()):
                     refused = error(401, "give the server's API key: Authorization: Bearer KEY",
-                                    route == "/v1/embeddings")
+                                    route == "/v1/embeddings", headers={"WWW-Authenticate": "Bearer"})
                     await refused(scope, receive, send)
                     _observe(metrics, route, 401, t0)
                     return
@@ -666,7 +715,7 @@ def make_app(service: SearchService, api_key: str | None = None):
     return Starlette(routes=routes, exception_handlers={HTTPException: not_found}, middleware=[Middleware(Guard)])
 
 
-ROUTES = ("/search", "/v1/embeddings", "/health", "/metrics", "/openapi.json", "/docs")
+ROUTES = ("/search", "/v1/embeddings", "/v1/models", "/health", "/metrics", "/openapi.json", "/docs")
 
 # /openapi.json read by Swagger UI (its files from a CDN, as FastAPI's /docs has them)
 DOCS_PAGE = """<!doctype html>
@@ -677,6 +726,16 @@ DOCS_PAGE = """<!doctype html>
 <script>SwaggerUIBundle({url: "/openapi.json", dom_id: "#ui"});</script>
 </body></html>
 """
+
+def _json_type(value) -> str:
+    """How JSON names `value`'s type, with an article: what a request sent where another was wanted."""
+    if value is None:
+        return "null"
+    if isinstance(value, list):  # a list holding something that is neither text nor a token id
+        return f"a list holding {_json_type(next(v for v in value if not isinstance(v, (str, int, list))))}"
+    return {bool: "a boolean", int: "a number", float: "a number", str: "a string", dict: "an object"}.get(
+        type(value), type(value).__name__)
+
 
 def _described(schema: dict, keyed: bool) -> dict:
     """Starlette's schema from the routes' docstrings, completed: POST /search takes its parameters as a JSON
@@ -716,6 +775,17 @@ def _json(doc) -> bytes:
     return orjson.dumps(doc, default=str)
 
 
+def _check_host(host: str) -> None:
+    """`host` is an address, or a name this machine resolves: one line otherwise, before anything is asked of it."""
+    try:
+        if not host.strip():
+            raise socket.gaierror("empty")
+        socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)
+    except (socket.gaierror, UnicodeError):
+        raise InputError(f"--host {host!r}: not an address or a name this machine resolves; give an address of "
+                         "this machine as --host (127.0.0.1, ::1, 0.0.0.0 for all)") from None
+
+
 def _listen(host: str, port: int) -> socket.socket:
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
@@ -745,14 +815,19 @@ def serve(dsn: str, table: str, host: str = "127.0.0.1", port: int = 8000, k: in
     if api_key is not None and (not api_key.strip() or api_key != api_key.strip()):
         raise InputError("--api-key: give a key without blanks at its ends (an empty or blank one protects nothing, "
                          "and a client's header drops the spaces)")
+    _check_host(host)
     if not _loopback(host) and not api_key:
         raise InputError(f"--host {host} listens beyond this machine: give --api-key KEY (or EMBEDFLEET_API_KEY) so "
                          "that every request needs it")
-    service = SearchService(dsn, table, k=k, model=model, device=device, where_dsn=where_dsn,
-                            statement_timeout=statement_timeout, settings=settings, trust_remote_code=trust_remote_code,
-                            rerank=rerank)
+    sock = _listen(host, port)  # before the model loads: a port in use is said at once
     try:
-        sock = _listen(host, port)
+        service = SearchService(dsn, table, k=k, model=model, device=device, where_dsn=where_dsn,
+                                statement_timeout=statement_timeout, settings=settings,
+                                trust_remote_code=trust_remote_code, rerank=rerank)
+    except BaseException:
+        sock.close()
+        raise
+    try:
         bound_host, bound_port = sock.getsockname()[:2]
         info = service.describe()
         shown = f"[{bound_host}]" if ":" in bound_host else bound_host  # an IPv6 address, as a URL writes it
