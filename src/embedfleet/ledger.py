@@ -858,6 +858,8 @@ def jobs_overview(conn: psycopg.Connection, job: str | None = None, source_db: s
         rows = cur.execute(
             f"""
             SELECT j.job, j.table_name AS "table", j.state, j.model, j.dim, j.error,
+                   coalesce((j.config->>'followed')::bool, false) AS followed,
+                   (SELECT count(*) FROM embedfleet.rejects r WHERE r.job = j.job) AS rejects_kept,
                    count(c.chunk) AS chunks_total,
                    count(c.chunk) FILTER (WHERE c.state = 'done') AS chunks_done,
                    count(c.chunk) FILTER (WHERE c.state = 'failed') AS chunks_failed,
@@ -901,10 +903,12 @@ def jobs_overview(conn: psycopg.Connection, job: str | None = None, source_db: s
             "table_exists": table_exists(conn, r["table"]),
         })
         sync = sync_overview(conn, r["job"], source_db)
-        if sync is not None:
-            out[-1].update(sync)
-            # a followed table's rows are the source's now, not what its backfill wrote
+        if sync is not None or r["followed"]:  # followed, or followed until a `sync --uninstall`
+            out[-1].update(sync or {})
+            # a followed table's rows are the source's now, not what its backfill wrote; its rejects are those
+            # kept now (a drain clears a row's once it can write it), not the backfill's count
             out[-1]["backfill_rows"] = out[-1]["rows_written"]
+            out[-1]["rejected"] = int(r["rejects_kept"])
             if out[-1]["table_exists"]:
                 out[-1]["rows_written"] = count_rows(conn, r["table"])
     return out

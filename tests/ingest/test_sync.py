@@ -266,6 +266,33 @@ def test_the_target_spelled_with_or_without_its_schema_is_one_sync(cli, dsn, con
     assert conn.execute(triggers).fetchone()[0] == 0
 
 
+def test_a_source_whose_schema_has_a_dot_gets_its_target_beside_it_and_a_quoted_target_is_the_same_sync(
+        cli, dsn, conn):
+    """The default target of "Sch.2"."Live ""Q"" Tab" went into a new schema "Sch"; and the same target spelled
+    quoted (`"My Schema"."Odd Table_embeddings"`) was a second sync: a second set of triggers and queue."""
+    conn.execute('CREATE SCHEMA "Sch.2"')
+    conn.execute('CREATE TABLE "Sch.2"."Live ""Q"" Tab" (id int PRIMARY KEY, "Body" text)')
+    conn.execute('INSERT INTO "Sch.2"."Live ""Q"" Tab" SELECT i, \'text \' || i FROM generate_series(1, 5) i')
+    source = '"Sch.2"."Live ""Q"" Tab"'
+    first = orjson.loads(cli("sync", "--from-table", source, "--text-field", "Body", "--db", dsn, "--devices", "cpu",
+                             "--quiet", "--json", check=True).stdout)
+    assert conn.execute("SELECT n.nspname FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace "
+                        "WHERE c.relname = 'Live \"Q\" Tab_embeddings'").fetchall() == [("Sch.2",)]
+    assert conn.execute('SELECT count(*) FROM "Sch.2"."Live ""Q"" Tab_embeddings"').fetchone()[0] == 5
+    assert not conn.execute("SELECT 1 FROM pg_namespace WHERE nspname = 'Sch'").fetchone()
+    conn.execute('CREATE SCHEMA "My Schema"')
+    conn.execute('CREATE TABLE "My Schema"."Odd Table" (id int PRIMARY KEY, body text)')
+    conn.execute('INSERT INTO "My Schema"."Odd Table" SELECT i, \'odd \' || i FROM generate_series(1, 4) i')
+    odd = ("sync", "--from-table", '"My Schema"."Odd Table"', "--text-field", "body", "--db", dsn, "--devices", "cpu",
+           "--quiet", "--json")
+    plain = orjson.loads(cli(*odd, check=True).stdout)
+    quoted = orjson.loads(cli(*odd, "--table", '"My Schema"."Odd Table_embeddings"', check=True).stdout)
+    assert quoted["job"] == plain["job"] == "My Schema.Odd Table_embeddings" and quoted["installed"] is False
+    assert conn.execute("SELECT count(*) FROM pg_trigger WHERE tgrelid = '\"My Schema\".\"Odd Table\"'::regclass "
+                        "AND NOT tgisinternal").fetchone()[0] == 3
+    assert first["job"] == '"Sch.2"."Live ""Q"" Tab_embeddings"'
+
+
 def test_a_role_without_trigger_privilege_is_told_the_grant(cli, dsn, conn, tmp_path):
     _source(conn, "guarded", 5)
     role = f"r_{os.getpid()}_{int(time.time())}"
@@ -639,6 +666,15 @@ def test_rows_the_drain_cannot_write_are_kept_as_rejects_until_they_can(cli, dsn
     listed = orjson.loads(cli("jobs", "rejects", "public.rj_embeddings", "--db", dsn, "--json", check=True).stdout)
     assert [r["line"] for r in listed["rejects"]] == [40] and listed["rejected"] == 1
     assert _contents(conn, "rj_embeddings") == {"1": "fixed", "2": "two", "30": "fixed"}
+    # status counts the rejects kept now and the table's rows, not the backfill's (it said 1 and 2 rows)
+    status = _status(cli, dsn, "public.rj_embeddings")
+    assert status["rejected"] == 1 and status["rows_written"] == 3 and status["backfill_rows"] == 2
+    # and after an uninstall, as before it: verify compared the table with the backfill's count, a problem found
+    cli("sync", "--from-table", "rj", "--uninstall", "--db", dsn, check=True)
+    status = _status(cli, dsn, "public.rj_embeddings")
+    assert status["rejected"] == 1 and status["rows_written"] == 3 and "pending" not in status
+    report = orjson.loads(cli("verify", "--table", "rj_embeddings", "--db", dsn, "--json", check=True).stdout)
+    assert report["ok"] and report["count_matches_ledger"] is None and report["rows"] == 3, report
 
 
 def test_a_watched_column_changes_type_or_is_dropped_under_the_follower_and_the_applications_ddl_goes_through(
@@ -733,6 +769,30 @@ def test_a_numeric_column_holding_nan_or_infinity_is_copied_as_the_source_holds_
     conn.execute("UPDATE rnan SET price = 'NaN', body = 'now NaN' WHERE review_id = 7")
     cli("sync", *common, check=True)
     assert conn.execute("SELECT price::text FROM rnan_embeddings WHERE id = '7'").fetchone()[0] == "NaN"
+
+
+def test_columns_of_other_types_are_copied_as_postgresql_writes_them(cli, dsn, conn):
+    """--columns copies a type the target has no column type for as text: it was Python's text of the value, so an
+    int[] rejected its row ("cannot coerce ia=[1, 2, 3] to text"), a bytea came out decoded as UTF-8 and an interval
+    of '-1 mon' as '-30 days, 0:00:00'. A column name with a space or a non-ASCII letter was refused."""
+    conn.execute('CREATE TABLE rtyped (id int PRIMARY KEY, body text, ia int[], "by" bytea, iv interval, '
+                 'rg int4range, u uuid, "Naïve Col" int)')
+    conn.execute("INSERT INTO rtyped VALUES (1, 'one — ü', '{1,2,3}', '\\xdeadbeef', '-1 mon', '[1,5)', "
+                 "'a0eebc99-9c0b-4ef8-bb6d-6bb9bd380a11', 5), (2, 'two', '{}', '\\x00', '1 day', NULL, NULL, NULL)")
+    copied = ("ia", "by", "iv", "rg", "u", "Naïve Col")
+    common = ("--from-table", "rtyped", "--text-field", "body", "--columns", ",".join(copied), "--db", dsn,
+              "--devices", "cpu", "--quiet")
+    cols = ", ".join(f'"{c}"::text' for c in copied)
+    cli("sync", *common, check=True)
+    want = {r[0]: r[1:] for r in conn.execute(f"SELECT id::text, {cols} FROM rtyped")}
+    assert {r[0]: r[1:] for r in conn.execute(f"SELECT id, {cols} FROM rtyped_embeddings")} == want
+    assert conn.execute("SELECT count(*) FROM embedfleet.rejects WHERE job LIKE '%%rtyped%%'").fetchone()[0] == 0
+    conn.execute("UPDATE rtyped SET ia = '{7,8}', iv = '2 years' WHERE id = 2")  # the drain reads them the same way
+    conn.execute("INSERT INTO rtyped (id, body, ia) VALUES (3, 'three', '{9}')")
+    cli("sync", *common, check=True)
+    want = {r[0]: r[1:] for r in conn.execute(f"SELECT id::text, {cols} FROM rtyped")}
+    assert {r[0]: r[1:] for r in conn.execute(f"SELECT id, {cols} FROM rtyped_embeddings")} == want
+    assert want["1"][:3] == ("{1,2,3}", "\\xdeadbeef", "-1 mons") and want["2"][:3] == ("{7,8}", "\\x00", "2 years")
 
 
 def test_an_update_of_a_copied_json_or_point_column_goes_through_and_is_followed(cli, dsn, conn):

@@ -26,7 +26,7 @@ from embedfleet.ledger import Ledger, remove_job
 from embedfleet.pg.connect import Reconnect
 from embedfleet.pg.ddl import (check_embedding_column, check_identifier, check_partitions, check_server,
                                check_table_columns, check_write_privileges, drop_table, ensure_vector, finish_table,
-                               partition_count, table_exists, table_rows, table_sql)
+                               join_name, partition_count, table_exists, table_rows, table_sql)
 from embedfleet.pg.embedded import resolve_dsn
 from embedfleet.settings import JobSpec, Settings, default_chunk_bytes
 from embedfleet.sources import files
@@ -368,7 +368,7 @@ def check_source(spec: JobSpec, dsn: str) -> JobSpec:
                        template_fields(spec.text_template) if spec.text_template else [], names)
     return spec.replace(inputs=(source.name,), source_table=source.name, id_field=key, text_field=text_field,
                         columns=resolve_columns(source, spec.columns),
-                        table=spec.table or f"{source.schema}.{source.table}_embeddings")
+                        table=spec.table or join_name(source.schema, f"{source.table}_embeddings"))
 
 
 def check_where(conn, source: str, where: str) -> None:

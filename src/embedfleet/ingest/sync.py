@@ -34,12 +34,12 @@ from embedfleet.ledger import Ledger, job_for_table, sync_overview, syncs_into
 from embedfleet.pg import queue
 from embedfleet.pg.connect import connect
 from embedfleet.pg.copyin import assemble, vector_fields
-from embedfleet.pg.ddl import embedding_info, qualified, table_exists, table_sql
+from embedfleet.pg.ddl import embedding_info, join_name, qualified, table_exists, table_sql
 from embedfleet.pg.scan import filter_names, user_filter
 from embedfleet.settings import JobSpec, Settings
 from embedfleet.sources.base import RawRecord
 from embedfleet.sources.presets import table_columns
-from embedfleet.sources.table import alias_of, describe, key_line, key_text, lenient_dates, read_rows
+from embedfleet.sources.table import alias_of, describe, key_line, key_text, source_loaders, read_rows
 
 __all__ = ["SyncStats", "Syncer", "watched_columns", "stop_on_signals"]
 
@@ -127,7 +127,7 @@ class Lane:
         self.same_db = source_dsn == dsn
         self.source = self.target if self.same_db else connect(source_dsn, what="--source-db / EMBEDFLEET_SOURCE_DB")
         source = describe(self.source, spec.source_table)
-        lenient_dates(self.source)
+        source_loaders(self.source, source.name)
         self.source_name, self.key_type = source.name, source.typmods[spec.id_field]  # character(8), not char(1)
         self.queue = queue.queue_for(source.name, spec.id_field, spec.job)
         self.watched = watched_columns(spec, source.columns)
@@ -551,7 +551,7 @@ def uninstall_sync(spec: JobSpec, settings: Settings) -> dict:
     with connect(source_dsn(spec, settings), what="--source-db / EMBEDFLEET_SOURCE_DB") as src:
         try:
             source = describe(src, spec.source_table)
-            name, job = source.name, spec.job or spec.table or f"{source.schema}.{source.table}_embeddings"
+            name, job = source.name, spec.job or spec.table or join_name(source.schema, f"{source.table}_embeddings")
         except InputError:  # dropped or renamed since: the sync's record says what to remove
             source, name = None, spec.source_table if "." in spec.source_table else qualified(src, spec.source_table)
             job = spec.job or spec.table or f"{name}_embeddings"
@@ -578,7 +578,10 @@ def uninstall_sync(spec: JobSpec, settings: Settings) -> dict:
             q = queue.Queue(row["source"], row["key"], row["tag"]) if row else queue.queue_for(
                 source.name, spec.id_field or source.key or "", job)
             dropped = queue.uninstall(src, q)
-            ledger.conn.execute("DELETE FROM embedfleet.syncs WHERE job = %s", [job])
+            if ledger.conn.execute("DELETE FROM embedfleet.syncs WHERE job = %s", [job]).rowcount:
+                # its table followed the source: its rows are no longer what the backfill's ledger counts
+                ledger.conn.execute("UPDATE embedfleet.jobs SET config = config || '{\"followed\": true}' "
+                                    "WHERE job = %s", [job])
         finally:
             ledger.close()
     return {"job": job, "source": name, "queue": q.table_name, "uninstalled": dropped}

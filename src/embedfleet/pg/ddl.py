@@ -51,6 +51,14 @@ def split_table(conn: psycopg.Connection, table: str) -> tuple[str | None, str]:
     return None, table
 
 
+def join_name(schema: str, name: str) -> str:
+    """`schema.name` as `split_table` reads it back: plain where it can be (`public.papers_embeddings`), written
+    as SQL quotes it where a dot in the schema or a double quote would be read otherwise."""
+    if "." in schema or '"' in schema + name:
+        return sql.Identifier(schema, name).as_string(None)
+    return f"{schema}.{name}"
+
+
 def qualified(conn: psycopg.Connection, table: str) -> str:
     """`table` schema-qualified: in the schema it is in, else the one CREATE TABLE would put it in."""
     if split_table(conn, table)[0] is not None:
@@ -67,7 +75,9 @@ def spellings(conn: psycopg.Connection, table: str) -> list[str]:
     full = qualified(conn, table)
     schema, name = split_table(conn, full)
     bare = name if schema is not None and schema == conn.execute("SELECT current_schema()").fetchone()[0] else None
-    return list(dict.fromkeys(n for n in (table, full, bare) if n))
+    # written plain or quoted as SQL writes it (`"My Schema"."Odd Table"`): one table
+    forms = (join_name(schema, name), sql.Identifier(schema, name).as_string(None)) if schema is not None else ()
+    return list(dict.fromkeys(n for n in (table, full, *forms, bare) if n))
 
 
 def ensure_schema(conn: psycopg.Connection, schema: str) -> str | None:

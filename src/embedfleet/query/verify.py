@@ -60,8 +60,12 @@ def verify(conn: psycopg.Connection, table: str, tol: float = 1e-3, max_ids: int
         problems[kind].append(id_)
     counts = {k: len(v) for k, v in problems.items()}
     sync = _sync_of(conn, names) if jobs else None
-    # a synced table follows its source, not its backfill's count: the ledger's rows say nothing of it
-    count_ok = jobs == 0 or rows_before_jobs + ledger_rows == rows or sync is not None  # (no job: nothing to compare)
+    # a synced table (or one synced until `sync --uninstall`) follows its source, not its backfill's count: the
+    # ledger's rows say nothing of it
+    followed = sync is not None or bool(jobs) and conn.execute(
+        "SELECT bool_or(coalesce((config->>'followed')::bool, false)) FROM embedfleet.jobs WHERE table_name = ANY(%s)",
+        [names]).fetchone()[0]
+    count_ok = jobs == 0 or rows_before_jobs + ledger_rows == rows or followed  # (no job: nothing to compare)
     made = conn.execute(
         "SELECT coalesce(model, config->>'model'), config->>'prompt', config->>'passages', config->>'model_digest' "
         "FROM embedfleet.jobs WHERE table_name = ANY(%s) ORDER BY created DESC LIMIT 1", [names]).fetchone() \
@@ -69,7 +73,7 @@ def verify(conn: psycopg.Connection, table: str, tol: float = 1e-3, max_ids: int
     return {
         "table": table, "rows": rows, "ledger_rows": ledger_rows if jobs else None,
         "rows_before_jobs": rows_before_jobs if jobs else None,
-        "count_matches_ledger": None if sync is not None or not jobs else count_ok,
+        "count_matches_ledger": None if followed or not jobs else count_ok,
         "ledger_records": records if jobs else None, "sync": sync,
         "overwritten": overwritten, "dim": dim, "vector_type": vtype,
         "problems": counts, "offending_ids": {k: v[:max_ids] for k, v in problems.items() if v},

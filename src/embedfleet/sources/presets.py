@@ -260,7 +260,9 @@ COLUMN_TYPES = {
     "boolean": "boolean", "date": "date",
     "timestamp": "timestamptz", "timestamptz": "timestamptz", "json": "jsonb", "jsonb": "jsonb", "text[]": "text[]",
 }
-_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,62}")
+def _column_name(name: str) -> bool:
+    """A name a column can have: PostgreSQL's 63 bytes at most, no control character (quoted in SQL, any other)."""
+    return 0 < len(name.encode()) <= 63 and name.isprintable()
 
 
 def parse_columns(specs: list[str] | None) -> tuple[Column, ...]:
@@ -269,8 +271,8 @@ def parse_columns(specs: list[str] | None) -> tuple[Column, ...]:
     for spec in specs or []:
         name, colon, kind = spec.strip().partition(":")
         name, kind = name.strip(), kind.strip().lower()
-        if not colon or not _NAME.fullmatch(name) or kind not in COLUMN_TYPES:
-            raise InputError(f"--columns {spec!r}: give NAME:TYPE, NAME a field of the records (letters, digits, _) "
+        if not colon or not _column_name(name) or kind not in COLUMN_TYPES:
+            raise InputError(f"--columns {spec!r}: give NAME:TYPE, NAME a field of the records (at most 63 bytes) "
                              f"and TYPE one of {', '.join(COLUMN_TYPES)}")
         if name in {c.name for c in out}:
             raise InputError(f"--columns: {name!r} is given twice")

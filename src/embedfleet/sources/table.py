@@ -23,7 +23,7 @@ from embedfleet.pg.scan import begin_snapshot, user_filter
 from embedfleet.sources.base import RawRecord
 from embedfleet.sources.plan import ChunkSpec
 
-__all__ = ["TableSource", "TableReader", "describe", "check_fields", "resolve_columns", "text_columns", "plan_table",
+__all__ = ["TableSource", "TableReader", "source_loaders", "describe", "check_fields", "resolve_columns", "text_columns", "plan_table",
            "LINE_ITEMS", "table_line", "key_line"]
 
 log = logging.getLogger(__name__)
@@ -219,13 +219,33 @@ class _Lenient:
             return bytes(data).decode()
 
 
-def lenient_dates(conn: psycopg.Connection) -> psycopg.Connection:
-    """`conn` reading dates and timestamps Python cannot hold as their text (`_Lenient`)."""
+# The source's types read as Python values: those `--columns` copies typed (_TARGET) and the text types. Every other
+# type is read as PostgreSQL writes it, which is the text a column copied "as text" (or a template) should get:
+# Python's would be another value (an interval's months as 30 days, bytea decoded, an int[] refused).
+_PYTHON_TYPES = ("int2", "int4", "int8", "float4", "float8", "numeric", "bool", "date", "timestamp", "timestamptz",
+                 "json", "jsonb", "text", "varchar", "bpchar", "name", "_text", "_varchar")
+
+
+def source_loaders(conn: psycopg.Connection, table: str) -> psycopg.Connection:
+    """`conn` reading `table`'s rows: dates and timestamps Python cannot hold as their text (`_Lenient`), and the
+    table's columns of any type but _PYTHON_TYPES as PostgreSQL's text (those types only: `conn` may be a sync's
+    target connection too)."""
     from psycopg.types import datetime as dt
+    from psycopg.types.string import TextLoader
 
     for name, base in (("date", dt.DateLoader), ("timestamp", dt.TimestampLoader),
                        ("timestamptz", dt.TimestamptzLoader)):
         conn.adapters.register_loader(name, type(f"Lenient{base.__name__}", (_Lenient, base), {}))
+    # a domain's values come as its base type's
+    others = conn.execute(
+        "SELECT DISTINCT b.oid FROM pg_attribute a JOIN pg_type t ON t.oid = a.atttypid "
+        "JOIN pg_type b ON b.oid = CASE WHEN t.typtype = 'd' THEN t.typbasetype ELSE t.oid END "
+        "WHERE a.attrelid = %s::regclass AND a.attnum > 0 AND NOT a.attisdropped AND b.typname <> ALL(%s)",
+        [table, list(_PYTHON_TYPES)]).fetchall()
+    if not conn.autocommit:
+        conn.rollback()  # a span's read begins its own transaction, in the job's snapshot
+    for (oid,) in others:
+        conn.adapters.register_loader(oid, TextLoader)
     return conn
 
 
@@ -243,7 +263,7 @@ class TableReader:
         from embedfleet.pg.connect import connect
 
         if self.conn is None or self.conn.closed:
-            self.conn = lenient_dates(connect(self.dsn))
+            self.conn = source_loaders(connect(self.dsn), self.table)
         conn = self.conn
         self._begin(conn)
         try:
