@@ -293,6 +293,17 @@ def test_a_source_whose_schema_has_a_dot_gets_its_target_beside_it_and_a_quoted_
     assert first["job"] == '"Sch.2"."Live ""Q"" Tab_embeddings"'
 
 
+def test_a_template_field_naming_a_column_with_a_dot_reads_that_column_and_follows_it(cli, dsn, conn):
+    """`--text-template '{a.b}'` of a column named "a.b" was refused: "no such column a"."""
+    conn.execute('CREATE TABLE rdot (id int PRIMARY KEY, "a.b" text, a jsonb)')
+    conn.execute("""INSERT INTO rdot VALUES (1, 'dotted one', '{"b": "nested"}'), (2, 'dotted two', NULL)""")
+    common = ("--from-table", "rdot", "--text-template", "{a.b}!", "--db", dsn, "--devices", "cpu", "--quiet")
+    cli("sync", *common, check=True)
+    conn.execute("""UPDATE rdot SET "a.b" = 'changed' WHERE id = 2""")
+    cli("sync", *common, check=True)
+    assert _contents(conn, "rdot_embeddings") == {"1": "dotted one!", "2": "changed!"}
+
+
 def test_a_role_without_trigger_privilege_is_told_the_grant(cli, dsn, conn, tmp_path):
     _source(conn, "guarded", 5)
     role = f"r_{os.getpid()}_{int(time.time())}"
@@ -516,11 +527,28 @@ def test_keys_whose_text_python_spells_otherwise_are_followed_exactly(cli, dsn, 
         assert _contents(conn, f"{source}_embeddings") == want
     assert set(_contents(conn, "rch_embeddings")) == {"X1", "K9", "NEW"}
     assert set(_contents(conn, "rnum_embeddings")) == {"2.50", "3"}
+    # An enum's text and a domain's over an integer are the session's own no more than a text's: followed (they
+    # were refused as keys "whose text depends on the session")
+    conn.execute("CREATE TYPE mood AS ENUM ('sad', 'ok', 'happy')")
+    conn.execute("CREATE DOMAIN posint AS int CHECK (VALUE > 0)")
+    conn.execute("CREATE TABLE renum (k mood PRIMARY KEY, body text)")
+    conn.execute("CREATE TABLE rdom (k posint PRIMARY KEY, body text)")
+    conn.execute("INSERT INTO renum VALUES ('sad', 'a sad one'), ('happy', 'a happy one')")
+    conn.execute("INSERT INTO rdom VALUES (1, 'one'), (7, 'seven')")
+    for source in ("renum", "rdom"):
+        cli("sync", "--from-table", source, "--db", dsn, "--devices", "cpu", "--quiet", check=True)
+    conn.execute("UPDATE renum SET body = 'not so sad' WHERE k = 'sad'")
+    conn.execute("INSERT INTO renum VALUES ('ok', 'fine')")
+    conn.execute("DELETE FROM rdom WHERE k = 7")
+    for source in ("renum", "rdom"):
+        cli("sync", "--from-table", source, "--db", dsn, "--devices", "cpu", "--quiet", check=True)
+        assert _contents(conn, f"{source}_embeddings") == dict(conn.execute(f"SELECT k::text, body FROM {source}"))
     # A key whose text depends on the session that writes it is refused for sync, before anything is installed.
     conn.execute("CREATE TABLE rts (k timestamptz PRIMARY KEY, body text)")
     conn.execute("INSERT INTO rts VALUES ('2024-01-01 01:30:30.5+00', 'x')")
     line = one_line_error(cli("sync", "--from-table", "rts", "--db", dsn, "--devices", "cpu", "--quiet"),
-                          "--id-field 'k': public.rts.k is timestamp with time zone, whose text depends on the session")
+                          "public.rts's key k is timestamp with time zone, whose text depends on the session writing "
+                          "it (its TimeZone and DateStyle)")
     assert "ingest --from-table" in line
     assert conn.execute("SELECT count(*) FROM pg_trigger WHERE tgrelid = 'rts'::regclass").fetchone()[0] == 0
     p = cli("ingest", "--from-table", "rts", "--db", dsn, "--devices", "cpu", "--quiet", check=True)

@@ -66,6 +66,9 @@ def db(pg_server, tmp_path_factory):
         conn.execute("ALTER TABLE ragged ADD PRIMARY KEY (id)")
         conn.execute("UPDATE ragged SET rx = array[1, 2, 3]::real[] WHERE id = 17")
         conn.execute("UPDATE ragged SET raw = '\\x00000000'::bytea WHERE id = 21")
+        conn.execute("UPDATE ragged SET amt = 'NaN' WHERE id = 2")
+        conn.execute("UPDATE ragged SET snr = 'NaN' WHERE id = 3")
+        conn.execute("UPDATE ragged SET rxd[2] = '-Infinity' WHERE id = 4")
         conn.execute("CREATE TABLE square AS SELECT * FROM meas WHERE id < 30")  # rx as 2 × 2 from row 12 on
         conn.execute("ALTER TABLE square ADD PRIMARY KEY (id)")
         conn.execute("UPDATE square SET rx = array[[1, 2], [3, 4]]::real[] WHERE id >= 12")
@@ -192,6 +195,10 @@ def test_fill_null_fills_each_kind_and_where_split_select(db):
     (dict(table="ragged", features=["raw"]), "feature column 'raw' (bytea) has 4 bytes in row id 21 where the first "
                                              "row has 8"),
     (dict(table="oddraw", features=["raw"]), "holds 3 bytes, not whole float32 values"),
+    # it said "reading the table failed: NaN not allowed in vector"
+    (dict(table="ragged", features=["rssi", "snr"]), "feature column 'snr' (float8) holds NaN or an infinity in row id 3"),
+    (dict(table="ragged", features=["rxd"]), "feature column 'rxd' (float8[]) holds NaN or an infinity in row id 4"),
+    (dict(table="ragged", features=["amt"]), "feature column 'amt' (numeric) holds NaN or an infinity in row id 2"),
     # it said "has 4 values in row id 12 where the first row has 4"
     (dict(table="square", features=["rx"]), "feature column 'rx' (float4[]) is a 2-dimensional array in row id 12"),
     (dict(table="meas", features=["rssi", "cls"]), "feature 'cls' is of type text"),

@@ -90,7 +90,8 @@ def watched_columns(spec: JobSpec, source_columns=()) -> list[str]:
     copied = [c.split(":")[0] for c in spec.columns or ()]
     named = filter_names(spec.where) if spec.where else set()
     filtered = [c for c in source_columns if c in named]
-    return [c.split(".")[0] for c in dict.fromkeys([*text, *copied, *filtered]) if c]
+    # a template's `{meta.lang}` reads column meta, and `{a.b}` column "a.b" where the source has one
+    return list(dict.fromkeys(c if c in source_columns else c.split(".")[0] for c in [*text, *copied, *filtered] if c))
 
 
 def column_gone_error(source: str, column: str) -> InputError:
@@ -435,6 +436,31 @@ def default_lanes() -> int:
     return max(1, min(8, (os.cpu_count() or 2) // 2))
 
 
+# Keys whose text the application's session writes its own way (the queue's key::text is written in it)
+SESSION_TEXT = {"timestamp with time zone": "TimeZone and DateStyle", "timestamp without time zone": "DateStyle",
+                "date": "DateStyle", "real": "extra_float_digits", "double precision": "extra_float_digits",
+                "interval": "IntervalStyle", "money": "lc_monetary", "bytea": "bytea_output"}
+
+
+def check_sync_key(conn: psycopg.Connection, source, key: str, given: bool) -> None:
+    """One line where `key` cannot be a sync's: its text written by the application's session would differ from
+    sync's own (SESSION_TEXT), or it is of a type sync does not compare keys of. An enum, a boolean and a domain
+    over a type that can be are taken."""
+    base, enum = conn.execute(
+        "SELECT format_type(CASE WHEN t.typtype = 'd' THEN t.typbasetype ELSE t.oid END, NULL), "
+        "(SELECT b.typtype FROM pg_type b WHERE b.oid = CASE WHEN t.typtype = 'd' THEN t.typbasetype ELSE t.oid END) "
+        "= 'e' FROM pg_attribute a JOIN pg_type t ON t.oid = a.atttypid WHERE a.attrelid = %s::regclass "
+        "AND a.attname = %s", [source.name, key]).fetchone()
+    if base in SYNC_KEYS or base == "boolean" or enum:
+        return
+    named = f"--id-field {key!r}: {source.name}.{key}" if given else f"{source.name}'s key {key}"
+    shown = source.columns[key] + (f" (a domain over {base})" if base != source.columns[key] else "")
+    why = (f"whose text depends on the session writing it (its {SESSION_TEXT[base]})" if base in SESSION_TEXT
+           else "whose values sync does not compare as keys")
+    raise InputError(f"{named} is {shown}, {why}: sync needs a key of {', '.join(SYNC_KEYS[:-3])}, uuid, boolean "
+                     "or an enum; name one with --id-field (`ingest --from-table` takes any key)")
+
+
 def installed_on(source_dsn: str, table: str) -> str | None:
     """The source table's name where sync's triggers are on it, else None (or where it cannot be looked at)."""
     try:
@@ -477,11 +503,7 @@ def run_sync(spec: JobSpec, settings: Settings, launcher, device: str, follow: b
                              f"--source-db names now ({recorded['source_db'].split('/', 1)[1]} then, "
                              f"{source_db.split('/', 1)[1]} now); to follow this one, pass --job NEWNAME --table NEWTABLE")
         source = describe(src, cfg.source_table)
-        if source.columns[cfg.id_field] not in SYNC_KEYS:  # the queue's key::text is written in the application's session
-            raise InputError(f"--id-field {cfg.id_field!r}: {source.name}.{cfg.id_field} is {source.columns[cfg.id_field]}, "
-                             "whose text depends on the session writing it (its TimeZone, DateStyle or float digits): "
-                             f"sync needs a key of {', '.join(SYNC_KEYS[:-3])} or uuid; name one with --id-field "
-                             "(`ingest --from-table` takes any key)")
+        check_sync_key(src, source, cfg.id_field, given=spec.id_field is not None)
         if cfg.id_field not in source.unique:  # two rows of one id would be one target row, now one text, now another
             raise InputError(f"--id-field {cfg.id_field!r}: sync keeps one target row per id, and nothing keeps "
                              f"{source.name}.{cfg.id_field} unique; name a column its primary key or a unique "

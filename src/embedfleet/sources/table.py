@@ -144,7 +144,7 @@ def check_fields(source: TableSource, key: str | None, text_field: str | None, t
         raise InputError(f"--from-table {source.name}: no usable key (it has no single-column primary key); "
                          f"name a unique column with --id-field (columns: {have})")
     for flag, names in (("--id-field", [key]), ("--text-field", [text_field] if text_field else []),
-                        ("--text-template", [f.split(".")[0] for f in template_fields]), ("--columns", columns)):
+                        ("--text-template", [f if f in source.columns else f.split(".")[0] for f in template_fields]), ("--columns", columns)):
         for n in names:  # (a template's `meta.tag` is a path into the column meta, a jsonb)
             if n not in source.columns:
                 raise InputError(f"{flag} {n!r}: {source.name} has no such column (columns: {have})")

@@ -91,6 +91,9 @@ class Split:
         return int(hashlib.md5(row_id.encode()).hexdigest()[:8], 16)
 
 
+_FLOAT_TYPES = ("float4", "float8", "numeric", "real", "double precision")  # the feature types that can hold NaN and infinities
+
+
 @dataclass(frozen=True)
 class Feature:
     """One column of a dataset's `x`: `width` values from a `kind` of column (see FEATURE_TYPES)."""
@@ -210,7 +213,10 @@ class Source:
                                                  "cardinality({c}) <> {n}))").format(c=c, n=sql.Literal(f.width))))
                 if not filled:
                     out.append((f, "element", sql.SQL("array_position({}, NULL) IS NOT NULL").format(c)))
-            elif f.kind == "vector":
+            if (base := f.type.removesuffix("[]").split("(")[0]) in _FLOAT_TYPES:  # a vector holds no NaN, no infinity
+                out.append((f, "nan", sql.SQL("{} && '{{NaN,Infinity,-Infinity}}'::{}[]").format(c, sql.SQL(base))
+                            if f.kind == "array" else sql.SQL("{} IN ('NaN', 'Infinity', '-Infinity')").format(c)))
+            if f.kind == "vector":
                 out.append((f, "length", sql.SQL("{d}({c}) <> {n}").format(
                     d=sql.Identifier(*self.vector_dims), c=c, n=sql.Literal(f.width))))
             elif f.kind == "bytea":
@@ -861,6 +867,9 @@ class TableRead:
         if what == "element":
             return InputError(f"{col} has a NULL element in {at}: filter such rows out (where, --where), or train "
                               "with a value for NULLs (fill_null, train --fill-null)")
+        if what == "nan":
+            return InputError(f"{col} holds NaN or an infinity in {at}: filter such rows out (where, --where) or "
+                              "mend them; a feature takes finite numbers only")
         got = row[1] if row else None
         if row and f.kind == "array" and (dims := (conn or self.conns[0]).execute(sql.SQL(
                 "SELECT array_ndims({}) FROM {} WHERE {}::text = %s").format(c, s.table_sql(), order),
