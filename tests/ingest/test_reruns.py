@@ -165,6 +165,55 @@ def test_appended_gzip_members_and_csv_rows_are_embedded_with_their_line_numbers
     _verify_ok(cli, dsn, "gzgrow")
 
 
+def test_a_gzip_member_appended_to_a_csv_and_lines_added_to_a_file_empty_when_planned_are_embedded(
+        cli, dsn, conn, tmp_path):
+    """A member appended to a .csv.gz was refused as "its last planned line was continued" (the last compressed
+    byte is no newline); a file planned empty that gained lines failed every rerun with a KeyError."""
+    gz, empty, other = tmp_path / "g.csv.gz", tmp_path / "e1.jsonl", tmp_path / "e2.jsonl"
+    gz.write_bytes(gzip.compress("id,text\n1,hello — ü\n2,there\n".encode()))
+    empty.write_text("")
+    other.write_text(_lines("o", 0, 2))
+    assert _ingest(cli, dsn, gz, "--table", "csvgz").returncode == 0
+    assert _ingest(cli, dsn, tmp_path / "e*.jsonl", "--table", "grewup").returncode == 0
+    with gz.open("ab") as f:
+        f.write(gzip.compress(b"3,appended\n"))
+    empty.write_text(_lines("e", 0, 3))
+    p = _ingest(cli, dsn, gz, "--table", "csvgz")
+    assert p.returncode == 0, p.stderr
+    assert _rows(conn, "csvgz") == {"g.csv.gz:2": "hello — ü", "g.csv.gz:3": "there", "g.csv.gz:4": "appended"}
+    p = _ingest(cli, dsn, tmp_path / "e*.jsonl", "--table", "grewup")
+    assert p.returncode == 0, p.stderr
+    assert sorted(_rows(conn, "grewup")) == ["e1.jsonl:1", "e1.jsonl:2", "e1.jsonl:3", "e2.jsonl:1", "e2.jsonl:2"]
+    _verify_ok(cli, dsn, "csvgz")
+    _verify_ok(cli, dsn, "grewup")
+
+
+def test_replace_of_a_file_emptied_deletes_its_rows_and_keeps_the_job(cli, dsn, conn, tmp_path):
+    """A file truncated to nothing, then --replace: its rows stayed (a summary of fewer rows than the table held,
+    and verify found a problem); as the job's only input, the job was removed and its table kept full."""
+    a, b, c = tmp_path / "a.jsonl", tmp_path / "b.jsonl", tmp_path / "c.csv"
+    a.write_text(_lines("a", 0, 12))
+    b.write_text(_lines("b", 0, 4))
+    c.write_text("id,text\n" + "".join(f"{i},csv row {i}\n" for i in range(5)))
+    assert _ingest(cli, dsn, a, b, c, "--table", "emptied").returncode == 0
+    assert _ingest(cli, dsn, a, "--table", "alone").returncode == 0
+    a.write_text("")
+    c.write_text("")
+    p = _ingest(cli, dsn, a, b, c, "--table", "emptied", "--replace", a, "--replace", c)
+    assert p.returncode == 0, p.stderr
+    assert sorted(_rows(conn, "emptied")) == [f"b.jsonl:{i}" for i in range(1, 5)]
+    _verify_ok(cli, dsn, "emptied")
+    p = _ingest(cli, dsn, a, "--table", "alone", "--replace", a)
+    assert p.returncode == 0 and "no table made" not in p.stderr, p.stderr
+    assert _rows(conn, "alone") == {}
+    status = json.loads(cli("status", "--job", "alone", "--db", dsn, "--json", check=True).stdout)["jobs"][0]
+    assert status["state"] == "done" and status["rows_written"] == 0
+    a.write_text(_lines("a", 0, 2))  # lines again: the job goes on
+    p = _ingest(cli, dsn, a, "--table", "alone")
+    assert p.returncode == 0, p.stderr
+    assert sorted(_rows(conn, "alone")) == ["a.jsonl:1", "a.jsonl:2"]
+
+
 def test_a_changed_file_is_refused_and_replace_embeds_it_again_in_place(cli, dsn, conn, tmp_path):
     from embedfleet.encode.encoder import Encoder
 

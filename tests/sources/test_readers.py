@@ -311,3 +311,19 @@ def test_a_latin1_file_is_said_once_with_its_first_line_and_how_to_convert_it(tm
     assert "iconv -f WINDOWS-1252 -t UTF-8" in said[0] and "l1.utf8.jsonl" in said[0]
     records = read_all(tmp_path / "l1.jsonl")
     assert [r.data["text"] for r in records] == ["plain ascii", "caf\ufffd cr\ufffdme", "ok — utf8 here", "\ufffdber"]
+
+
+def test_parquet_binary_columns_are_their_utf8_text_in_content_ids_and_templates(tmp_path):
+    """A binary column (legacy Spark and Impala files hold strings so) was embedded as Python's `b'bin one'`."""
+    from embedfleet.sources.presets import get_preset
+    from embedfleet.sources.records import to_records
+
+    path = tmp_path / "bin.parquet"
+    pq.write_table(pa.table({"k": pa.array([b"k1", "k\u00ef2".encode()], pa.binary()),
+                             "text": pa.array([b"bin one", "b\u00efn two".encode()], pa.binary()),
+                             "flag": [True, False]}), path)
+    generic = get_preset("generic")
+    records, rejects = to_records(read_all(path), generic, text_field="text", id_field="k")
+    assert not rejects and [(r.id, r.content) for r in records] == [("k1", "bin one"), ("k\u00ef2", "b\u00efn two")]
+    records, _ = to_records(read_all(path), generic, template="{k}: {text} ({flag})", id_field="flag")
+    assert [(r.id, r.content) for r in records] == [("true", "k1: bin one (true)"), ("false", "k\u00ef2: b\u00efn two (false)")]

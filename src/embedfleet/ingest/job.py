@@ -30,8 +30,8 @@ from embedfleet.pg.ddl import (check_embedding_column, check_identifier, check_p
 from embedfleet.pg.embedded import resolve_dsn
 from embedfleet.settings import JobSpec, Settings, default_chunk_bytes
 from embedfleet.sources import files
-from embedfleet.sources.plan import (CSV_FIRST_LINE, ChunkSpec, chunk_lines, expand_inputs, plan_chunks, plan_file,
-                                     table_name_for)
+from embedfleet.sources.plan import (CSV_FIRST_LINE, ChunkSpec, chunk_lines, expand_inputs, input_kind, plan_chunks,
+                                     plan_file, table_name_for)
 from embedfleet.sources.table import describe, plan_table
 from embedfleet.sources.presets import table_columns
 from embedfleet.sources.records import validate_template
@@ -96,7 +96,8 @@ def run_job(spec: JobSpec, settings: Settings, launcher: Launcher, empty_ok: boo
                 log.warning("--columns %s: the field is missing or null in every row the table's statistics "
                             "sampled; check its name as the input writes it, case included", name)
         errors = ledger.worker_errors(job)
-        if not (counts["failed"] or counts["pending"] or counts["running"] or empty_ok):
+        # a rerun that replaced files (with nothing, maybe) keeps its job and table whatever they hold now
+        if not (counts["failed"] or counts["pending"] or counts["running"] or empty_ok or cfg.replacing):
             nothing_embedded(ledger, job, cfg, progress, existed)
     except KeyboardInterrupt:
         if job is not None:
@@ -529,13 +530,17 @@ def plan_changes(cfg: JobSpec, ledger: Ledger, chunk_bytes: int) -> int:
     last = ledger.last_chunks(cfg.job)
     grown: list[ChunkSpec] = []
     for p, _ in sorted(found.grown, key=lambda g: g[0].source):
+        if p.source not in last:  # empty when planned, so no chunk: planned as a new file is
+            grown += plan_file(p.source, chunk_bytes)
+            continue
         start, more = appended_from(p)
         grown += plan_file(p.source, chunk_bytes, start=start, first_line=next_line(last[p.source][0]) + more)
     grown += [c for source in found.new for c in plan_file(source, chunk_bytes)]
     plan = apply_limit(grown, None if cfg.limit is None else max(0, cfg.limit - lines_planned(last, cfg.limit)))
     replaced = []
     for source in sorted(replace):
-        chunks = plan_file(source, chunk_bytes)
+        # a file that holds nothing now is one chunk of no bytes, whose commit clears the rows it had
+        chunks = plan_file(source, chunk_bytes) or [ChunkSpec(source, input_kind(source), 0, 0, 1)]
         ends = [c.first_line - 1 for c in chunks[1:]] + [ledger.last_line_read(cfg.job, source)]
         replaced += [(c, None, end) for c, end in zip(chunks, ends)]
     planned_now = {c.source: [] for c, *_ in plan + replaced}

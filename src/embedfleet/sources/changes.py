@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from embedfleet.errors import InputError
 from embedfleet.sources import files
 from embedfleet.sources.base import STREAM_ERRORS, open_binary
-from embedfleet.sources.plan import ChunkSpec, input_kind
+from embedfleet.sources.plan import ChunkSpec, compressed, input_kind
 
 __all__ = ["PlannedFile", "Survey", "appended_from", "digest", "planned_file", "next_line", "survey", "changed_line"]
 
@@ -107,16 +107,22 @@ def _changed(p: PlannedFile, size: int) -> str | None:
         return f"its first {p.size:,} bytes differ from those planned"
     if size > p.size and p.kind == "parquet":
         return "a Parquet file cannot be appended to"
-    if size > p.size and p.kind in ("jsonl", "csv") and p.size and _last_byte(p) != b"\n" and not _ending(p):
+    if size > p.size and _lines_in_bytes(p) and p.size and _last_byte(p) != b"\n" and not _ending(p):
         return "its last planned line was continued"
     return None
+
+
+def _lines_in_bytes(p: PlannedFile) -> bool:
+    """Whether the file's own bytes are its lines: a plain JSONL or CSV file, not a compressed one (an appended gzip
+    member or zstd frame is planned from its own first byte, as its own lines)."""
+    return p.kind == "jsonl" or p.kind == "csv" and not compressed(p.source)
 
 
 def appended_from(p: PlannedFile) -> tuple[int, int]:
     """(the byte the appended part starts at, lines to add to its first line's number): where the file's last
     planned line had no newline and the append begins with one, that newline ends the planned line (a file
     written without a final newline, then appended to)."""
-    if p.kind not in ("jsonl", "csv") or not p.size or _last_byte(p) == b"\n":
+    if not _lines_in_bytes(p) or not p.size or _last_byte(p) == b"\n":
         return p.size, 0
     ending = _ending(p)
     return p.size + ending, 1 if ending else 0

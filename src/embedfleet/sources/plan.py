@@ -59,6 +59,11 @@ def _split_suffixes(path: str | os.PathLike) -> tuple[str, str, str]:
     return name[: len(rest) - len(fmt)], fmt, comp
 
 
+def compressed(path: str | os.PathLike) -> bool:
+    """Whether the file's name says it is compressed (.gz, .zst)."""
+    return bool(_split_suffixes(path)[2])
+
+
 def input_kind(path: str | os.PathLike) -> str:
     """"jsonl", "stream", "parquet" or "csv", from the file name's suffixes."""
     _, fmt, comp = _split_suffixes(path)

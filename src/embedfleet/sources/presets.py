@@ -27,7 +27,8 @@ from dataclasses import dataclass
 from functools import cached_property
 
 from embedfleet.errors import InputError
-from embedfleet.sources.records import Column, RecordError, coerce, coercer, epoch_millis, jsonable, lookup, sanitize
+from embedfleet.sources.records import (Column, RecordError, coerce, coercer, epoch_millis, jsonable, lookup, sanitize,
+                                       scalar_text)
 from embedfleet.sources import plan_chunks, read_chunk
 
 log = logging.getLogger(__name__)
@@ -135,7 +136,7 @@ def _field_id(data: dict, id_field: str) -> str:
         raise RecordError(_no_id(id_field, value))
     if isinstance(value, (dict, list)):
         raise RecordError(f"field '{id_field}' for the id is not a single value")
-    return sanitize(str(value))
+    return sanitize(scalar_text(value))
 
 
 def parse_price(value: object) -> float | None:

@@ -406,6 +406,16 @@ def as_text(value: object) -> str:
         return ", ".join(as_text(v) for v in value)
     if isinstance(value, (dict, list)):
         return orjson.dumps(jsonable(value)).decode()
+    return scalar_text(value)
+
+
+def scalar_text(value: object) -> str:
+    """A single value as text: bytes (a Parquet binary column) as the UTF-8 they hold, not `b'…'`; a boolean as
+    JSON writes it."""
+    if isinstance(value, (bytes, bytearray, memoryview)):
+        return bytes(value).decode("utf-8", "replace")
+    if isinstance(value, bool):
+        return "true" if value else "false"
     return str(value)
 
 
