@@ -68,3 +68,17 @@ def test_an_id_field_no_record_has_and_a_template_field_no_review_has_are_refuse
             "{titel}\\n\\n{text}", "--table", "typo", "--db", dsn, "--devices", "cpu", "--quiet")
     line = one_line_error(p, "--text-template field {titel}: none of the first")
     assert "the products have:" in line and "title" in line
+
+
+def test_a_json_file_holding_one_array_is_refused_with_how_to_make_json_lines_of_it(cli, dsn, conn, tmp_path):
+    """A pretty-printed array was embedded through to "all 17 records were rejected (malformed JSON …)" and a
+    failed job."""
+    good, array = tmp_path / "good.jsonl", tmp_path / "papers.json"
+    good.write_text('{"text": "a line of its own"}\n')
+    array.write_text(json.dumps([{"text": f"paper {i} — ü"} for i in range(17)], indent=2, ensure_ascii=False))
+    one_line_error(cli("ingest", good, array, "--table", "arr", "--db", dsn, "--devices", "cpu"),
+                   "papers.json holds one JSON array; embedfleet reads JSON Lines, one object a line: convert it "
+                   "with `jq -c '.[]' papers.json > papers.jsonl`")
+    assert conn.execute("SELECT to_regclass('arr') IS NULL").fetchone()[0]
+    if conn.execute("SELECT to_regclass('embedfleet.jobs') IS NOT NULL").fetchone()[0]:  # no job recorded
+        assert not conn.execute("SELECT 1 FROM embedfleet.jobs WHERE job = 'arr'").fetchone()

@@ -324,3 +324,22 @@ def test_replace_of_a_file_whose_ids_come_from_its_records_is_refused_before_any
     assert _ingest(cli, dsn, a, *args).returncode == 0  # as the line says: the file as it is now, and only it
     assert _rows(conn, "byid") == {f"r{i}": f"edited {i}" for i in range(5)}
     _verify_ok(cli, dsn, "byid")
+
+
+def test_a_planned_file_gone_is_said_with_its_rows_kept(cli, dsn, conn, tmp_path):
+    """A file renamed or deleted between runs kept its rows silently (a renamed one's rows twice, by both names)."""
+    d = tmp_path / "in"
+    d.mkdir()
+    (d / "one.jsonl").write_text(_lines("one", 0, 3))
+    (d / "two.jsonl").write_text(_lines("two", 0, 2))
+    assert _ingest(cli, dsn, d / "*.jsonl", "--table", "gonefile").returncode == 0
+    (d / "two.jsonl").rename(d / "deux.jsonl")
+    p = _ingest(cli, dsn, d / "*.jsonl", "--table", "gonefile")
+    assert p.returncode == 0, p.stderr
+    said = [x for x in p.stderr.splitlines() if "gone (" in x]
+    assert len(said) == 1, p.stderr
+    line = said[0]
+    assert "1 planned file of job gonefile is gone (two.jsonl): its rows stay in table gonefile" in line
+    assert "jobs rm gonefile --drop-table" in line
+    assert sorted(_rows(conn, "gonefile")) == ["deux.jsonl:1", "deux.jsonl:2", "one.jsonl:1", "one.jsonl:2",
+                                               "one.jsonl:3", "two.jsonl:1", "two.jsonl:2"]

@@ -157,7 +157,9 @@ def nothing_embedded(ledger: Ledger, job: str, cfg: JobSpec, progress: dict, exi
         drop_table(ledger.conn, cfg.table)
     if progress["rejected"]:
         first = ledger.first_reject(job)
-        why = (f"all {progress['rejected']:,} records were rejected (first: {Path(first[0]).name} line {first[1]}: "
+        n = progress["rejected"]
+        why = (f"{'the one record was' if n == 1 else f'all {n:,} records were'} rejected (first: "
+               f"{Path(first[0]).name} line {first[1]}: "
                f"{first[2]}); `embedfleet status --job {job}` counts them, and embedfleet.rejects holds each line")
         ledger.set_job_state(job, "failed", f"nothing embedded: {why}")
         raise JobError(f"nothing embedded: {why}")
@@ -462,8 +464,8 @@ def plan_job(cfg: JobSpec, ledger: Ledger, device: str, source: "SourceSnapshot 
                             other, cfg.table)
         retried = ledger.retry_failed(cfg.job)
         if released or retried:
-            log.info("resuming %s: %d chunks of dead workers re-queued, %d failed chunks retried",
-                     cfg.job, released, retried)
+            log.info("resuming %s: %s of dead workers re-queued, %s retried", cfg.job, plural(released, "chunk"),
+                     plural(retried, "failed chunk"))
         added = 0 if cfg.source_table else plan_changes(cfg, ledger, chunk_bytes)
         if added:
             log.info("job %s: %s for %s", cfg.job, plural(added, "new chunk"),
@@ -524,8 +526,16 @@ def plan_changes(cfg: JobSpec, ledger: Ledger, chunk_bytes: int) -> int:
     if replace and no_replace:
         raise InputError(f"--replace {sorted(replace)[0]}: {no_replace} without --replace")
     found = survey(known, inputs, replace)
+    if gone := [s for s in sorted(known) if not files.is_url(s) and not Path(s).exists()]:
+        shown = ", ".join(Path(s).name for s in gone[:3]) + (f" and {len(gone) - 3:,} more" if len(gone) > 3 else "")
+        log.warning("%s of job %s %s gone (%s): %s rows stay in table %s, and a renamed file's are there under both "
+                    "names; to embed the inputs as they are now, remove the job and its table (embedfleet jobs rm %s "
+                    "--drop-table) and rerun", plural(len(gone), "planned file"), cfg.job,
+                    "is" if len(gone) == 1 else "are", shown, "its" if len(gone) == 1 else "their", cfg.table, cfg.job)
     if found.changed:
-        more = f" ({len(found.changed) - 1} more files changed too)" if len(found.changed) > 1 else ""
+        others = [Path(source).name for source, _ in found.changed[1:]]
+        more = (f" ({plural(len(others), 'more file')} changed too: {', '.join(others[:3])}"
+                f"{', …' if len(others) > 3 else ''})" if others else "")
         raise InputError(changed_line(*found.changed[0], no_replace) + more)
     last = ledger.last_chunks(cfg.job)
     grown: list[ChunkSpec] = []

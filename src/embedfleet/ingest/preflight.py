@@ -10,7 +10,7 @@ from embedfleet.settings import JobSpec
 from embedfleet.errors import InputError
 from embedfleet.sources.records import has_field, template_fields, to_records
 from embedfleet.sources import ChunkSpec, input_kind, read_chunk
-from embedfleet.sources.files import size
+from embedfleet.sources.files import is_url, size
 from embedfleet.sources.presets import job_preset
 
 SAMPLE = 200  # records read from the first input
@@ -33,10 +33,28 @@ def _shown(fields: list[str]) -> str:
     return ", ".join(fields[:30]) + (", …" if len(fields) > 30 else "")
 
 
+def check_not_a_json_array(path: str) -> None:
+    """A .json file holding one JSON array (pretty-printed, its first line "["): every line of it would be a
+    malformed record. One line saying how to make JSON Lines of it instead."""
+    if not path.lower().endswith(".json") or is_url(path):
+        return
+    try:
+        with open(path, "rb") as f:
+            head = f.read(4096).lstrip(b"\xef\xbb\xbf \t\r\n")
+    except OSError:  # the planner says what is wrong with it
+        return
+    if head.startswith(b"["):
+        name = os.path.basename(path)
+        raise InputError(f"{name} holds one JSON array; embedfleet reads JSON Lines, one object a line: convert it "
+                         f"with `jq -c '.[]' {name} > {name}l` and ingest that")
+
+
 def check_inputs_have_text(cfg: JobSpec) -> None:
     """Stop now, naming the fields the records have, if the first input's first records show the job cannot
     work: a template field none of them has (a misspelling would render empty in every record), or every
     record rejected for one and the same reason (a text or id field the file does not have)."""
+    for source in cfg.inputs:
+        check_not_a_json_array(source)
     path = cfg.inputs[0]
     try:
         raws = [r for r in first_records(path) if r.error is None]
