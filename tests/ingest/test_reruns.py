@@ -191,15 +191,19 @@ def test_a_gzip_member_appended_to_a_csv_and_lines_added_to_a_file_empty_when_pl
 def test_replace_of_a_file_emptied_deletes_its_rows_and_keeps_the_job(cli, dsn, conn, tmp_path):
     """A file truncated to nothing, then --replace: its rows stayed (a summary of fewer rows than the table held,
     and verify found a problem); as the job's only input, the job was removed and its table kept full."""
-    a, b, c = tmp_path / "a.jsonl", tmp_path / "b.jsonl", tmp_path / "c.csv"
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    a, b, c, q = tmp_path / "a.jsonl", tmp_path / "b.jsonl", tmp_path / "c.csv", tmp_path / "q.parquet"
     a.write_text(_lines("a", 0, 12))
     b.write_text(_lines("b", 0, 4))
     c.write_text("id,text\n" + "".join(f"{i},csv row {i}\n" for i in range(5)))
-    assert _ingest(cli, dsn, a, b, c, "--table", "emptied").returncode == 0
+    pq.write_table(pa.table({"text": [f"parquet row {i}" for i in range(3)]}), q)
+    assert _ingest(cli, dsn, a, b, c, q, "--table", "emptied").returncode == 0
     assert _ingest(cli, dsn, a, "--table", "alone").returncode == 0
-    a.write_text("")
-    c.write_text("")
-    p = _ingest(cli, dsn, a, b, c, "--table", "emptied", "--replace", a, "--replace", c)
+    for emptied in (a, c, q):
+        emptied.write_bytes(b"")
+    p = _ingest(cli, dsn, a, b, c, q, "--table", "emptied", "--replace", a, "--replace", c, "--replace", q)
     assert p.returncode == 0, p.stderr
     assert sorted(_rows(conn, "emptied")) == [f"b.jsonl:{i}" for i in range(1, 5)]
     _verify_ok(cli, dsn, "emptied")

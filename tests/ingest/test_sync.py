@@ -821,6 +821,10 @@ def test_columns_of_other_types_are_copied_as_postgresql_writes_them(cli, dsn, c
     want = {r[0]: r[1:] for r in conn.execute(f"SELECT id::text, {cols} FROM rtyped")}
     assert {r[0]: r[1:] for r in conn.execute(f"SELECT id, {cols} FROM rtyped_embeddings")} == want
     assert want["1"][:3] == ("{1,2,3}", "\\xdeadbeef", "-1 mons") and want["2"][:3] == ("{7,8}", "\\x00", "2 years")
+    # a template still joins an array's items, and writes an interval as PostgreSQL does
+    cli("ingest", "--from-table", "rtyped", "--text-template", "{body}: {ia} / {iv}", "--table", "rtyped_t", "--db",
+        dsn, "--devices", "cpu", "--quiet", check=True)
+    assert _contents(conn, "rtyped_t")["1"] == "one — ü: 1, 2, 3 / -1 mons"
 
 
 def test_an_update_of_a_copied_json_or_point_column_goes_through_and_is_followed(cli, dsn, conn):

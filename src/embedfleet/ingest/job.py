@@ -96,8 +96,9 @@ def run_job(spec: JobSpec, settings: Settings, launcher: Launcher, empty_ok: boo
                 log.warning("--columns %s: the field is missing or null in every row the table's statistics "
                             "sampled; check its name as the input writes it, case included", name)
         errors = ledger.worker_errors(job)
-        # a rerun that replaced files (with nothing, maybe) keeps its job and table whatever they hold now
-        if not (counts["failed"] or counts["pending"] or counts["running"] or empty_ok or cfg.replacing):
+        # a rerun that replaced files with nothing keeps its job and table (every record rejected still fails)
+        replaced_empty = cfg.replacing and not progress["rejected"]
+        if not (counts["failed"] or counts["pending"] or counts["running"] or empty_ok or replaced_empty):
             nothing_embedded(ledger, job, cfg, progress, existed)
     except KeyboardInterrupt:
         if job is not None:

@@ -161,7 +161,7 @@ class Preparer:
                 from embedfleet.sources.table import TableReader
 
                 self._tables = TableReader(self.ctx.source_dsn, self.ctx.source_table, self.ctx.id_field,
-                                           self.ctx.snapshot, self.ctx.where)
+                                           self.ctx.snapshot, self.ctx.where, self.ctx.columns)
             raws = list(self._tables.read(task.spec, task.after_line))
             return raws, max((r.line for r in raws), default=task.after_line)
         if task.block is not None:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import re
 import signal
 import threading
 import time
@@ -39,7 +40,8 @@ from embedfleet.pg.scan import filter_names, user_filter
 from embedfleet.settings import JobSpec, Settings
 from embedfleet.sources.base import RawRecord
 from embedfleet.sources.presets import table_columns
-from embedfleet.sources.table import alias_of, describe, key_line, key_text, source_loaders, read_rows
+from embedfleet.sources.table import (alias_of, describe, key_line, key_text, read_rows, source_loaders,
+                                     text_copies)
 
 __all__ = ["SyncStats", "Syncer", "watched_columns", "stop_on_signals"]
 
@@ -202,9 +204,15 @@ class Lane:
             cond = sql.SQL("{} AND {}").format(cond, user_filter(self.spec.where, placeholders=True))
         try:
             with self.source.cursor() as cur:
-                names, rows = read_rows(cur, sql.SQL("SELECT {}, * FROM {} AS {} WHERE {}").format(
-                    key_text(key), sql.SQL(self.source_name), sql.SQL(alias_of(self.source_name)), cond), key, [keys])
-        except (psycopg.errors.UndefinedTable, psycopg.errors.UndefinedColumn) as e:
+                names, rows = read_rows(cur, sql.SQL("SELECT {}, *{} FROM {} AS {} WHERE {}").format(
+                    key_text(key), text_copies(self.spec.columns), sql.SQL(self.source_name),
+                    sql.SQL(alias_of(self.source_name)), cond), key, [keys])
+        except psycopg.errors.UndefinedColumn as e:  # a column copied as text, selected by name
+            if (m := re.match(r'column "(.+)" does not exist', e.diag.message_primary or "")) \
+                    and m.group(1).replace('""', '"') in self.watched:
+                raise column_gone_error(self.source_name, m.group(1)) from None
+            raise source_gone_error(self.source_name, self.queue, str(e).splitlines()[0]) from None
+        except psycopg.errors.UndefinedTable as e:
             raise source_gone_error(self.source_name, self.queue, str(e).splitlines()[0]) from None
         if gone := [c for c in self.watched if c not in names]:  # before anything is written: the batch rolls back
             raise column_gone_error(self.source_name, gone[0])

@@ -70,7 +70,11 @@ _WORD = re.compile(r"[^\W][\w$]*(?=[^'\w$]|$)")  # not the E of E'...', which th
 
 # functions whose effect outlives the filter's row: a setting (its statement timeout among them) or a session's lock
 SESSION_FUNCTIONS = frozenset({"set_config", "pg_advisory_lock", "pg_advisory_lock_shared", "pg_try_advisory_lock",
-                               "pg_try_advisory_lock_shared"})
+                               "pg_try_advisory_lock_shared",
+                               # they run SQL given as text, which no scan of the filter sees
+                               "query_to_xml", "query_to_xmlschema", "query_to_xml_and_xmlschema", "cursor_to_xml",
+                               "cursor_to_xmlschema", "ts_stat", "dblink", "dblink_exec", "dblink_open",
+                               "dblink_send_query"})
 
 
 def where_error(message: str, where: str) -> OptionError:

@@ -534,13 +534,15 @@ def make_app(service: SearchService, api_key: str | None = None):
         # a search waits for its pool's connection here, on the event loop: searches queued for the filter's
         # connections hold no thread that a search without a filter needs
         gate = gates[where is not None]
-        while True:
-            try:
-                await asyncio.wait_for(gate.acquire(), DISCONNECT_POLL_S)
-                break
-            except asyncio.TimeoutError:
-                if await request.is_disconnected():
-                    return Response(status_code=499)
+        acquiring = asyncio.ensure_future(gate.acquire())  # one place in the line, kept while its client polls
+        while not acquiring.done():
+            await asyncio.wait({acquiring}, timeout=DISCONNECT_POLL_S)
+            if not acquiring.done() and await request.is_disconnected():
+                acquiring.cancel()
+                await asyncio.wait({acquiring})
+                if not acquiring.cancelled():  # acquired as it was cancelled: handed back
+                    gate.release()
+                return Response(status_code=499)
         try:
             running = Running()
             task = asyncio.ensure_future(run_in_threadpool(service.search, q, int(k) if k else None, where, running,
@@ -799,7 +801,6 @@ def _listen(host: str, port: int) -> socket.socket:
         fix = "pick another --port" if e.errno in (errno.EADDRINUSE, errno.EACCES) else \
             "give an address of this machine as --host (127.0.0.1, ::1, 0.0.0.0 for all)"
         raise InputError(f"cannot listen on {host}:{port} ({e.strerror}); {fix}") from None
-    sock.listen(128)  # connections wait in the backlog until the server accepts them: none is refused
     return sock
 
 
@@ -819,7 +820,7 @@ def serve(dsn: str, table: str, host: str = "127.0.0.1", port: int = 8000, k: in
     if not _loopback(host) and not api_key:
         raise InputError(f"--host {host} listens beyond this machine: give --api-key KEY (or EMBEDFLEET_API_KEY) so "
                          "that every request needs it")
-    sock = _listen(host, port)  # before the model loads: a port in use is said at once
+    sock = _listen(host, port)  # bound before the model loads: a port in use is said at once
     try:
         service = SearchService(dsn, table, k=k, model=model, device=device, where_dsn=where_dsn,
                                 statement_timeout=statement_timeout, settings=settings,
@@ -828,6 +829,7 @@ def serve(dsn: str, table: str, host: str = "127.0.0.1", port: int = 8000, k: in
         sock.close()
         raise
     try:
+        sock.listen(128)  # once it can answer; connections wait in the backlog until accepted: none refused
         bound_host, bound_port = sock.getsockname()[:2]
         info = service.describe()
         shown = f"[{bound_host}]" if ":" in bound_host else bound_host  # an IPv6 address, as a URL writes it
@@ -840,4 +842,5 @@ def serve(dsn: str, table: str, host: str = "127.0.0.1", port: int = 8000, k: in
         server.run(sockets=[sock])
         print("stopped", file=sys.stderr)
     finally:
+        sock.close()
         service.close()

@@ -16,6 +16,8 @@ _BATCH_ROWS = 4096
 
 def read_parquet(spec: ChunkSpec, after_line: int = 0) -> Iterator[RawRecord]:
     """Records of rows numbered > `after_line` in row groups [start, end)."""
+    if spec.end <= spec.start:  # no row group (a file emptied, replaced): nothing to open
+        return
     number = spec.first_line  # number of the next row
     f = open_random(spec.source) if is_url(spec.source) else None
     try:

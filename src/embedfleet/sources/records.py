@@ -410,12 +410,9 @@ def as_text(value: object) -> str:
 
 
 def scalar_text(value: object) -> str:
-    """A single value as text: bytes (a Parquet binary column) as the UTF-8 they hold, not `b'…'`; a boolean as
-    JSON writes it."""
+    """A single value as text: bytes (a Parquet binary column) as the UTF-8 they hold, not `b'…'`."""
     if isinstance(value, (bytes, bytearray, memoryview)):
         return bytes(value).decode("utf-8", "replace")
-    if isinstance(value, bool):
-        return "true" if value else "false"
     return str(value)
 
 

@@ -193,6 +193,14 @@ def key_line(key: str, key_type: str) -> int:
     return int.from_bytes(hashlib.blake2b(key.encode(), digest_size=6).digest(), "big")
 
 
+def text_copies(columns: tuple[str, ...] | None) -> sql.Composable:
+    """`, "c"::text AS "c"` for each `--columns` entry copied as text (`NAME:text`): selected after `*`, the text
+    PostgreSQL writes takes the place of the value Python reads (an int[], a range, a bytea), since a row's
+    dict keeps the later of two columns of one name."""
+    names = [c.rpartition(":")[0] for c in columns or () if c.rpartition(":")[2].strip().lower() == "text"]
+    return sql.SQL("").join(sql.SQL(", {0}::text AS {0}").format(sql.Identifier(n)) for n in names)
+
+
 def key_text(key: str) -> sql.Composable:
     """A row's id: its key as PostgreSQL writes it as text, the spelling a sync's queue and its deletes use
     (Python's would differ: `1E-10` against `0.0000000001`, a char(n)'s padding)."""
@@ -219,17 +227,18 @@ class _Lenient:
             return bytes(data).decode()
 
 
-# The source's types read as Python values: those `--columns` copies typed (_TARGET) and the text types. Every other
-# type is read as PostgreSQL writes it, which is the text a column copied "as text" (or a template) should get:
-# Python's would be another value (an interval's months as 30 days, bytea decoded, an int[] refused).
+# The source's types read as Python values: those `--columns` copies typed (_TARGET), the text types, and arrays (a
+# template joins their items). Every other type is read as PostgreSQL writes it, the text a template should get:
+# Python's would be another value (an interval's months as 30 days, a bytea decoded). A column copied as text is
+# selected as `::text` besides (`text_copies`).
 _PYTHON_TYPES = ("int2", "int4", "int8", "float4", "float8", "numeric", "bool", "date", "timestamp", "timestamptz",
                  "json", "jsonb", "text", "varchar", "bpchar", "name", "_text", "_varchar")
 
 
 def source_loaders(conn: psycopg.Connection, table: str) -> psycopg.Connection:
     """`conn` reading `table`'s rows: dates and timestamps Python cannot hold as their text (`_Lenient`), and the
-    table's columns of any type but _PYTHON_TYPES as PostgreSQL's text (those types only: `conn` may be a sync's
-    target connection too)."""
+    table's columns of any type but _PYTHON_TYPES and arrays as PostgreSQL's text (those types only: `conn` may be
+    a sync's target connection too)."""
     from psycopg.types import datetime as dt
     from psycopg.types.string import TextLoader
 
@@ -240,7 +249,8 @@ def source_loaders(conn: psycopg.Connection, table: str) -> psycopg.Connection:
     others = conn.execute(
         "SELECT DISTINCT b.oid FROM pg_attribute a JOIN pg_type t ON t.oid = a.atttypid "
         "JOIN pg_type b ON b.oid = CASE WHEN t.typtype = 'd' THEN t.typbasetype ELSE t.oid END "
-        "WHERE a.attrelid = %s::regclass AND a.attnum > 0 AND NOT a.attisdropped AND b.typname <> ALL(%s)",
+        "WHERE a.attrelid = %s::regclass AND a.attnum > 0 AND NOT a.attisdropped AND b.typname <> ALL(%s) "
+        "AND b.typcategory <> 'A'",
         [table, list(_PYTHON_TYPES)]).fetchall()
     if not conn.autocommit:
         conn.rollback()  # a span's read begins its own transaction, in the job's snapshot
@@ -252,8 +262,10 @@ def source_loaders(conn: psycopg.Connection, table: str) -> psycopg.Connection:
 class TableReader:
     """Reads page spans of one job's source on one connection, in the job's snapshot while it is held."""
 
-    def __init__(self, dsn: str, table: str, key: str, snapshot: str | None = None, where: str | None = None):
+    def __init__(self, dsn: str, table: str, key: str, snapshot: str | None = None, where: str | None = None,
+                 columns: tuple[str, ...] | None = None):
         self.dsn, self.table, self.snapshot, self.where, self.key = dsn, table, snapshot, where, key
+        self.copies = text_copies(columns)
         self.alias = sql.SQL(alias_of(table))
         self.conn: psycopg.Connection | None = None
         self.key_type: str | None = None
@@ -273,8 +285,8 @@ class TableReader:
                 cond.append(sql.SQL("ctid < {}::tid").format(sql.Literal(f"({spec.end},0)")))
             if self.where:
                 cond.append(user_filter(self.where))
-            query = sql.SQL("SELECT {key}, {line} AS line, * FROM {src} AS {alias} WHERE {cond}").format(
-                key=key_text(self.key), line=_LINE, src=sql.SQL(spec.source), alias=self.alias,
+            query = sql.SQL("SELECT {key}, {line} AS line, *{copies} FROM {src} AS {alias} WHERE {cond}").format(
+                key=key_text(self.key), line=_LINE, copies=self.copies, src=sql.SQL(spec.source), alias=self.alias,
                 cond=sql.SQL(" AND ").join(cond))
             with conn.cursor() as cur:
                 names, rows = read_rows(cur, query, self.key)

@@ -213,9 +213,10 @@ class Source:
                                                  "cardinality({c}) <> {n}))").format(c=c, n=sql.Literal(f.width))))
                 if not filled:
                     out.append((f, "element", sql.SQL("array_position({}, NULL) IS NOT NULL").format(c)))
-            if (base := f.type.removesuffix("[]").split("(")[0]) in _FLOAT_TYPES:  # a vector holds no NaN, no infinity
-                out.append((f, "nan", sql.SQL("{} && '{{NaN,Infinity,-Infinity}}'::{}[]").format(c, sql.SQL(base))
-                            if f.kind == "array" else sql.SQL("{} IN ('NaN', 'Infinity', '-Infinity')").format(c)))
+            if f.type.removesuffix("[]").split("(")[0] in _FLOAT_TYPES:  # a vector holds no NaN, no infinity
+                # as float8: numeric takes no infinity literal before PostgreSQL 14
+                out.append((f, "nan", sql.SQL("{}::float8[] && '{{NaN,Infinity,-Infinity}}'::float8[]").format(c)
+                            if f.kind == "array" else sql.SQL("{}::float8 IN ('NaN', 'Infinity', '-Infinity')").format(c)))
             if f.kind == "vector":
                 out.append((f, "length", sql.SQL("{d}({c}) <> {n}").format(
                     d=sql.Identifier(*self.vector_dims), c=c, n=sql.Literal(f.width))))
