@@ -62,7 +62,8 @@ BATCH_TEXTS = 4096  # texts the batcher takes together at most
 # texts the batcher encodes in one turn on the device: a search waits for at most one slice
 SLICE_TEXTS_CPU, SLICE_TEXTS_GPU = 32, 512
 CONNECTIONS = 4  # database connections kept for searches, per pool (requests beyond wait for one)
-DISCONNECT_POLL_S = 0.05  # how often a request's client is checked while its search runs
+DISCONNECT_POLL_S = 0.05  # how often a request's client is checked while its search or its many texts wait
+WATCHED_TEXTS = 64  # an embedding request of more texts is watched for its client going away
 
 
 def as_http(err: InputError) -> str:
@@ -623,13 +624,14 @@ def make_app(service: SearchService, api_key: str | None = None):
                                                     f"{service.encoder.dim}")
         submitted = service.embed(texts)
         answer = asyncio.wrap_future(submitted)
-        while not answer.done():
+        # a request of many texts listens for its client going away; one of a few is answered sooner than it is looked
+        while len(texts) > WATCHED_TEXTS and not answer.done():
             await asyncio.wait({answer}, timeout=DISCONNECT_POLL_S)
             if not answer.done() and await request.is_disconnected():
                 submitted.cancel()  # the batcher encodes it no further
                 return Response(status_code=499)
         try:
-            vectors, tokens = answer.result()
+            vectors, tokens = await answer
         except Exception as e:  # noqa: BLE001 - the server stays up; the client hears what failed
             log.exception("embeddings failed")
             return error(500, openai=True, message=f"{type(e).__name__}: {e}")
