@@ -17,9 +17,11 @@ from embedfleet.sources.presets import job_preset, parse_columns
 def test_column_specs_are_parsed_and_checked():
     assert [(c.name, c.pgtype) for c in parse_columns(["stars:int", " lang : TEXT", "when:timestamp"])] == [
         ("stars", "bigint"), ("lang", "text"), ("when", "timestamptz")]
-    for bad in (["stars"], ["stars:money"], ["bad name:int"], ["a:int", "a:text"]):
+    for bad in (["stars"], ["stars:money"], ["x" * 64 + ":int"], ["tab\tname:int"], ["a:int", "a:text"]):
         with pytest.raises(InputError, match="--columns"):
             parse_columns(bad)
+    # a table's column may have any name (quoted in SQL): it was refused as "letters, digits, _"
+    assert [c.name for c in parse_columns(["Naïve Col:int", "a.b:text"])] == ["Naïve Col", "a.b"]
     with pytest.raises(InputError, match="already has a column"):
         job_preset("amazon-reviews", ["rating:int"])
     for later in ("content_tsv:text", "map_x:text"):  # columns --fts and map --store-coords add later
