@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import hashlib
 import logging
-import re
 import signal
 import threading
 import time
@@ -96,6 +95,14 @@ def watched_columns(spec: JobSpec, source_columns=()) -> list[str]:
     return list(dict.fromkeys(c if c in source_columns else c.split(".")[0] for c in [*text, *copied, *filtered] if c))
 
 
+class _ReadFailed(Exception):
+    """A lane's read of the source named a column or table that is not there: told apart once rolled back."""
+
+    def __init__(self, why: str):
+        super().__init__(why)
+        self.why = why
+
+
 def column_gone_error(source: str, column: str) -> InputError:
     """A column sync reads, dropped or renamed under a follower: its queue is kept, nothing of it drained."""
     return InputError(f"sync: column {column!r} of {source}, which sync reads, was dropped or renamed while "
@@ -155,20 +162,24 @@ class Lane:
         """Claim a batch of queued keys and bring their target rows up to date. Returns the keys claimed."""
         local = SyncStats()
         t0 = time.perf_counter()
-        with self.source.transaction():
-            entries = queue.claim(self.source, self.queue, self.size, self.part, self.parts)
-            if not entries:
-                return 0
-            local.claim_s = time.perf_counter() - t0
-            keys = list(dict.fromkeys(k for _, k in entries if k is not None))
-            truncated = any(k is None for _, k in entries)  # a NULL key: the source was truncated
-            if self.same_db:
-                self._locked_write(keys, truncated, local)
-            else:
-                with self.target.transaction():
+        try:
+            with self.source.transaction():
+                entries = queue.claim(self.source, self.queue, self.size, self.part, self.parts)
+                if not entries:
+                    return 0
+                local.claim_s = time.perf_counter() - t0
+                keys = list(dict.fromkeys(k for _, k in entries if k is not None))
+                truncated = any(k is None for _, k in entries)  # a NULL key: the source was truncated
+                if self.same_db:
                     self._locked_write(keys, truncated, local)
-            t1 = time.perf_counter()
-            queue.forget(self.source, self.queue, [ctid for ctid, _ in entries])
+                else:
+                    with self.target.transaction():
+                        self._locked_write(keys, truncated, local)
+                t1 = time.perf_counter()
+                queue.forget(self.source, self.queue, [ctid for ctid, _ in entries])
+        except _ReadFailed as e:  # rolled back: the catalog says what is gone (the error's words follow the server's language)
+            self.check_following()
+            raise source_gone_error(self.source_name, self.queue, e.why) from None
         local.commit_s += time.perf_counter() - t1
         local.batches, local.keys = 1, len(entries)
         self.size = next_batch_size(self.size, len(entries), local.claim_s,
@@ -207,13 +218,8 @@ class Lane:
                 names, rows = read_rows(cur, sql.SQL("SELECT {}, *{} FROM {} AS {} WHERE {}").format(
                     key_text(key), text_copies(self.spec.columns), sql.SQL(self.source_name),
                     sql.SQL(alias_of(self.source_name)), cond), key, [keys])
-        except psycopg.errors.UndefinedColumn as e:  # a column copied as text, selected by name
-            if (m := re.match(r'column "(.+)" does not exist', e.diag.message_primary or "")) \
-                    and m.group(1).replace('""', '"') in self.watched:
-                raise column_gone_error(self.source_name, m.group(1)) from None
-            raise source_gone_error(self.source_name, self.queue, str(e).splitlines()[0]) from None
-        except psycopg.errors.UndefinedTable as e:
-            raise source_gone_error(self.source_name, self.queue, str(e).splitlines()[0]) from None
+        except (psycopg.errors.UndefinedColumn, psycopg.errors.UndefinedTable) as e:  # a column or the table gone
+            raise _ReadFailed(str(e).splitlines()[0]) from None
         if gone := [c for c in self.watched if c not in names]:  # before anything is written: the batch rolls back
             raise column_gone_error(self.source_name, gone[0])
         key_at = names.index(key)
