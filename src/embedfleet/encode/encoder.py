@@ -311,13 +311,14 @@ class Encoder:
             ids, len_d, inverse = buf.split([total, n, n])
             cu_d, seg, pos = token_layout(len_d, total)
             out = torch.empty(n, self.dim, dtype=torch.float32, device=dev)
+            skip = 0 if self.spec.include_prompt else tok.prompt_tokens
 
             def step(s: int, e: int) -> None:
                 t0, t1 = int(cu[s]), int(cu[e])
                 pk = Packing(cu=cu_d[s : e + 1] - t0, max_len=int(lengths[s:e].max()), seg=seg[t0:t1] - s,
                              pos=pos[t0:t1], lengths=len_d[s:e])
                 hidden = self.model(ids[t0:t1], pk)
-                pooled = pool_packed(hidden, pk.cu, pk.seg, pk.lengths, self.spec.pooling)
+                pooled = pool_packed(hidden, pk.cu, pk.seg, pk.lengths, self.spec.pooling, pk.pos, skip)
                 out[s:e] = finish(apply_post(pooled, self._post) if self._post else pooled, self.dim)
 
             run_with_backoff(cu, self.budget, step, on_oom=torch.cuda.empty_cache if cuda else None)

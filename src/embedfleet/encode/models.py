@@ -270,6 +270,7 @@ class ModelSpec:
     max_seq_length: int
     pooling: str  # "mean" | "cls" | "lasttoken"
     normalize: bool
+    include_prompt: bool = True  # False: the prompt's tokens are left out of the pooling (Pooling's include_prompt)
     prompts: dict[str, str] = field(default_factory=dict)
     default_prompt_name: str | None = None
     # after the pooling, in order: ("dense", DenseSpec) or ("normalize", None)
@@ -380,7 +381,7 @@ _POOLING_MODES = {"pooling_mode_mean_tokens", "pooling_mode_cls_token", "pooling
 
 def _check_pooling(path: Path, pool: dict) -> None:
     """Refuse a Pooling module whose mode the encoder does not compute (max, mean of square roots, weighted
-    mean, several at once) or that leaves the prompt out of the mean."""
+    mean, several at once)."""
     modes = [k for k, v in pool.items() if k.startswith("pooling_mode_") and k != "pooling_mode" and v is True]
     named = pool.get("pooling_mode")
     unknown = [m for m in modes if m not in _POOLING_MODES] + ([named] if named not in (None, "mean", "cls", "lasttoken")
@@ -389,9 +390,6 @@ def _check_pooling(path: Path, pool: dict) -> None:
         shown = ", ".join(unknown or modes)
         raise ModelError(f"model {path}: its Pooling module uses {shown}; embedfleet computes one of mean, CLS or "
                          "last-token pooling, and would give wrong vectors")
-    if pool.get("include_prompt") is False:
-        raise ModelError(f"model {path}: its Pooling module leaves the prompt out of the mean (include_prompt: false); "
-                         "embedfleet does not compute that yet, and would give wrong vectors")
 
 
 def _dense(path: Path, i: int, folder: Path) -> DenseSpec:
@@ -505,6 +503,7 @@ def read_spec(path: Path) -> ModelSpec:
         max_seq_length=min(max_seq, limit),
         pooling=pooling,
         normalize=normalize,
+        include_prompt=pool.get("include_prompt") is not False,
         prompts=dict(stc.get("prompts") or {}),
         default_prompt_name=stc.get("default_prompt_name"),
         post=tuple(post) if any(kind == "dense" for kind, _ in post) else (),

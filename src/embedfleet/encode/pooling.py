@@ -7,29 +7,24 @@ import torch.nn.functional as F
 
 
 def pool_packed(hidden: torch.Tensor, cu: torch.Tensor, seg: torch.Tensor, lengths: torch.Tensor,
-                mode: str) -> torch.Tensor:
+                mode: str, pos: torch.Tensor | None = None, skip: int = 0) -> torch.Tensor:
     """hidden [T, H] of sequences packed at offsets `cu` -> [N, H] in float32.
 
     Mean pooling sums in float32 with index_add_ (no padding, no cumsum drift over long batches).
+    `skip`: each sequence's first tokens left out, as sentence-transformers leaves out a prompt
+    (`include_prompt: false`); `pos` is each token's position in its sequence.
     """
     if mode == "cls":
-        return hidden[cu[:-1].long()].float()
+        first = cu[:-1].long()
+        return hidden[first + skip * (lengths > skip).long() if skip else first].float()
     if mode == "lasttoken":
         return hidden[cu[1:].long() - 1].float()
     out = torch.zeros(lengths.shape[0], hidden.shape[1], dtype=torch.float32, device=hidden.device)
+    if skip:  # a weight rather than a boolean index, which would wait for the device
+        out.index_add_(0, seg.long(), hidden.float() * (pos >= skip).unsqueeze(1))
+        return out / (lengths - skip).clamp(min=1).unsqueeze(1).float()
     out.index_add_(0, seg.long(), hidden.float())
     return out / lengths.unsqueeze(1).float()
-
-
-def pool_padded(hidden: torch.Tensor, mask: torch.Tensor, mode: str) -> torch.Tensor:
-    """hidden [B, L, H] with right padding (mask [B, L]) -> [B, H] float32."""
-    if mode == "cls":
-        return hidden[:, 0].float()
-    if mode == "lasttoken":
-        last = mask.sum(1).long() - 1
-        return hidden[torch.arange(hidden.shape[0], device=hidden.device), last].float()
-    m = mask.unsqueeze(-1).float()
-    return (hidden.float() * m).sum(1) / m.sum(1).clamp(min=1)
 
 
 _TORCH_ACTIVATIONS = {"Identity": lambda x: x, "Tanh": torch.tanh, "ReLU": torch.relu, "GELU": F.gelu,

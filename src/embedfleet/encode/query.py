@@ -164,9 +164,11 @@ class NumpyBert:
             x = _layer_norm(x + m, L["ln2_w"], L["ln2_b"], self.eps)
         return x.reshape(n, length, h)
 
-    def embed(self, ids: np.ndarray, lengths: np.ndarray, pooling: str, dim: int, post: list = ()) -> np.ndarray:
+    def embed(self, ids: np.ndarray, lengths: np.ndarray, pooling: str, dim: int, post: list = (),
+              skip: int = 0) -> np.ndarray:
         """Packed ids (any order) -> pooled, through the modules after the pooling (`post_ops`), truncated,
-        L2-normalised float32 vectors [N, dim]."""
+        L2-normalised float32 vectors [N, dim]. `skip`: each sequence's first tokens left out of the pooling
+        (a prompt, where the model's Pooling has `include_prompt: false`)."""
         n = len(lengths)
         out = np.empty((n, dim), np.float32)
         starts = np.concatenate([[0], np.cumsum(lengths)[:-1]]).astype(np.int64)
@@ -182,12 +184,13 @@ class NumpyBert:
                 ids_b[r, :ln] = ids[s : s + ln]
             h = self.forward(ids_b, lens)
             if pooling == "cls":
-                pooled = h[:, 0]
+                pooled = h[np.arange(len(rows)), np.where(lens > skip, skip, 0)]
             elif pooling == "lasttoken":
                 pooled = h[np.arange(len(rows)), lens - 1]
             else:
-                keep = (np.arange(longest)[None, :] < lens[:, None]).astype(np.float32)
-                pooled = (h * keep[:, :, None]).sum(1) / lens[:, None].astype(np.float32)
+                at = np.arange(longest)[None, :]
+                keep = ((at < lens[:, None]) & (at >= skip)).astype(np.float32)
+                pooled = (h * keep[:, :, None]).sum(1) / np.maximum(lens - skip, 1)[:, None].astype(np.float32)
             for kind, d, act in post:
                 if kind == "normalize":
                     pooled = _unit(pooled)
@@ -261,9 +264,11 @@ class QueryEncoder:
             return self._enc.embed(tok), tok.lengths[tok.inverse].astype(np.int64)
         if not texts:
             return np.zeros((0, self.dim), np.float32), np.zeros(0, np.int64)
-        ids, lengths = self._tok.encode_unsorted([self.spec.prompt_text(prompt) + t for t in texts])
+        prefix = self.spec.prompt_text(prompt)
+        ids, lengths = self._tok.encode_unsorted([prefix + t for t in texts])
         lengths = lengths.astype(np.int64)
-        return self._np.embed(ids, lengths, self.spec.pooling, self.dim, self._post), lengths
+        skip = 0 if self.spec.include_prompt else self._tok.prompt_tokens(prefix)
+        return self._np.embed(ids, lengths, self.spec.pooling, self.dim, self._post, skip), lengths
 
     def describe(self) -> dict:
         return {"model": str(self.spec.path), "name": self.name, "path": self.path, "device": self.device,

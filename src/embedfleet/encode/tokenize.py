@@ -52,6 +52,7 @@ class Tokenized:
     lengths: np.ndarray  # int32 [n], sorted order
     order: np.ndarray  # int64 [n]
     inverse: np.ndarray  # int64 [n]
+    prompt_tokens: int = 0  # each sequence's first tokens that its prompt made, as sentence-transformers counts them
 
     @property
     def num_tokens(self) -> int:
@@ -308,6 +309,7 @@ class TextTokenizer:
         self.workers = default_workers() if workers is None else max(0, int(workers))
         self._pool: HelperPool | None = None
         self.pooled = 0  # chunks the helpers tokenized
+        self._prompt_lengths: dict[str, int] = {}
         self._lock = threading.Lock()
 
     def _start_pool(self) -> HelperPool | None:
@@ -373,9 +375,22 @@ class TextTokenizer:
         return TokenizerSpec(self._json, self.max_length, self.pad_id, self.lowercase, prefix, self.word_cache)
 
     def tokenize(self, texts: list[str], prefix: str = "", pool: bool = True) -> Tokenized:
-        if prefix:
-            texts = [prefix + t for t in texts]
-        return pack_sorted(*self.encode_unsorted(list(texts), pool))
+        if not prefix:
+            return pack_sorted(*self.encode_unsorted(list(texts), pool))
+        tok = pack_sorted(*self.encode_unsorted([prefix + t for t in texts], pool))
+        tok.prompt_tokens = self.prompt_tokens(prefix)
+        return tok
+
+    def prompt_tokens(self, prefix: str) -> int:
+        """The tokens `prefix` makes at the start of a sequence: the prompt tokenized alone, less a special token
+        that ends it (a [SEP] or an end-of-text), as sentence-transformers counts a prompt it leaves out of a mean."""
+        if not prefix:
+            return 0
+        if prefix not in self._prompt_lengths:
+            enc = self._local.full.encode(prefix.lower() if self.lowercase else prefix)
+            n = len(enc.ids)
+            self._prompt_lengths[prefix] = n - 1 if n and enc.special_tokens_mask[-1] else n
+        return self._prompt_lengths[prefix]
 
     def close(self, wait: bool = True) -> None:
         """End the helpers: after their running calls (`wait`), or at once."""

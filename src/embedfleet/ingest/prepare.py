@@ -88,7 +88,7 @@ class Spooled:
 
 def spool(p: Prepared, directory: str) -> Spooled:
     arrays = [np.frombuffer(p.rows.blob, dtype=np.uint8), p.rows.offsets, p.tok.ids, p.tok.lengths, p.tok.order,
-              p.tok.inverse]
+              p.tok.inverse, np.array([p.tok.prompt_tokens], np.int64)]
     fd, path = tempfile.mkstemp(dir=directory, suffix=".unit")
     try:
         with os.fdopen(fd, "wb") as f:
@@ -109,8 +109,9 @@ def unspool(s: Spooled) -> Prepared:
         a = np.frombuffer(data, dtype=dtype, count=count, offset=pos)
         arrays.append(a)
         pos += a.nbytes
-    blob, offsets, ids, lengths, order, inverse = arrays
-    return dataclasses.replace(s.rest, rows=EncodedRows(blob, offsets), tok=Tokenized(ids, lengths, order, inverse))
+    blob, offsets, ids, lengths, order, inverse, prompt_tokens = arrays
+    return dataclasses.replace(s.rest, rows=EncodedRows(blob, offsets),
+                               tok=Tokenized(ids, lengths, order, inverse, int(prompt_tokens[0])))
 
 
 def source_name(ctx: PrepareContext, source: str) -> str:
