@@ -71,6 +71,28 @@ def test_warmup_leaves_no_compiling_for_the_first_units():
     assert counters["stats"]["unique_graphs"] == graphs
 
 
+@pytest.mark.skipif(not MINILM.is_dir(), reason="fp16 MiniLM not prepared (.models/)")
+@pytest.mark.parametrize("mode", ["mean", "cls"])
+def test_a_pooling_that_leaves_the_prompt_out_matches_st_on_the_gpu(tmp_path, mode):
+    """`include_prompt: false` on the device: the prompt's tokens weighted out of the packed mean (or the CLS moved
+    past them) for every batch, as sentence-transformers pools them."""
+    import json
+
+    from sentence_transformers import SentenceTransformer, models
+
+    from embedfleet.encode.encoder import Encoder
+
+    st = SentenceTransformer(str(MINILM), device="cpu")
+    path = tmp_path / "noprompt"
+    SentenceTransformer(modules=[st[0], models.Pooling(384, pooling_mode=mode, include_prompt=False), st[2]],
+                        device="cpu").save(str(path))
+    cfg = json.loads((path / "config_sentence_transformers.json").read_text())
+    cfg["prompts"] = {"query": "Represent the question for retrieving reviews: "}
+    (path / "config_sentence_transformers.json").write_text(json.dumps(cfg))
+    ours = Encoder(str(path)).encode(_texts(), prompt="query")
+    assert ((ours * _st(path, _texts(), prompt="query")).sum(1)).min() >= 0.999
+
+
 @pytest.mark.parametrize("pooling", ["lasttoken", "mean"])
 def test_tiny_qwen3_varlen_matches_st(tmp_path, pooling):
     from embedfleet.encode.encoder import Encoder
