@@ -225,3 +225,40 @@ def test_percent_in_where_for_search_and_queries(cli, dsn, tmp_path):
     one_line_error(cli("search", "--queries", empty, "--table", "products", "--db", dsn),
                    "no queries in it (one a line)")  # it printed nothing and exited 0
     one_line_error(cli("search", "--queries", tmp_path, "--table", "products", "--db", dsn), "a directory, not a file")
+
+
+def test_an_index_whose_walk_cannot_leave_many_equal_vectors_still_returns_k_rows(pg_server):
+    """Hundreds of rows with one vector (a long record's repeated passages) fill each other's HNSW neighbour lists,
+    so a walk that enters them cannot leave: the index hands back fewer rows than k with more in the table. The
+    search then measures every row: k rows, the exact nearest, and `--group-by-parent` finds k records."""
+    import uuid
+
+    import psycopg
+
+    name = "t_" + uuid.uuid4().hex[:12]
+    with psycopg.connect(pg_server.get_uri(), autocommit=True) as c:
+        c.execute(f'CREATE DATABASE "{name}"')
+    rng = np.random.default_rng(3)
+    counts = [400, 340] + [67] * 5 + [1] * 300  # as a table of long, repetitive records' passages
+    vecs = rng.normal(size=(len(counts), 16))
+    vecs /= np.linalg.norm(vecs, axis=1, keepdims=True)
+    with psycopg.connect(pg_server.get_uri(database=name), autocommit=True) as conn:
+        conn.execute("CREATE EXTENSION IF NOT EXISTS vector")
+        conn.execute("CREATE TABLE docs (id text PRIMARY KEY, content text, parent_id text, embedding vector(16))")
+        with conn.cursor() as cur, cur.copy("COPY docs (id, content, parent_id, embedding) FROM STDIN") as copy:
+            for i, n in enumerate(counts):
+                for j in range(n):
+                    copy.write_row((f"p{i}#{j}", f"passage {j} of record {i}", f"p{i}",
+                                    "[" + ",".join(f"{x:.6f}" for x in vecs[i]) + "]"))
+        conn.execute("CREATE INDEX ON docs USING hnsw (embedding vector_cosine_ops)")
+        conn.execute("ANALYZE docs")
+        q = vecs[0] + 0.5 * rng.normal(size=16) / 4
+        q = (q / np.linalg.norm(q)).astype(np.float32)
+        searcher = Searcher(conn, "docs")
+        rows = searcher.search(q, 600)
+        assert len(rows) == 600 and searcher.scan == "exact"
+        assert np.allclose([r["distance"] for r in rows], sorted(1 - np.repeat(vecs, counts, axis=0) @ q)[:600],
+                           atol=1e-5)
+        best = searcher.search(q, 5, group_by_parent=True)
+        nearest = [f"p{i}" for i in np.argsort(1 - vecs @ q)[:5]]
+        assert [r["parent_id"] for r in best] == nearest

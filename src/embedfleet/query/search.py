@@ -333,10 +333,10 @@ class Searcher:
             rows = cur.execute(exact if scan == "exact" else by_index, {**params, "k": walk}).fetchall()
             if scan == "iterative" or (self.index_kind == "halfvec" and scan != "exact"):
                 rows = sorted(rows, key=lambda r: r["distance"])[:k]  # (or ranked by halfvec distances)
-            if scan != "exact" and ((len(rows) < k and (where or k > EF_SEARCH_MAX)) or (
+            if scan != "exact" and (len(rows) < k or (
                     plan == "checked" and rows and self._nearer_in_sample(cur, filt, params, rows, matching))):
-                # the index gave up before k rows passed (or k is past what it hands over), or its walk stopped
-                # among far rows: measure every row kept
+                # the index gave up before k rows passed (a filter, k past what it hands over, or a graph whose
+                # walk cannot leave many equal vectors), or its walk stopped among far rows: measure every row kept
                 self._measure_all(cur)
                 self._arm_timeout(cur)  # each statement under its own timeout
                 rows = cur.execute(exact, params).fetchall()
