@@ -105,6 +105,16 @@ def test_ingest_fts_builds_it_at_the_end_and_rows_added_later_are_found(cli, dsn
                        "--fts-config", "klingon"), "--fts-config 'klingon'")
     one_line_error(cli("ingest", src, "--db", dsn, "--devices", "cpu", "--quiet", "--table", "other",
                        "--fts-config", "english"), "add --fts")  # a knob without what it tunes: refused, not ignored
+    # another job into a table whose full-text column has another configuration: refused before it writes a row,
+    # not at its finish with its rows written and the job left unfinished
+    other = tmp_path / "more.jsonl"
+    other.write_text("".join(json.dumps({"id": f"m{i}", "text": f"more text {i}"}) + "\n" for i in range(5)))
+    before = conn.execute("SELECT count(*) FROM withfts").fetchone()[0]
+    one_line_error(cli("ingest", other, "--db", dsn, "--devices", "cpu", "--quiet", "--id-field", "id", "--table",
+                       "withfts", "--job", "more", "--fts", "--fts-config", "german"),
+                   "has a full-text index with --fts-config 'simple'")
+    assert conn.execute("SELECT count(*) FROM withfts").fetchone()[0] == before
+    assert conn.execute("SELECT count(*) FROM embedfleet.jobs WHERE job = 'more'").fetchone()[0] == 0
 
 
 @pytest.mark.parametrize("rrf_k", [0])

@@ -28,6 +28,7 @@ from embedfleet.pg.ddl import (check_embedding_column, check_identifier, check_p
                                check_table_columns, check_write_privileges, drop_table, ensure_vector, finish_table,
                                join_name, partition_count, table_exists, table_rows, table_sql)
 from embedfleet.pg.embedded import resolve_dsn
+from embedfleet.pg.fts import check_fts_config
 from embedfleet.settings import JobSpec, Settings, default_chunk_bytes
 from embedfleet.sources import files
 from embedfleet.sources.plan import (CSV_FIRST_LINE, ChunkSpec, chunk_lines, expand_inputs, input_kind, plan_chunks,
@@ -294,6 +295,8 @@ def _check_named(spec: JobSpec, inputs: tuple, conn, settings: Settings, say: bo
     ensure_vector(conn)
     if table_exists(conn, cfg.table):  # its vectors must be this job's size, and its columns this job's
         check_same_columns(conn, cfg)
+        if cfg.fts and cfg.fts_config:
+            check_fts_config(conn, cfg.table, cfg.fts_config)
         if cfg.dim or hidden:
             check_embedding_column(conn, cfg.table, cfg.dim or hidden, "halfvec" if cfg.dtype == "half" else "vector")
         check_table_columns(conn, cfg.table, table_columns(cfg.preset, bool(cfg.passages), cfg.columns))
@@ -642,7 +645,7 @@ def finish(ledger: Ledger, job: str, cfg: JobSpec, timings: dict) -> tuple[dict,
     is left to the caller's one line about it."""
     import psycopg
 
-    from embedfleet.errors import connection_lost, first_line
+    from embedfleet.errors import EmbedfleetError, connection_lost, first_line
 
     try:
         return finalize(ledger, job, cfg, timings)
@@ -655,6 +658,10 @@ def finish(ledger: Ledger, job: str, cfg: JobSpec, timings: dict) -> tuple[dict,
             ledger.set_job_state(job, "failed", f"finishing table {cfg.table} failed: {reason}")
         raise JobError(f"job {job!r}: every row is written, but finishing table {cfg.table!r} failed: {reason}"
                        + (f"; {hint}" if hint else "")) from None
+    except EmbedfleetError as e:  # a refusal at the finish (another full-text configuration): failed, saying so
+        with contextlib.suppress(psycopg.Error):
+            ledger.set_job_state(job, "failed", f"finishing table {cfg.table} failed: {e}")
+        raise
 
 
 def finish_hint(reason: str) -> str | None:

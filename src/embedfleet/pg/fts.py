@@ -14,7 +14,7 @@ from psycopg import sql
 
 from embedfleet.errors import InputError
 
-__all__ = ["FTS_COLUMN", "DEFAULT_CONFIG", "add_fts", "fts_config"]
+__all__ = ["FTS_COLUMN", "DEFAULT_CONFIG", "add_fts", "check_fts_config", "fts_config"]
 
 FTS_COLUMN = "content_tsv"
 DEFAULT_CONFIG = "simple"
@@ -30,6 +30,21 @@ def fts_config(conn: psycopg.Connection, table: sql.Composable) -> str | None:
         return None
     found = re.search(r"'([^']+)'::regconfig", row[0])
     return found.group(1) if found else DEFAULT_CONFIG
+
+
+def check_fts_config(conn: psycopg.Connection, name: str, config: str) -> None:
+    """One line where table `name` has a full-text column in another configuration than `config` (before a job
+    writes anything: its finish could not build the index it asks for)."""
+    from embedfleet.pg.ddl import table_sql
+
+    table = table_sql(conn, name)
+    _check_same(conn, table, fts_config(conn, table), config)
+
+
+def _check_same(conn: psycopg.Connection, table: sql.Composable, have: str | None, config: str) -> None:
+    if have is not None and have != config:
+        raise InputError(f"table {table.as_string(conn)} has a full-text index with --fts-config {have!r}; drop "
+                         f"its column {FTS_COLUMN} to build one with {config!r}, or leave --fts-config out to keep it")
 
 
 def fts_column(config: str) -> sql.Composable:
@@ -63,9 +78,7 @@ def add_fts(conn: psycopg.Connection, name: str, config: str | None = None) -> t
         conn.execute("SELECT pg_advisory_xact_lock(hashtext(%s))", [f"embedfleet.finish.{table.as_string(conn)}"])
         have = fts_config(conn, table)
         config = config or have or DEFAULT_CONFIG
-        if have is not None and have != config:
-            raise InputError(f"table {table.as_string(conn)} has a full-text index with --fts-config {have!r}; drop "
-                             f"its column {FTS_COLUMN} to build one with {config!r}")
+        _check_same(conn, table, have, config)
         if have is not None and _gin_indexed(conn, table):
             return False, config
         plan = table_plan(conn, name, side_by_side=1)
