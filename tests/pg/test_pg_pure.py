@@ -115,8 +115,15 @@ def test_a_filter_is_one_expression_whatever_its_literals_hold():
                        ("Pg_Advisory_Lock(1) IS NOT NULL", r"pg_advisory_lock\(\) would change"),
                        # SQL as text, which the scan does not read: it took a session lock a rollback kept
                        ("query_to_xml('select pg_advisory_lock(42)', true, false, '') IS NOT NULL",
-                        r"query_to_xml\(\) would change"),
-                       ("(SELECT count(*) FROM ts_stat('select 1')) > 0", r"ts_stat\(\) would change"),
+                        r"query_to_xml\(\) runs SQL given as text"),
+                       ("(SELECT count(*) FROM ts_stat('select 1')) > 0", r"ts_stat\(\) runs SQL given as text"),
+                       # what a READ ONLY transaction lets through: other sessions, the server's state, its files
+                       ("pg_terminate_backend(pg_backend_pid())", r"pg_terminate_backend\(\) acts on the server"),
+                       ("pg_catalog.pg_reload_conf() AND a = 1", r"pg_reload_conf\(\) acts on the server"),
+                       ("pg_stat_reset() IS NULL", r"pg_stat_reset\(\) acts on the server"),
+                       ("pg_stat_reset_shared('io') IS NULL", r"pg_stat_reset_shared\(\) acts on the server"),
+                       ("length(pg_read_file('/etc/passwd')) > 0", r"pg_read_file\(\) reads the server's files"),
+                       ("(SELECT count(*) FROM pg_ls_dir('.')) > 0", r"pg_ls_dir\(\) reads the server's files"),
                        # a name in Unicode escapes spells any function
                        ('U&"set\\005fconfig"(\'a\', \'b\', false) IS NOT NULL', "Unicode escapes"),
                        ('u&"x" = 1', "Unicode escapes")):

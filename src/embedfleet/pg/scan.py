@@ -68,13 +68,34 @@ _DOLLAR = re.compile(r"\$([A-Za-z_][A-Za-z0-9_]*)?\$")
 _WORD = re.compile(r"[^\W][\w$]*(?=[^'\w$]|$)")  # not the E of E'...', which the literal's branch reads
 
 
-# functions whose effect outlives the filter's row: a setting (its statement timeout among them) or a session's lock
-SESSION_FUNCTIONS = frozenset({"set_config", "pg_advisory_lock", "pg_advisory_lock_shared", "pg_try_advisory_lock",
-                               "pg_try_advisory_lock_shared",
-                               # they run SQL given as text, which no scan of the filter sees
-                               "query_to_xml", "query_to_xmlschema", "query_to_xml_and_xmlschema", "cursor_to_xml",
+# Functions a filter may not call, each with why: it runs in a READ ONLY transaction, which stops writes to tables
+# but not these.
+_NOT_FILTERS = {
+    # an effect that outlives the filter's row: a setting (its statement timeout among them) or a session's lock
+    "would change the session": ("set_config", "pg_advisory_lock", "pg_advisory_lock_shared",
+                                 "pg_try_advisory_lock", "pg_try_advisory_lock_shared"),
+    # SQL given as text, which no scan of the filter sees
+    "runs SQL given as text": ("query_to_xml", "query_to_xmlschema", "query_to_xml_and_xmlschema", "cursor_to_xml",
                                "cursor_to_xmlschema", "ts_stat", "dblink", "dblink_exec", "dblink_open",
-                               "dblink_send_query"})
+                               "dblink_send_query"),
+    "acts on the server": ("pg_terminate_backend", "pg_cancel_backend", "pg_reload_conf", "pg_rotate_logfile",
+                           "pg_switch_wal", "pg_create_restore_point", "pg_promote", "pg_wal_replay_pause",
+                           "pg_wal_replay_resume", "pg_backup_start", "pg_backup_stop", "pg_log_backend_memory_contexts",
+                           "pg_create_physical_replication_slot", "pg_create_logical_replication_slot",
+                           "pg_drop_replication_slot", "pg_copy_physical_replication_slot",
+                           "pg_copy_logical_replication_slot", "pg_replication_slot_advance",
+                           "pg_logical_emit_message", "pg_import_system_collations", "pg_notify"),
+    "reads the server's files": ("pg_read_file", "pg_read_binary_file", "pg_stat_file", "lo_import", "lo_export"),
+}
+_NOT_FILTER_PREFIXES = {"pg_stat_reset": "acts on the server", "pg_replication_origin_": "acts on the server",
+                        "pg_ls_": "reads the server's files"}
+REFUSED_FUNCTIONS = {name: why for why, names in _NOT_FILTERS.items() for name in names}
+
+
+def _not_a_filter(name: str) -> str | None:
+    """Why a filter may not call function `name` (lower-case), or None."""
+    return REFUSED_FUNCTIONS.get(name) or next((why for p, why in _NOT_FILTER_PREFIXES.items()
+                                                if name.startswith(p)), None)
 
 
 def where_error(message: str, where: str) -> OptionError:
@@ -89,12 +110,13 @@ def one_expression(where: str) -> str:
     """`where` as one SQL expression, or one line saying why not. Outside string literals, quoted identifiers and
     dollar quotes it may hold no `;`, no comment and no parenthesis it does not close: pasted between the
     statement's own, it can then neither end the statement (and the READ ONLY transaction with a COMMIT) nor
-    cut off the ORDER BY and LIMIT that follow it. Nor may it call what changes the session (SESSION_FUNCTIONS):
-    a filter that lifted its own statement timeout could hold a server's connection for as long as it liked."""
+    cut off the ORDER BY and LIMIT that follow it. Nor may it call what a READ ONLY transaction lets through
+    (REFUSED_FUNCTIONS): a filter that lifted its own statement timeout could hold a server's connection for as
+    long as it liked, and one that ended other sessions or read the server's files would do more than filter."""
     if "\x00" in where:
         raise OptionError("where", "it holds a NUL character (\\x00), which SQL text cannot hold; remove it", where)
-    if called := sorted(_scan(where) & SESSION_FUNCTIONS):
-        raise OptionError("where", f"{called[0]}() would change the session; a filter may only read", where)
+    if called := sorted(n for n in _scan(where) if _not_a_filter(n)):
+        raise OptionError("where", f"{called[0]}() {_not_a_filter(called[0])}; a filter may only read rows", where)
     return where
 
 

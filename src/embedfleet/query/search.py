@@ -53,6 +53,7 @@ EXACT_MATCHES = 20_000
 MAX_SCAN_TUPLES, EXACT_ROWS, SAMPLE_ROWS = 20_000, 100_000, 20_000
 WALK_ROWS = 40  # rows an iterative walk hands back, the nearest k of them kept: its order is only rough
 EXACT_WORKERS = 8  # parallel workers an exact scan may take from the server's pool
+MAX_K = 100_000_000  # a search's rows at most: far below what a statement's LIMIT (a bigint) overflows at
 # A binary-quantized index ranks by Hamming distance: its nearest --rescore rows (default RESCORE × k, at least
 # RESCORE_MIN) are taken, then ranked by their full vectors' cosine distance.
 RESCORE, RESCORE_MIN = 10, 40
@@ -155,6 +156,7 @@ class Searcher:
         if isinstance(query_vec, str):
             raise InputError("Searcher.search takes a query vector, not text: embed it first with the table's model "
                              "(Encoder(model).encode([text])[0]), or run `embedfleet search TEXT --table T`")
+        _check_k(k)
         if group_by_parent and "parent_id" not in self.columns:
             raise OptionError("group-by-parent", f"table {self.table!r} has no passages (ingest it with --passages)")
 
@@ -217,6 +219,7 @@ class Searcher:
         if "\x00" in text:  # PostgreSQL's text cannot hold it
             raise InputError("the query text holds a NUL character (\\x00), which PostgreSQL text cannot hold: "
                              "remove it")
+        _check_k(k)
         if rrf_k < 1:
             raise InputError(f"--rrf-k {rrf_k}: use a positive constant (60 is the usual one)")
         depth = max(HYBRID_DEPTH, 4 * k)
@@ -299,8 +302,6 @@ class Searcher:
         if query_vec.shape[-1] != self.dim:
             raise DatabaseError(f"table {self.table!r} holds {self.dim}-dimensional vectors but the query has "
                                 f"{query_vec.shape[-1]}: search with the model the table was built with (--model)")
-        if k < 1:
-            raise InputError(f"-k {k}: ask for at least one result")
         if time.monotonic() - self._index_read_at > INDEX_RECHECK_S:
             self._read_index()
         vec = Vector(query_vec.reshape(-1).astype(np.float32))
@@ -343,6 +344,12 @@ class Searcher:
                 scan = "exact"
         self.scan = scan
         return [self._row(r) for r in rows]
+
+
+def _check_k(k: int) -> None:
+    if not 1 <= k <= MAX_K:
+        raise InputError(f"-k {k}: ask for at least one result" if k < 1 else
+                         f"-k {k:,}: a search returns at most {MAX_K:,} rows; `embedfleet export` reads a whole table")
 
 
 def filtered_scan(matching: float, rows) -> str:
