@@ -168,3 +168,29 @@ def test_hybrid_grouped_by_record_returns_k_records_when_one_long_record_fills_t
     finally:
         proc.terminate()
         proc.wait(timeout=30)
+
+
+def test_a_row_the_vectors_find_and_the_words_match_past_the_text_rankings_depth_has_its_text_rank(cli, dsn,
+                                                                                                     conn, tmp_path):
+    """RRF counts each ranking's first candidates; `text_rank` is still each result's own full-text rank, so a row
+    the vector ranking brought whose words match (beyond the text ranking's depth) does not read as a non-match."""
+    import numpy as np
+
+    from embedfleet.query.search import HYBRID_DEPTH, Searcher
+
+    rng = random.Random(3)
+    strong = [f"battery battery battery pack {i} battery" for i in range(3 * HYBRID_DEPTH)]
+    seaside = ["lighthouse", "harbour", "gulls", "tide", "fishing boats", "cliffs", "sea fog", "the pier"]
+    fillers = [f"the old {rng.choice(seaside)} keeper painted {rng.choice(seaside)} at dusk, {i}" for i in range(100)]
+    weak = "the old lighthouse keeper painted seascapes at dusk, and the battery of his lamp"
+    src = tmp_path / "mixed.jsonl"
+    src.write_text("".join(json.dumps({"id": f"r{i}", "text": t}) + "\n" for i, t in enumerate([weak, *strong, *fillers])))
+    cli("ingest", src, "--db", dsn, "--devices", "cpu", "--quiet", "--id-field", "id", "--table", "depth", "--fts",
+        check=True)
+    q = np.array(json.loads(conn.execute("SELECT embedding::text FROM depth WHERE id = 'r0'").fetchone()[0]), np.float32)
+    rows = Searcher(conn, "depth").hybrid(q, "battery", k=5)
+    matches = {i for (i,) in conn.execute("SELECT id FROM depth WHERE content_tsv @@ websearch_to_tsquery('simple', "
+                                          "'battery')")}
+    assert "r0" in [r["id"] for r in rows]  # first by its vector, past the text ranking's depth by its words
+    for r in rows:
+        assert (r["text_rank"] > 0) == (r["id"] in matches), r

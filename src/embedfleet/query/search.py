@@ -235,9 +235,18 @@ class Searcher:
         vec = Vector(query_vec.reshape(-1).astype(np.float32))
         with self._guarded(where) as cur:
             by_text = cur.execute(stmt, {"q": vec, "text": text, "k": depth}).fetchall()
+            ranked_ids = {r["id"] for r in by_text}
+            # a row the vectors found and the words match beyond the text ranking's depth: its own rank (RRF counts
+            # it in the vector ranking only)
+            beyond = [r["id"] for r in by_vector if r["id"] not in ranked_ids] if len(by_text) == depth else []
+            text_ranks = {r["id"]: float(r["rank"]) for r in cur.execute(sql.SQL(
+                "SELECT id, ts_rank_cd({c}, query) AS rank FROM {t}, websearch_to_tsquery({cfg}::regconfig, %(text)s) "
+                "AS query WHERE id = ANY(%(ids)s) AND {c} @@ query").format(
+                    c=sql.Identifier(FTS_COLUMN), t=self._table, cfg=sql.Literal(self.fts)),
+                {"text": text, "ids": beyond}).fetchall()} if beyond else {}
         fused: dict = {}
         for rank, r in enumerate(by_vector, 1):
-            fused[r["id"]] = dict(r, text_rank=0.0, score=1.0 / (rrf_k + rank))
+            fused[r["id"]] = dict(r, text_rank=text_ranks.get(r["id"], 0.0), score=1.0 / (rrf_k + rank))
         for rank, r in enumerate(by_text, 1):
             row = fused.setdefault(r["id"], dict(self._row(dict(r)), score=0.0))
             row["text_rank"] = float(r["text_rank"])
