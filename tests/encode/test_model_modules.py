@@ -138,6 +138,14 @@ def test_a_pooling_mode_the_encoder_does_not_compute_is_refused(tmp_path):
         read_spec(model)
     pool.write_text(json.dumps(cfg))
     assert read_spec(model).pooling == "mean"
+    # sentence-transformers 6 writes its modes as one name or a list of them
+    plain = {k: v for k, v in cfg.items() if not k.startswith("pooling_mode")}
+    for mode, want in (("cls", "cls"), (["cls"], "cls"), (["lasttoken"], "lasttoken"), ("mean", "mean")):
+        pool.write_text(json.dumps({**plain, "pooling_mode": mode}))
+        assert read_spec(model).pooling == want
+    pool.write_text(json.dumps({**plain, "pooling_mode": ["mean", "cls"]}))
+    with pytest.raises(ModelError, match="uses cls, mean; embedfleet computes one of"):
+        read_spec(model)
 
 
 def test_the_model_card_says_which_shorter_widths_the_model_was_trained_for(tmp_path):

@@ -375,21 +375,24 @@ class ModelSpec:
 # The sentence-transformers modules the encoder computes; a model listing any other is refused, since its
 # vectors would come out silently different from the model's own.
 COMPUTED_MODULES = ("Transformer", "Pooling", "Dense", "Dropout", "Normalize")  # Dropout: nothing, at inference
-# Pooling config keys for modes the encoder has: mean, CLS, last token. Any other mode set true is refused.
-_POOLING_MODES = {"pooling_mode_mean_tokens", "pooling_mode_cls_token", "pooling_mode_lasttoken"}
+# Pooling config keys for modes the encoder has (mean, CLS, last token); any other mode set true is refused.
+_POOLING_MODES = {"pooling_mode_mean_tokens": "mean", "pooling_mode_cls_token": "cls", "pooling_mode_lasttoken": "lasttoken"}
 
 
-def _check_pooling(path: Path, pool: dict) -> None:
-    """Refuse a Pooling module whose mode the encoder does not compute (max, mean of square roots, weighted
-    mean, several at once)."""
-    modes = [k for k, v in pool.items() if k.startswith("pooling_mode_") and k != "pooling_mode" and v is True]
+def _check_pooling(path: Path, pool: dict) -> str | None:
+    """The one mode a Pooling module's config sets (None where it sets none), or one line refusing a mode the
+    encoder does not compute (max, mean of square roots, weighted mean) or several at once. Its `pooling_mode`
+    may be a name or, as sentence-transformers 6 saves several, a list of names."""
+    flags = [k for k, v in pool.items() if k.startswith("pooling_mode_") and v is True]
     named = pool.get("pooling_mode")
-    unknown = [m for m in modes if m not in _POOLING_MODES] + ([named] if named not in (None, "mean", "cls", "lasttoken")
-                                                             else [])
+    names = [str(n) for n in (named if isinstance(named, (list, tuple)) else [] if named is None else [named])]
+    unknown = [k for k in flags if k not in _POOLING_MODES] + [n for n in names if n not in ("mean", "cls", "lasttoken")]
+    modes = {_POOLING_MODES.get(k, k) for k in flags} | set(names)
     if unknown or len(modes) > 1:
-        shown = ", ".join(unknown or modes)
+        shown = ", ".join(unknown or sorted(modes))
         raise ModelError(f"model {path}: its Pooling module uses {shown}; embedfleet computes one of mean, CLS or "
                          "last-token pooling, and would give wrong vectors")
+    return next(iter(modes), None)
 
 
 def _dense(path: Path, i: int, folder: Path) -> DenseSpec:
@@ -457,7 +460,7 @@ def read_spec(path: Path) -> ModelSpec:
             hf_dir = path / m.get("path", "")
         elif kind == "Pooling":
             pool_dir = path / m.get("path", "")
-            _check_pooling(path, _read_json(pool_dir / "config.json") or {})
+            _check_pooling(path, _read_json(pool_dir / "config.json") or {})  # before any later module's checks
         elif kind == "Dense":
             if pool_dir is None:
                 raise ModelError(f"model {path}: its module {i} (Dense) comes before any Pooling module; embedfleet "
@@ -479,14 +482,7 @@ def read_spec(path: Path) -> ModelSpec:
         max_seq = told if isinstance(told, int) and 0 < told < 1_000_000 else min(limit, 512)
     max_seq = int(max_seq)
     pool = (_read_json(pool_dir / "config.json") if pool_dir else None) or {}
-    if pool.get("pooling_mode_cls_token") or pool.get("pooling_mode") == "cls":
-        pooling = "cls"
-    elif pool.get("pooling_mode_lasttoken") or pool.get("pooling_mode") == "lasttoken":
-        pooling = "lasttoken"
-    elif pool or not config.get("is_decoder", False):
-        pooling = "mean"
-    else:
-        pooling = "lasttoken"
+    pooling = _check_pooling(path, pool) or ("mean" if pool or not config.get("is_decoder", False) else "lasttoken")
     if not modules:  # a bare HF model: decoders embed with their last token, encoders with the mean
         decoder = any(a.endswith("ForCausalLM") for a in config.get("architectures") or []) or config.get(
             "model_type"
