@@ -118,6 +118,35 @@ def test_query_prompt_changes_vectors_and_literal_prompt(tiny):
     np.testing.assert_allclose(enc.encode(["battery life"], prompt=literal), q, atol=1e-6)
 
 
+def test_a_word_naming_none_of_a_models_prompts_is_said_and_goes_before_the_text_as_written(tiny):
+    """`prompt="Query"` on a model with a `query` prompt was silently the text "Query" glued to each text."""
+    import warnings
+
+    enc = Encoder(str(tiny["qwen3"]))
+    with pytest.warns(UserWarning, match=r"prompt='Query': .* has no prompt of that name \(query, document\)"):
+        typo = enc.encode(["battery life"], prompt="Query")
+    np.testing.assert_allclose(typo, enc.encode(["Querybattery life"], prompt=""), atol=1e-6)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        enc.encode(["battery life"], prompt="Represent this review: ")  # a text of one's own: nothing to say
+        enc.encode(["battery life"], prompt="query")
+
+
+def test_what_encode_takes_is_said_in_one_line():
+    import torch
+
+    enc = Encoder(device="cpu")
+    for bad, why in ((None, "not NoneType"), (5, "not int"), (b"battery", "not bytes: decode them first")):
+        with pytest.raises(TypeError, match=why):
+            enc.encode(bad)
+    with pytest.raises(TypeError, match="prompt takes a string"):
+        enc.encode(["a"], prompt=3)
+    for kwargs, why in (({"dim": "64"}, "whole number"), ({"dim": 64.5}, "whole number"),
+                        ({"dtype": torch.int8}, "floating torch dtype")):
+        with pytest.raises(ModelError, match=why):
+            Encoder(device="cpu", **kwargs)
+
+
 def test_a_role_prompt_on_a_model_without_prompts_is_said_once_and_changes_nothing():
     """`encode(prompt="query")` on MiniLM (no prompts) was silent: a user believed queries were prefixed."""
     import warnings

@@ -28,7 +28,7 @@ from embedfleet.encode.batching import cumulative
 from embedfleet.encode.budget import (SMALL_MODEL_HIDDEN, TokenBudget, activation_bytes_per_token, probe_batch_tokens,
                                       run_with_backoff)
 from embedfleet.encode.compile import LONG_CALL_TEXTS, BackgroundCompile, Fused, compile_after_tokens, shape_key
-from embedfleet.encode.models import check_remote_code, model_name, read_spec, resolve_model
+from embedfleet.encode.models import check_remote_code, model_name, read_spec, resolve_model, unnamed_prompt
 from embedfleet.encode.packed.attention import Packing, token_layout
 from embedfleet.encode.pooling import apply_post, finish, pool_packed, post_modules
 from embedfleet.encode.tokenize import Tokenized, TokenizerSpec, model_tokenizer
@@ -98,6 +98,11 @@ class Encoder:
         self._dev = _device(device)
         if isinstance(dtype, str) and dtype not in _DTYPES:
             raise ModelError(f"dtype {dtype!r}: use one of {', '.join(_DTYPES)} (or a torch dtype)")
+        if not (dtype is None or isinstance(dtype, str) or isinstance(dtype, torch.dtype) and dtype.is_floating_point):
+            raise ModelError(f"dtype {dtype!r}: use one of {', '.join(_DTYPES)} or a floating torch dtype")
+        if dim is not None and (isinstance(dim, bool) or not isinstance(dim, (int, np.integer))):
+            raise ModelError(f"dim {dim!r}: give the vectors' width as a whole number")
+        _check_prompt_type(prompt)
         self.dtype = _DTYPES[dtype] if isinstance(dtype, str) else dtype
         if self.dtype is None:
             self.dtype = torch.bfloat16 if self._dev.type == "cuda" else torch.float32
@@ -245,13 +250,13 @@ class Encoder:
         return self._launch(tok)
 
     def _check_prompt(self, prompt: str | None) -> None:
-        """A role's name on a model without prompts adds nothing: said once per name, as the CLI says it."""
-        if prompt in ("query", "document", "passage") and prompt not in self._warned \
-                and self.spec.prompt_name(prompt) is None:
+        """A role's name on a model without prompts adds nothing, and a word that names none of a model's prompts
+        goes before each text as it is: each said once, as the CLI says it."""
+        if prompt is None or prompt in self._warned:
+            return
+        if said := unnamed_prompt(self.spec, self.name, prompt):
             self._warned.add(prompt)
-            warnings.warn(f"prompt={prompt!r}: {self.name} has no prompts, so none is added (it embeds queries and "
-                          f"documents alike); to prefix a text of your own, give the text itself, e.g. "
-                          f"prompt='{prompt}: '", UserWarning, stacklevel=3)
+            warnings.warn(f"prompt={prompt!r}: {said}", UserWarning, stacklevel=3)
 
     def encode(self, texts: list[str] | str, prompt: str | None = None) -> np.ndarray:
         """Unit vectors [len(texts), dim] for `texts` (any iterable of strings); one string gives its vector [dim],
@@ -259,8 +264,9 @@ class Encoder:
         if isinstance(texts, str):
             return self.encode([texts], prompt)[0]
         self._open()
+        _check_prompt_type(prompt)
         self._check_prompt(prompt)
-        texts = list(texts)
+        texts = _text_list(texts)
         long = len(texts) >= LONG_CALL_TEXTS
         if self._compile is not None and long:
             self._compile.start()  # a long call: the compiled graph will be ready for most of it
@@ -359,6 +365,22 @@ def chunk_bounds(n: int, size: int, first: int = FIRST_CHUNK) -> list[int]:
         bounds.append(min(n, bounds[-1] + step))
         step = min(size, 2 * step)
     return bounds
+
+
+def _text_list(texts) -> list:
+    """encode()'s texts as a list, or a TypeError saying what it takes (bytes would go by as numbers)."""
+    if isinstance(texts, (bytes, bytearray)):
+        raise TypeError("encode() takes strings, not bytes: decode them first (e.g. b.decode('utf-8'))")
+    try:
+        return list(texts)
+    except TypeError:
+        raise TypeError(f"encode() takes a string or an iterable of strings, not {type(texts).__name__}") from None
+
+
+def _check_prompt_type(prompt) -> None:
+    if prompt is not None and not isinstance(prompt, str):
+        raise TypeError(f"prompt takes a string (a name of the model's prompts, or text put before each text), "
+                        f"not {type(prompt).__name__}")
 
 
 def _check_strings(texts: list) -> None:

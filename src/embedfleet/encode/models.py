@@ -372,6 +372,23 @@ class ModelSpec:
                              "module does, such as jina's, with --trust-remote-code)")
 
 
+def unnamed_prompt(spec, name: str, prompt: str, flag: str = "") -> str | None:
+    """What to tell a user whose prompt names no prompt of the model, or None: a role's name it has no prompt for
+    (nothing is added), or a single word where it has prompts (it goes before each text as written). `flag`: how
+    the user gives a prompt (`--prompt ` on the command line)."""
+    if spec.prompt_name(prompt) is not None:
+        return None
+    if prompt in ("query", "document", "passage"):
+        has = (f"no {prompt} prompt (its prompts: {', '.join(spec.prompts)})" if spec.prompts else
+               "no prompts")
+        return (f"{name} has {has}, so none is added (it embeds queries and documents alike); to prefix a text of "
+                f"your own, give the text itself, e.g. {flag or 'prompt='}'{prompt}: '")
+    if spec.prompts and prompt.strip() and not any(c.isspace() or c in ":：" for c in prompt):
+        return (f"{name} has no prompt of that name ({', '.join(spec.prompts)}), so {prompt!r} goes before each text "
+                "as it is; give one of those names, or the text itself")
+    return None
+
+
 # The sentence-transformers modules the encoder computes; a model listing any other is refused, since its
 # vectors would come out silently different from the model's own.
 COMPUTED_MODULES = ("Transformer", "Pooling", "Dense", "Dropout", "Normalize")  # Dropout: nothing, at inference

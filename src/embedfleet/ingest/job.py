@@ -248,7 +248,7 @@ def _check_named(spec: JobSpec, inputs: tuple, conn, settings: Settings, say: bo
         from embedfleet.sources.presets import job_preset
 
         job_preset(cfg.preset, list(cfg.columns))  # a name the table has already: one line now, nothing installed
-    from embedfleet.encode.models import check_model, model_name
+    from embedfleet.encode.models import check_model, model_name, unnamed_prompt
 
     model = check_model(cfg.model, cfg.trust_remote_code)  # an unusable model fails here, once, not in every worker after planning
     model.check_task(cfg.task)
@@ -265,10 +265,8 @@ def _check_named(spec: JobSpec, inputs: tuple, conn, settings: Settings, say: bo
         _, words = index_plan(cfg.dim or hidden, "halfvec" if cfg.dtype == "half" else "vector", cfg.index)
         if not cfg.no_index:
             log.info("index: %s", words)
-    if say and cfg.prompt in ("query", "document", "passage") and model.prompt_name(cfg.prompt) is None:
-        log.warning("--prompt %s: %s has no prompts, so none is added (it embeds queries and documents alike); "
-                    "to prefix a text of your own, give the text itself, e.g. --prompt '%s: '", cfg.prompt, name,
-                    cfg.prompt)
+    if say and cfg.prompt and (said := unnamed_prompt(model, name, cfg.prompt, "--prompt ")):
+        log.warning("--prompt %s: %s", cfg.prompt, said)
     if say and cfg.dim is not None and cfg.dim < (hidden or 0) and model.matryoshka() is None:
         log.warning("--dim %d: %s was not trained for shorter vectors (its model card names no Matryoshka training): "
                     "its first %d dimensions may find worse neighbours than all %d", cfg.dim, name, cfg.dim, hidden)
