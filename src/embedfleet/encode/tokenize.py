@@ -409,17 +409,18 @@ def _tokenizer_json(spec) -> str:
     for d in (spec.hf_dir, spec.path):
         if (d / "tokenizer.json").exists():
             return (d / "tokenizer.json").read_text(encoding="utf-8")
-    if not any((d / f).exists() for d in (spec.hf_dir, spec.path) for f in _VOCAB_FILES) and not any(
-            spec.hf_dir.glob("*.model")):
-        raise ModelError(f"model {spec.path} has no tokenizer: none of tokenizer.json, {', '.join(_VOCAB_FILES)} is "
-                         f"in {spec.hf_dir}; copy the model's tokenizer files there")
     from embedfleet.encode.models import remote_code
+
+    custom = spec.custom is not None or remote_code(spec) is not None  # its own code may build one from nothing
+    if not custom and not any((d / f).exists() for d in (spec.hf_dir, spec.path) for f in _VOCAB_FILES) and not any(
+            spec.hf_dir.glob("*.model")):
+        raise ModelError(f"model {spec.path} has no usable tokenizer: none of tokenizer.json, {', '.join(_VOCAB_FILES)} "
+                         f"is in {spec.hf_dir}; copy the model's tokenizer files there")
 
     try:  # a slow-only tokenizer: let transformers convert it
         from transformers import AutoTokenizer
 
         # a model with code of its own got here only with --trust-remote-code (models.check_remote_code)
-        custom = spec.custom is not None or remote_code(spec) is not None
         return AutoTokenizer.from_pretrained(str(spec.hf_dir), trust_remote_code=custom).backend_tokenizer.to_str()
     except Exception as err:
         why = " ".join(str(err).split())  # the whole reason, on one line
