@@ -115,6 +115,15 @@ def test_ingest_fts_builds_it_at_the_end_and_rows_added_later_are_found(cli, dsn
                    "has a full-text index with --fts-config 'simple'")
     assert conn.execute("SELECT count(*) FROM withfts").fetchone()[0] == before
     assert conn.execute("SELECT count(*) FROM embedfleet.jobs WHERE job = 'more'").fetchone()[0] == 0
+    # a query whose own text cannot be searched: its line says why, and the queries around it are answered
+    qfile = tmp_path / "queries.txt"
+    qfile.write_text(f"{CODE}\nbat\x00tery\nZZ9PLURAL\n", encoding="utf-8")
+    p = cli("search", "--queries", qfile, "--table", "withfts", "--db", dsn, "--hybrid", "-k", "1")
+    lines = [json.loads(line) for line in p.stdout.splitlines()]
+    assert p.returncode == 2 and [d["query"] for d in lines] == [CODE, "bat\x00tery", "ZZ9PLURAL"]
+    assert lines[0]["results"] and lines[2]["results"][0]["id"] == "late" and "NUL character" in lines[1]["error"]
+    errors = p.stderr.strip().splitlines()
+    assert len(errors) == 1 and "query 2" in errors[0] and "the others answered" in errors[0]
 
 
 @pytest.mark.parametrize("rrf_k", [0])

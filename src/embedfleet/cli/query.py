@@ -9,7 +9,7 @@ import orjson
 import typer
 
 from embedfleet.cli.app import DbOpt, TrustOpt, app, emit, knobs, stopped_on_purpose
-from embedfleet.errors import EmbedfleetError
+from embedfleet.errors import EmbedfleetError, InputError
 
 
 MAX_STATEMENT_TIMEOUT = 2_147_483  # seconds: PostgreSQL's statement_timeout is at most 2^31 - 1 ms
@@ -67,13 +67,22 @@ def search(
 
     # a query argument's bytes that are not UTF-8 reach Python as lone surrogates: U+FFFD, as ingest stores them
     texts = query_lines(queries) if queries is not None else [sanitize(query)]
-    for text, results, scan in run_search(resolve_dsn(db, knobs()), table, texts, k=k, where=where, model=model, device=device,
-                                          settings=knobs(), trust_remote_code=trust_remote_code,
-                                          hybrid=hybrid, rrf_k=rrf_k, rescore=rescore, rerank=rerank,
-                                          rerank_depth=rerank_depth,
-                                          group_by_parent=group_by_parent, statement_timeout=statement_timeout):
+    failed = []
+    for n, (text, results, scan, error) in enumerate(run_search(
+            resolve_dsn(db, knobs()), table, texts, k=k, where=where, model=model, device=device, settings=knobs(),
+            trust_remote_code=trust_remote_code, hybrid=hybrid, rrf_k=rrf_k, rescore=rescore, rerank=rerank,
+            rerank_depth=rerank_depth, group_by_parent=group_by_parent, statement_timeout=statement_timeout), 1):
+        if error is not None and queries is None:
+            raise InputError(error)
         if queries is not None:
-            sys.stdout.write(orjson.dumps({"query": text, "results": results, "scan": scan}, default=str).decode() + "\n")
+            line = {"query": text, "results": results, "scan": scan} if error is None else {"query": text,
+                                                                                              "error": error}
+            sys.stdout.write(orjson.dumps(line, default=str).decode() + "\n")
+            if error is not None:
+                failed.append(n)
+                shown = text if len(text) <= 60 else text[:57] + "…"
+                typer.echo(f"error: --queries {queries}: query {n} ({shown!r}), the others answered: {error}",
+                           err=True)
         elif json_out or not results:
             if not results:  # said on stderr, as --json's empty list is on stdout
                 typer.echo(f"no rows of {table!r}" + (" pass the filter" if where else " to search (none has a vector)"),
@@ -86,6 +95,8 @@ def search(
                 # the score the rows are ordered by comes first: the cross-encoder's, else the fused one
                 lead = f"{r['rerank_score']:.4f}  " if rerank else f"{r['score']:.4f}  " if hybrid else ""
                 typer.echo(f"{lead}{r['distance']:.4f}  {r['id']}  {line[:120]}")
+    if failed:  # every other query answered; the exit says some were not
+        raise typer.Exit(2)
 
 
 @app.command()

@@ -69,6 +69,10 @@ INDEX_RECHECK_S = 5.0  # how often a searcher reads its table's index again
 HYBRID_DEPTH = 50  # candidates each ranking gives a hybrid search (at least; 4 × k for a larger k)
 
 
+class QueryTextError(InputError):
+    """A query's own text cannot be searched (the others of a --queries file can)."""
+
+
 def no_fts(table: str) -> OptionError:
     """--hybrid on a table without a full-text index: the command that adds one."""
     return OptionError("hybrid", f"table {table!r} has no full-text index; `embedfleet index --table {table} --fts` "
@@ -217,8 +221,8 @@ class Searcher:
         if self.fts is None:
             raise no_fts(self.table)
         if "\x00" in text:  # PostgreSQL's text cannot hold it
-            raise InputError("the query text holds a NUL character (\\x00), which PostgreSQL text cannot hold: "
-                             "remove it")
+            raise QueryTextError("the query text holds a NUL character (\\x00), which PostgreSQL text cannot hold: "
+                                 "remove it")
         _check_k(k)
         if rrf_k < 1:
             raise InputError(f"--rrf-k {rrf_k}: use a positive constant (60 is the usual one)")
@@ -276,8 +280,8 @@ class Searcher:
                 raise OptionError("where", f"it would write ({e.diag.message_primary}); it may only filter",
                                   where) from None
             except psycopg.errors.StatementTooComplex as e:  # a query of thousands of words, as a tsquery
-                raise InputError(f"the search is too complex for the server ({e.diag.message_primary}): "
-                                 "shorten the query") from None
+                raise QueryTextError(f"the search is too complex for the server ({e.diag.message_primary}): "
+                                     "shorten the query") from None
             except psycopg.errors.QueryCanceled as e:
                 if "statement timeout" not in (e.diag.message_primary or ""):  # cancelled: not a timeout
                     raise DatabaseError(f"the search was cancelled on the server ({e.diag.message_primary})") from None
@@ -391,8 +395,9 @@ def search_queries(conn: psycopg.Connection, table: str, queries: Iterable[str],
                    group_by_parent: bool = False, statement_timeout: float = DEFAULT_STATEMENT_TIMEOUT,
                    settings=None, trust_remote_code: bool = False, hybrid: bool = False,
                    rrf_k: int | None = None, rescore: int | None = None, rerank: str | None = None,
-                   rerank_depth: int | None = None) -> Iterator[tuple[str, list[dict], str]]:
-    """(query, its top-k, how they were found) for each query, in order: the model loaded once, queries
+                   rerank_depth: int | None = None) -> Iterator[tuple[str, list[dict], str, str | None]]:
+    """(query, its top-k, how they were found, why it could not be searched or None) for each query, in order (a
+    query whose own text cannot be searched does not stop the others): the model loaded once, queries
     embedded QUERY_BATCH at a time (the same vectors as one at a time). `hybrid`: each query's text also
     ranked by the table's full-text index, the two rankings fused (Searcher.hybrid) with `rrf_k` (None: RRF_K).
     `rerank`: a cross-encoder that reorders the first `rerank_depth` rows (query/rerank.py). A knob given
@@ -422,13 +427,17 @@ def search_queries(conn: psycopg.Connection, table: str, queries: Iterable[str],
 
             reranker = Reranker(rerank, device=device, trust_remote_code=trust_remote_code)
 
-        def each(batch: list[str]) -> Iterator[tuple[str, list[dict], str]]:
+        def each(batch: list[str]) -> Iterator[tuple[str, list[dict], str, str | None]]:
             for text, vec in zip(batch, encoder.encode(batch)):
-                results = searcher.search(vec, depth if reranker else k, where, None, group_by_parent,
-                                          text if hybrid else None, RRF_K if rrf_k is None else rrf_k)
+                try:
+                    results = searcher.search(vec, depth if reranker else k, where, None, group_by_parent,
+                                              text if hybrid else None, RRF_K if rrf_k is None else rrf_k)
+                except QueryTextError as e:
+                    yield text, [], searcher.scan, str(e)
+                    continue
                 if reranker is not None:
                     results = reranker.rerank(text, results, k)
-                yield text, results, searcher.scan
+                yield text, results, searcher.scan, None
 
         batch: list[str] = []
         for q in queries:
@@ -447,8 +456,9 @@ def run_search(dsn: str, table: str, queries: Iterable[str], k: int = 10, where:
                statement_timeout: float = DEFAULT_STATEMENT_TIMEOUT, settings=None,
                trust_remote_code: bool = False, hybrid: bool = False,
                rrf_k: int | None = None, rescore: int | None = None, rerank: str | None = None,
-               rerank_depth: int | None = None) -> Iterator[tuple[str, list[dict], str]]:
-    """`embedfleet search`: (query, its top-k, the scan) for each query, on one connection."""
+               rerank_depth: int | None = None) -> Iterator[tuple[str, list[dict], str, str | None]]:
+    """`embedfleet search`: (query, its top-k, the scan, an error of its own or None) for each query, on one
+    connection."""
     from embedfleet.pg.connect import connect
 
     with connect(dsn) as conn:
