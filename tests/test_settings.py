@@ -32,6 +32,7 @@ def test_config_flags_win_over_yaml_and_identity_ignores_runtime_knobs(tmp_path)
     ({"meta": "m.jsonl", "preset": "generic"}, "--meta"),
     ({"text_field": "a", "text_template": "{b}"}, "not both"),
     ({"limit": 0}, r"--limit 0: embed at least 1 record"),  # it blamed the inputs: "hold no records"
+    ({"no_index": True, "index": "binary"}, r"--index binary asks for an index and --no-index for none"),
 ])
 def test_bad_flags_are_refused_with_the_flag_named(flags, msg):
     with pytest.raises(InputError, match=msg):

@@ -373,6 +373,8 @@ def validated(spec: JobSpec) -> JobSpec:
         raise InputError("--chunk-bytes must be at least 1024")
     if spec.limit is not None and spec.limit < 1:
         raise InputError(f"--limit {spec.limit}: embed at least 1 record (leave --limit out for all of them)")
+    if spec.no_index and spec.index != "hnsw":
+        raise InputError(f"--index {spec.index} asks for an index and --no-index for none: give one of them")
     if spec.dtype not in ("float", "half"):
         raise InputError(f"--dtype {spec.dtype!r}: use float (vector) or half (halfvec)")
     if spec.partitions is not None and not 2 <= spec.partitions <= MAX_PARTITIONS:

@@ -114,8 +114,10 @@ def test_a_queries_file_gives_what_one_call_per_query_gives(cli, table_dsn, tmp_
     none = cli("search", QUERIES[0], "--table", TABLE, "--db", table_dsn, "--where", "false", "--json")
     assert none.returncode == 0 and json.loads(none.stdout)["results"] == []
     assert "pass the filter" in none.stderr  # said, as without --json
-    for k, why in (("0", "ask for at least one result"), ("99999999999999999999", "at most 100,000,000 rows")):
-        bad = cli("search", QUERIES[0], "--table", TABLE, "--db", table_dsn, "-k", k)
+    for args, why in ((["-k", "0"], "ask for at least one result"),
+                      (["-k", "99999999999999999999"], "at most 100,000,000 rows"),
+                      (["--where", ""], "--where '': it is empty")):  # it was read as no filter
+        bad = cli("search", QUERIES[0], "--table", TABLE, "--db", table_dsn, *args)
         lines = bad.stderr.strip().splitlines()
         assert bad.returncode == 2 and len(lines) == 1 and why in lines[0], bad.stderr  # not the server's bigint error
 

@@ -46,6 +46,15 @@ def with_flags(settings: Settings, **flags) -> Settings:
     return replace(settings, **given) if given else settings
 
 
+def check_where(where: str | None) -> str | None:
+    """--where's callback: an empty filter is refused, as a blank one is, rather than read as no filter."""
+    if where is not None and not where.strip():
+        from embedfleet.errors import OptionError
+
+        raise OptionError("where", "it is empty; give one condition, as after WHERE, or leave --where out", where)
+    return where
+
+
 def emit(doc) -> None:
     sys.stdout.write(orjson.dumps(doc, option=orjson.OPT_INDENT_2, default=str).decode() + "\n")
 

@@ -10,7 +10,7 @@ from typing import List, Optional
 
 import typer
 
-from embedfleet.cli.app import DbOpt, TrustOpt, app, emit, jobs_app, knobs, state, stopped_on_purpose, with_flags
+from embedfleet.cli.app import check_where, DbOpt, TrustOpt, app, emit, jobs_app, knobs, state, stopped_on_purpose, with_flags
 from embedfleet.errors import EmbedfleetError, InputError, JobError
 from embedfleet.logs import plural
 from embedfleet.settings import shell_escapes
@@ -34,7 +34,7 @@ PromptOpt = typer.Option(None, "--prompt", help="prompt name or text prepended t
 TaskOpt = typer.Option(None, "--task", help="the task a model's own module takes (jina's adapters, with "
                        "--trust-remote-code; default: the prompt's name); searches reuse it")
 SourceDbOpt = typer.Option(None, "--source-db", help="the database a --from-table source is in (default: --db)")
-WhereOpt = typer.Option(None, "--where", help="with --from-table: SQL filter on the source's rows (read-only)")
+WhereOpt = typer.Option(None, "--where", callback=check_where, help="with --from-table: SQL filter on the source's rows (read-only)")
 QuietOpt = typer.Option(False, "--quiet", help="no progress display")
 
 

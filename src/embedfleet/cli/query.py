@@ -8,7 +8,7 @@ from typing import List, Optional
 import orjson
 import typer
 
-from embedfleet.cli.app import DbOpt, TrustOpt, app, emit, knobs, stopped_on_purpose
+from embedfleet.cli.app import check_where, DbOpt, TrustOpt, app, emit, knobs, stopped_on_purpose
 from embedfleet.errors import EmbedfleetError, InputError
 
 
@@ -28,7 +28,7 @@ def search(
     table: str = typer.Option(..., "--table"),
     db: Optional[str] = DbOpt,
     k: int = typer.Option(10, "-k", "--k", help="results"),
-    where: Optional[str] = typer.Option(None, "--where", help="SQL filter, e.g. \"rating <= 2\" (read-only)"),
+    where: Optional[str] = typer.Option(None, "--where", callback=check_where, help="SQL filter, e.g. \"rating <= 2\" (read-only)"),
     model: Optional[str] = typer.Option(None, "--model", help="default: the model the table was built with"),
     trust_remote_code: bool = TrustOpt,
     device: str = typer.Option("cpu", "--device", help="cpu (one query needs no GPU) | auto | cuda | cuda:N"),

@@ -6,7 +6,7 @@ from typing import List, Optional
 
 import typer
 
-from embedfleet.cli.app import DbOpt, app, emit, knobs
+from embedfleet.cli.app import check_where, DbOpt, app, emit, knobs
 
 
 @app.command()
@@ -15,7 +15,7 @@ def export(
     fmt: str = typer.Option(..., "--format", help="parquet | npy | jsonl"),
     out: str = typer.Option(..., "--out", help="file (parquet, jsonl) or directory (npy, or --shards > 1)"),
     db: Optional[str] = DbOpt,
-    where: Optional[str] = typer.Option(None, "--where", help="SQL filter, e.g. \"rating <= 2\" (read-only)"),
+    where: Optional[str] = typer.Option(None, "--where", callback=check_where, help="SQL filter, e.g. \"rating <= 2\" (read-only)"),
     columns: Optional[str] = typer.Option(None, "--columns", help="a,b: columns besides id and embedding "
                                                                   "(default: all but content_tsv; npy: none)"),
     dtype: Optional[str] = typer.Option(None, "--dtype", help="float32 | float16 (default: as stored)"),

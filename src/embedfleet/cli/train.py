@@ -7,7 +7,7 @@ from typing import Optional
 import orjson
 import typer
 
-from embedfleet.cli.app import DbOpt, app, emit, knobs
+from embedfleet.cli.app import check_where, DbOpt, app, emit, knobs
 
 
 @app.command()
@@ -25,7 +25,7 @@ def train(
     batch_size: Optional[int] = typer.Option(None, "--batch-size", help="rows a step, across all devices (default: "
                                              "an eighth of the train rows as a power of two, at most 4096)"),
     lr: Optional[float] = typer.Option(None, "--lr", help="AdamW learning rate (warm-up, then cosine decay); default 0.001, more for a run of under 2,000 steps (at most 0.01)"),
-    where: Optional[str] = typer.Option(None, "--where", help="SQL filter on the rows (read-only)"),
+    where: Optional[str] = typer.Option(None, "--where", callback=check_where, help="SQL filter on the rows (read-only)"),
     val_fraction: float = typer.Option(0.1, "--val-fraction", help="share of rows, by id hash, kept for validation"),
     devices: str = typer.Option("auto", "--devices", help="auto | cpu | cuda | cuda:0,1,… (one process each)"),
     ranks: Optional[int] = typer.Option(None, "--ranks", help="training processes (default one per device; "
@@ -71,7 +71,7 @@ def _alias(new, old, new_name: str, old_name: str):
 def predict(
     run: str = typer.Option(..., "--run", help="a run directory `embedfleet train` wrote"),
     table: str = typer.Option(..., "--table"),
-    where: Optional[str] = typer.Option(None, "--where", help="SQL filter on the rows (read-only)"),
+    where: Optional[str] = typer.Option(None, "--where", callback=check_where, help="SQL filter on the rows (read-only)"),
     out: Optional[str] = typer.Option(None, "--out", help="FILE.parquet: id, prediction, probabilities"),
     db: Optional[str] = DbOpt,
     device: str = typer.Option("auto", "--device"),
