@@ -267,3 +267,14 @@ def test_a_weights_file_cut_short_is_one_line_naming_it(tmp_path):
         with pytest.raises(ModelError, match="its weights file model.safetensors cannot be read") as err:
             load()
         assert "\n" not in str(err.value) and "download or copy it again" in str(err.value)
+
+
+def test_a_file_given_as_the_model_is_said_to_be_a_file(tmp_path):
+    from embedfleet.encode.models import resolve_model
+
+    f = tmp_path / "corpus.jsonl"
+    f.write_text("{}\n")
+    with pytest.raises(ModelError, match="a file, not a model directory"):
+        resolve_model(str(f), "--rerank")
+    with pytest.raises(ModelError, match="no such directory"):
+        resolve_model(str(tmp_path / "nope"))

@@ -43,7 +43,9 @@ def resolve_model(model: str | os.PathLike | None, flag: str = "--model") -> Pat
         if not (path / "config.json").exists():
             raise ModelError(f"model directory {path} has no config.json: is it a Hugging Face model?")
         return path
-    if path.exists() or str(model).startswith((".", "/", "~")) or str(model).count("/") != 1:
+    if path.exists():
+        raise ModelError(f"{flag} {model}: a file, not a model directory; give the folder that holds its config.json")
+    if str(model).startswith((".", "/", "~")) or str(model).count("/") != 1:
         raise ModelError(f"model '{model}' not found: no such directory. Pass a local path with {flag}.")
     try:
         from huggingface_hub import snapshot_download
