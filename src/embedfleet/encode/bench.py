@@ -246,7 +246,8 @@ def format_bench(result: dict) -> str:
              ("query cold s", "query_cold_s", "{:.2f}"), ("ST query cold s", "st_query_cold_s", "{:.2f}"),
              ("query p50 ms", "query_p50_ms", "{:.1f}"), ("ST p50 ms", "st_query_p50_ms", "{:.1f}")]
     head = (f"{result['gpu']} ({result['device']}), torch {result['torch']}, n={result['n']}, "
-            f"bf16 matmul peak {result['peak_bf16_tflops'] or 0:.0f} TFLOP/s; sentence-transformers in "
+            + (f"bf16 matmul peak {result['peak_bf16_tflops']:.0f} TFLOP/s; " if result.get("peak_bf16_tflops") else
+               "no bf16 matmul peak (not a GPU); ") + "sentence-transformers in "
             f"{result.get('st_dtype') or 'bfloat16'} at batch {result['st_batch']}; every figure from a fresh process")
     return "\n".join([head, "steady state (after warmup):", _table(steady, result["results"]),
                       "what users meet (constructor included; script: torch + sentence_transformers imported at its top):",
@@ -363,7 +364,8 @@ def _query(spec: dict, st: bool) -> dict:
         enc = Encoder(spec["model"], device=spec["device"], batch_tokens=spec["batch_tokens"],
                       dtype=getattr(torch, spec["dtype"]) if spec.get("dtype") else None,
                       trust_remote_code=spec.get("trust_remote_code", False))
-        encode = lambda q: enc.encode([q], prompt="query")  # noqa: E731 - ndarray on the host: synced
+        query = "query" if "query" in enc.spec.prompts else None  # as sentence-transformers' side: its prompt, if any
+        encode = lambda q: enc.encode([q], prompt=query)  # noqa: E731 - ndarray on the host: synced
     encode(queries[0])
     cold = time.perf_counter() - t0
     times = []
