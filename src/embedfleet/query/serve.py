@@ -33,7 +33,7 @@ import sys
 import threading
 import time
 from collections import deque
-from concurrent.futures import Future
+from concurrent.futures import Future, InvalidStateError
 from contextlib import contextmanager
 from typing import Callable
 
@@ -235,8 +235,6 @@ class Batcher:
 
 def _settle(fut: Future, result=None, error: BaseException | None = None) -> None:
     """Answer `fut` unless it is answered or cancelled (its client went away) already."""
-    from concurrent.futures import InvalidStateError
-
     try:
         if error is not None:
             fut.set_exception(error)
