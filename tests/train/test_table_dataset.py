@@ -157,6 +157,26 @@ def test_features_in_a_database_without_pgvector(dsn, conn, mode, monkeypatch):
         r = rows[int(i)]
         want = np.concatenate([np.asarray(r[2], np.float32), [np.float32(r[1])], np.frombuffer(r[3], "<f4")])
         np.testing.assert_array_equal(x[k].numpy(), want)
+    # nothing on a float4[]'s way refuses NaN, as pgvector's vector does: it is checked, not trained on
+    from embedfleet.errors import InputError
+
+    conn.execute("UPDATE plain SET a = 'NaN' WHERE id = 7")
+    conn.execute("UPDATE plain SET b[2] = 'Infinity' WHERE id = 4")
+    for feats, needle in ((["a"], r"feature column 'a' \(float4\) holds NaN or an infinity in row id 7"),
+                          (["b", "c"], r"feature column 'b' \(float8\[\]\) holds NaN or an infinity in row id 4")):
+        with pytest.raises(InputError, match=needle):
+            TableDataset.from_table("plain", features=feats, label="d", db=dsn, device="cpu")
+    # a regression target that is NaN or infinite: refused, not a loss of nan
+    conn.execute("CREATE TABLE reg (id int PRIMARY KEY, a real, y double precision)")
+    conn.execute("INSERT INTO reg SELECT g, g, g * 2 FROM generate_series(1, 50) g")
+    conn.execute("UPDATE reg SET y = 'NaN' WHERE id IN (3, 9)")
+    with pytest.raises(InputError, match="--label 'y' holds NaN or an infinity in 2 selected rows"):
+        TableDataset.from_table("reg", features=["a"], label="y", task="regress", db=dsn, device="cpu")
+    assert len(TableDataset.from_table("reg", features=["a"], label="y", task="regress", where="y <> 'NaN'", db=dsn,
+                                       device="cpu")) == 48
+    conn.execute("CREATE TABLE nothing (id int PRIMARY KEY, a real, y int)")
+    with pytest.raises(InputError, match="the selection is empty: table 'nothing' has no rows$"):
+        TableDataset.from_table("nothing", features=["a"], label="y", db=dsn, device="cpu")
 
 
 def test_fill_null_fills_each_kind_and_where_split_select(db):

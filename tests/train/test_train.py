@@ -86,6 +86,7 @@ def test_train_beats_chance_and_predict_agrees_with_the_head(env):
     p = cli("train", "--table", "reviews", "--label", "rating", *TRAIN, "--db", dsn, "--out", out, "--json")
     doc = json.loads(p.stdout)  # exactly one JSON document on stdout
     assert doc == json.loads((out / "metrics.json").read_text())
+    assert f"reviews: {NULL_RATINGS} rows without a label left out (NULL)" in p.stderr  # said, not only counted
     final = doc["final"]
     assert final["val_accuracy"] >= 0.6 and final["val_macro_f1"] >= 0.5  # chance is 0.2
     assert doc["rows"]["skipped_null_label"] == NULL_RATINGS
@@ -135,6 +136,23 @@ def test_train_beats_chance_and_predict_agrees_with_the_head(env):
         conn.execute("UPDATE unrated SET rating = NULL")
     blind = json.loads(cli("predict", "--run", out, "--table", "unrated", "--db", dsn, "--json").stdout)
     assert blind["rows"] == ROWS and sum(blind["predicted"].values()) == ROWS and blind["accuracy"] is None
+    # labels the head never saw count as wrong (they were left out, so 1 of 3,000 rows "predicted" all right), and
+    # rows without a vector are said to be left out
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        conn.execute("CREATE TABLE relabelled AS SELECT * FROM reviews")
+        conn.execute("UPDATE relabelled SET rating = 9 WHERE id IN (SELECT id FROM relabelled WHERE rating IS NOT "
+                     "NULL ORDER BY id LIMIT 20)")
+        conn.execute("UPDATE relabelled SET embedding = NULL WHERE id IN (SELECT id FROM relabelled ORDER BY id DESC "
+                     "LIMIT 2)")
+        labels = dict(conn.execute("SELECT id, rating FROM relabelled WHERE embedding IS NOT NULL").fetchall())
+    predicted = dict(zip(table.column("id").to_pylist(), table.column("prediction").to_pylist()))
+    labelled = [i for i, r in labels.items() if r is not None]
+    p = cli("predict", "--run", out, "--table", "relabelled", "--db", dsn, "--json")
+    odd = json.loads(p.stdout)
+    assert odd["unseen_label_rows"] == 20 and odd["skipped_null_vector"] == 2 and odd["rows"] == ROWS - 2
+    assert odd["accuracy"] == pytest.approx(sum(predicted[i] == labels[i] for i in labelled) / len(labelled))
+    said = cli("predict", "--run", out, "--table", "relabelled", "--db", dsn).stderr
+    assert "20 rows with a label the head was not trained on" in said and "2 rows without a vector" in said
     # a run directory holding a run is not written over in silence
     again = cli("train", "--table", "reviews", "--label", "rating", *TRAIN, "--db", dsn, "--out", out, check=False)
     assert one_line_error(again, f"--out {out} holds a trained run already").startswith("error: ")
@@ -442,3 +460,14 @@ def test_bad_inputs_give_one_line_errors(env):
     with psycopg.connect(env["dsn"]) as conn:
         assert conn.execute("SELECT count(*) FROM reviews").fetchone()[0] == ROWS
         assert conn.execute("SELECT last_value, is_called FROM counter").fetchone() == (1, False)
+
+
+def test_a_run_whose_loss_becomes_nan_fails_and_saves_nothing(env):
+    """A learning rate far too high made a head of NaNs that was saved, and the run exited 0."""
+    cli, dsn, root = env["cli"], env["dsn"], env["root"]
+    out = root / "diverged"
+    p = cli("train", "--table", "reviews", "--label", "rating", "--task", "classify", "--devices", "cpu", "--epochs",
+            "2", "--lr", "1e38", "--db", dsn, "--out", out, check=False)
+    last = p.stderr.strip().splitlines()[-1]
+    assert p.returncode == 2 and last.startswith("error: training diverged: the loss is ") and "lower --lr" in last
+    assert "Traceback" not in p.stderr and not (out / "head.safetensors").exists()

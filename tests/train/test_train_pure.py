@@ -150,7 +150,8 @@ def test_ids_keep_order_take_and_pickle():
 
 def test_class_index_marks_unknown_and_null():
     classes = np.array([1.0, 2.5, 5.0])
-    assert class_index(classes, np.array([5.0, 1.0, np.nan, 3.0, 2.5, 9.0])).tolist() == [2, 0, -1, -1, 1, -1]
+    # NULL (NaN) -1; a value not among the classes UNSEEN_CLASS (-2)
+    assert class_index(classes, np.array([5.0, 1.0, np.nan, 3.0, 2.5, 9.0])).tolist() == [2, 0, -1, -2, 1, -2]
 
 
 def test_split_rule():

@@ -7,7 +7,8 @@ from typing import Optional
 import orjson
 import typer
 
-from embedfleet.cli.app import check_where, DbOpt, app, emit, knobs
+from embedfleet.cli.app import DbOpt, app, check_where, emit, knobs
+from embedfleet.logs import plural
 
 
 @app.command()
@@ -93,7 +94,15 @@ def predict(
             line += f" (validation rows {summary['val_accuracy']:.4f})"
     if summary.get("mae") is not None:
         line += f"; MAE against {table}'s label {summary['mae']:.4f}"
+        if summary.get("val_mae") is not None:
+            line += f" (validation rows {summary['val_mae']:.4f})"
     typer.echo(line)
+    if summary.get("unseen_label_rows"):
+        typer.echo(f"{table}: {plural(summary['unseen_label_rows'], 'row')} with a label the head was not trained on, "
+                   "counted as wrong in the accuracy", err=True)
+    if summary.get("skipped_null_vector"):
+        typer.echo(f"{table}: {plural(summary['skipped_null_vector'], 'row')} without a vector (NULL), not predicted",
+                   err=True)
     typer.echo(f"predicted: {orjson.dumps(summary['predicted']).decode()}")
     if out:
         typer.echo(f"wrote {out}", err=True)

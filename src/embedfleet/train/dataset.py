@@ -790,9 +790,12 @@ def load(table: str, label: str | None = None, where: str | None = None, db: str
         raise error
     if world > 1:
         _share(plan, cols, x, dev, world)
-    if x is None and source.features and rank == 0:
-        error = reader.check_features()  # the stream tier reads the features only in its windows: check them now
-    if world > 1 and source.features and x is None:
+    # the stream tier reads the features only in its windows, and a float4[] (no pgvector) refuses no NaN on the
+    # way: check them now
+    check = bool(source.features) and (x is None or source.transport == "array")
+    if check and rank == 0:
+        error = reader.check_features()
+    if world > 1 and check:
         error = _agree(error)
     if error is not None:
         reader.close()

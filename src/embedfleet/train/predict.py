@@ -51,7 +51,7 @@ def predict(run: str, table: str, where: str | None = None, out: str | None = No
     from embedfleet.pg.embedded import resolve_dsn
     from embedfleet.pg.connect import connect
     from embedfleet.train.dataset import load, resolve_device
-    from embedfleet.train.read import Split, describe
+    from embedfleet.train.read import UNSEEN_CLASS, Split, describe
 
     dev = resolve_device(device)
     meta, model = load_head(run, dev)
@@ -83,7 +83,8 @@ def predict(run: str, table: str, where: str | None = None, out: str | None = No
     logits = torch.cat(outs) if outs else torch.zeros((0, meta["outputs"]))
     labels = ds.labels.cpu().numpy() if ds.labels is not None else None
     val = Split.is_val(ds.keys, meta["split"]["val_fraction"])
-    summary = {"run": str(run), "table": table, "where": where, "task": task, "rows": len(ds), "out": out}
+    summary = {"run": str(run), "table": table, "where": where, "task": task, "rows": len(ds), "out": out,
+               "skipped_null_vector": ds.stats["skipped_null_vector"]}
     if task == "classify":
         probs = torch.softmax(logits, 1).cpu().numpy()
         index = logits.argmax(1).cpu().numpy()
@@ -93,10 +94,11 @@ def predict(run: str, table: str, where: str | None = None, out: str | None = No
         counts = np.bincount(index, minlength=len(classes)).tolist()
         summary["predicted"] = {str(c): k for c, k in zip(classes, counts)}
         if labels is not None:
-            known = labels >= 0
+            known = labels != -1  # a label the head never saw is counted, and never predicted right
             summary["accuracy"] = _share(index == labels, known)
             summary["val_accuracy"] = _share(index == labels, known & val)
             summary["val_rows"] = int((known & val).sum())
+            summary["unseen_label_rows"] = int((labels == UNSEEN_CLASS).sum())
     else:
         target = meta["target"]
         prediction = logits[:, 0].double().cpu().numpy() * target["std"] + target["mean"]

@@ -39,6 +39,7 @@ from psycopg import pq, sql
 
 from embedfleet.pg.scan import begin_snapshot, export_snapshot, page_spans, span_sql, user_filter, where_error
 from embedfleet.errors import DatabaseError, InputError
+from embedfleet.logs import plural
 from embedfleet.pg.ddl import heap_pages, heaps as schema_heaps, split_table, table_exists, table_sql
 from embedfleet.pg.copybin import (TRAILER, check_rows, chunk_count, chunk_rows, header_length, raw_field, row_dtype, scalar_field,
                                     vector_field, array_field, array_values)
@@ -91,6 +92,7 @@ class Split:
         return int(hashlib.md5(row_id.encode()).hexdigest()[:8], 16)
 
 
+UNSEEN_CLASS = -2  # a row's label with classes given (a head's, at predict): one they do not hold (-1: NULL)
 _FLOAT_TYPES = ("float4", "float8", "numeric", "real", "double precision")  # the feature types that can hold NaN and infinities
 
 
@@ -669,6 +671,9 @@ class TableRead:
             lab = sql.SQL("NULL::text")
         elif s.task == "classify":
             lab = s.label_sql()
+        elif s.label_kind == "numeric":  # a target that is NaN or infinite is told apart from a missing one
+            lab = sql.SQL("CASE WHEN {l} IS NULL THEN '1' WHEN {l}::float8 IN ('NaN', 'Infinity', '-Infinity') "
+                          "THEN 'nan' ELSE '0' END").format(l=sql.Identifier(s.label))
         else:
             lab = sql.SQL("({} IS NULL)::int::text").format(sql.Identifier(s.label))
         where = [self._range_sql(rng)] + ([user_filter(s.where)] if s.where else [])
@@ -699,7 +704,8 @@ class TableRead:
         if s.label is not None:
             if s.label_kind == "text":  # a class index (numeric labels map to classes on the client)
                 pos = sql.SQL("array_position({}::text[], {}) - 1").format(sql.Literal(classes), s.label_sql())
-                cols.append(sql.SQL("coalesce({}, -1)::int4").format(pos))
+                cols.append(sql.SQL("(CASE WHEN {} IS NULL THEN -1 ELSE coalesce({}, {}) END)::int4").format(
+                    sql.Identifier(s.label), pos, sql.Literal(UNSEEN_CLASS)))
             else:
                 cols.append(sql.SQL("coalesce({}, 'NaN')").format(s.label_sql()))
         if self.with_keys:
@@ -802,8 +808,11 @@ class TableRead:
         has = [(lab, val, c) for lab, val, nv, c in groups if not nv]
         labelled = [(lab, val, c) for lab, val, c in has if not null_label(lab)]
         if not has:
-            raise InputError(f"the selection is empty: table {s.table!r} has no rows with a vector"
-                             + (f" where {s.where}" if s.where else ""))
+            raise InputError(f"the selection is empty: table {s.table!r} has no rows"
+                             + ("" if s.features else " with a vector") + (f" where {s.where}" if s.where else ""))
+        if s.task == "regress" and (bad := sum(c for lab, _, c in has if lab == "nan")):
+            raise InputError(f"--label {s.label!r} holds NaN or an infinity in {plural(bad, 'selected row')}: filter "
+                             "them out (where, --where) or mend them; a regression target takes finite numbers only")
         if s.label is not None and not labelled and not keep_null:  # (predictions want exactly those rows)
             raise InputError(f"--label {s.label!r} is NULL in all {sum(c for _, _, c in has):,} selected rows")
         classes = None
@@ -1040,10 +1049,10 @@ def numeric_classes(values) -> list:
 
 
 def class_index(classes: np.ndarray, values: np.ndarray) -> np.ndarray:
-    """Index of each value in sorted `classes`; -1 for NaN (NULL) and values not among them."""
+    """Index of each value in sorted `classes`; -1 for NaN (NULL), UNSEEN_CLASS for a value not among them."""
     values = np.asarray(values, np.float64)
     pos = np.minimum(np.searchsorted(classes, values), len(classes) - 1)
-    return np.where(classes[pos] == values, pos, -1).astype(np.int64)
+    return np.where(classes[pos] == values, pos, np.where(np.isnan(values), -1, UNSEEN_CLASS)).astype(np.int64)
 
 
 def _messages(conn: psycopg.Connection, query: sql.Composable) -> Iterator[memoryview]:

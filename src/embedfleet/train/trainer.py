@@ -29,7 +29,7 @@ from datetime import datetime
 from pathlib import Path
 
 from embedfleet.errors import EmbedfleetError, InputError
-from embedfleet.logs import setup_logging
+from embedfleet.logs import plural, setup_logging
 from embedfleet.platform.processes import die_with_parent, exit_now, first_failure, spawn, stop
 from embedfleet.settings import Settings, TrainSpec
 
@@ -260,6 +260,11 @@ def _train(spec: TrainSpec, dev, rank: int, world: int, dsn: str, knobs: Setting
                          f"(--val-fraction {spec.val_fraction})")
     task = ds.task
     classes = len(ds.classes) if task == "classify" else 0
+    left = [f"{plural(n, 'row')} without {what}" for n, what in ((ds.stats["skipped_null_label"], "a label"),
+                                                                (ds.stats["skipped_null_vector"], "a vector")) if n]
+    if rank == 0 and left:  # said, not only counted in metrics.json
+        log.info("%s: %s left out (NULL); %s train and validate", spec.table, " and ".join(left),
+                 plural(len(ds), "row"))
     if rank == 0 and task == "classify" and (why := continuous_label(ds.classes, len(ds))):
         log.warning("--label %s: %s; --task classify trains each value as a class of its own: for a numeric target "
                     "pass --task regress", spec.label, why)
@@ -300,6 +305,10 @@ def _train(spec: TrainSpec, dev, rank: int, world: int, dsn: str, knobs: Setting
         epochs.append(row)
         if rank == 0 and not spec.json:
             log.info(_epoch_line(row, spec.epochs, task))
+        if not math.isfinite(train_loss):  # every rank sees the same reduced loss: all stop, nothing is saved
+            ds.close()
+            raise EmbedfleetError(f"training diverged: the loss is {train_loss} after epoch {epoch + 1}, so the head "
+                                  f"would predict nothing; nothing was saved: lower --lr (it was {lr:g})")
     doc = _metrics(spec, ds, train_ds, val_ds, epochs, world, dev, per_rank, lr)
     doc["step"] = loop.mode
     if rank == 0:
