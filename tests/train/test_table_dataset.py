@@ -227,6 +227,7 @@ def test_fill_null_fills_each_kind_and_where_split_select(db):
     (dict(table="meas", features=["rssi"], label="rssi"), "--label 'rssi' is also a feature"),
     (dict(table="meas", features=[]), "name at least one column"),
     (dict(table="meas", features=["rssi"], fill_null="x"), "fill_null 'x': use a number"),
+    (dict(table="meas", features=["rssi"], fill_null=float("nan")), "fill_null nan: use a finite number"),
     (dict(table="meas"), "has no vector or halfvec column"),
 ])
 def test_refusals_are_one_line_naming_the_column_and_row(db, kwargs, needle):

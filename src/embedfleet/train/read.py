@@ -24,6 +24,7 @@ The user's --where runs inside those READ ONLY transactions: it can filter, neve
 from __future__ import annotations
 
 import hashlib
+import math
 import os
 import queue
 import select
@@ -439,9 +440,12 @@ def _fill(fill_null, names: list[str]) -> tuple[tuple[str, float], ...]:
     else:
         items = [(n, fill_null) for n in names]
     try:
-        return tuple((k, float(v)) for k, v in items)
+        pairs = tuple((k, float(v)) for k, v in items)
     except (TypeError, ValueError):
         raise InputError(f"fill_null {fill_null!r}: use a number, or a mapping of column to number") from None
+    if any(not math.isfinite(v) for _, v in pairs):
+        raise InputError(f"fill_null {fill_null!r}: use a finite number (a feature takes no NaN or infinity)")
+    return pairs
 
 
 def _primary_key(conn: psycopg.Connection, table: str) -> str | None:
