@@ -281,3 +281,22 @@ def test_a_file_fixed_after_every_record_was_rejected_is_embedded_by_the_same_co
     assert p.returncode == 0, p.stderr
     assert sorted(c for (c,) in conn.execute("SELECT content FROM fix")) == ["now valid one", "now valid two"]
     assert _job(cli, dsn, "fix")["state"] == "done"
+
+
+def test_a_chunk_the_table_refuses_is_retried_then_failed_and_the_command_ends(cli, dsn, conn, tmp_path):
+    """A unit the writer could not commit, reported after the last item had passed the commit stage, was never
+    recorded: its chunk stayed "running" under a live lease, and the command waited for ever."""
+    import json
+
+    src = tmp_path / "ck.jsonl"
+    src.write_text("".join(json.dumps({"text": f"ck {i}"}) + "\n" for i in range(1, 51)))
+    cli("ingest", src, "--db", dsn, "--devices", "cpu", "--quiet", check=True)
+    conn.execute("ALTER TABLE ck ADD CONSTRAINT nope CHECK (content NOT LIKE 'ck 7%') NOT VALID")
+    with src.open("a") as f:
+        f.write("".join(json.dumps({"text": f"ck {i}"}) + "\n" for i in range(61, 81)))
+    p = cli("ingest", src, "--db", dsn, "--devices", "cpu", timeout=180)
+    assert p.returncode == 1 and "job 'ck' finished with 1 failed chunk;" in p.stderr, p.stderr
+    state, failures, error = conn.execute("SELECT state, failures, error FROM embedfleet.chunks WHERE job = 'ck' "
+                                          "AND state <> 'done'").fetchone()
+    assert (state, failures) == ("failed", 3) and 'violates check constraint "nope"' in error
+    assert conn.execute("SELECT count(*) FROM ck").fetchone()[0] == 50  # the chunk's transaction, not part of it

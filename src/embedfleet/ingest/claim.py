@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import itertools
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 from embedfleet.ingest.stages import IDLE, Failure, Task
@@ -38,12 +38,14 @@ class ClaimStage:
     """Tasks of the chunks this worker claims, until no chunk of the job is left; `IDLE` whenever nothing can be
     claimed right now (what is in flight is finished first: those chunks count as running too); a Failure for
     a stream that cannot be read. It keeps looking while chunks still run elsewhere: one of ours may fail and
-    come back, and a dead worker's come back when its lease expires. `ramp`: a worker's first stream tasks
+    come back (`idle()` records our writer's failures while nothing flows), and a dead worker's come back
+    when its lease expires. `ramp`: a worker's first stream tasks
     start small and grow (`task_sizes`), so a GPU, far quicker than a helper, starts sooner."""
 
-    def __init__(self, ledger: Ledger, job: str, worker: str, lease: float, unit_bytes: int, ramp: bool = True):
+    def __init__(self, ledger: Ledger, job: str, worker: str, lease: float, unit_bytes: int, ramp: bool = True,
+                 idle: Callable[[], None] = lambda: None):
         self.ledger, self.job, self.worker, self.lease, self.unit_bytes = ledger, job, worker, lease, unit_bytes
-        self.ramp = ramp
+        self.ramp, self.idle = ramp, idle
         self.stats = ClaimStats()
 
     def __call__(self, items: Iterator = iter(())) -> Iterator[Task | Failure | None]:
@@ -59,6 +61,8 @@ class ClaimStage:
                     stats.tail_started = time.perf_counter()  # ours all committed: the job's tail, others' last chunks
                 if mine + others == 0:
                     return
+                if mine:  # a unit of ours may have failed in the writer after the last item reached the commit
+                    self.idle()  # stage, which records failures only as items pass: recorded now, retried or failed
                 yield IDLE
                 # Ours are only waiting for our writer, and this wait is the job's tail: look again soon.
                 time.sleep(0.02 if others == 0 else min(0.25, self.lease / 4))

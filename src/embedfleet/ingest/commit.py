@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 import psycopg
 from psycopg import sql
 
-from embedfleet.errors import EmbedfleetError
+from embedfleet.errors import EmbedfleetError, first_line
 from embedfleet.ingest.stages import Embedded, FailedClaims, Failure, Unit
 from embedfleet.ledger import Ledger
 from embedfleet.pg.connect import Reconnect, lost
@@ -347,8 +347,13 @@ class CommitStage:
             self.stats.tokens += unit.tokens
 
     def record_failures(self) -> None:
-        while not self.writer.failures.empty():
-            self.fail(self.writer.failures.get())
+        """Every failure the writer reported so far (from the loop's thread, or the claims thread while idle)."""
+        while True:
+            try:
+                failure = self.writer.failures.get_nowait()
+            except queue.Empty:
+                return
+            self.fail(failure)
 
     def fail(self, failure: Failure) -> None:
         """Count a failure against its chunk, once per claim (later units of that chunk fail too)."""
@@ -356,4 +361,5 @@ class CommitStage:
         if not self.failed.add(claim):
             return
         state = self.ledger.fail(claim, f"{type(err).__name__}: {err}")
-        log.error("worker %s: chunk %d (%s) failed, now %s: %s", self.worker, claim.chunk, claim.source, state, err)
+        log.error("worker %s: chunk %d (%s) failed, now %s: %s", self.worker, claim.chunk, claim.source, state,
+                  first_line(err))  # the server's DETAIL and CONTEXT lines are kept in the ledger's error

@@ -113,7 +113,7 @@ def run_job(spec: JobSpec, settings: Settings, launcher: Launcher, empty_ok: boo
             source.close()
         ledger.close()
     if counts["failed"]:
-        raise JobError(f"job {job!r} finished with {counts['failed']} failed chunks; "
+        raise JobError(f"job {job!r} finished with {plural(counts['failed'], 'failed chunk')}; "
                        f"`embedfleet status --job {job}` shows why; rerun to retry them")
     if counts["pending"] or counts["running"]:
         if errors:

@@ -115,6 +115,13 @@ def load_encoder(spec: JobSpec, device: str, settings: Settings):
                        task=spec.task)  # a model's own module takes the task (else the prompt's name)
 
 
+def _record_failures(stages: dict) -> None:
+    """The writer's failures recorded from the claims thread while nothing reaches the commit stage (one UPDATE a
+    failure, on the commit stage's autocommit connection; a claim is recorded once, whichever thread sees it)."""
+    if "commit" in stages:
+        stages["commit"].record_failures()
+
+
 class Worker:
     """One device's pipeline. `Worker(job, dsn, worker_id, device, settings).run()` embeds until no chunk
     of the job is left and returns its summary (also stored in the ledger)."""
@@ -219,7 +226,7 @@ class Worker:
             try:
                 claim = stages["claim"] = ClaimStage(records, self.job, self.id, s.lease_seconds,
                                                      spec.chunk_bytes or default_chunk_bytes(device),
-                                                     ramp=device == "cuda")
+                                                     ramp=device == "cuda", idle=lambda: _record_failures(stages))
                 ahead = None  # a unit ready while the device loop has none queued goes to it at once
                 prepare = stages["prepare"] = PrepareStage(pool, throttle, records.mark_started,
                                                            hungry=lambda: ahead is None or ahead.backlog() == 0)
