@@ -848,7 +848,7 @@ def _as_recorded_relative(cfg: JobSpec, recorded: str | None) -> tuple[str, ...]
 
 
 def jobs_overview(conn: psycopg.Connection, job: str | None = None, source_db: str | None = None,
-                  count_rows: Callable[[psycopg.Connection, str], int] = table_rows) -> list[dict]:
+                  count_rows: Callable[[psycopg.Connection, str], int] = table_rows, host: str = HOST) -> list[dict]:
     """What `embedfleet status` prints: one dict per job (contract fields first). Reads only: a role with
     SELECT on the ledger is enough, and a database without a ledger has no jobs. `count_rows`: a sync job's
     rows, counted in its table (`status --watch` counts less often than it redraws)."""
@@ -889,7 +889,12 @@ def jobs_overview(conn: psycopg.Connection, job: str | None = None, source_db: s
     for r in rows:
         state = r["state"]
         idle = float(r["idle_s"]) if r["idle_s"] is not None else 0.0
-        if state == "running" and (idle > STALE_SECONDS or (r["live_workers"] == 0 and idle > ENDED_SECONDS)):
+        gone = _gone_here(r["workers"], host)
+        for w in r["workers"]:
+            if w.get("worker") in gone:
+                w["state"] = "lost"
+        live = r["live_workers"] - len(gone)
+        if state == "running" and (idle > STALE_SECONDS or (live == 0 and idle > ENDED_SECONDS)):
             state = "interrupted"  # no worker beats, or every one has ended: rerun the same command to resume
         out.append({
             "job": r["job"], "table": r["table"], "state": state,
@@ -951,7 +956,14 @@ def sync_overview(conn: psycopg.Connection, job: str, source_db: str | None = No
             "queue_missing": missing}
 
 
-def remove_job(conn: psycopg.Connection, job: str, drop_table: bool = False) -> dict:
+def _gone_here(workers: list[dict], host: str = HOST) -> set[str]:
+    """The workers of this host (`host`: Settings.host_id), not ended by their own word, whose process is gone
+    (a `kill -9`): no longer counted as running, without waiting for their heartbeats to age."""
+    return {w["worker"] for w in workers if w.get("host") == host and w.get("pid")
+            and w.get("state") not in ("finished", "exited", "failed", "lost") and not alive(int(w["pid"]))}
+
+
+def remove_job(conn: psycopg.Connection, job: str, drop_table: bool = False, host: str = HOST) -> dict:
     """`embedfleet jobs rm`: the job and all the ledger holds of it, in one transaction; its table too with
     `drop_table`. A job whose workers still beat is refused: it would be planned again under them."""
     if not ledger_exists(conn):
@@ -960,9 +972,10 @@ def remove_job(conn: psycopg.Connection, job: str, drop_table: bool = False) -> 
         row = conn.execute("SELECT table_name FROM embedfleet.jobs WHERE job = %s FOR UPDATE", [job]).fetchone()
         if row is None:  # a name the user gave that is none, as `status --job` says it (exit 2)
             raise InputError(f"no job named {job!r}; `embedfleet status` lists them")
-        beating = conn.execute(
-            "SELECT count(*) FROM embedfleet.workers WHERE job = %s AND state NOT IN ('finished', 'exited', 'failed') "
-            "AND heartbeat >= now() - make_interval(secs => %s)", [job, STALE_SECONDS / 4]).fetchone()[0]
+        recent = [{"worker": w, "host": h, "pid": p, "state": st} for w, h, p, st in conn.execute(
+            "SELECT worker, host, pid, state FROM embedfleet.workers WHERE job = %s AND state NOT IN ('finished', "
+            "'exited', 'failed') AND heartbeat >= now() - make_interval(secs => %s)", [job, STALE_SECONDS / 4])]
+        beating = len(recent) - len(_gone_here(recent, host))
         if beating:
             raise JobError(f"job {job!r} is running ({beating} worker{'' if beating == 1 else 's'} beat within the "
                            f"last {STALE_SECONDS // 4} s): "

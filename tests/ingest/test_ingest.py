@@ -192,6 +192,13 @@ def test_kill9_mid_run_with_two_workers_then_rerun_gives_every_row_once(cli, dsn
     held = conn.execute("SELECT count(*), min(lease_until - now()) FROM embedfleet.chunks WHERE state = 'running'"
                         ).fetchone()
     assert held[0] >= 1 and held[1].total_seconds() > 1800  # the dead workers' chunks, leased for the hour
+    # status says so as soon as the workers' last beat is ENDED_SECONDS old: their pids are gone on this host (it
+    # said "running" until their heartbeats were LOST_SECONDS old, and `jobs rm` refused the job till then)
+    from embedfleet.ledger import ENDED_SECONDS
+
+    time.sleep(ENDED_SECONDS + 5.5)  # a beat every 5 s at most
+    j = status(cli, dsn, "big")
+    assert j["state"] == "interrupted" and {w["state"] for w in j["workers"]} == {"lost"}, j
     p = cli(*args[3:], timeout=400)  # …reclaimed at once by the rerun, not by expiry
     assert p.returncode == 0, p.stderr[-2000:]
     n, distinct = conn.execute("SELECT count(*), count(DISTINCT id) FROM big").fetchone()

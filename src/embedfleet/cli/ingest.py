@@ -303,7 +303,7 @@ def status(
     settings = with_flags(knobs(), source_db=source_db)
     with connect(resolve_dsn(db, settings)) as conn:
         job = job and job_named(conn, job)
-        jobs = jobs_overview(conn, job, settings.source_db)
+        jobs = jobs_overview(conn, job, settings.source_db, host=settings.host_id)
         if job and not jobs:
             raise EmbedfleetError(f"no job named {job!r}; `embedfleet status` lists them")
         if json_out:
@@ -315,7 +315,7 @@ def status(
 
         if watch:
             count = counted_every(10.0, table_rows)  # a sync job's rows, counted in its table
-            watch_fleet(lambda: jobs_overview(conn, job, settings.source_db, count))
+            watch_fleet(lambda: jobs_overview(conn, job, settings.source_db, count, settings.host_id))
             stopped_on_purpose()
             return
         # piped or redirected: each job on one line, whatever its names' length (grep finds it)
@@ -338,7 +338,7 @@ def jobs_rm(
 
     with connect(resolve_dsn(db, knobs())) as conn:
         job = job_named(conn, job)
-        removed = remove_job(conn, job, drop_table=drop_table)
+        removed = remove_job(conn, job, drop_table=drop_table, host=knobs().host_id)
         kept = not removed["table_dropped"] and table_exists(conn, removed["table"])  # a job with no row made none
     if json_out:
         emit(removed)
