@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 
 import orjson
+import pytest
 
 from conftest import one_line_error
 
@@ -82,3 +83,15 @@ def test_a_json_file_holding_one_array_is_refused_with_how_to_make_json_lines_of
     assert conn.execute("SELECT to_regclass('arr') IS NULL").fetchone()[0]
     if conn.execute("SELECT to_regclass('embedfleet.jobs') IS NOT NULL").fetchone()[0]:  # no job recorded
         assert not conn.execute("SELECT 1 FROM embedfleet.jobs WHERE job = 'arr'").fetchone()
+
+
+@pytest.mark.parametrize("sep, said", [(";", "with ';' between names"), ("\t", "with a tab between names")])
+def test_a_csv_separated_otherwise_than_by_commas_is_refused_before_planning(cli, dsn, conn, tmp_path, sep, said):
+    """Every record was rejected ("CSV row has 2 fields, the header has 1") into a failed job, and nothing named the
+    separator."""
+    src = tmp_path / "semi.csv"
+    src.write_text(f"id{sep}text{sep}stars\n" + "".join(f"r{i}{sep}row {i}, with a comma{sep}{i % 5}\n"
+                                                         for i in range(50)))
+    one_line_error(cli("ingest", src, "--table", "semi", "--db", dsn, "--devices", "cpu"),
+                   f"semi.csv: its header is one column ('id{sep}text{sep}stars'".replace("\t", "\\t") + f"), {said}")
+    assert conn.execute("SELECT to_regclass('semi') IS NULL").fetchone()[0]

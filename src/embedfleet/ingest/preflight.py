@@ -49,12 +49,38 @@ def check_not_a_json_array(path: str) -> None:
                          f"with `jq -c '.[]' {name} > {name}l` and ingest that")
 
 
+_OTHER_SEPARATORS = (";", "\t", "|")
+
+
+def check_comma_separated(path: str) -> None:
+    """A CSV file whose header is one field holding another separator (`;`, a tab, `|`): every record would be
+    rejected or read as one field. One line naming the separator it seems to use."""
+    from embedfleet.sources.base import open_binary
+
+    try:
+        with open_binary(path) as f:
+            header = f.readline(65536).decode("utf-8", "replace").lstrip("\ufeff").rstrip("\r\n")
+    except Exception:  # an unreadable file is the planner's and the workers' to report
+        return
+    if "," in header or '"' in header:
+        return
+    for sep in _OTHER_SEPARATORS:
+        if sep in header:
+            shown, flag = ("a tab", "-t") if sep == "\t" else (repr(sep), f"-d '{sep}'")
+            name = os.path.basename(path)
+            raise InputError(f"{name}: its header is one column ({header[:80]!r}), with {shown} between names; "
+                             f"embedfleet reads comma-separated CSV: convert it first (csvkit: `csvformat {flag} "
+                             f"{name} > {os.path.splitext(name)[0]}-commas.csv`)")
+
+
 def check_inputs_have_text(cfg: JobSpec) -> None:
     """Stop now, naming the fields the records have, if the first input's first records show the job cannot
     work: a template field none of them has (a misspelling would render empty in every record), or every
     record rejected for one and the same reason (a text or id field the file does not have)."""
     for source in cfg.inputs:
         check_not_a_json_array(source)
+        if input_kind(source) == "csv":
+            check_comma_separated(source)
     path = cfg.inputs[0]
     try:
         raws = [r for r in first_records(path) if r.error is None]
